@@ -1,0 +1,35 @@
+# Two entry points: `make demo` (the main job) and `make test`. Both create or reuse .venv
+# and install what they need; nothing has to be installed by hand.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.hetplan-installed
+SHARED ?= ../shared
+PROFILES := $(SHARED)/data/pipedream-profiles
+OUT ?= out/demo
+HETPLAN := $(BIN)/hetplan
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	@mkdir -p $(OUT)
+	$(HETPLAN) import pipedream $(PROFILES)/resnet50/graph.txt -o $(OUT)/resnet50.json
+	$(HETPLAN) info $(OUT)/resnet50.json
+	$(HETPLAN) info hetero-4
+	$(HETPLAN) plan $(OUT)/resnet50.json --cluster hetero-4 --planner single -o $(OUT)/plan-single.json
+	$(HETPLAN) plan $(OUT)/resnet50.json --cluster hetero-4 --planner uniform -o $(OUT)/plan-uniform.json
+	@echo "demo: files written to $(OUT)/"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .hypothesis

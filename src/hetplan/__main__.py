@@ -1,0 +1,5 @@
+import sys
+
+from hetplan.cli import main
+
+sys.exit(main())

@@ -1,0 +1,250 @@
+"""The `hetplan` command: a thin layer over the library.
+
+Every command takes `--json` and then prints exactly one JSON object on stdout. Bad input ends
+with one line on stderr and exit status 2 (see `hetplan.errors`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from hetplan import catalog
+from hetplan.cluster import Cluster, cluster_from_spec, load_cluster, presets
+from hetplan.errors import HetplanError, InputError
+from hetplan.graph import Graph
+from hetplan.io import serde
+from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, import_pipedream
+from hetplan.plan import OBJECTIVES, SCHEDULES, Plan
+from hetplan.planners import PLANNERS, PlanOptions, make_plan
+from hetplan.report import tables
+from hetplan.report.summary import cluster_summary, graph_summary, plan_summary
+from hetplan.units import fmt_bytes, fmt_flops
+
+DESCRIPTION = """\
+hetplan plans how to split the training of a PyTorch model across a mixed set of devices,
+predicts how fast and how expensive each plan is, and (later) runs it.
+
+workflow:
+  1. a graph of the model:  hetplan import pipedream resnet50/graph.txt -o r50.json
+  2. a cluster:             a YAML file, or a preset such as hetero-4 (hetplan catalog lists them)
+  3. a plan:                hetplan plan r50.json --cluster hetero-4 --planner uniform -o plan.json
+  4. a look at any of them: hetplan info r50.json | hetplan info hetero-4 | hetplan info plan.json
+
+Every command takes --json and then prints one JSON object."""
+
+
+def _console() -> Console:
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=120)
+    return console
+
+
+def _emit_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, indent=1, allow_nan=False) + "\n")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the file ({exc.strerror})") from None
+
+
+def load_any(ref: str) -> Graph | Cluster | Plan:
+    """A graph, cluster or plan file, a cluster description, or a preset name."""
+    path = Path(ref)
+    if path.is_file():
+        if path.suffix in (".yaml", ".yml"):
+            return load_cluster(path)
+        if path.suffix == ".txt":
+            raise InputError(f"{path}: looks like a PipeDream profile; import it first with "
+                             f"'hetplan import pipedream {path} -o graph.json'")
+        data = _read_json(path)
+        if isinstance(data, dict) and "schema_version" not in data and "devices" in data:
+            return cluster_from_spec(data, str(path))
+        return serde.from_dict(data, source=str(path))
+    if ref in presets():
+        return load_cluster(ref)
+    if path.suffix or "/" in ref:
+        raise InputError(f"{ref}: no such file")
+    raise HetplanError(f"{ref!r} is neither a file nor a cluster preset (presets: {', '.join(presets())})")
+
+
+def load_graph(ref: str) -> Graph:
+    path = Path(ref)
+    if path.suffix == ".txt" and path.is_file():
+        raise InputError(f"{path}: looks like a PipeDream profile; import it first with "
+                         f"'hetplan import pipedream {path} -o graph.json'")
+    return serde.load(path, expect="graph")
+
+
+# ---- commands ---------------------------------------------------------------------------------
+
+def cmd_info(args: argparse.Namespace) -> int:
+    obj = load_any(args.target)
+    if isinstance(obj, Graph):
+        summary = graph_summary(obj)
+    elif isinstance(obj, Cluster):
+        summary = cluster_summary(obj)
+    else:
+        summary = plan_summary(obj)
+    if args.json:
+        _emit_json(summary)
+        return 0
+    console = _console()
+    if isinstance(obj, Graph):
+        tables.show_graph(console, obj)
+    elif isinstance(obj, Cluster):
+        tables.show_cluster(console, obj)
+    else:
+        tables.show_plan(console, obj)
+    return 0
+
+
+def cmd_import_pipedream(args: argparse.Namespace) -> int:
+    graph = import_pipedream(args.path, name=args.name, device_type=args.device_type, batch_size=args.batch_size)
+    serde.dump(graph, args.output)
+    if args.json:
+        _emit_json({"kind": "import", "output": str(args.output), **{
+            k: v for k, v in graph_summary(graph).items() if k not in ("kind", "ops")}})
+    else:
+        _console().print(f"wrote {args.output}: graph {graph.name!r}, {len(graph.nodes)} nodes, "
+                         f"{len(graph.edges)} edges, batch {graph.batch_size}, profiled on {graph.profiled_on}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    graph = load_graph(args.graph)
+    cluster = load_cluster(args.cluster)
+    options = PlanOptions(
+        microbatches=(None if args.microbatches in (None, "auto")
+                      else _positive_int(args.microbatches, "--microbatches")),
+        schedule=args.schedule, objective=args.objective, seed=args.seed, budget_s=args.budget_s,
+        min_samples_per_s=args.min_samples_per_s,
+    )
+    plan = make_plan(graph, cluster, args.planner, options)
+    if args.output:
+        serde.dump(plan, args.output)
+    if args.json:
+        _emit_json({**plan_summary(plan), "output": str(args.output) if args.output else None})
+        return 0
+    console = _console()
+    tables.show_plan(console, plan, graph, cluster)
+    if args.output:
+        console.print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_catalog(args: argparse.Namespace) -> int:
+    types = [catalog.lookup(name) for name in catalog.CATALOG] + [catalog.cpu_type(1)]
+    if args.json:
+        _emit_json({
+            "kind": "catalog",
+            "device_types": [serde._plain(t) for t in types],
+            "presets": list(presets()),
+            "planners": {name: spec.summary for name, spec in PLANNERS.items()},
+        })
+        return 0
+    from rich.table import Table
+
+    console = _console()
+    table = Table(title="device types", title_justify="left")
+    for col in ("name", "fp32", "fp16/bf16", "memory", "$/h", "what"):
+        table.add_column(col)
+    for t in types:
+        name = "cpu (cpu-Nt)" if t.kind == "cpu" else t.name
+        what = "per thread; memory is the default, set it per device" if t.kind == "cpu" else t.description
+        table.add_row(name, fmt_flops(t.peak_flops), fmt_flops(t.peak_flops_fp16), fmt_bytes(t.mem_bytes),
+                      f"{t.usd_per_hour:.2f}", what)
+    console.print(table)
+    console.print("cluster presets: " + ", ".join(presets()))
+    console.print("planners: " + "; ".join(f"{n} ({s.summary})" for n, s in PLANNERS.items()))
+    return 0
+
+
+def _positive_int(text: str, flag: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise HetplanError(f"{flag}: {text!r} is not a whole number (or 'auto')") from None
+    if value < 1:
+        raise HetplanError(f"{flag}: {value} must be >= 1")
+    return value
+
+
+# ---- parser -------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    parser = argparse.ArgumentParser(prog="hetplan", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"hetplan {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("info", parents=[common], help="summarise a graph, cluster or plan file, or a preset")
+    p.add_argument("target", metavar="FILE|PRESET")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("import", help="import another tool's profile into a hetplan graph")
+    fmt = p.add_subparsers(dest="format", metavar="FORMAT", required=True)
+    q = fmt.add_parser("pipedream", parents=[common], help="a PipeDream profiler graph.txt")
+    q.add_argument("path", type=Path, metavar="PATH/graph.txt")
+    q.add_argument("-o", "--output", type=Path, required=True, help="the graph JSON to write")
+    q.add_argument("--name", help="graph name (default: the profile's folder name)")
+    q.add_argument("--device-type", default=DEFAULT_DEVICE_TYPE,
+                   help=f"device type the profile was taken on (default: {DEFAULT_DEVICE_TYPE})")
+    q.add_argument("--batch-size", type=int, help="batch size of the profile (read off image inputs if omitted)")
+    q.set_defaults(func=cmd_import_pipedream)
+
+    p = sub.add_parser("plan", parents=[common], help="split a graph over a cluster with a planner")
+    p.add_argument("graph", metavar="GRAPH", help="a graph JSON file")
+    p.add_argument("--cluster", required=True, metavar="C", help="a cluster file or preset")
+    p.add_argument("--planner", default="uniform", choices=list(PLANNERS), metavar="NAME",
+                   help=f"one of: {', '.join(PLANNERS)} (default: uniform)")
+    p.add_argument("--microbatches", metavar="M|auto", help="micro-batches per step (default: auto)")
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    p.add_argument("--objective", default="time", choices=OBJECTIVES)
+    p.add_argument("--min-samples-per-s", type=float, help="throughput floor for --objective cost")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, help="time budget of search planners")
+    p.add_argument("-o", "--output", type=Path, help="the plan JSON to write")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("catalog", parents=[common], help="list device types, cluster presets and planners")
+    p.set_defaults(func=cmd_catalog)
+    return parser
+
+
+def _version() -> str:
+    from hetplan import __version__
+
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except HetplanError as exc:
+        print(f"hetplan: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hetplan: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

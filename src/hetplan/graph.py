@@ -1,0 +1,276 @@
+"""The layer graph of a model: nodes with profiled costs, edges with the bytes they carry.
+
+A `Graph` is always a DAG. Its nodes carry forward and backward times per device type (the
+type the graph was profiled on is present on every node; other types come from profiling on
+several devices), FLOPs, parameter bytes, output bytes and the bytes stashed for backward.
+Derived structure (topological order, neighbours, ancestors, convexity) is computed once and
+cached on the frozen object.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import networkx as nx
+
+from hetplan._frozen import FrozenMap
+from hetplan.errors import GraphError
+
+
+def _check_number(value: float, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise GraphError(f"{what} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise GraphError(f"{what} is {value!r}; it must be finite and >= 0")
+
+
+@dataclass(frozen=True)
+class Node:
+    """One unit of the model (a layer, a block, or a folded group of ops).
+
+    `fwd_s` / `bwd_s` map a device type name (`v100-16gb`, `cpu-4t`) to the time of the node's
+    forward / backward pass on the whole batch. `flops` is the forward FLOP count for the batch.
+    `out_bytes` is the size of the node's output for the batch, `act_bytes` what the node keeps
+    for its backward pass. `module` holds the qualified module names the node covers, so that a
+    plan can be turned back into stage modules. An input node (`is_input`) stands for loading
+    the batch: PipeDream profiles put data-loading time on it.
+    """
+
+    id: str
+    op: str
+    fwd_s: Mapping[str, float]
+    bwd_s: Mapping[str, float]
+    flops: float = 0.0
+    param_bytes: int = 0
+    out_bytes: int = 0
+    act_bytes: int = 0
+    module: tuple[str, ...] = ()
+    is_input: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id:
+            raise GraphError(f"node id must be a non-empty string, got {self.id!r}")
+        who = f"node {self.id!r}"
+        for name in ("fwd_s", "bwd_s"):
+            times = getattr(self, name)
+            if not isinstance(times, Mapping):
+                raise GraphError(f"{who}: {name} must map device types to seconds, got {times!r}")
+            for dtype, t in times.items():
+                _check_number(t, f"{who}: {name}[{dtype!r}]")
+            object.__setattr__(self, name, FrozenMap({k: float(v) for k, v in times.items()}))
+        if set(self.fwd_s) != set(self.bwd_s):
+            raise GraphError(
+                f"{who}: fwd_s has device types {sorted(self.fwd_s)} but bwd_s has "
+                f"{sorted(self.bwd_s)}; both need the same types"
+            )
+        for name in ("flops", "param_bytes", "out_bytes", "act_bytes"):
+            _check_number(getattr(self, name), f"{who}: {name}")
+        object.__setattr__(self, "module", tuple(self.module))
+
+    def time_s(self, device_type: str) -> float:
+        """Forward plus backward time on `device_type` (measured; KeyError if not profiled)."""
+        return self.fwd_s[device_type] + self.bwd_s[device_type]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """The output of `src` is an input of `dst`; `bytes` is its size for the whole batch."""
+
+    src: str
+    dst: str
+    bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _check_number(self.bytes, f"edge {self.src} -> {self.dst}: bytes")
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A model as a DAG of nodes. `batch_size` is the batch the times and sizes were taken at;
+    `profiled_on` is the device type whose times every node carries."""
+
+    name: str
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...]
+    batch_size: int
+    profiled_on: str
+    source: str = ""
+    meta: Mapping[str, str] = field(default_factory=FrozenMap)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        object.__setattr__(self, "edges", tuple(self.edges))
+        object.__setattr__(self, "meta", FrozenMap(self.meta))
+        if not self.nodes:
+            raise GraphError(f"graph {self.name!r} has no nodes")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise GraphError(f"graph {self.name!r}: batch_size is {self.batch_size!r}; it must be an integer >= 1")
+        seen: set[str] = set()
+        for node in self.nodes:
+            if node.id in seen:
+                raise GraphError(f"graph {self.name!r}: duplicate node id {node.id!r}")
+            seen.add(node.id)
+            if self.profiled_on not in node.fwd_s:
+                raise GraphError(
+                    f"graph {self.name!r}: node {node.id!r} has no time for the profiled device "
+                    f"type {self.profiled_on!r} (it has {sorted(node.fwd_s)})"
+                )
+        pairs: set[tuple[str, str]] = set()
+        for i, edge in enumerate(self.edges):
+            for end in (edge.src, edge.dst):
+                if end not in seen:
+                    raise GraphError(
+                        f"graph {self.name!r}: edge {i} ({edge.src} -> {edge.dst}) names node "
+                        f"{end!r}, which does not exist"
+                    )
+            if (edge.src, edge.dst) in pairs:
+                raise GraphError(f"graph {self.name!r}: duplicate edge {edge.src} -> {edge.dst}")
+            pairs.add((edge.src, edge.dst))
+        try:
+            cycle = nx.find_cycle(self._nx)
+        except nx.NetworkXNoCycle:
+            cycle = None
+        if cycle:
+            path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
+            raise GraphError(f"graph {self.name!r} is not a DAG: it has the cycle {path}")
+
+    # ---- structure ---------------------------------------------------------------------------
+
+    @cached_property
+    def _nx(self) -> nx.DiGraph:
+        g = nx.DiGraph()
+        g.add_nodes_from(n.id for n in self.nodes)
+        g.add_edges_from((e.src, e.dst) for e in self.edges)
+        return g
+
+    @cached_property
+    def by_id(self) -> Mapping[str, Node]:
+        return FrozenMap({n.id: n for n in self.nodes})
+
+    @cached_property
+    def _position(self) -> Mapping[str, int]:
+        return FrozenMap({n.id: i for i, n in enumerate(self.nodes)})
+
+    @cached_property
+    def _succ(self) -> Mapping[str, tuple[str, ...]]:
+        out: dict[str, list[str]] = {n.id: [] for n in self.nodes}
+        for e in self.edges:
+            out[e.src].append(e.dst)
+        return FrozenMap({k: tuple(v) for k, v in out.items()})
+
+    @cached_property
+    def _pred(self) -> Mapping[str, tuple[str, ...]]:
+        out: dict[str, list[str]] = {n.id: [] for n in self.nodes}
+        for e in self.edges:
+            out[e.dst].append(e.src)
+        return FrozenMap({k: tuple(v) for k, v in out.items()})
+
+    @cached_property
+    def topo_order(self) -> tuple[str, ...]:
+        """A topological order; among valid orders, the one closest to the order of `nodes`,
+        so that a graph listed in execution order keeps that order."""
+        pos = self._position
+        return tuple(nx.lexicographical_topological_sort(self._nx, key=pos.__getitem__))
+
+    @cached_property
+    def edge_bytes(self) -> Mapping[tuple[str, str], int]:
+        return FrozenMap({(e.src, e.dst): e.bytes for e in self.edges})
+
+    def node(self, node_id: str) -> Node:
+        try:
+            return self.by_id[node_id]
+        except KeyError:
+            raise GraphError(f"graph {self.name!r} has no node {node_id!r}") from None
+
+    def successors(self, node_id: str) -> tuple[str, ...]:
+        return self._succ[self.node(node_id).id]
+
+    def predecessors(self, node_id: str) -> tuple[str, ...]:
+        return self._pred[self.node(node_id).id]
+
+    def _reach(self, start: Iterable[str], step: Mapping[str, tuple[str, ...]]) -> frozenset[str]:
+        seen: set[str] = set()
+        queue = deque(start)
+        while queue:
+            for nxt in step[queue.popleft()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    queue.append(nxt)
+        return frozenset(seen)
+
+    def ancestors(self, node_id: str) -> frozenset[str]:
+        """Every node with a path to `node_id` (not the node itself)."""
+        return self._reach([self.node(node_id).id], self._pred)
+
+    def descendants(self, node_id: str) -> frozenset[str]:
+        """Every node reachable from `node_id` (not the node itself)."""
+        return self._reach([self.node(node_id).id], self._succ)
+
+    @cached_property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(n for n in self.topo_order if not self._pred[n])
+
+    @cached_property
+    def sinks(self) -> tuple[str, ...]:
+        return tuple(n for n in self.topo_order if not self._succ[n])
+
+    def convexity_witness(self, node_ids: Iterable[str]) -> tuple[str, ...] | None:
+        """A path that leaves the set and comes back into it, or None if the set is convex.
+
+        A set S is convex when no path starts in S, leaves it and re-enters it. Any such path
+        has a segment whose inner nodes are all outside S, so a search from S's successors
+        through outside nodes only finds one if it exists: O(V + E).
+        """
+        inside = set(node_ids)
+        for n in inside:
+            self.node(n)
+        parent: dict[str, str] = {}
+        queue: deque[str] = deque()
+        for n in inside:
+            for s in self._succ[n]:
+                if s not in inside and s not in parent:
+                    parent[s] = n
+                    queue.append(s)
+        while queue:
+            cur = queue.popleft()
+            for s in self._succ[cur]:
+                if s in inside:
+                    path = [s, cur]
+                    while path[-1] not in inside:
+                        path.append(parent[path[-1]])
+                    return tuple(reversed(path))
+                if s not in parent:
+                    parent[s] = cur
+                    queue.append(s)
+        return None
+
+    def is_convex(self, node_ids: Iterable[str]) -> bool:
+        return self.convexity_witness(node_ids) is None
+
+    # ---- totals ------------------------------------------------------------------------------
+
+    @cached_property
+    def device_types(self) -> tuple[str, ...]:
+        """Device types with measured times on every node, the profiled one first."""
+        common = set.intersection(*(set(n.fwd_s) for n in self.nodes))
+        return (self.profiled_on, *sorted(common - {self.profiled_on}))
+
+    def fwd_s_total(self, device_type: str | None = None) -> float:
+        dtype = device_type or self.profiled_on
+        return math.fsum(n.fwd_s[dtype] for n in self.nodes)
+
+    def bwd_s_total(self, device_type: str | None = None) -> float:
+        dtype = device_type or self.profiled_on
+        return math.fsum(n.bwd_s[dtype] for n in self.nodes)
+
+    @property
+    def param_bytes_total(self) -> int:
+        return sum(n.param_bytes for n in self.nodes)
+
+    @property
+    def act_bytes_total(self) -> int:
+        return sum(n.act_bytes for n in self.nodes)

@@ -1,0 +1,1 @@
+"""Reading and writing hetplan's types (JSON) and importing other tools' profiles."""

@@ -1,0 +1,179 @@
+"""Import the per-layer profiles that PipeDream's profiler writes (`graph.txt`).
+
+PipeDream (Narayanan et al., SOSP 2019; msr-fiddle/pipedream) writes one line per node (shown
+here on two) and one per edge:
+
+    node11 -- MaxPool2d(kernel_size=2, ...) -- forward_compute_time=2.211, backward_compute_time=2.788,
+        activation_size=205520896.000, parameter_size=0.000
+    <tab>node10 -- node11
+
+Times are milliseconds for the whole batch, sizes are bytes (a list of sizes for a node with
+several outputs). The output activation of a node is what its out-edges carry, and PipeDream's
+optimizer also counts it as the activation a stage stashes for backward, so both `out_bytes`
+and `act_bytes` take it. The `Input` node's forward
+time is PipeDream's data-loading time; it is kept (so results compare with PipeDream's) and the
+node is marked `is_input` so a user can leave loading out.
+
+The file does not record the batch size. For image models it is read off the input node
+(an ImageNet batch is B x 3 x 224 x 224 fp32); otherwise the caller must give it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from hetplan.errors import GraphError, InputError
+from hetplan.graph import Edge, Graph, Node
+
+DEFAULT_DEVICE_TYPE = "v100-16gb"  # PipeDream's published profiles were taken on V100s
+_IMAGENET_SAMPLE_BYTES = 3 * 224 * 224 * 4
+
+_NODE = re.compile(r"^(?P<id>\S+) -- (?P<desc>.*) -- (?P<attrs>\w+=.*)$")
+_EDGE = re.compile(r"^\t(?P<src>\S+) -- (?P<dst>\S+)\s*$")
+_OP = re.compile(r"^[A-Za-z_][\w.]*")
+_ATTRS = ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
+
+
+def _attrs(text: str, where: str) -> dict[str, float]:
+    """`key=value` pairs. A node with several outputs (an LSTM's output and state) has its
+    activation size as a list, `[6291456.0; 131072.0; 131072.0]`: the outputs travel together,
+    so their sizes add up."""
+    values: dict[str, float] = {}
+    for part in text.split(","):
+        key, sep, raw = part.strip().partition("=")
+        if not sep:
+            raise InputError(f"{where}: expected key=value, got {part.strip()!r}")
+        raw = raw.strip()
+        items = raw[1:-1].split(";") if raw.startswith("[") and raw.endswith("]") else [raw]
+        try:
+            values[key] = sum(float(item) for item in items)
+        except ValueError:
+            raise InputError(f"{where}: {key} is {raw!r}, not a number") from None
+    missing = [a for a in _ATTRS if a not in values]
+    if missing:
+        raise InputError(f"{where}: missing {', '.join(missing)}")
+    return values
+
+
+def infer_batch_size(input_activation_bytes: float) -> int | None:
+    """The batch size of an ImageNet input of this many bytes, or None if it is not one."""
+    n = int(input_activation_bytes)
+    if n > 0 and n == input_activation_bytes and n % _IMAGENET_SAMPLE_BYTES == 0:
+        return n // _IMAGENET_SAMPLE_BYTES
+    return None
+
+
+def parse_pipedream(
+    text: str,
+    *,
+    source: str = "graph.txt",
+    name: str | None = None,
+    device_type: str = DEFAULT_DEVICE_TYPE,
+    batch_size: int | None = None,
+) -> Graph:
+    """Parse the text of a PipeDream `graph.txt` into a `Graph` (times in seconds)."""
+    nodes: list[Node] = []
+    lines_of: dict[str, int] = {}
+    edges: list[tuple[int, str, str]] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        where = f"{source}:{lineno}"
+        if not line.strip():
+            continue
+        edge = _EDGE.match(line)
+        if edge:
+            edges.append((lineno, edge["src"], edge["dst"]))
+            continue
+        node = _NODE.match(line)
+        if not node:
+            shown = line if len(line) <= 80 else line[:77] + "..."
+            raise InputError(
+                f"{where}: expected 'nodeN -- Layer(...) -- forward_compute_time=..., ...' or "
+                f"'<tab>nodeA -- nodeB', got {shown!r}"
+            )
+        if node["id"] in lines_of:
+            raise InputError(f"{where}: node {node['id']!r} is already defined on line {lines_of[node['id']]}")
+        lines_of[node["id"]] = lineno
+        values = _attrs(node["attrs"], where)
+        desc = node["desc"].strip()
+        op_match = _OP.match(desc)
+        op = op_match[0] if op_match else desc
+        is_input = re.fullmatch(r"Input\d*", op) is not None
+        try:
+            nodes.append(Node(
+                id=node["id"],
+                op="Input" if is_input else op,
+                fwd_s={device_type: values["forward_compute_time"] / 1e3},
+                bwd_s={device_type: values["backward_compute_time"] / 1e3},
+                param_bytes=int(values["parameter_size"]),
+                out_bytes=int(values["activation_size"]),
+                act_bytes=int(values["activation_size"]),
+                is_input=is_input,
+            ))
+        except GraphError as exc:
+            raise InputError(f"{where}: {exc}") from None
+    if not nodes:
+        raise InputError(f"{source}: no node lines; is this a PipeDream graph.txt?")
+    out_bytes = {n.id: n.out_bytes for n in nodes}
+    seen: dict[tuple[str, str], int] = {}
+    graph_edges: list[Edge] = []
+    for lineno, src, dst in edges:
+        for end in (src, dst):
+            if end not in out_bytes:
+                raise InputError(
+                    f"{source}:{lineno}: edge {src} -- {dst} names node {end!r}, which the file does not define"
+                )
+        if (src, dst) in seen:
+            raise InputError(f"{source}:{lineno}: edge {src} -- {dst} repeats line {seen[(src, dst)]}")
+        seen[(src, dst)] = lineno
+        graph_edges.append(Edge(src, dst, out_bytes[src]))
+
+    if batch_size is None:
+        inputs = [n for n in nodes if n.is_input]
+        guesses = {infer_batch_size(n.out_bytes) for n in inputs}
+        if len(guesses) == 1 and None not in guesses:
+            batch_size = guesses.pop()
+        else:
+            raise InputError(
+                f"{source}: cannot tell the batch size (the input is not an ImageNet-sized image "
+                f"batch); pass it with --batch-size N"
+            )
+    # PipeDream lists nodes in no particular order; sort them by their number (node1, node2,
+    # ..., node10) so that `Graph.topo_order`, which keeps the listed order where it can,
+    # follows the model from input to output.
+    def natural(node: Node) -> tuple[int, str]:
+        digits = re.sub(r"\D", "", node.id)
+        return (int(digits) if digits else 0, node.id)
+
+    try:
+        return Graph(
+            name=name or "pipedream",
+            nodes=tuple(sorted(nodes, key=natural)),
+            edges=tuple(graph_edges),
+            batch_size=batch_size,
+            profiled_on=device_type,
+            source=f"pipedream:{source}",
+        )
+    except GraphError as exc:
+        raise InputError(f"{source}: {exc}") from None
+
+
+def import_pipedream(
+    path: str | os.PathLike,
+    *,
+    name: str | None = None,
+    device_type: str = DEFAULT_DEVICE_TYPE,
+    batch_size: int | None = None,
+) -> Graph:
+    """Read a PipeDream `graph.txt`. The graph is named after its folder (`resnet50`)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read the file ({exc})") from None
+    default_name = path.parent.name if path.name == "graph.txt" and path.parent.name else path.stem
+    return parse_pipedream(text, source=str(path), name=name or default_name,
+                           device_type=device_type, batch_size=batch_size)

@@ -1,0 +1,128 @@
+"""JSON for every core type, with a `kind` and a `schema_version`.
+
+A file written by `dump` looks like `{"kind": "graph", "schema_version": 1, ...fields}`. Loading
+checks the kind and the version first (a file from a newer hetplan is refused with a message
+that says so), then validates the fields with pydantic against the dataclasses themselves, so
+that the checks in their `__post_init__` run on load too. Errors name the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pydantic
+
+from hetplan.cluster import Cluster
+from hetplan.errors import HetplanError, InputError
+from hetplan.graph import Graph
+from hetplan.plan import Estimate, Plan
+
+SCHEMA_VERSION = 1
+KINDS: Mapping[str, type] = {"graph": Graph, "cluster": Cluster, "plan": Plan, "estimate": Estimate}
+_KIND_OF = {cls: kind for kind, cls in KINDS.items()}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise HetplanError(f"cannot write {value!r} to JSON")
+    return value
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """The JSON-ready dict of a Graph, Cluster, Plan or Estimate."""
+    kind = _KIND_OF.get(type(obj))
+    if kind is None:
+        raise TypeError(f"no JSON form for {type(obj).__name__}")
+    return {"kind": kind, "schema_version": SCHEMA_VERSION, **_plain(obj)}
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(to_dict(obj), indent=1, allow_nan=False)
+
+
+def dump(obj: Any, path: str | os.PathLike) -> None:
+    """Write atomically (to a temporary file, then rename) so a reader never sees half a file."""
+    path = Path(path)
+    text = dumps(obj)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write the file ({exc.strerror})") from None
+
+
+@cache
+def _adapter(cls: type) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(cls)
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def from_dict(data: Any, *, source: str = "<json>", expect: str | None = None) -> Any:
+    """Rebuild a typed object from `to_dict`'s output; `expect` names the kind wanted."""
+    if not isinstance(data, Mapping):
+        raise InputError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    kind = data.get("kind")
+    if kind not in KINDS:
+        raise InputError(f"{source}: kind is {kind!r}; a hetplan file has kind one of {', '.join(KINDS)}")
+    if expect is not None and kind != expect:
+        raise InputError(f"{source}: this is a {kind} file, but a {expect} is needed here")
+    version = data.get("schema_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise InputError(f"{source}: schema_version is {version!r}; expected a whole number")
+    if version > SCHEMA_VERSION:
+        raise InputError(
+            f"{source}: written with schema_version {version}, but this hetplan reads up to "
+            f"{SCHEMA_VERSION}: upgrade hetplan"
+        )
+    if version < 1:
+        raise InputError(f"{source}: schema_version {version} is not a valid version")
+    fields = {k: v for k, v in data.items() if k not in ("kind", "schema_version")}
+    try:
+        return _adapter(KINDS[kind]).validate_python(fields)
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        cause = err.get("ctx", {}).get("error")
+        msg = str(cause) if isinstance(cause, HetplanError) else err["msg"]
+        loc = _loc(err["loc"])
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise InputError(f"{source}: {loc + ': ' if loc else ''}{msg}{more}") from None
+
+
+def loads(text: str, *, source: str = "<json>", expect: str | None = None) -> Any:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{source}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    return from_dict(data, source=source, expect=expect)
+
+
+def load(path: str | os.PathLike, expect: str | None = None) -> Any:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the file ({exc.strerror})") from None
+    return loads(text, source=str(path), expect=expect)

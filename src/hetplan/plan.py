@@ -1,0 +1,168 @@
+"""Plans (stages in pipeline order, their devices, micro-batches, schedule) and estimates.
+
+A plan is valid for a graph and a cluster when:
+- every node of the graph is in exactly one stage;
+- each stage is convex (no path leaves the stage and comes back into it);
+- no edge goes from a later stage to an earlier one, so the stages can run as a pipeline;
+- every device exists, no device appears twice in a stage, and no device holds two stages
+  unless the plan sets `shared_devices` (as interleaved schedules do);
+- there are no more micro-batches than samples in the batch.
+`validate_plan` checks all of it and names the offending node, edge, stage or device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetplan._frozen import FrozenMap, freeze
+from hetplan.cluster import Cluster
+from hetplan.errors import PlanError
+from hetplan.graph import Graph
+
+SCHEDULES = ("gpipe", "1f1b")
+OBJECTIVES = ("time", "cost", "mdpe")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A convex set of nodes run by one device, or by several data-parallel replicas."""
+
+    nodes: tuple[str, ...]
+    devices: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        object.__setattr__(self, "devices", tuple(self.devices))
+        if not self.nodes:
+            raise PlanError("a stage needs at least one node")
+        if not self.devices:
+            raise PlanError(f"the stage starting at node {self.nodes[0]!r} has no device")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a plan is predicted (or measured) to do in one training step.
+
+    `busy_s` and `peak_mem_bytes` are keyed by device id; `link_bytes` by `"src->dst"` device
+    ids, for the bytes sent that way in one step. `method` says where the numbers come from
+    (`analytic`: the closed-form pipeline formula of `hetplan.cost`; `event`: the simulator;
+    `measured`: a real run)."""
+
+    step_s: float
+    samples_per_s: float
+    busy_s: Mapping[str, float]
+    peak_mem_bytes: Mapping[str, int]
+    bubble_fraction: float
+    link_bytes: Mapping[str, int]
+    usd_per_step: float
+    feasible: bool
+    violations: tuple[str, ...] = ()
+    method: str = "analytic"
+
+    def __post_init__(self) -> None:
+        for name in ("busy_s", "peak_mem_bytes", "link_bytes"):
+            object.__setattr__(self, name, FrozenMap(getattr(self, name)))
+        object.__setattr__(self, "violations", tuple(self.violations))
+        for name in ("step_s", "samples_per_s", "bubble_fraction", "usd_per_step"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise PlanError(f"estimate: {name} is {value!r}; it must be finite and >= 0")
+
+    @property
+    def usd_per_1k_samples(self) -> float:
+        return 1000.0 * self.usd_per_step / (self.samples_per_s * self.step_s) if self.step_s else 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Stages in pipeline order, the number of micro-batches and the schedule.
+
+    `planner` and `objective` say how the plan was made; `graph` and `cluster` name what it was
+    made for; `meta` holds the planner's settings (seed, planning time, ...) as JSON values."""
+
+    stages: tuple[Stage, ...]
+    microbatches: int
+    schedule: str
+    planner: str
+    objective: str = "time"
+    graph: str = ""
+    cluster: str = ""
+    shared_devices: bool = False
+    predicted: Estimate | None = None
+    meta: Mapping[str, Any] = field(default_factory=FrozenMap)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "meta", freeze(dict(self.meta)))
+        if not self.stages:
+            raise PlanError("a plan needs at least one stage")
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise PlanError(f"microbatches is {self.microbatches!r}; it must be a whole number >= 1")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule {self.schedule!r} is unknown (allowed: {', '.join(SCHEDULES)})")
+        if self.objective not in OBJECTIVES:
+            raise PlanError(f"objective {self.objective!r} is unknown (allowed: {', '.join(OBJECTIVES)})")
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Every device the plan uses, in stage order."""
+        return tuple(dict.fromkeys(d for s in self.stages for d in s.devices))
+
+    def stage_of(self) -> dict[str, int]:
+        """Node id -> index of its stage."""
+        return {n: i for i, s in enumerate(self.stages) for n in s.nodes}
+
+
+def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
+    """Every reason the plan is not valid for this graph and cluster (empty when it is)."""
+    problems: list[str] = []
+    where: dict[str, int] = {}
+    for i, stage in enumerate(plan.stages):
+        for n in stage.nodes:
+            if n not in graph.by_id:
+                problems.append(f"stage {i} names node {n!r}, which graph {graph.name!r} does not have")
+            elif n in where:
+                problems.append(f"node {n!r} is in stage {where[n]} and in stage {i}; each node goes in one stage")
+            else:
+                where[n] = i
+    missing = [n for n in graph.topo_order if n not in where]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        problems.append(f"no stage holds node{'s' if len(missing) > 1 else ''} {', '.join(missing[:3])}{more}")
+    for i, stage in enumerate(plan.stages):
+        known = [n for n in stage.nodes if n in graph.by_id]
+        witness = graph.convexity_witness(known)
+        if witness:
+            problems.append(f"stage {i} is not convex: the path {' -> '.join(witness)} leaves it and comes back")
+    for e in graph.edges:
+        if e.src in where and e.dst in where and where[e.src] > where[e.dst]:
+            problems.append(
+                f"edge {e.src} -> {e.dst} goes backwards, from stage {where[e.src]} to stage {where[e.dst]}"
+            )
+    holder: dict[str, int] = {}
+    for i, stage in enumerate(plan.stages):
+        if len(set(stage.devices)) != len(stage.devices):
+            problems.append(f"stage {i} lists a device twice: {', '.join(stage.devices)}")
+        for d in dict.fromkeys(stage.devices):
+            if d not in cluster.by_id:
+                problems.append(f"stage {i} uses device {d!r}, which cluster {cluster.name!r} does not have "
+                                f"(devices: {', '.join(cluster.ids)})")
+            elif d in holder and not plan.shared_devices:
+                problems.append(f"device {d!r} holds stage {holder[d]} and stage {i}; "
+                                "set shared_devices to allow it")
+            holder.setdefault(d, i)
+    if plan.microbatches > graph.batch_size:
+        problems.append(f"{plan.microbatches} micro-batches for a batch of {graph.batch_size} samples; "
+                        f"use at most {graph.batch_size}")
+    return problems
+
+
+def validate_plan(plan: Plan, graph: Graph, cluster: Cluster) -> None:
+    """Raise `PlanError` naming the first problem (and how many more there are)."""
+    problems = plan_problems(plan, graph, cluster)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+        raise PlanError(f"invalid plan: {problems[0]}{more}")

@@ -1,0 +1,77 @@
+"""Summaries of graphs, clusters and plans as plain, JSON-ready dicts (the `info --json` output)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from hetplan.cluster import Cluster
+from hetplan.graph import Graph
+from hetplan.io.serde import to_dict
+from hetplan.plan import Plan
+
+
+def graph_summary(graph: Graph) -> dict[str, Any]:
+    largest = max(graph.nodes, key=lambda n: n.out_bytes)
+    out_degree = {n.id: len(graph.successors(n.id)) for n in graph.nodes}
+    return {
+        "kind": "graph",
+        "name": graph.name,
+        "source": graph.source,
+        "nodes": len(graph.nodes),
+        "edges": len(graph.edges),
+        "batch_size": graph.batch_size,
+        "profiled_on": graph.profiled_on,
+        "device_types": list(graph.device_types),
+        "fwd_s_total": graph.fwd_s_total(),
+        "bwd_s_total": graph.bwd_s_total(),
+        "param_bytes_total": graph.param_bytes_total,
+        "act_bytes_total": graph.act_bytes_total,
+        "flops_total": sum(n.flops for n in graph.nodes),
+        "largest_activation": {"node": largest.id, "op": largest.op, "bytes": largest.out_bytes},
+        "input_nodes": [n.id for n in graph.nodes if n.is_input],
+        "sources": list(graph.sources),
+        "sinks": list(graph.sinks),
+        "max_out_degree": max(out_degree.values()),
+        "ops": dict(sorted(_count(n.op for n in graph.nodes).items(), key=lambda kv: (-kv[1], kv[0]))),
+    }
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out
+
+
+def cluster_summary(cluster: Cluster) -> dict[str, Any]:
+    devices = []
+    for d in cluster.devices:
+        t = cluster.types[d.type]
+        devices.append({
+            "id": d.id, "type": d.type, "host": d.host, "mem_bytes": d.mem_bytes,
+            "peak_flops": t.peak_flops, "peak_flops_fp16": t.peak_flops_fp16,
+            "mem_bw_Bps": t.mem_bw_Bps, "usd_per_hour": d.usd_per_hour,
+            "threads": d.threads, "binding": d.binding,
+        })
+    links = []
+    for a, b in itertools.combinations(cluster.ids, 2):
+        link = cluster.link(a, b)
+        links.append({"between": [a, b], "bandwidth_Bps": link.bandwidth_Bps, "latency_s": link.latency_s})
+    return {
+        "kind": "cluster",
+        "name": cluster.name,
+        "devices": devices,
+        "hosts": list(cluster.hosts),
+        "usd_per_hour_total": sum(d.usd_per_hour for d in cluster.devices),
+        "intra_host": {"bandwidth_Bps": cluster.intra_host.bandwidth_Bps, "latency_s": cluster.intra_host.latency_s},
+        "inter_host": {"bandwidth_Bps": cluster.inter_host.bandwidth_Bps, "latency_s": cluster.inter_host.latency_s},
+        "links": links,
+    }
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    body = to_dict(plan)
+    body.pop("schema_version")
+    body["num_stages"] = len(plan.stages)
+    return body

@@ -1,0 +1,103 @@
+"""Rich tables for people at a terminal."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from hetplan.cluster import Cluster
+from hetplan.cost import CostModel
+from hetplan.graph import Graph
+from hetplan.plan import Estimate, Plan
+from hetplan.report.summary import cluster_summary, graph_summary
+from hetplan.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_seconds
+
+MAX_MATRIX_DEVICES = 16
+
+
+def show_graph(console: Console, graph: Graph) -> None:
+    s = graph_summary(graph)
+    table = Table(title=f"graph {graph.name}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("source", graph.source or "-")
+    table.add_row("nodes / edges", f"{s['nodes']} / {s['edges']}")
+    table.add_row("batch size", str(graph.batch_size))
+    table.add_row("profiled on", ", ".join(graph.device_types))
+    table.add_row("forward (sum of nodes)", fmt_seconds(s["fwd_s_total"]))
+    table.add_row("backward (sum of nodes)", fmt_seconds(s["bwd_s_total"]))
+    table.add_row("parameters", fmt_bytes(s["param_bytes_total"]))
+    table.add_row("stashed activations", fmt_bytes(s["act_bytes_total"]))
+    big = s["largest_activation"]
+    table.add_row("largest activation", f"{fmt_bytes(big['bytes'])} ({big['node']}, {big['op']})")
+    inputs = [n for n in graph.nodes if n.is_input]
+    if inputs:
+        load = sum(n.fwd_s[graph.profiled_on] for n in inputs)
+        table.add_row("input nodes", f"{', '.join(n.id for n in inputs)} (data loading {fmt_seconds(load)})")
+    table.add_row("sources / sinks", f"{len(graph.sources)} / {len(graph.sinks)}")
+    table.add_row("widest fan-out", str(s["max_out_degree"]))
+    table.add_row("ops", ", ".join(f"{op} x{k}" for op, k in list(s["ops"].items())[:8]))
+    console.print(table)
+
+
+def show_cluster(console: Console, cluster: Cluster) -> None:
+    s = cluster_summary(cluster)
+    table = Table(title=f"cluster {cluster.name}: {len(cluster.devices)} devices on "
+                        f"{len(cluster.hosts)} host{'s' if len(cluster.hosts) > 1 else ''}",
+                  title_justify="left")
+    for col in ("id", "type", "host", "memory", "fp32", "fp16/bf16", "mem bw", "$/h", "binding"):
+        table.add_column(col, justify="right" if col in ("memory", "fp32", "fp16/bf16", "mem bw", "$/h") else "left")
+    for d in s["devices"]:
+        table.add_row(d["id"], d["type"], d["host"], fmt_bytes(d["mem_bytes"]), fmt_flops(d["peak_flops"]),
+                      fmt_flops(d["peak_flops_fp16"]), fmt_bandwidth(d["mem_bw_Bps"]),
+                      f"{d['usd_per_hour']:.2f}", d["binding"] or "-")
+    console.print(table)
+    console.print(f"total price: ${s['usd_per_hour_total']:.2f}/h; links: inside a host "
+                  f"{fmt_bandwidth(cluster.intra_host.bandwidth_Bps)}, "
+                  f"{fmt_seconds(cluster.intra_host.latency_s)}; between hosts "
+                  f"{fmt_bandwidth(cluster.inter_host.bandwidth_Bps)}, {fmt_seconds(cluster.inter_host.latency_s)}")
+    if len(cluster.devices) <= MAX_MATRIX_DEVICES:
+        matrix = Table(title="bandwidth between devices", title_justify="left")
+        matrix.add_column("")
+        for d in cluster.ids:
+            matrix.add_column(d, justify="right")
+        for a in cluster.ids:
+            matrix.add_row(a, *("-" if a == b else fmt_bandwidth(cluster.link(a, b).bandwidth_Bps)
+                                for b in cluster.ids))
+        console.print(matrix)
+
+
+def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster: Cluster | None = None) -> None:
+    title = (f"plan by {plan.planner}: {len(plan.stages)} stage{'s' if len(plan.stages) > 1 else ''}, "
+             f"{plan.microbatches} micro-batch{'es' if plan.microbatches > 1 else ''}, {plan.schedule}")
+    table = Table(title=title, title_justify="left")
+    for col in ("stage", "devices", "nodes", "first .. last"):
+        table.add_column(col)
+    scored = graph is not None and cluster is not None
+    if scored:
+        cm = CostModel(graph, cluster)
+        table.add_column("fwd+bwd", justify="right")
+        table.add_column("memory", justify="right")
+    for i, stage in enumerate(plan.stages):
+        row = [str(i), ", ".join(stage.devices), str(len(stage.nodes)), f"{stage.nodes[0]} .. {stage.nodes[-1]}"]
+        if scored:
+            row.append(" / ".join(fmt_seconds(cm.device_stage_s(stage.nodes, d)) for d in stage.devices))
+            row.append(" / ".join(fmt_bytes(cm.stage_memory_bytes(plan, i, d)) for d in stage.devices))
+        table.add_row(*row)
+    console.print(table)
+    if plan.predicted is not None:
+        show_estimate(console, plan.predicted)
+
+
+def show_estimate(console: Console, est: Estimate) -> None:
+    how = {"analytic": "analytic (closed-form pipeline formula, not the event simulator)"}.get(est.method, est.method)
+    console.print(f"estimate, {how}:")
+    console.print(f"  step {fmt_seconds(est.step_s)}, {est.samples_per_s:,.1f} samples/s, "
+                  f"bubble {est.bubble_fraction:.0%}, ${est.usd_per_step:.6f} per step "
+                  f"(${est.usd_per_1k_samples:.4f} per 1,000 samples)")
+    if est.feasible:
+        console.print("  feasible: yes (fits in memory)")
+    else:
+        console.print("  [bold red]feasible: no[/]")
+        for v in est.violations:
+            console.print(f"  - {v}")

@@ -1,0 +1,51 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from hetplan.cli import main
+
+settings.register_profile("ci", max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_dir() -> Path:
+    """The project's shared data: $HETPLAN_SHARED, or ../shared beside the repository."""
+    return Path(os.environ.get("HETPLAN_SHARED", REPO.parent / "shared"))
+
+
+@pytest.fixture(scope="session")
+def profiles() -> Path:
+    path = shared_dir() / "data" / "pipedream-profiles"
+    if not path.is_dir():
+        pytest.fail(f"shared PipeDream profiles not found at {path}; set HETPLAN_SHARED")
+    return path
+
+
+class CliResult:
+    def __init__(self, code: int, out: str, err: str):
+        self.code, self.out, self.err = code, out, err
+
+    def json(self):
+        return json.loads(self.out)
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run `hetplan ARGS...` in-process; returns the exit code and captured output."""
+
+    def run(*args: str) -> CliResult:
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:  # argparse usage errors
+            code = exc.code
+        out, err = capsys.readouterr()
+        return CliResult(code, out, err)
+
+    return run

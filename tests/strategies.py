@@ -1,0 +1,100 @@
+"""Hypothesis strategies for random graphs, clusters and plans."""
+
+from hypothesis import strategies as st
+
+from hetplan import catalog
+from hetplan.cluster import cluster_from_spec
+from hetplan.graph import Edge, Graph, Node
+from hetplan.plan import Estimate, Plan, Stage
+
+OPS = ("Linear", "Conv2d", "ReLU", "Add", "GPT2Block", "LayerNorm")
+TYPES = (*catalog.CATALOG, "cpu-1t", "cpu-4t")
+times = st.floats(0, 2.0, allow_nan=False, allow_infinity=False)
+sizes = st.integers(0, 2**34)
+
+
+@st.composite
+def graphs(draw, min_nodes=1, max_nodes=12, types=("v100-16gb",)):
+    n = draw(st.integers(min_nodes, max_nodes))
+    ids = [f"n{i}" for i in range(n)]
+    pairs = draw(st.sets(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=3 * n))
+    edges = sorted({(min(a, b), max(a, b)) for a, b in pairs if a != b})
+    nodes = []
+    for i in range(n):
+        nodes.append(Node(
+            id=ids[i], op=draw(st.sampled_from(OPS)),
+            fwd_s={t: draw(times) for t in types}, bwd_s={t: draw(times) for t in types},
+            flops=draw(st.floats(0, 1e15)), param_bytes=draw(sizes), out_bytes=draw(sizes),
+            act_bytes=draw(sizes), module=tuple(draw(st.lists(st.sampled_from(["h.0", "h.1", "ln_f"]), max_size=2))),
+            is_input=(i == 0 and draw(st.booleans())),
+        ))
+    listed = draw(st.permutations(nodes))
+    return Graph(
+        name=draw(st.sampled_from(["g", "gpt2", "resnet50"])),
+        nodes=tuple(listed),
+        edges=tuple(Edge(ids[a], ids[b], draw(sizes)) for a, b in edges),
+        batch_size=draw(st.integers(1, 512)),
+        profiled_on=types[0],
+    )
+
+
+@st.composite
+def cluster_specs(draw, min_devices=1, max_devices=6):
+    k = draw(st.integers(min_devices, max_devices))
+    devices = []
+    for i in range(k):
+        t = draw(st.sampled_from([*catalog.CATALOG, "cpu"]))
+        d = {"id": f"d{i}", "type": t, "host": draw(st.sampled_from(["h0", "h1", "h2"]))}
+        if t == "cpu":
+            d["threads"] = draw(st.integers(1, 32))
+        if draw(st.booleans()):
+            d["memory"] = f"{draw(st.integers(1, 128))}GiB"
+        if draw(st.booleans()):
+            d["usd_per_hour"] = draw(st.floats(0, 10, allow_nan=False))
+        devices.append(d)
+    links = []
+    if k >= 2:
+        for _ in range(draw(st.integers(0, 2))):
+            a, b = draw(st.lists(st.sampled_from([d["id"] for d in devices]), min_size=2, max_size=2, unique=True))
+            if all({a, b} != set(x["between"]) for x in links):
+                links.append({"between": [a, b], "bandwidth": f"{draw(st.integers(1, 400))}GB/s"})
+    return {
+        "name": "random",
+        "devices": devices,
+        "network": {
+            "intra_host": {"bandwidth": f"{draw(st.integers(1, 600))}GB/s", "latency": f"{draw(st.integers(0, 20))}us"},
+            "inter_host": {"bandwidth": f"{draw(st.integers(1, 400))}Gbit/s",
+                           "latency": f"{draw(st.integers(0, 99))}us"},
+            "links": links,
+        },
+    }
+
+
+def clusters(**kw):
+    return cluster_specs(**kw).map(lambda spec: cluster_from_spec(spec, "random.yaml"))
+
+
+@st.composite
+def plans_for(draw, graph, cluster):
+    """A valid plan: consecutive pieces of the topological order, distinct devices."""
+    order = graph.topo_order
+    k = draw(st.integers(1, min(len(order), len(cluster.devices))))
+    cuts = sorted(draw(st.sets(st.integers(1, len(order) - 1), min_size=k - 1, max_size=k - 1))) if k > 1 else []
+    bounds = [0, *cuts, len(order)]
+    devices = list(draw(st.permutations(cluster.ids)))
+    stages = []
+    for i in range(k):
+        reps = 1 if i < k - 1 else draw(st.integers(1, len(devices) - k + 1))
+        stages.append(Stage(order[bounds[i]:bounds[i + 1]], tuple(devices[i:i + reps]) if i < k - 1
+                            else tuple(devices[k - 1:k - 1 + reps])))
+    return Plan(tuple(stages), draw(st.integers(1, graph.batch_size)), draw(st.sampled_from(["gpipe", "1f1b"])),
+                "random", meta={"seed": draw(st.integers(0, 9))})
+
+
+estimates = st.builds(
+    Estimate,
+    step_s=times, samples_per_s=times, busy_s=st.dictionaries(st.text(min_size=1, max_size=4), times, max_size=3),
+    peak_mem_bytes=st.dictionaries(st.text(min_size=1, max_size=4), sizes, max_size=3),
+    bubble_fraction=st.floats(0, 1), link_bytes=st.dictionaries(st.just("a->b"), sizes, max_size=1),
+    usd_per_step=times, feasible=st.booleans(), violations=st.lists(st.text(max_size=20), max_size=2).map(tuple),
+)

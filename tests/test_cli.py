@@ -1,0 +1,179 @@
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def test_help_explains_the_workflow(cli):
+    r = cli("--help")
+    assert r.code == 0
+    for word in ("workflow", "import pipedream", "plan", "info", "--json"):
+        assert word in r.out
+
+
+def test_acceptance_resnet50(cli, profiles, tmp_path):
+    """The issue's acceptance commands: import, then info --json."""
+    src = profiles / "resnet50" / "graph.txt"
+    out = tmp_path / "r50.json"
+    assert cli("import", "pipedream", src, "-o", out).code == 0
+    r = cli("info", out, "--json")
+    assert r.code == 0
+    info = r.json()
+    assert info["kind"] == "graph" and info["nodes"] == 177 and info["edges"] == 193
+    fwd_ms = sum(float(m) for m in re.findall(r"forward_compute_time=([\d.]+)", src.read_text()))
+    assert math.isclose(info["fwd_s_total"], fwd_ms / 1e3, rel_tol=1e-12)
+    assert {"bwd_s_total", "param_bytes_total"} <= set(info)
+
+
+def test_info_on_a_preset(cli):
+    r = cli("info", "hetero-4", "--json")
+    assert r.code == 0
+    info = r.json()
+    assert info["kind"] == "cluster" and len(info["devices"]) == 4
+    for d in info["devices"]:
+        assert {"id", "type", "host", "mem_bytes", "peak_flops", "usd_per_hour"} <= set(d)
+    assert len(info["links"]) == 6
+
+
+def test_info_tables_for_people(cli, profiles, tmp_path):
+    g = tmp_path / "vgg.json"
+    cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", g)
+    r = cli("info", g)
+    assert r.code == 0 and "nodes / edges" in r.out and "41 / 41" in r.out
+    r = cli("info", "hetero-4")
+    assert r.code == 0 and "a100-40gb" in r.out and "bandwidth between devices" in r.out
+
+
+def test_plan_then_info_on_the_plan(cli, profiles, tmp_path):
+    g, p = tmp_path / "r50.json", tmp_path / "plan.json"
+    cli("import", "pipedream", profiles / "resnet50" / "graph.txt", "-o", g)
+    r = cli("plan", g, "--cluster", "hetero-4", "--planner", "uniform", "-o", p, "--json")
+    assert r.code == 0
+    plan = r.json()
+    assert plan["kind"] == "plan" and plan["num_stages"] == 4 and plan["predicted"]["method"] == "analytic"
+    assert plan["microbatches"] == 16
+    r = cli("info", p, "--json")
+    assert r.code == 0 and r.json()["stages"] == plan["stages"]
+    r = cli("plan", g, "--cluster", "hetero-4", "--planner", "single", "--schedule", "gpipe",
+            "--microbatches", "4")
+    assert r.code == 0 and "analytic" in r.out and "feasible" in r.out
+
+
+@pytest.mark.parametrize("args", [
+    ("catalog",), ("info", "cloud-mix"), ("info", "local"),
+])
+def test_every_command_prints_one_json_object(cli, args):
+    r = cli(*args, "--json")
+    assert r.code == 0
+    assert isinstance(json.loads(r.out), dict)
+
+
+def test_import_json(cli, profiles, tmp_path):
+    r = cli("import", "pipedream", profiles / "alexnet" / "graph.txt", "-o", tmp_path / "a.json", "--json")
+    assert r.code == 0 and r.json()["nodes"] == 23 and r.json()["output"].endswith("a.json")
+
+
+# ---- bad input: one line on stderr, exit status 2, no traceback -------------------------------
+
+def bad(r, *needles):
+    assert r.code == 2, (r.code, r.out, r.err)
+    assert r.out == ""
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1, r.err
+    assert lines[0].startswith("hetplan: error: ")
+    assert "Traceback" not in r.err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_unknown_device_type(cli, tmp_path):
+    c = write(tmp_path, "c.yaml", "devices:\n  - {id: a0, type: a100}\n")
+    bad(cli("info", c), "c.yaml", "devices[0].type", "unknown device type 'a100'", "a100-40gb")
+
+
+def test_negative_size(cli, tmp_path):
+    c = write(tmp_path, "c.yaml", "devices:\n  - {id: c0, type: cpu, memory: -8GiB}\n")
+    bad(cli("info", c), "c.yaml", "devices[0].memory", "negative")
+
+
+def test_unparsable_size(cli, tmp_path):
+    c = write(tmp_path, "c.yaml", "devices:\n  - {id: c0, type: cpu, memory: eight gigs}\n")
+    bad(cli("info", c), "c.yaml", "devices[0].memory", "cannot read 'eight gigs'", "40GiB")
+    c = write(tmp_path, "n.yaml", "devices: [{id: c0, type: cpu}]\nnetwork: {inter_host: {bandwidth: 10Gbit}}\n")
+    bad(cli("info", c), "network.inter_host.bandwidth", "unknown bandwidth unit", "10Gbit/s")
+
+
+def test_duplicate_id(cli, tmp_path):
+    c = write(tmp_path, "c.yaml", "devices:\n  - {id: g, type: t4-16gb}\n  - {id: g, type: t4-16gb}\n")
+    bad(cli("info", c), "c.yaml", "duplicate device id 'g'")
+    g = write(tmp_path, "g.json", json.dumps(graph_doc(nodes=["a", "a"], edges=[])))
+    bad(cli("info", g), "g.json", "duplicate node id 'a'")
+
+
+def graph_doc(nodes, edges):
+    return {"kind": "graph", "schema_version": 1, "name": "g", "batch_size": 1, "profiled_on": "v100-16gb",
+            "nodes": [{"id": n, "op": "Linear", "fwd_s": {"v100-16gb": 1}, "bwd_s": {"v100-16gb": 1}} for n in nodes],
+            "edges": [{"src": a, "dst": b, "bytes": 1} for a, b in edges]}
+
+
+def test_edge_to_missing_node(cli, tmp_path):
+    g = write(tmp_path, "g.json", json.dumps(graph_doc(["a", "b"], [("a", "ghost")])))
+    bad(cli("info", g), "g.json", "edge 0 (a -> ghost) names node 'ghost', which does not exist")
+    t = write(tmp_path, "graph.txt", TXT + "\tnode2 -- node7\n")
+    bad(cli("import", "pipedream", t, "-o", tmp_path / "o.json"), "graph.txt:4", "node 'node7'")
+
+
+def test_cycle(cli, tmp_path):
+    g = write(tmp_path, "g.json", json.dumps(graph_doc(["a", "b", "c"], [("a", "b"), ("b", "c"), ("c", "a")])))
+    bad(cli("info", g), "g.json", "not a DAG", "cycle", "->")
+    t = write(tmp_path, "graph.txt", TXT + "\tnode2 -- node1\n")
+    bad(cli("import", "pipedream", t, "-o", tmp_path / "o.json"), "graph.txt", "cycle node1 -> node2 -> node1")
+
+
+TXT = ("node1 -- Input -- forward_compute_time=1.0, backward_compute_time=0.0, "
+       "activation_size=602112.0, parameter_size=0.0\n"
+       "node2 -- ReLU -- forward_compute_time=2.0, backward_compute_time=3.0, activation_size=8.0, parameter_size=0.0\n"
+       "\tnode1 -- node2\n")
+
+
+def test_malformed_graph_txt_line(cli, tmp_path):
+    t = write(tmp_path, "graph.txt", TXT.replace("node2 -- ReLU --", "node2 ReLU"))
+    bad(cli("import", "pipedream", t, "-o", tmp_path / "o.json"), "graph.txt:2:", "expected 'nodeN -- Layer")
+
+
+def test_missing_file(cli, tmp_path):
+    bad(cli("info", tmp_path / "nothing.json"), "nothing.json: no such file")
+    bad(cli("import", "pipedream", tmp_path / "graph.txt", "-o", tmp_path / "o.json"), "graph.txt: no such file")
+    bad(cli("plan", tmp_path / "nothing.json", "--cluster", "hetero-4"), "nothing.json: no such file")
+    bad(cli("info", "hetero-5"), "neither a file nor a cluster preset", "hetero-4")
+
+
+def test_other_bad_input(cli, profiles, tmp_path):
+    g = tmp_path / "r50.json"
+    cli("import", "pipedream", profiles / "resnet50" / "graph.txt", "-o", g)
+    bad(cli("plan", g, "--cluster", "hetero-4", "--microbatches", "lots"), "--microbatches: 'lots'")
+    bad(cli("plan", g, "--cluster", "hetero-4", "--microbatches", "999"), "999 micro-batches for a batch of 128")
+    bad(cli("plan", profiles / "resnet50" / "graph.txt", "--cluster", "hetero-4"), "import it first")
+    bad(cli("plan", "hetero-4-plan.json", "--cluster", "hetero-4"), "no such file")
+    bad(cli("import", "pipedream", profiles / "gnmt" / "graph.txt", "-o", tmp_path / "o.json"), "--batch-size N")
+    broken = write(tmp_path, "b.json", "{not json")
+    bad(cli("info", broken), "b.json: not valid JSON")
+
+
+def test_the_installed_command_never_prints_a_traceback(tmp_path):
+    """The real entry point, in its own process."""
+    c = write(tmp_path, "c.yaml", "devices:\n  - {id: a0, type: a100}\n")
+    proc = subprocess.run([sys.executable, "-m", "hetplan", "info", str(c)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("hetplan: error: ") and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

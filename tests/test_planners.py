@@ -1,0 +1,90 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hetplan.cluster import cluster_from_spec, load_cluster
+from hetplan.errors import HetplanError, InfeasibleError
+from hetplan.graph import Edge, Graph, Node
+from hetplan.plan import plan_problems
+from hetplan.planners import PLANNERS, PlanOptions, get_planner, make_plan
+from hetplan.planners.baselines import chunk_sizes, default_microbatches
+from strategies import clusters, graphs
+
+V = "v100-16gb"
+GiB = 2**30
+
+
+def chain(n, params=0, acts=0, batch=32):
+    nodes = tuple(Node(f"n{i}", "Linear", {V: 0.01}, {V: 0.02}, param_bytes=params, act_bytes=acts) for i in range(n))
+    return Graph("chain", nodes, tuple(Edge(f"n{i}", f"n{i + 1}", 4) for i in range(n - 1)), batch, V)
+
+
+def test_registry():
+    assert {"single", "uniform"} <= set(PLANNERS)
+    with pytest.raises(HetplanError, match="unknown planner 'magic' \\(planners: single, uniform"):
+        get_planner("magic")
+
+
+def test_chunk_sizes():
+    assert chunk_sizes(10, 4) == [3, 3, 2, 2]
+    assert chunk_sizes(4, 4) == [1, 1, 1, 1]
+    assert chunk_sizes(177, 4) == [45, 44, 44, 44]
+
+
+@given(st.integers(1, 1024), st.integers(1, 16))
+def test_default_microbatches_divide_the_batch(batch, stages):
+    m = default_microbatches(batch, stages)
+    assert batch % m == 0 and 1 <= m <= max(1, 4 * stages)
+    if stages == 1:
+        assert m == 1
+
+
+def test_uniform_on_a_chain():
+    plan = make_plan(chain(10), load_cluster("v100x4"), "uniform")
+    assert [len(s.nodes) for s in plan.stages] == [3, 3, 2, 2]
+    assert [s.devices for s in plan.stages] == [("v0",), ("v1",), ("v2",), ("v3",)]
+    assert plan.stages[0].nodes == ("n0", "n1", "n2")
+    assert plan.microbatches == 16 and plan.schedule == "1f1b"
+    assert plan.graph == "chain" and plan.cluster == "v100x4" and plan.planner == "uniform"
+    assert plan.predicted is not None and plan.meta["planning_s"] >= 0
+
+
+def test_uniform_with_fewer_nodes_than_devices():
+    plan = make_plan(chain(2), load_cluster("v100x8"), "uniform", PlanOptions(microbatches=4, schedule="gpipe"))
+    assert len(plan.stages) == 2 and plan.microbatches == 4 and plan.schedule == "gpipe"
+
+
+@given(st.data())
+def test_uniform_is_valid_on_random_problems(data):
+    g = data.draw(graphs(max_nodes=12))
+    c = data.draw(clusters())
+    plan = make_plan(g, c, "uniform")
+    assert plan_problems(plan, g, c) == []
+    sizes = [len(s.nodes) for s in plan.stages]
+    assert max(sizes) - min(sizes) <= 1 and len(sizes) == min(len(g.nodes), len(c.devices))
+
+
+def test_single_picks_the_fastest_device_that_fits():
+    cluster = load_cluster("hetero-4")
+    assert make_plan(chain(4), cluster, "single").stages[0].devices == ("a0",)
+    # 5 GiB of parameters -> 20 GiB with gradients and Adam: too big for the T4s, fits the A100.
+    big = chain(4, params=5 * GiB // 4)
+    assert make_plan(big, cluster, "single").stages[0].devices == ("a0",)
+    # Only the V100-32GB and the A100 fit 28 GiB; a cluster without the A100 must take the V100.
+    spec = {"devices": [{"id": "t0", "type": "t4-16gb"}, {"id": "v0", "type": "v100-32gb"}]}
+    heavy = chain(4, params=7 * GiB // 4)
+    assert make_plan(heavy, cluster_from_spec(spec, "x"), "single").stages[0].devices == ("v0",)
+
+
+def test_single_says_what_is_missing_when_nothing_fits():
+    huge = chain(4, params=20 * GiB // 4)
+    with pytest.raises(InfeasibleError, match=r"the whole model needs 80.0 GiB .* the largest device \(a0, "
+                                              r"a100-40gb\) has 40.0 GiB: split it with a pipeline planner"):
+        make_plan(huge, load_cluster("hetero-4"), "single")
+
+
+def test_options_are_checked():
+    with pytest.raises(HetplanError, match="--schedule: 'zigzag'"):
+        PlanOptions(schedule="zigzag")
+    with pytest.raises(HetplanError, match="--microbatches: 0"):
+        PlanOptions(microbatches=0)
