@@ -158,3 +158,18 @@ def test_random_specs_give_valid_clusters(spec):
                 overridden = any({a, b} == set(x["between"]) for x in spec["network"]["links"])
                 if not overridden:
                     assert c.link(a, b) == (c.intra_host if same else c.inter_host)
+
+
+def test_saved_cluster_json_loads_as_a_cluster(tmp_path):
+    from hetplan.io import serde
+
+    c = load_cluster("a100+v100-8")
+    serde.dump(c, tmp_path / "saved.json")
+    assert load_cluster(tmp_path / "saved.json") == c
+
+
+def test_broken_yaml_is_named(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("devices: [{id: a0, type: t4-16gb\n")
+    with pytest.raises(InputError, match="broken.yaml: not valid YAML"):
+        load_cluster(path)

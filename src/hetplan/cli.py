@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 
 from hetplan import catalog
-from hetplan.cluster import Cluster, cluster_from_spec, load_cluster, presets
+from hetplan.cluster import Cluster, cluster_from_data, load_cluster, presets
 from hetplan.errors import HetplanError, InputError
 from hetplan.graph import Graph
 from hetplan.io import serde
@@ -51,15 +51,6 @@ def _emit_json(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj, indent=1, allow_nan=False) + "\n")
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read the file ({exc.strerror})") from None
-
-
 def load_any(ref: str) -> Graph | Cluster | Plan:
     """A graph, cluster or plan file, a cluster description, or a preset name."""
     path = Path(ref)
@@ -69,9 +60,9 @@ def load_any(ref: str) -> Graph | Cluster | Plan:
         if path.suffix == ".txt":
             raise InputError(f"{path}: looks like a PipeDream profile; import it first with "
                              f"'hetplan import pipedream {path} -o graph.json'")
-        data = _read_json(path)
-        if isinstance(data, dict) and "schema_version" not in data and "devices" in data:
-            return cluster_from_spec(data, str(path))
+        data = serde.read_json(path)
+        if not serde.is_hetplan_file(data) and isinstance(data, dict) and "devices" in data:
+            return cluster_from_data(data, str(path))
         return serde.from_dict(data, source=str(path))
     if ref in presets():
         return load_cluster(ref)
@@ -150,7 +141,7 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json({
             "kind": "catalog",
-            "device_types": [serde._plain(t) for t in types],
+            "device_types": [serde.plain(t) for t in types],
             "presets": list(presets()),
             "planners": {name: spec.summary for name, spec in PLANNERS.items()},
         })

@@ -21,7 +21,6 @@ unless a `links` entry names the pair (both directions). Built-in presets (`v100
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -376,30 +375,34 @@ def preset_spec(name: str) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def _read_spec(path: Path) -> object:
+def _read_yaml(path: Path) -> object:
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read the file ({exc.strerror})") from None
-    try:
-        if path.suffix == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        return yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read the file ({exc})") from None
+    except yaml.YAMLError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise InputError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first}") from None
+        raise InputError(f"{path}: not valid YAML: {first}") from None
+
+
+def cluster_from_data(data: object, source: str) -> Cluster:
+    """A cluster from parsed file contents: a saved cluster (`kind: cluster`) or a description."""
+    from hetplan.io import serde  # serde imports this module
+
+    if serde.is_hetplan_file(data):
+        return serde.from_dict(data, source=source, expect="cluster")
+    return cluster_from_spec(data, source)
 
 
 def load_cluster(ref: str | os.PathLike) -> Cluster:
     """A cluster from a YAML/JSON description, a saved cluster JSON, or a preset name."""
     path = Path(ref)
     if path.is_file():
-        data = _read_spec(path)
-        if isinstance(data, Mapping) and "schema_version" in data:
-            from hetplan.io.serde import from_dict
+        if path.suffix == ".json":
+            from hetplan.io.serde import read_json
 
-            return from_dict(data, source=str(path), expect="cluster")
-        return cluster_from_spec(data, str(path))
+            return cluster_from_data(read_json(path), str(path))
+        return cluster_from_data(_read_yaml(path), str(path))
     if str(ref) in presets():
         return cluster_from_spec(preset_spec(str(ref)), str(ref))
     if path.suffix in (".yaml", ".yml", ".json") or os.sep in str(ref):

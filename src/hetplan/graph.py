@@ -156,18 +156,22 @@ class Graph:
         return FrozenMap({n.id: i for i, n in enumerate(self.nodes)})
 
     @cached_property
-    def _succ(self) -> Mapping[str, tuple[str, ...]]:
-        out: dict[str, list[str]] = {n.id: [] for n in self.nodes}
+    def _adjacency(self) -> tuple[Mapping[str, tuple[str, ...]], Mapping[str, tuple[str, ...]]]:
+        succ: dict[str, list[str]] = {n.id: [] for n in self.nodes}
+        pred: dict[str, list[str]] = {n.id: [] for n in self.nodes}
         for e in self.edges:
-            out[e.src].append(e.dst)
-        return FrozenMap({k: tuple(v) for k, v in out.items()})
+            succ[e.src].append(e.dst)
+            pred[e.dst].append(e.src)
+        return (FrozenMap({k: tuple(v) for k, v in succ.items()}),
+                FrozenMap({k: tuple(v) for k, v in pred.items()}))
 
-    @cached_property
+    @property
+    def _succ(self) -> Mapping[str, tuple[str, ...]]:
+        return self._adjacency[0]
+
+    @property
     def _pred(self) -> Mapping[str, tuple[str, ...]]:
-        out: dict[str, list[str]] = {n.id: [] for n in self.nodes}
-        for e in self.edges:
-            out[e.dst].append(e.src)
-        return FrozenMap({k: tuple(v) for k, v in out.items()})
+        return self._adjacency[1]
 
     @cached_property
     def topo_order(self) -> tuple[str, ...]:

@@ -29,13 +29,14 @@ KINDS: Mapping[str, type] = {"graph": Graph, "cluster": Cluster, "plan": Plan, "
 _KIND_OF = {cls: kind for kind, cls in KINDS.items()}
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """Dataclasses, mappings and tuples as JSON-ready dicts and lists."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         raise HetplanError(f"cannot write {value!r} to JSON")
     return value
@@ -46,7 +47,7 @@ def to_dict(obj: Any) -> dict[str, Any]:
     kind = _KIND_OF.get(type(obj))
     if kind is None:
         raise TypeError(f"no JSON form for {type(obj).__name__}")
-    return {"kind": kind, "schema_version": SCHEMA_VERSION, **_plain(obj)}
+    return {"kind": kind, "schema_version": SCHEMA_VERSION, **plain(obj)}
 
 
 def dumps(obj: Any) -> str:
@@ -117,12 +118,25 @@ def loads(text: str, *, source: str = "<json>", expect: str | None = None) -> An
     return from_dict(data, source=source, expect=expect)
 
 
-def load(path: str | os.PathLike, expect: str | None = None) -> Any:
+def is_hetplan_file(data: Any) -> bool:
+    """True for what `dump` writes; False for a hand-written description (a cluster spec)."""
+    return isinstance(data, Mapping) and "schema_version" in data
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The parsed JSON of a file; a missing, unreadable or broken file is an `InputError`."""
     path = Path(path)
     try:
         text = path.read_text()
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read the file ({exc.strerror})") from None
-    return loads(text, source=str(path), expect=expect)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read the file ({exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
+
+
+def load(path: str | os.PathLike, expect: str | None = None) -> Any:
+    return from_dict(read_json(path), source=str(path), expect=expect)
