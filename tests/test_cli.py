@@ -177,3 +177,55 @@ def test_the_installed_command_never_prints_a_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("hetplan: error: ") and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# ---- profile ------------------------------------------------------------------------------------
+
+def test_acceptance_profile_gpt2_tiny(cli, tmp_path):
+    out = tmp_path / "g.json"
+    r = cli("profile", "gpt2-tiny", "--batch-size", "4", "--seq-len", "64", "--device", "cpu", "-o", out)
+    assert r.code == 0, r.err
+    info = cli("info", out, "--json").json()
+    assert info["kind"] == "graph" and info["nodes"] == 42 and info["batch_size"] == 4
+    assert info["skip_edges"] >= 8  # two residual connections in each of the 4 blocks
+    assert ["transformer.drop", "transformer.h.0.ln_2"] in info["skip_edge_examples"]
+
+
+def test_acceptance_profile_inception_tiny(cli, tmp_path):
+    r = cli("profile", "inception-tiny", "--granularity", "block", "-o", tmp_path / "i.json", "--json")
+    assert r.code == 0, r.err
+    assert r.json()["max_out_degree"] >= 3
+    assert cli("info", tmp_path / "i.json", "--json").json()["max_out_degree"] >= 3
+
+
+def test_profile_check_and_devices(cli, tmp_path):
+    r = cli("profile", "mlp", "--device", "cpu:1", "--device", "cpu:2", "--check", "--repeats", "2",
+            "-o", tmp_path / "m.json", "--json")
+    assert r.code == 0, r.err
+    d = r.json()
+    assert d["device_types"] == ["cpu-1t", "cpu-2t"]
+    assert set(d["check_ratio"]) == {"cpu-1t", "cpu-2t"} and all(0.2 < x < 5 for x in d["check_ratio"].values())
+    r = cli("profile", "mlp", "--check", "-o", tmp_path / "m2.json")
+    assert r.code == 0 and "sum of node times" in r.out and "measured whole step" in r.out
+
+
+def test_profile_a_users_model(cli, tmp_path):
+    r = cli("profile", "user_models:make", "-o", tmp_path / "u.json", "--json")
+    assert r.code == 0, r.err
+    assert r.json()["nodes"] == 4  # input, fc1, bn, fc2 (relu and the skip add folded in)
+
+
+def test_profile_bad_input(cli, tmp_path):
+    out = tmp_path / "x.json"
+    bad(cli("profile", "gpt3", "-o", out), "unknown model 'gpt3'", "gpt2-tiny", "inception-tiny")
+    bad(cli("profile", "user_models:untraceable", "-o", out), "cannot trace the model in module 'gate'",
+        "--granularity block")
+    bad(cli("profile", "user_models:hungry", "-o", out), "out of memory while profiling", "batch size")
+    bad(cli("profile", "mlp", "--device", "tpu:0", "-o", out), "--device 'tpu:0'")
+    bad(cli("profile", "gpt2-tiny", "--seq-len", "9999", "-o", out), "--seq-len 9999")
+    assert not out.exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_profile_on_cuda_without_a_gpu(cli, tmp_path):
+    bad(cli("profile", "mlp", "--device", "cuda", "-o", tmp_path / "x.json"), "no CUDA device is available")

@@ -4,9 +4,10 @@ from hypothesis import strategies as st
 
 from hetplan import catalog
 from hetplan.cluster import cluster_from_spec, load_cluster
-from hetplan.cost import CostModel, analytic_estimate, inflight_microbatches, projected_s
+from hetplan.cost import CostModel, analytic_estimate, inflight_microbatches
 from hetplan.graph import Edge, Graph, Node
 from hetplan.plan import Plan, Stage
+from hetplan.projection import project_s
 
 V = "v100-16gb"
 GiB = 2**30
@@ -85,14 +86,28 @@ def test_replicas_split_by_speed_and_finish_together():
         2 * (cluster.inter_host.latency_s + 10**8 / 2 / cluster.inter_host.bandwidth_Bps))
 
 
-def test_projection_by_peak_flops():
+def test_projection_without_flops_uses_peak_flops():
     g = chain(1, fwd=0.2, bwd=0.4)
     cm = CostModel(g, load_cluster("hetero-4"))
     fwd, bwd = cm.stage_times_s(("n0",), "t4-16gb")
     ratio = catalog.CATALOG[V].peak_flops / catalog.CATALOG["t4-16gb"].peak_flops
     assert (fwd, bwd) == pytest.approx((0.2 * ratio, 0.4 * ratio))
-    assert projected_s(1.0, catalog.CATALOG[V], catalog.CATALOG[V]) == 1.0
     assert cm.stage_times_s(("n0",), V) == (0.2, 0.4)  # measured type: no projection
+
+
+def test_roofline_projection():
+    v100, t4 = catalog.CATALOG[V], catalog.CATALOG["t4-16gb"]
+    # Compute-bound (1e12 FLOPs, 1 MB): scales with peak FLOP/s.
+    assert project_s(1.0, 1e12, 1e6, v100, t4) == pytest.approx(v100.peak_flops / t4.peak_flops)
+    # Memory-bound (1e6 FLOPs, 1 GB): scales with memory bandwidth.
+    assert project_s(1.0, 1e6, 1e9, v100, t4) == pytest.approx(v100.mem_bw_Bps / t4.mem_bw_Bps)
+    assert project_s(1.0, 1e12, 1e6, v100, v100) == 1.0
+    assert project_s(0.0, 1e12, 1e6, v100, t4) == 0.0
+    # Through the cost model: a node with FLOPs is projected per node by the roofline.
+    n = Node("n0", "Linear", {V: 0.1}, {V: 0.2}, flops=1e12, param_bytes=10**6, out_bytes=0)
+    g = Graph("one", (n,), (), batch_size=1, profiled_on=V)
+    fwd, bwd = CostModel(g, load_cluster("hetero-4")).stage_times_s(("n0",), "t4-16gb")
+    assert (fwd, bwd) == pytest.approx((0.1 * v100.peak_flops / t4.peak_flops, 0.2 * v100.peak_flops / t4.peak_flops))
 
 
 def test_price_per_step():

@@ -57,6 +57,8 @@ CATALOG: MappingProxyType[str, DeviceType] = MappingProxyType(
     {
         t.name: t
         for t in (
+            DeviceType("h200-141gb", "gpu", 67e12, 989e12, 141 * GiB, 4.8e12, 3.50,
+                       description="NVIDIA H200 SXM 141GB"),
             DeviceType("h100-80gb", "gpu", 67e12, 989e12, 80 * GiB, 3.35e12, 3.00,
                        description="NVIDIA H100 SXM5 80GB"),
             DeviceType("a100-80gb", "gpu", 19.5e12, 312e12, 80 * GiB, 2.039e12, 2.00,

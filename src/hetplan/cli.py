@@ -26,13 +26,17 @@ from hetplan.planners import PLANNERS, PlanOptions, make_plan
 from hetplan.report import tables
 from hetplan.report.summary import cluster_summary, graph_summary, plan_summary
 from hetplan.units import fmt_bytes, fmt_flops
+from hetplan.zoo import zoo_names
+
+GRANULARITIES = ("layer", "block")  # as hetplan.profile.split; kept here so --help needs no torch import
 
 DESCRIPTION = """\
 hetplan plans how to split the training of a PyTorch model across a mixed set of devices,
 predicts how fast and how expensive each plan is, and (later) runs it.
 
 workflow:
-  1. a graph of the model:  hetplan import pipedream resnet50/graph.txt -o r50.json
+  1. a graph of the model:  hetplan profile gpt2-tiny --device cpu:1 --device cpu:2 -o g.json
+                            (or import one: hetplan import pipedream resnet50/graph.txt -o r50.json)
   2. a cluster:             a YAML file, or a preset such as hetero-4 (hetplan catalog lists them)
   3. a plan:                hetplan plan r50.json --cluster hetero-4 --planner uniform -o plan.json
   4. a look at any of them: hetplan info r50.json | hetplan info hetero-4 | hetplan info plan.json
@@ -136,6 +140,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from hetplan.profile import profile_step
+    from hetplan.zoo import load_model
+
+    console = Console(stderr=True, highlight=False)
+    zoo_model = load_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
+    with console.status("profiling", spinner="dots") as status:
+        report = profile_step(
+            zoo_model.step, zoo_model.batch, name=zoo_model.name, devices=args.device or ["cpu"],
+            granularity=args.granularity,
+            block_classes=args.block_class or zoo_model.block_classes or None,
+            repeats=args.repeats, seed=args.seed, check=args.check,
+            progress=(lambda msg: status.update(f"profiling {msg}")) if console.is_terminal else None,
+        )
+    graph = report.graph
+    serde.dump(graph, args.output)
+    summary = {**{k: v for k, v in graph_summary(graph).items() if k != "ops"}, "kind": "profile",
+               "output": str(args.output), "profile_s": report.profile_s,
+               "whole_step_s": dict(report.whole_step_s), "check_ratio": dict(report.check_ratio)}
+    if args.json:
+        _emit_json(summary)
+        return 0
+    out = _console()
+    out.print(f"wrote {args.output}: graph {graph.name!r} at {graph.meta['granularity']} granularity, "
+              f"{len(graph.nodes)} nodes, {len(graph.edges)} edges, batch {graph.batch_size}, "
+              f"profiled on {', '.join(graph.device_types)} in {report.profile_s:.1f} s")
+    for dtype, ratio in report.check_ratio.items():
+        out.print(f"check on {dtype}: sum of node times {_ms(graph.fwd_s_total(dtype) + graph.bwd_s_total(dtype))}"
+                  f" / measured whole step {_ms(report.whole_step_s[dtype])} = {ratio:.3f}")
+    return 0
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
 def cmd_catalog(args: argparse.Namespace) -> int:
     types = [catalog.lookup(name) for name in catalog.CATALOG] + [catalog.cpu_type(1)]
     if args.json:
@@ -212,6 +252,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, help="time budget of search planners")
     p.add_argument("-o", "--output", type=Path, help="the plan JSON to write")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("profile", parents=[common], help="profile a model's training step into a graph")
+    p.add_argument("model", metavar="MODEL", help=f"a zoo model ({', '.join(zoo_names())}) or module.path:factory")
+    p.add_argument("--batch-size", type=int, help="samples per batch (default: the zoo entry's)")
+    p.add_argument("--seq-len", type=int, help="sequence length of language models (default: the zoo entry's)")
+    p.add_argument("--device", action="append", metavar="D",
+                   help="cpu, cpu:N (N threads), cuda or cuda:K; repeat to profile on several (default: cpu)")
+    p.add_argument("--granularity", default="layer", choices=GRANULARITIES,
+                   help="layer: one node per leaf module; block: one per repeated block (default: layer)")
+    p.add_argument("--block-class", action="append", metavar="CLASS",
+                   help="class name of the repeated block, for --granularity block on your own model")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per node; the median is kept (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch")
+    p.add_argument("--check", action="store_true",
+                   help="also time the unsplit step and print the ratio of the sum of node times to it")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the graph JSON to write")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("catalog", parents=[common], help="list device types, cluster presets and planners")
     p.set_defaults(func=cmd_catalog)

@@ -2,11 +2,9 @@
 closed-form (analytic) estimate of a plan's training step.
 
 Node time on a device type is the measured time when the graph carries that type. Otherwise it
-is projected from a measured type by the ratio of peak fp32 FLOP/s (`projected_s`), a crude
-rule until the profiler's roofline projection exists: it ignores memory-bound layers and
-differences in achieved efficiency, so it can be off by a factor of two or more between very
-different devices (a CPU and a GPU). A measured type of the same kind (GPU or CPU) as the target
-is preferred as the starting point.
+is projected from a measured type with the roofline model of `hetplan.projection` (calibrated
+per node by the time measured on the source type; see there how far off it can be). A measured
+type of the same kind (GPU or CPU) as the target is preferred as the source.
 
 Memory on a device under a schedule (DESIGN.md): parameters + gradients + Adam's two fp32
 moments (4x the parameter bytes) + the activations stashed for the micro-batches in flight:
@@ -36,6 +34,7 @@ from hetplan.cluster import Cluster
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Estimate, Plan
+from hetplan.projection import project_s
 from hetplan.units import fmt_bytes
 
 OPTIMIZER_STATE_COPIES = 2  # Adam: first and second moments, fp32, each the size of the weights
@@ -49,11 +48,6 @@ def inflight_microbatches(schedule: str, stages: int, stage_index: int, microbat
     if schedule == "1f1b":
         return min(microbatches, stages - stage_index)
     raise HetplanError(f"unknown schedule {schedule!r}")
-
-
-def projected_s(time_s: float, measured_on: DeviceType, target: DeviceType) -> float:
-    """A time measured on one device type, scaled to another by peak fp32 FLOP/s."""
-    return time_s * measured_on.peak_flops / target.peak_flops
 
 
 @dataclass(frozen=True)
@@ -81,18 +75,43 @@ class CostModel:
         same_kind = [t for t in self._measured_types if t.kind == target.kind]
         return (same_kind or list(self._measured_types))[0]
 
+    @cached_property
+    def _traffic_bytes(self) -> dict[str, int]:
+        """Bytes a node reads and writes once: its parameters, inputs and outputs."""
+        traffic = {n.id: n.param_bytes + n.out_bytes for n in self.graph.nodes}
+        for e in self.graph.edges:
+            traffic[e.dst] += e.bytes
+        return traffic
+
+    @cached_property
+    def _node_times(self) -> dict[str, dict[str, tuple[float, float]]]:
+        return {}  # device type -> node id -> (fwd, bwd); filled on first use of each type
+
+    def node_times_s(self, device_type: str) -> dict[str, tuple[float, float]]:
+        """Forward and backward time of every node on a device type (measured or projected)."""
+        if device_type in self._node_times:
+            return self._node_times[device_type]
+        graph = self.graph
+        if device_type in graph.device_types:
+            times = {n.id: (n.fwd_s[device_type], n.bwd_s[device_type]) for n in graph.nodes}
+        else:
+            target = self._type(device_type)
+            if target is None:
+                raise HetplanError(f"unknown device type {device_type!r}")
+            src = self._source_type(target)
+            traffic = self._traffic_bytes
+            times = {
+                n.id: (project_s(n.fwd_s[src.name], n.flops, traffic[n.id], src, target),
+                       project_s(n.bwd_s[src.name], n.flops, traffic[n.id], src, target))
+                for n in graph.nodes
+            }
+        self._node_times[device_type] = times
+        return times
+
     def stage_times_s(self, nodes: Sequence[str], device_type: str) -> tuple[float, float]:
         """Forward and backward time of a set of nodes on a device type, for the whole batch."""
-        if device_type in self.graph.device_types:
-            fwd = math.fsum(self.graph.by_id[n].fwd_s[device_type] for n in nodes)
-            bwd = math.fsum(self.graph.by_id[n].bwd_s[device_type] for n in nodes)
-            return fwd, bwd
-        target = self._type(device_type)
-        if target is None:
-            raise HetplanError(f"unknown device type {device_type!r}")
-        src = self._source_type(target)
-        fwd, bwd = self.stage_times_s(nodes, src.name)
-        return projected_s(fwd, src, target), projected_s(bwd, src, target)
+        times = self.node_times_s(device_type)
+        return math.fsum(times[n][0] for n in nodes), math.fsum(times[n][1] for n in nodes)
 
     def device_stage_s(self, nodes: Sequence[str], device_id: str) -> float:
         fwd, bwd = self.stage_times_s(nodes, self.cluster.device(device_id).type)

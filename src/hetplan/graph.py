@@ -255,6 +255,21 @@ class Graph:
     def is_convex(self, node_ids: Iterable[str]) -> bool:
         return self.convexity_witness(node_ids) is None
 
+    @cached_property
+    def skip_edges(self) -> tuple[tuple[str, str], ...]:
+        """Edges u -> v that have another path from u to v: residual and skip connections, and
+        the joins of parallel branches. Found with descendant sets in reverse topological
+        order, O(V * (V + E)) at worst."""
+        below: dict[str, frozenset[str]] = {}
+        for n in reversed(self.topo_order):
+            reach: set[str] = set()
+            for s in self._succ[n]:
+                reach.add(s)
+                reach |= below[s]
+            below[n] = frozenset(reach)
+        return tuple((e.src, e.dst) for e in self.edges
+                     if any(e.dst in below[w] for w in self._succ[e.src] if w != e.dst))
+
     # ---- totals ------------------------------------------------------------------------------
 
     @cached_property

@@ -17,6 +17,7 @@ def graph_summary(graph: Graph) -> dict[str, Any]:
     return {
         "kind": "graph",
         "name": graph.name,
+        "granularity": graph.meta.get("granularity"),
         "source": graph.source,
         "nodes": len(graph.nodes),
         "edges": len(graph.edges),
@@ -33,6 +34,8 @@ def graph_summary(graph: Graph) -> dict[str, Any]:
         "sources": list(graph.sources),
         "sinks": list(graph.sinks),
         "max_out_degree": max(out_degree.values()),
+        "skip_edges": len(graph.skip_edges),
+        "skip_edge_examples": [list(e) for e in graph.skip_edges[:5]],
         "ops": dict(sorted(_count(n.op for n in graph.nodes).items(), key=lambda kv: (-kv[1], kv[0]))),
     }
 

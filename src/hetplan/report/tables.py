@@ -36,6 +36,10 @@ def show_graph(console: Console, graph: Graph) -> None:
         table.add_row("input nodes", f"{', '.join(n.id for n in inputs)} (data loading {fmt_seconds(load)})")
     table.add_row("sources / sinks", f"{len(graph.sources)} / {len(graph.sinks)}")
     table.add_row("widest fan-out", str(s["max_out_degree"]))
+    skips = graph.skip_edges
+    if skips:
+        shown = ", ".join(f"{a} -> {b}" for a, b in skips[:3])
+        table.add_row("skip edges", f"{len(skips)} (residual, skip or branch joins), e.g. {shown}")
     table.add_row("ops", ", ".join(f"{op} x{k}" for op, k in list(s["ops"].items())[:8]))
     console.print(table)
 

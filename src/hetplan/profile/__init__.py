@@ -1,0 +1,263 @@
+"""Profile a PyTorch training step into a hetplan `Graph`.
+
+`profile(model, example_inputs, ...)` and `profile_step(step, batch, ...)` trace the step with
+`torch.export`, cut it into one executable piece per node (`hetplan.profile.split`), run it once
+to capture every piece's inputs, and then time each piece's forward and backward pass on each
+requested device (`hetplan.profile.timing`). Edges carry the bytes of the tensors that really
+flow between pieces, so residual and skip connections and parallel branches appear as they are.
+
+The user's model is never changed: the profiler works on a deep copy, and restores the random
+number generators, the number of threads and the grad mode it found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetplan._frozen import FrozenMap
+from hetplan.errors import HetplanError
+from hetplan.graph import Edge, Graph, Node
+from hetplan.profile.devices import ProfileDevice, parse_device
+from hetplan.profile.split import GRANULARITIES, SplitStep, split_step, tensor_bytes
+from hetplan.profile.timing import output_bytes, time_cpu, time_cuda, warm_pass
+
+__all__ = ["GRANULARITIES", "ProfileReport", "profile", "profile_step"]
+
+
+@dataclass(frozen=True)
+class ProfileReport:
+    """A profiled graph, with what it cost to make and, with `check`, how faithful it is:
+    `whole_step_s` is the measured forward+backward step of the unsplit model per device type,
+    `check_ratio` the sum of node times divided by it."""
+
+    graph: Graph
+    profile_s: float
+    whole_step_s: Mapping[str, float] = field(default_factory=FrozenMap)
+    check_ratio: Mapping[str, float] = field(default_factory=FrozenMap)
+
+
+@contextlib.contextmanager
+def _preserved(devices: Sequence[ProfileDevice]) -> Iterator[None]:
+    cuda = sorted({int(d.torch_device.split(":")[1]) for d in devices if d.is_cuda})
+    threads = torch.get_num_threads()
+    grad = torch.is_grad_enabled()
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            torch.set_grad_enabled(True)
+            yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_grad_enabled(grad)
+
+
+def _to(batch: Mapping[str, Any], device: str) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _sync(device: ProfileDevice) -> None:
+    if device.is_cuda:
+        torch.cuda.synchronize(device.torch_device)
+
+
+def _whole_step_s(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, repeats: int) -> float:
+    """Median time of the unsplit step's forward and backward (after one warm-up)."""
+    times = []
+    for i in range(repeats + 1):
+        for p in step.parameters():
+            p.grad = None
+        _sync(device)
+        t0 = time.perf_counter()
+        step(**batch).backward()
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
+@dataclass
+class _Measured:
+    split: SplitStep
+    values: dict[str, Any]
+    times: dict[str, tuple[float, float]]
+    flops: dict[str, float]
+    act_bytes: dict[str, int]
+
+
+def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
+             block_classes: Sequence[str] | None, repeats: int, seed: int,
+             progress: Callable[[str], None] | None) -> _Measured:
+    work = copy.deepcopy(step).to(device.torch_device).train()
+    data = _to(batch, device.torch_device)
+    split = split_step(work, data, granularity, block_classes)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        _, values = split.run(data, capture=True)
+    timer = time_cuda if device.is_cuda else time_cpu
+    times, flops, acts = {}, {}, {}
+    for i, piece in enumerate(split.pieces):
+        if progress:
+            progress(f"{device.device_type}: {i + 1}/{len(split.pieces)} {piece.name}")
+        inputs = [values[n] for n in piece.inputs]
+        flops[piece.name], acts[piece.name] = warm_pass(piece, inputs)
+        times[piece.name] = timer(piece, inputs, repeats)
+    return _Measured(split, values, times, flops, acts)
+
+
+def profile_step(
+    step: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    name: str = "model",
+    devices: Sequence[str] = ("cpu",),
+    granularity: str = "layer",
+    block_classes: Sequence[str] | None = None,
+    repeats: int = 3,
+    seed: int = 0,
+    check: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> ProfileReport:
+    """Profile `step(**batch)`, a module whose forward returns the training loss."""
+    if granularity not in GRANULARITIES:
+        raise HetplanError(f"--granularity {granularity!r}: allowed are {', '.join(GRANULARITIES)}")
+    if repeats < 1:
+        raise HetplanError(f"--repeats {repeats}: must be >= 1")
+    parsed = list({d.device_type: d for d in map(parse_device, devices)}.values())
+    if not parsed:
+        raise HetplanError("give at least one --device")
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise HetplanError("the example batch needs at least one tensor with a batch dimension")
+    batch_size = int(tensors[0].shape[0])
+    start = time.perf_counter()
+    measured: dict[str, _Measured] = {}
+    whole: dict[str, float] = {}
+    with _preserved(parsed):
+        for device in parsed:
+            if device.threads:
+                torch.set_num_threads(device.threads)
+            try:
+                measured[device.device_type] = _measure(step, batch, device, granularity, block_classes,
+                                                         repeats, seed, progress)
+                if check:
+                    if progress:
+                        progress(f"{device.device_type}: timing the whole step")
+                    work = copy.deepcopy(step).to(device.torch_device).train()
+                    whole[device.device_type] = _whole_step_s(work, _to(batch, device.torch_device), device, repeats)
+            except Exception as exc:
+                if _is_oom(exc):
+                    raise HetplanError(
+                        f"out of memory while profiling {name} at batch size {batch_size} on {device.spec}: "
+                        "try a smaller --batch-size"
+                    ) from None
+                raise
+    graph = _build_graph(name, measured, parsed, batch, batch_size, granularity)
+    ratio = {t: math_sum_times(graph, t) / whole[t] for t in whole if whole[t] > 0}
+    return ProfileReport(graph, time.perf_counter() - start, whole, ratio)
+
+
+def math_sum_times(graph: Graph, device_type: str) -> float:
+    return graph.fwd_s_total(device_type) + graph.bwd_s_total(device_type)
+
+
+def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence[ProfileDevice],
+                 batch: Mapping[str, Any], batch_size: int, granularity: str) -> Graph:
+    first = measured[devices[0].device_type]
+    split = first.split
+    names = [p.name for p in split.pieces]
+    for dtype, m in measured.items():
+        if [p.name for p in m.split.pieces] != names:
+            raise HetplanError(f"the model was cut differently on {dtype}; profile one device type per run")
+    input_id = "input" if "input" not in names else "batch"
+    producer = {out: p.name for p in split.pieces for out in p.outputs}
+    graph_inputs = set(split.input_names)
+    values = first.values
+
+    edges: dict[tuple[str, str], int] = {}
+    for piece in split.pieces:
+        for value in piece.inputs:
+            src = input_id if value in graph_inputs else producer[value]
+            edges[(src, piece.name)] = edges.get((src, piece.name), 0) + tensor_bytes(values[value])
+    batch_bytes = sum(tensor_bytes(v) for v in batch.values())
+    nodes = [Node(input_id, "Input", {t: 0.0 for t in measured}, {t: 0.0 for t in measured},
+                  out_bytes=batch_bytes, is_input=True)]
+    for piece in split.pieces:
+        params = {id(p): p for p in piece.module.parameters()}
+        nodes.append(Node(
+            id=piece.name,
+            op=piece.op,
+            fwd_s={t: m.times[piece.name][0] for t, m in measured.items()},
+            bwd_s={t: m.times[piece.name][1] for t, m in measured.items()},
+            flops=first.flops[piece.name],
+            param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+            out_bytes=output_bytes([values[o] for o in piece.outputs]),
+            act_bytes=first.act_bytes[piece.name],
+            module=piece.modules,
+        ))
+    shapes = ", ".join(f"{k}[{'x'.join(map(str, v.shape))}] {str(v.dtype).removeprefix('torch.')}"
+                       for k, v in batch.items() if isinstance(v, torch.Tensor))
+    return Graph(
+        name=name,
+        nodes=tuple(nodes),
+        edges=tuple(Edge(s, d, b) for (s, d), b in edges.items()),
+        batch_size=batch_size,
+        profiled_on=devices[0].device_type,
+        source=f"profile:{name}",
+        meta={"granularity": granularity, "inputs": shapes, "torch": torch.__version__},
+    )
+
+
+def profile(
+    model: nn.Module,
+    example_inputs: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    device: str | Sequence[str] = "cpu",
+    granularity: str = "layer",
+    block_classes: Sequence[str] | None = None,
+    repeats: int = 3,
+    name: str | None = None,
+    check: bool = False,
+) -> Graph:
+    """Profile one training step of `model` on `example_inputs` (a dict of keyword arguments
+    or a sequence of positional ones) into a `Graph`.
+
+    `loss_fn(output)` turns the model's output into the scalar loss; by default the output's
+    `.loss` if it has one, else the mean of the output tensor. `device` is one spec or several
+    (`"cpu"`, `"cpu:4"`, `"cuda"`): each becomes a device type with its own times."""
+    from hetplan.zoo.models import TrainStep
+
+    if isinstance(example_inputs, Mapping):
+        batch = dict(example_inputs)
+        call = None
+    else:
+        batch = {f"arg{i}": x for i, x in enumerate(example_inputs)}
+        call = [f"arg{i}" for i in range(len(batch))]
+
+    def loss(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = m(*(b[k] for k in call)) if call is not None else m(**b)
+        if loss_fn is not None:
+            return loss_fn(out)
+        if getattr(out, "loss", None) is not None:
+            return out.loss
+        if not isinstance(out, torch.Tensor):
+            raise HetplanError("the model's output is not a tensor: pass loss_fn to turn it into the loss")
+        return out.float().mean()
+
+    devices = [device] if isinstance(device, str) else list(device)
+    report = profile_step(TrainStep(model, loss), batch, name=name or type(model).__name__, devices=devices,
+                          granularity=granularity, block_classes=block_classes, repeats=repeats, check=check)
+    return report.graph

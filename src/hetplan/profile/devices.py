@@ -1,0 +1,65 @@
+"""Devices to profile on: `cpu` (the current thread count), `cpu:N` (N threads), `cuda`, `cuda:K`.
+
+A CPU worker's device type is `cpu-Nt`; a GPU's is the catalog type that matches its name and
+memory (`h100-80gb`, `a100-40gb`, ...), or `gpu-<name>` for a GPU the catalog does not know.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from hetplan.errors import HetplanError
+
+_SPEC = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ProfileDevice:
+    spec: str
+    torch_device: str
+    device_type: str
+    threads: int | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.torch_device.startswith("cuda")
+
+
+def cuda_type_name(name: str, mem_bytes: int) -> str:
+    """The catalog type of a GPU from the name the driver reports and its memory."""
+    low = name.lower()
+    big = mem_bytes > 48 * GiB
+    for key, small, large in (("h200", "h200-141gb", "h200-141gb"), ("h100", "h100-80gb", "h100-80gb"),
+                              ("a100", "a100-40gb", "a100-80gb"), ("3090", "rtx3090-24gb", "rtx3090-24gb"),
+                              ("l4", "l4-24gb", "l4-24gb"), ("t4", "t4-16gb", "t4-16gb")):
+        if key in low:
+            return large if big else small
+    if "v100" in low:
+        return "v100-32gb" if mem_bytes > 20 * GiB else "v100-16gb"
+    return "gpu-" + re.sub(r"[^a-z0-9]+", "-", low).strip("-")
+
+
+def parse_device(spec: str) -> ProfileDevice:
+    match = _SPEC.match(spec.strip())
+    if not match:
+        raise HetplanError(f"--device {spec!r}: write cpu, cpu:N (N threads), cuda or cuda:K")
+    kind, num = match[1], match[2]
+    if kind == "cpu":
+        threads = int(num) if num else torch.get_num_threads()
+        if threads < 1:
+            raise HetplanError(f"--device {spec!r}: a CPU needs at least 1 thread")
+        return ProfileDevice(spec, "cpu", f"cpu-{threads}t", threads)
+    if not torch.cuda.is_available():
+        raise HetplanError(
+            f"--device {spec}: no CUDA device is available here (torch {torch.__version__}, "
+            f"torch.cuda.is_available() is False); profile with --device cpu:N, or on a machine with a GPU"
+        )
+    index = int(num) if num else 0
+    if index >= torch.cuda.device_count():
+        raise HetplanError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    props = torch.cuda.get_device_properties(index)
+    return ProfileDevice(spec, f"cuda:{index}", cuda_type_name(props.name, props.total_memory))

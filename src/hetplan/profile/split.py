@@ -1,0 +1,319 @@
+"""Trace a training step into a DAG of executable pieces, one per hetplan node.
+
+The step (model + loss) is captured with `torch.export` (non-strict, so ordinary Python control
+flow in the model runs as usual), which records every ATen op together with the stack of
+modules that called it (`nn_module_stack`). Each op is given to a *unit*:
+
+- granularity `layer`: the innermost module that called it, if that module is a leaf (has no
+  children);
+- granularity `block`: the outermost module on its stack that is a block (its class is one of
+  the block classes: a transformer block, a ResNet bottleneck, an Inception branch) or that
+  contains no block at all (an embedding, a final norm, a head).
+
+Ops that belong to no unit (functional code between modules: a residual add, a concatenation,
+mask and position-id arithmetic, rotary embeddings applied inside attention, the loss) are
+folded into a neighbour, so that every piece is code the runtime can run: into the first piece
+that consumes their result, or, for the loss and other ops whose results no piece reads, into
+their last producer (`_segments` says why this always gives a DAG). Each unit's ops are then copied into
+a `torch.fx.GraphModule` of their own, which takes the values it reads from other pieces and
+returns the values other pieces read. Parameters stay the very `Parameter` objects of the
+model, so a piece trains the model's own weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from hetplan.errors import HetplanError
+
+GRANULARITIES = ("layer", "block")
+_CALLS = ("call_function", "call_method", "call_module")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One node's code: `module(*values named by inputs)` returns the values named by outputs."""
+
+    name: str
+    op: str
+    modules: tuple[str, ...]
+    module: fx.GraphModule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SplitStep:
+    """A training step cut into pieces in a topological order. `input_keys` are the batch's
+    keys in the order of the graph's inputs, `input_names` the values they become, and `loss`
+    the value that is the step's loss."""
+
+    pieces: tuple[Piece, ...]
+    input_keys: tuple[str, ...]
+    input_names: tuple[str, ...]
+    loss: str
+
+    def run(self, batch: Mapping[str, Any], capture: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Run the pieces in order; returns the loss and, with `capture`, every value."""
+        env: dict[str, Any] = {name: batch[key] for key, name in zip(self.input_keys, self.input_names, strict=True)}
+        for piece in self.pieces:
+            outs = piece.module(*(env[n] for n in piece.inputs))
+            env.update(zip(piece.outputs, outs, strict=True))
+        return env[self.loss], (env if capture else {})
+
+
+def _class_name(t: Any) -> str:
+    return t.__name__ if isinstance(t, type) else str(t).rsplit(".", 1)[-1].rstrip("'>")
+
+
+def find_block_classes(model: nn.Module) -> tuple[str, ...]:
+    """Classes of the repeated blocks, for models that do not name them.
+
+    transformers models list them in `_no_split_modules` (what accelerate never splits across
+    devices). Otherwise: among the children of ModuleList/Sequential containers that are not
+    leaves, the class with the most instances that appear at least twice side by side."""
+    for mod in model.modules():
+        names = getattr(mod, "_no_split_modules", None)
+        if names:
+            return tuple(sorted(names))
+    counts: dict[str, int] = {}
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList | nn.Sequential):
+            kinds: dict[str, int] = {}
+            for child in mod.children():
+                if any(True for _ in child.children()):
+                    kinds[type(child).__name__] = kinds.get(type(child).__name__, 0) + 1
+            for cls, k in kinds.items():
+                if k >= 2:
+                    counts[cls] = counts.get(cls, 0) + k
+    if not counts:
+        return ()
+    return (max(sorted(counts), key=counts.__getitem__),)
+
+
+def _units(gm: fx.GraphModule, ops: list[fx.Node], model: nn.Module, granularity: str,
+           block_classes: Iterable[str]) -> dict[fx.Node, str | None]:
+    modules = dict(model.named_modules())
+    unit: dict[fx.Node, str | None] = {}
+    if granularity == "layer":
+        for n in ops:
+            stack = n.meta.get("nn_module_stack") or {}
+            inner = list(stack.values())[-1][0] if stack else None
+            mod = modules.get(inner) if inner is not None else None
+            unit[n] = inner if mod is not None and not any(True for _ in mod.children()) else None
+        return unit
+    classes = set(block_classes)
+    blocks = {name for name, mod in modules.items() if type(mod).__name__ in classes}
+    if not blocks:
+        raise HetplanError(
+            f"granularity block: no module of class {', '.join(sorted(classes)) or '(none found)'} in the model; "
+            "name the repeated block with --block-class NAME or use --granularity layer"
+        )
+    holds_block = {".".join(b.split(".")[:i]) for b in blocks for i in range(len(b.split(".")))}
+    for n in ops:
+        stack = n.meta.get("nn_module_stack") or {}
+        unit[n] = next((q for q, _ in stack.values() if q in blocks or (q not in holds_block and q in modules)), None)
+    return unit
+
+
+def _segments(ops: list[fx.Node], unit: dict[fx.Node, str | None]) -> tuple[dict[fx.Node, int], list[str]]:
+    """Number the pieces and give every op one (see the module docstring).
+
+    Ops with a unit are cut into maximal runs of the same unit, in graph order; each run is a
+    segment (a module called twice gives two). An op without a unit takes the smallest segment
+    among its consumers, or, if no consumer has one (the loss, shape assertions), the largest
+    among its producers. Then every data edge u -> v has seg(u) <= seg(v): anchored ops are
+    ordered like their positions, a folded op is no later than any consumer and no earlier than
+    any producer. So the segments, in number order, are a topological order of the pieces and
+    the piece graph is a DAG by construction."""
+    seg: dict[fx.Node, int] = {}
+    units: list[str] = []
+    for n in ops:
+        u = unit[n]
+        if u is None:
+            continue
+        if not units or units[-1] != u:
+            units.append(u)
+        seg[n] = len(units) - 1
+    for n in reversed(ops):
+        if n not in seg:
+            consumers = [seg[c] for c in n.users if c in seg]
+            if consumers:
+                seg[n] = min(consumers)
+    for n in ops:
+        if n not in seg:
+            producers = [seg[a] for a in n.all_input_nodes if a in seg]
+            if producers:
+                seg[n] = max(producers)
+    if not units:
+        units.append("model")
+    for n in ops:
+        seg.setdefault(n, 0)
+    return seg, units
+
+
+def _attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _extract(gm: fx.GraphModule, nodes: list[fx.Node], produced_outside: set[fx.Node],
+             needed_outside: set[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+    """Copy `nodes` into a GraphModule of their own. Values from outside become placeholders;
+    parameters, buffers and constants become attributes of the piece (the same objects)."""
+    graph = fx.Graph()
+    root = nn.Module()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[fx.Node] = []
+    members = set(nodes)
+
+    def lookup(a: fx.Node) -> fx.Node:
+        if a in env:
+            return env[a]
+        if a.op == "get_attr":
+            value = _attr(gm, a.target)
+            name = a.target.replace(".", "_")
+            if isinstance(value, nn.Parameter):
+                root.register_parameter(name, value)
+            elif isinstance(value, torch.Tensor):
+                root.register_buffer(name, value)
+            else:
+                setattr(root, name, value)
+            env[a] = graph.get_attr(name)
+        else:
+            env[a] = graph.placeholder(a.name)
+            env[a].meta = copy.copy(a.meta)
+            inputs.append(a)
+        return env[a]
+
+    # Inputs first, in the order the pieces read them, so that placeholders precede all ops.
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in members and (a.op == "placeholder" or a in produced_outside):
+                lookup(a)
+    for n in nodes:
+        args = fx.map_arg(n.args, lookup)
+        kwargs = fx.map_arg(n.kwargs, lookup)
+        target = n.target
+        if n.op == "call_module":
+            sub = _attr(gm, n.target)
+            target = n.target.replace(".", "_")
+            root.add_module(target, sub)
+        env[n] = graph.create_node(n.op, target, args, kwargs, name=n.name)
+        env[n].meta = copy.copy(n.meta)
+    outputs = [n for n in nodes if n in needed_outside]
+    graph.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(root, graph, class_name="Piece"), inputs, outputs
+
+
+def split_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: str = "layer",
+               block_classes: Iterable[str] | None = None, strip_prefix: str = "model.") -> SplitStep:
+    """Trace `step(**batch)` (which returns the loss) and cut it into pieces."""
+    if granularity not in GRANULARITIES:
+        raise HetplanError(f"--granularity {granularity!r}: allowed are {', '.join(GRANULARITIES)}")
+    gm = export_step(step, batch)
+    modules = dict(step.named_modules())  # the user's classes (the exported module has plain ones)
+    ops = [n for n in gm.graph.nodes if n.op in _CALLS and n.target != "_guards_fn"]
+    if block_classes is None and granularity == "block":
+        block_classes = find_block_classes(step)
+    unit = _units(gm, ops, step, granularity, block_classes or ())
+    seg, units = _segments(ops, unit)
+    members: list[list[fx.Node]] = [[] for _ in units]
+    for n in ops:
+        members[seg[n]].append(n)
+    # A module called more than once gives one piece per call: name the later ones name#2, ...
+    calls: dict[str, int] = {}
+    names: list[str] = []
+    for u in units:
+        calls[u] = calls.get(u, 0) + 1
+        base = u.removeprefix(strip_prefix)
+        names.append(base if calls[u] == 1 else f"{base}#{calls[u]}")
+
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    out_values = list(output_node.all_input_nodes)
+    if len(out_values) != 1:
+        raise HetplanError("the training step must return one tensor, the loss")
+    pieces: list[Piece] = []
+    for i, nodes in enumerate(members):
+        if not nodes:
+            continue
+        mine = set(nodes)
+        produced_outside = {n for n in ops if n not in mine}
+        needed = {n for n in nodes if any(user not in mine for user in n.users)}
+        module, inputs, outputs = _extract(gm, nodes, produced_outside, needed)
+        for a in inputs:
+            if a in seg and seg[a] > i:
+                raise AssertionError(f"piece {names[i]} reads {a.name} from a later piece")
+        owner = modules.get(units[i])
+        op = type(owner).__name__ if owner is not None else "Functional"
+        module_name = units[i].removeprefix(strip_prefix)
+        pieces.append(Piece(names[i], op, (module_name,), module, tuple(a.name for a in inputs),
+                            tuple(n.name for n in outputs)))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return SplitStep(tuple(pieces), tuple(batch), tuple(p.name for p in placeholders), out_values[0].name)
+
+
+def export_step(step: nn.Module, batch: Mapping[str, torch.Tensor]) -> fx.GraphModule:
+    """`torch.export` the step in training mode; a failure names the module where it happened."""
+    try:
+        with _quiet_torch_logs():
+            ep = torch.export.export(step, (), dict(batch), strict=False)
+    except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a message
+        where = _failing_module(exc, step)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise HetplanError(
+            f"cannot trace the model{where}: {type(exc).__name__}: {first}; make that module traceable by "
+            "torch.export, or profile at --granularity block"
+        ) from None
+    return ep.module()
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """When export fails, torch logs warnings and writes the half-traced graph to stderr; the
+    error we raise says what matters in one line, so both are held back while tracing."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _failing_module(exc: BaseException, step: nn.Module) -> str:
+    names = {id(m): n for n, m in step.named_modules()}
+    found = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names and names[id(owner)]:
+            found = f" in module '{names[id(owner)].removeprefix('model.')}' ({type(owner).__name__})"
+        tb = tb.tb_next
+    return found
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in a value (a tensor, or nested tuples/lists of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0

@@ -1,0 +1,213 @@
+"""The zoo's models and their builders (imported only when a model is built: it needs torch).
+
+The language and vision models are `transformers` model classes built from a configuration
+with random weights (`HF_HUB_OFFLINE=1` is set before transformers is imported); `InceptionTiny`
+and `MLP` are written here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hetplan.errors import HetplanError
+from hetplan.zoo import ZooModel
+
+
+class TrainStep(nn.Module):
+    """Wraps a model and its loss into one module whose forward returns the loss.
+
+    The wrapped model is `self.model`, so module names inside are `model.<name>`; the profiler
+    strips that prefix when it records which modules a node covers."""
+
+    def __init__(self, model: nn.Module, loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self._loss = loss
+
+    def forward(self, **batch: torch.Tensor) -> torch.Tensor:
+        return self._loss(self.model, batch)
+
+
+def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _lm_batch(batch_size: int, seq_len: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _image_batch(batch_size: int, size: int, classes: int, seed: int, key: str = "pixel_values"):
+    gen = torch.Generator().manual_seed(seed)
+    return {key: torch.randn(batch_size, 3, size, size, generator=gen),
+            "labels": torch.randint(0, classes, (batch_size,), generator=gen)}
+
+
+def gpt2(batch_size: int, seq_len: int, seed: int, *, layers: int, embd: int, heads: int, vocab: int,
+         positions: int) -> ZooModel:
+    tf = _transformers()
+    _check_seq(seq_len, positions)
+    cfg = tf.GPT2Config(n_layer=layers, n_embd=embd, n_head=heads, vocab_size=vocab, n_positions=positions,
+                        use_cache=False, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = tf.GPT2LMHeadModel(cfg)
+    return ZooModel("", TrainStep(model, _hf_loss), _lm_batch(batch_size, seq_len, vocab, seed), ("GPT2Block",))
+
+
+def bert(batch_size: int, seq_len: int, seed: int) -> ZooModel:
+    tf = _transformers()
+    _check_seq(seq_len, 512)
+    cfg = tf.BertConfig(attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = tf.BertForMaskedLM(cfg)
+    return ZooModel("", TrainStep(model, _hf_loss), _lm_batch(batch_size, seq_len, cfg.vocab_size, seed),
+                    ("BertLayer",))
+
+
+def llama_tiny(batch_size: int, seq_len: int, seed: int) -> ZooModel:
+    tf = _transformers()
+    _check_seq(seq_len, 512)
+    cfg = tf.LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, use_cache=False,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = tf.LlamaForCausalLM(cfg)
+    return ZooModel("", TrainStep(model, _hf_loss), _lm_batch(batch_size, seq_len, 256, seed),
+                    ("LlamaDecoderLayer",))
+
+
+def resnet50(batch_size: int, seq_len: int, seed: int) -> ZooModel:
+    tf = _transformers()
+    cfg = tf.ResNetConfig(num_labels=1000)  # the default configuration is ResNet-50
+    torch.manual_seed(seed)
+    model = tf.ResNetForImageClassification(cfg)
+    return ZooModel("", TrainStep(model, _hf_loss), _image_batch(batch_size, 224, 1000, seed),
+                    ("ResNetBottleNeckLayer",))
+
+
+def vit_base(batch_size: int, seq_len: int, seed: int) -> ZooModel:
+    tf = _transformers()
+    cfg = tf.ViTConfig(num_labels=1000, attn_implementation="sdpa")  # the default is ViT-B/16 at 224x224
+    torch.manual_seed(seed)
+    model = tf.ViTForImageClassification(cfg)
+    return ZooModel("", TrainStep(model, _hf_loss), _image_batch(batch_size, 224, 1000, seed), ("ViTLayer",))
+
+
+class ConvBNReLU(nn.Sequential):
+    def __init__(self, cin: int, cout: int, k: int):
+        super().__init__(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+
+
+class InceptionBranch(nn.Sequential):
+    """One parallel branch of an Inception module."""
+
+
+class InceptionModule(nn.Module):
+    """Four parallel branches (1x1; 1x1-3x3; 1x1-3x3-3x3; pool-1x1) joined by concatenation,
+    as in Szegedy et al., "Rethinking the Inception Architecture" (2016), at toy width."""
+
+    def __init__(self, cin: int, width: int):
+        super().__init__()
+        self.branches = nn.ModuleList([
+            InceptionBranch(ConvBNReLU(cin, width, 1)),
+            InceptionBranch(ConvBNReLU(cin, width, 1), ConvBNReLU(width, width, 3)),
+            InceptionBranch(ConvBNReLU(cin, width, 1), ConvBNReLU(width, width, 3), ConvBNReLU(width, width, 3)),
+            InceptionBranch(nn.MaxPool2d(3, stride=1, padding=1), ConvBNReLU(cin, width, 1)),
+        ])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([branch(x) for branch in self.branches], dim=1)
+
+
+class InceptionTiny(nn.Module):
+    def __init__(self, classes: int = 10, width: int = 16, modules: int = 3):
+        super().__init__()
+        self.stem = ConvBNReLU(3, 2 * width, 3)
+        self.blocks = nn.Sequential(*[InceptionModule(2 * width if i == 0 else 4 * width, width)
+                                      for i in range(modules)])
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(4 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
+
+
+def _classifier_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch["x"]), batch["labels"])
+
+
+def inception_tiny(batch_size: int, seq_len: int, seed: int) -> ZooModel:
+    torch.manual_seed(seed)
+    return ZooModel("", TrainStep(InceptionTiny(), _classifier_loss), _image_batch(batch_size, 32, 10, seed, "x"),
+                    ("InceptionBranch",))
+
+
+class MLP(nn.Sequential):
+    def __init__(self, dims: tuple[int, ...] = (784, 1024, 1024, 1024, 1024, 10)):
+        layers: list[nn.Module] = []
+        for i in range(len(dims) - 1):
+            layers.append(nn.Linear(dims[i], dims[i + 1]))
+            if i < len(dims) - 2:
+                layers.append(nn.ReLU())
+        super().__init__(*layers)
+
+
+def mlp(batch_size: int, seq_len: int, seed: int) -> ZooModel:
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    batch = {"x": torch.randn(batch_size, 784, generator=gen),
+             "labels": torch.randint(0, 10, (batch_size,), generator=gen)}
+    return ZooModel("", TrainStep(MLP(), _classifier_loss), batch, ("Linear",))
+
+
+def _check_seq(seq_len: int, limit: int) -> None:
+    if not 1 <= seq_len <= limit:
+        raise HetplanError(f"--seq-len {seq_len}: this model takes 1 to {limit} positions")
+
+
+
+
+def user_model(ref: str, batch_size: int | None, seq_len: int | None) -> ZooModel:
+    """`module.path:factory`: the factory returns a ZooModel or a (model, batch dict) pair."""
+    import importlib
+    from collections.abc import Mapping
+
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise HetplanError(f"{ref}: cannot import module {module_name!r} ({exc})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise HetplanError(f"{ref}: module {module_name!r} has no callable {attr!r}")
+    kwargs = {k: v for k, v in (("batch_size", batch_size), ("seq_len", seq_len)) if v}
+    made = factory(**kwargs)
+    if isinstance(made, ZooModel):
+        return ZooModel(made.name or ref, made.step, made.batch, made.block_classes)
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and isinstance(made[1], Mapping):
+        model, batch = made
+        return ZooModel(ref, TrainStep(model, _output_loss), dict(batch), ())
+    raise HetplanError(f"{ref}: the factory must return a hetplan.zoo.ZooModel or a (model, batch dict) pair")
+
+
+def _output_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's `.loss` if its output has one, else the mean of its output tensor."""
+    out = model(**batch)
+    if not isinstance(out, torch.Tensor) and getattr(out, "loss", None) is not None:
+        out = out.loss
+    if not isinstance(out, torch.Tensor):
+        raise HetplanError("the model's forward must return a tensor (or an output with .loss)")
+    return out if out.dim() == 0 else out.float().mean()

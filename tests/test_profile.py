@@ -1,0 +1,176 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from hetplan.errors import HetplanError
+from hetplan.profile import profile, profile_step
+from hetplan.profile.devices import cuda_type_name, parse_device
+from hetplan.profile.split import find_block_classes, split_step
+from hetplan.zoo import load_model
+
+
+def _grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name,kw,granularity", [
+    ("gpt2-tiny", {"batch_size": 2, "seq_len": 16}, "layer"),
+    ("gpt2-tiny", {"batch_size": 2, "seq_len": 16}, "block"),
+    ("llama-tiny", {"batch_size": 2, "seq_len": 16}, "layer"),
+    ("inception-tiny", {"batch_size": 4}, "layer"),
+    ("inception-tiny", {"batch_size": 4}, "block"),
+    ("mlp", {"batch_size": 4}, "layer"),
+])
+def test_pieces_compute_the_same_loss_and_gradients(name, kw, granularity):
+    """Running the pieces one after another is the model: same loss, same gradients."""
+    zm = load_model(name, **kw)
+    ref = copy.deepcopy(zm.step).train()
+    split = split_step(zm.step.train(), zm.batch, granularity, zm.block_classes)
+    torch.manual_seed(1)
+    ref_loss = ref(**zm.batch)
+    ref_loss.backward()
+    torch.manual_seed(1)
+    loss, _ = split.run(zm.batch)
+    loss.backward()
+    assert torch.equal(loss, ref_loss)
+    want, got = _grads(ref), _grads(zm.step)
+    assert want.keys() == got.keys() and len(want) > 0
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+def test_gpt2_tiny_graph_has_residual_edges():
+    zm = load_model("gpt2-tiny", batch_size=2, seq_len=16)
+    g = profile_step(zm.step, zm.batch, name="gpt2-tiny", repeats=1).graph
+    ids = [n.id for n in g.nodes]
+    assert ids[0] == "input" and g.node("input").is_input
+    assert "transformer.h.3.mlp.c_proj" in ids and g.node("transformer.h.0.attn.c_attn").op == "Conv1D"
+    # The residual around attention: the block's input goes straight to the add before ln_2.
+    assert ("transformer.drop", "transformer.h.0.ln_2") in g.skip_edges
+    hidden = 2 * 16 * 128 * 4
+    assert g.edge_bytes[("transformer.drop", "transformer.h.0.ln_1")] == hidden
+    assert g.node("transformer.h.0.attn.c_attn").flops == 2 * (2 * 16) * 128 * 384 + 0  # Q, K, V projection
+    assert g.node("transformer.h.0.attn.c_attn").param_bytes == (128 * 384 + 384) * 4
+    assert all(n.fwd_s["cpu-" + str(torch.get_num_threads()) + "t"] >= 0 for n in g.nodes)
+    assert g.meta["granularity"] == "layer" and g.batch_size == 2
+
+
+def test_block_granularity_gives_one_node_per_block():
+    zm = load_model("gpt2-tiny", batch_size=2, seq_len=16)
+    g = profile_step(zm.step, zm.batch, name="gpt2-tiny", granularity="block", block_classes=zm.block_classes,
+                     repeats=1).graph
+    blocks = [n for n in g.nodes if n.op == "GPT2Block"]
+    assert [n.id for n in blocks] == [f"transformer.h.{i}" for i in range(4)]
+    assert blocks[0].module == ("transformer.h.0",)
+
+
+def test_inception_has_parallel_branches():
+    zm = load_model("inception-tiny", batch_size=4)
+    for granularity in ("block", "layer"):
+        g = profile_step(zm.step, zm.batch, name="inception-tiny", granularity=granularity,
+                         block_classes=zm.block_classes, repeats=1).graph
+        assert max(len(g.successors(n.id)) for n in g.nodes) >= 3, granularity
+    block = profile_step(zm.step, zm.batch, granularity="block", block_classes=zm.block_classes, repeats=1).graph
+    assert set(block.successors("stem")) == {f"blocks.0.branches.{i}" for i in range(4)}
+
+
+def test_mlp_numbers_are_exact():
+    zm = load_model("mlp", batch_size=4)
+    g = profile_step(zm.step, zm.batch, name="mlp", repeats=1).graph
+    first = g.node("0")
+    assert first.op == "Linear"
+    assert first.flops == 2 * 4 * 784 * 1024
+    assert first.param_bytes == (784 * 1024 + 1024) * 4
+    assert first.out_bytes == 4 * 1024 * 4
+    assert first.act_bytes == 4 * 784 * 4  # the input, kept for the weight gradient
+    assert g.edge_bytes[("0", "1")] == 4 * 1024 * 4
+    assert g.node("1").act_bytes == 4 * 1024 * 4  # ReLU keeps its output
+    assert g.edge_bytes[("input", "0")] == 4 * 784 * 4
+    assert sum(n.param_bytes for n in g.nodes) == sum(p.numel() * 4 for p in zm.step.parameters())
+
+
+def test_several_devices_in_one_graph():
+    zm = load_model("mlp", batch_size=4)
+    g = profile_step(zm.step, zm.batch, devices=["cpu:1", "cpu:2"], repeats=1).graph
+    assert g.profiled_on == "cpu-1t" and g.device_types == ("cpu-1t", "cpu-2t")
+    assert all(set(n.fwd_s) == {"cpu-1t", "cpu-2t"} for n in g.nodes)
+
+
+def test_profile_leaves_the_users_model_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 2))
+    model.eval()
+    model[0].weight.requires_grad_(False)
+    before = copy.deepcopy(model.state_dict())
+    modes = [m.training for m in model.modules()]
+    flags = [p.requires_grad for p in model.parameters()]
+    threads = torch.get_num_threads()
+    x = torch.randn(4, 8)
+    rng = torch.get_rng_state()
+    with torch.no_grad():
+        g = profile(model, (x,), device=["cpu:1"], repeats=1)
+        assert not torch.is_grad_enabled()
+    assert len(g.nodes) == 5
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert [m.training for m in model.modules()] == modes
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.get_num_threads() == threads
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_profile_api_with_keyword_inputs_and_loss_fn():
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+    g = profile(model, {"input": torch.randn(6, 3)}, loss_fn=lambda out: (out ** 2).mean(), repeats=1, name="tiny")
+    assert g.name == "tiny" and g.batch_size == 6 and g.node("input").is_input
+    assert [n.op for n in g.nodes[1:]] == ["Linear", "Tanh", "Linear"]
+
+
+def test_block_classes_are_found():
+    assert find_block_classes(load_model("gpt2-tiny", batch_size=1, seq_len=4).step) == ("GPT2Block",)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(3)))
+    assert find_block_classes(seq) == ("Sequential",)
+
+
+def test_device_specs():
+    assert parse_device("cpu:3").device_type == "cpu-3t"
+    assert parse_device("cpu").device_type == f"cpu-{torch.get_num_threads()}t"
+    assert cuda_type_name("NVIDIA H100 80GB HBM3", 80 * 2**30) == "h100-80gb"
+    assert cuda_type_name("NVIDIA A100-SXM4-40GB", 40 * 2**30) == "a100-40gb"
+    assert cuda_type_name("NVIDIA A100-SXM4-80GB", 80 * 2**30) == "a100-80gb"
+    assert cuda_type_name("Tesla V100-SXM2-16GB", 16 * 2**30) == "v100-16gb"
+    assert cuda_type_name("Tesla T4", 15 * 2**30) == "t4-16gb"
+    assert cuda_type_name("Mystery GPU 9000", 8 * 2**30) == "gpu-mystery-gpu-9000"
+    with pytest.raises(HetplanError, match="write cpu, cpu:N"):
+        parse_device("tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_where_there_is_none():
+    with pytest.raises(HetplanError, match="no CUDA device is available here"):
+        parse_device("cuda")
+
+
+def test_untraceable_model_names_the_module():
+    from user_models import untraceable
+
+    model, batch = untraceable()
+    with pytest.raises(HetplanError, match=r"cannot trace the model in module 'gate' \(Gate\): .*--granularity block"):
+        profile(model, batch, repeats=1)
+
+
+def test_out_of_memory_names_the_batch_size():
+    from user_models import hungry
+
+    model, batch = hungry(batch_size=2)
+    with pytest.raises(HetplanError, match="out of memory while profiling .* at batch size 2 on cpu: try a smaller"):
+        profile(model, batch, repeats=1)
+
+
+def test_granularity_block_without_blocks():
+    zm = load_model("mlp", batch_size=2)
+    with pytest.raises(HetplanError, match="no module of class Nope"):
+        profile_step(zm.step, zm.batch, granularity="block", block_classes=["Nope"], repeats=1)
