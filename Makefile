@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	@mkdir -p $(OUT)
+	$(HETPLAN) profile gpt2-tiny --batch-size 8 --seq-len 64 --device cpu:1 --device cpu:2 --check -o $(OUT)/gpt2-tiny.json
+	$(HETPLAN) info $(OUT)/gpt2-tiny.json
+	$(HETPLAN) plan $(OUT)/gpt2-tiny.json --cluster local --planner uniform -o $(OUT)/plan-gpt2-tiny.json
 	$(HETPLAN) import pipedream $(PROFILES)/resnet50/graph.txt -o $(OUT)/resnet50.json
 	$(HETPLAN) info $(OUT)/resnet50.json
 	$(HETPLAN) info hetero-4

@@ -220,6 +220,10 @@ def test_profile_bad_input(cli, tmp_path):
     bad(cli("profile", "gpt3", "-o", out), "unknown model 'gpt3'", "gpt2-tiny", "inception-tiny")
     bad(cli("profile", "user_models:untraceable", "-o", out), "cannot trace the model in module 'gate'",
         "--granularity block")
+    bad(cli("profile", "user_models:untraceable", "--granularity", "block", "-o", out), "--block-class Gate")
+    assert cli("profile", "user_models:untraceable", "--granularity", "block", "--block-class", "Gate",
+               "-o", out).code == 0
+    out.unlink()
     bad(cli("profile", "user_models:hungry", "-o", out), "out of memory while profiling", "batch size")
     bad(cli("profile", "mlp", "--device", "tpu:0", "-o", out), "--device 'tpu:0'")
     bad(cli("profile", "gpt2-tiny", "--seq-len", "9999", "-o", out), "--seq-len 9999")

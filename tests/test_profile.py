@@ -154,12 +154,35 @@ def test_cuda_where_there_is_none():
         parse_device("cuda")
 
 
-def test_untraceable_model_names_the_module():
+def test_untraceable_model_names_the_module_and_the_way_out():
     from user_models import untraceable
 
     model, batch = untraceable()
     with pytest.raises(HetplanError, match=r"cannot trace the model in module 'gate' \(Gate\): .*--granularity block"):
         profile(model, batch, repeats=1)
+    with pytest.raises(HetplanError, match=r"torch.fx fails too in module 'gate' .* --block-class Gate"):
+        profile(model, batch, granularity="block", repeats=1)
+
+
+def test_blocks_are_run_not_traced_when_export_fails():
+    """The way out works: with Gate as a block, torch.fx treats it as one opaque call."""
+    from user_models import untraceable
+
+    model, batch = untraceable()
+    g = profile(model, batch, granularity="block", block_classes=["Gate"], repeats=1)
+    assert [(n.id, n.op) for n in g.nodes] == [("input", "Input"), ("gate", "Gate"), ("fc", "Linear")]
+    assert g.edge_bytes[("input", "gate")] == 2 * 4 * 4 and g.edge_bytes[("gate", "fc")] == 2 * 4 * 4
+    # and the pieces still compute the model's loss and gradients
+    step = __import__("hetplan.zoo.models", fromlist=["TrainStep"]).TrainStep(
+        model, lambda m, b: m(**b).float().mean())
+    ref = copy.deepcopy(step)
+    split = split_step(step, batch, "block", ["Gate"])
+    loss, _ = split.run(batch)
+    loss.backward()
+    ref_loss = ref(**batch)
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    torch.testing.assert_close(step.model.fc.weight.grad, ref.model.fc.weight.grad)
 
 
 def test_out_of_memory_names_the_batch_size():

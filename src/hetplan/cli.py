@@ -158,7 +158,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     serde.dump(graph, args.output)
     summary = {**{k: v for k, v in graph_summary(graph).items() if k != "ops"}, "kind": "profile",
                "output": str(args.output), "profile_s": report.profile_s,
-               "whole_step_s": dict(report.whole_step_s), "check_ratio": dict(report.check_ratio)}
+               "whole_step_s": dict(report.whole_step_s),
+               "whole_step_range_s": {k: list(v) for k, v in report.whole_step_range_s.items()},
+               "check_ratio": dict(report.check_ratio)}
     if args.json:
         _emit_json(summary)
         return 0
@@ -167,8 +169,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
               f"{len(graph.nodes)} nodes, {len(graph.edges)} edges, batch {graph.batch_size}, "
               f"profiled on {', '.join(graph.device_types)} in {report.profile_s:.1f} s")
     for dtype, ratio in report.check_ratio.items():
+        low, high = report.whole_step_range_s[dtype]
         out.print(f"check on {dtype}: sum of node times {_ms(graph.fwd_s_total(dtype) + graph.bwd_s_total(dtype))}"
-                  f" / measured whole step {_ms(report.whole_step_s[dtype])} = {ratio:.3f}")
+                  f" / measured whole step {_ms(report.whole_step_s[dtype])} (median; {_ms(low)} to {_ms(high)})"
+                  f" = {ratio:.3f}")
     return 0
 
 

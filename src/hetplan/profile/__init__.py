@@ -42,6 +42,7 @@ class ProfileReport:
     graph: Graph
     profile_s: float
     whole_step_s: Mapping[str, float] = field(default_factory=FrozenMap)
+    whole_step_range_s: Mapping[str, tuple[float, float]] = field(default_factory=FrozenMap)
     check_ratio: Mapping[str, float] = field(default_factory=FrozenMap)
 
 
@@ -68,10 +69,13 @@ def _sync(device: ProfileDevice) -> None:
         torch.cuda.synchronize(device.torch_device)
 
 
-def _whole_step_s(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, repeats: int) -> float:
-    """Median time of the unsplit step's forward and backward (after one warm-up)."""
+def _whole_step_s(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, repeats: int
+                  ) -> tuple[float, float, float]:
+    """Median, fastest and slowest time of the unsplit step's forward and backward over at
+    least 5 runs after one warm-up (the reference of `--check`: a shared machine's speed drifts
+    by 10% and more between runs, so a reference from fewer runs misleads)."""
     times = []
-    for i in range(repeats + 1):
+    for i in range(max(repeats, 5) + 1):
         for p in step.parameters():
             p.grad = None
         _sync(device)
@@ -80,7 +84,7 @@ def _whole_step_s(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevi
         _sync(device)
         if i:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times), min(times), max(times)
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -144,7 +148,7 @@ def profile_step(
     batch_size = int(tensors[0].shape[0])
     start = time.perf_counter()
     measured: dict[str, _Measured] = {}
-    whole: dict[str, float] = {}
+    whole: dict[str, tuple[float, float, float]] = {}
     with _preserved(parsed):
         for device in parsed:
             if device.threads:
@@ -152,6 +156,8 @@ def profile_step(
             try:
                 measured[device.device_type] = _measure(step, batch, device, granularity, block_classes,
                                                          repeats, seed, progress)
+                if len(measured) > 1:  # sizes come from the first device: let the rest go
+                    measured[device.device_type].values.clear()
                 if check:
                     if progress:
                         progress(f"{device.device_type}: timing the whole step")
@@ -165,12 +171,9 @@ def profile_step(
                     ) from None
                 raise
     graph = _build_graph(name, measured, parsed, batch, batch_size, granularity)
-    ratio = {t: math_sum_times(graph, t) / whole[t] for t in whole if whole[t] > 0}
-    return ProfileReport(graph, time.perf_counter() - start, whole, ratio)
-
-
-def math_sum_times(graph: Graph, device_type: str) -> float:
-    return graph.fwd_s_total(device_type) + graph.bwd_s_total(device_type)
+    ratio = {t: (graph.fwd_s_total(t) + graph.bwd_s_total(t)) / w[0] for t, w in whole.items() if w[0] > 0}
+    return ProfileReport(graph, time.perf_counter() - start, {t: w[0] for t, w in whole.items()},
+                         {t: (w[1], w[2]) for t, w in whole.items()}, ratio)
 
 
 def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence[ProfileDevice],
@@ -238,7 +241,7 @@ def profile(
     `loss_fn(output)` turns the model's output into the scalar loss; by default the output's
     `.loss` if it has one, else the mean of the output tensor. `device` is one spec or several
     (`"cpu"`, `"cpu:4"`, `"cuda"`): each becomes a device type with its own times."""
-    from hetplan.zoo.models import TrainStep
+    from hetplan.zoo.models import TrainStep, output_loss
 
     if isinstance(example_inputs, Mapping):
         batch = dict(example_inputs)
@@ -249,13 +252,7 @@ def profile(
 
     def loss(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
         out = m(*(b[k] for k in call)) if call is not None else m(**b)
-        if loss_fn is not None:
-            return loss_fn(out)
-        if getattr(out, "loss", None) is not None:
-            return out.loss
-        if not isinstance(out, torch.Tensor):
-            raise HetplanError("the model's output is not a tensor: pass loss_fn to turn it into the loss")
-        return out.float().mean()
+        return loss_fn(out) if loss_fn is not None else output_loss(out)
 
     devices = [device] if isinstance(device, str) else list(device)
     report = profile_step(TrainStep(model, loss), batch, name=name or type(model).__name__, devices=devices,

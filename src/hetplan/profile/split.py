@@ -101,14 +101,23 @@ def find_block_classes(model: nn.Module) -> tuple[str, ...]:
     return (max(sorted(counts), key=counts.__getitem__),)
 
 
+def _stack(n: fx.Node) -> list[str]:
+    """Qualified names of the modules that called an op, outermost first (a call of a leaf
+    module traced by torch.fx is an op of that module)."""
+    names = [q for q, _ in (n.meta.get("nn_module_stack") or {}).values()]
+    if n.op == "call_module" and (not names or names[-1] != n.target):
+        names.append(str(n.target))
+    return names
+
+
 def _units(gm: fx.GraphModule, ops: list[fx.Node], model: nn.Module, granularity: str,
            block_classes: Iterable[str]) -> dict[fx.Node, str | None]:
     modules = dict(model.named_modules())
     unit: dict[fx.Node, str | None] = {}
     if granularity == "layer":
         for n in ops:
-            stack = n.meta.get("nn_module_stack") or {}
-            inner = list(stack.values())[-1][0] if stack else None
+            stack = _stack(n)
+            inner = stack[-1] if stack else None
             mod = modules.get(inner) if inner is not None else None
             unit[n] = inner if mod is not None and not any(True for _ in mod.children()) else None
         return unit
@@ -121,8 +130,7 @@ def _units(gm: fx.GraphModule, ops: list[fx.Node], model: nn.Module, granularity
         )
     holds_block = {".".join(b.split(".")[:i]) for b in blocks for i in range(len(b.split(".")))}
     for n in ops:
-        stack = n.meta.get("nn_module_stack") or {}
-        unit[n] = next((q for q, _ in stack.values() if q in blocks or (q not in holds_block and q in modules)), None)
+        unit[n] = next((q for q in _stack(n) if q in blocks or (q not in holds_block and q in modules)), None)
     return unit
 
 
@@ -223,12 +231,22 @@ def split_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: 
     """Trace `step(**batch)` (which returns the loss) and cut it into pieces."""
     if granularity not in GRANULARITIES:
         raise HetplanError(f"--granularity {granularity!r}: allowed are {', '.join(GRANULARITIES)}")
-    gm = export_step(step, batch)
-    modules = dict(step.named_modules())  # the user's classes (the exported module has plain ones)
-    ops = [n for n in gm.graph.nodes if n.op in _CALLS and n.target != "_guards_fn"]
     if block_classes is None and granularity == "block":
         block_classes = find_block_classes(step)
-    unit = _units(gm, ops, step, granularity, block_classes or ())
+    root: nn.Module = step
+    try:
+        gm = export_step(step, batch)
+    except HetplanError as exc:
+        if granularity != "block":
+            raise HetplanError(f"{exc}; or profile at --granularity block, where blocks are run, not traced "
+                               "(--block-class NAME makes that module a block)") from None
+        # Blocks as opaque leaves: torch.fx does not look inside them, so whatever they do is fine.
+        root = _keyword_step(step, tuple(batch))
+        gm = _fx_trace(root, set(block_classes or ()), exc)
+        strip_prefix = "inner." + strip_prefix
+    modules = dict(root.named_modules())  # the user's classes (the exported module has plain ones)
+    ops = [n for n in gm.graph.nodes if n.op in _CALLS and n.target != "_guards_fn"]
+    unit = _units(gm, ops, root, granularity, block_classes or ())
     seg, units = _segments(ops, unit)
     members: list[list[fx.Node]] = [[] for _ in units]
     for n in ops:
@@ -265,6 +283,42 @@ def split_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: 
     return SplitStep(tuple(pieces), tuple(batch), tuple(p.name for p in placeholders), out_values[0].name)
 
 
+def _keyword_step(step: nn.Module, keys: tuple[str, ...]) -> nn.Module:
+    """`step(**batch)` as a module whose forward names the batch's keys, which torch.fx can
+    trace (it reads argument names from the code of the class's forward)."""
+    if not all(k.isidentifier() for k in keys):
+        raise HetplanError(f"batch keys must be Python names to trace the model, got {list(keys)}")
+    namespace: dict[str, Any] = {}
+    exec(f"def forward(self, {', '.join(keys)}):\n    return self.inner({', '.join(f'{k}={k}' for k in keys)})",
+         namespace)
+    cls = type("KeywordStep", (nn.Module,), {"forward": namespace["forward"]})
+    wrapper = cls()
+    wrapper.inner = step
+    return wrapper
+
+
+def _fx_trace(root: nn.Module, opaque: set[str], export_error: HetplanError) -> fx.GraphModule:
+    class Tracer(fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return type(m).__name__ in opaque or super().is_leaf_module(m, qualname)
+
+    try:
+        with _quiet_torch_logs():
+            graph = Tracer().trace(root)
+    except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a message
+        where = _failing_module(exc, root)
+        hint = f"; make it a block with --block-class {where.split('(')[-1].rstrip(')')}" if where else ""
+        raise HetplanError(
+            f"{export_error}; with blocks ({', '.join(sorted(opaque)) or 'none found'}) as opaque units, "
+            f"torch.fx fails too{where}: {type(exc).__name__}: {_first_line(exc)}{hint}"
+        ) from None
+    return fx.GraphModule(root, graph)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
 def export_step(step: nn.Module, batch: Mapping[str, torch.Tensor]) -> fx.GraphModule:
     """`torch.export` the step in training mode; a failure names the module where it happened."""
     try:
@@ -272,10 +326,9 @@ def export_step(step: nn.Module, batch: Mapping[str, torch.Tensor]) -> fx.GraphM
             ep = torch.export.export(step, (), dict(batch), strict=False)
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a message
         where = _failing_module(exc, step)
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise HetplanError(
-            f"cannot trace the model{where}: {type(exc).__name__}: {first}; make that module traceable by "
-            "torch.export, or profile at --granularity block"
+            f"cannot trace the model{where}: {type(exc).__name__}: {_first_line(exc)}; make that module "
+            "traceable by torch.export"
         ) from None
     return ep.module()
 
@@ -301,7 +354,8 @@ def _failing_module(exc: BaseException, step: nn.Module) -> str:
     while tb is not None:
         owner = tb.tb_frame.f_locals.get("self")
         if isinstance(owner, nn.Module) and id(owner) in names and names[id(owner)]:
-            found = f" in module '{names[id(owner)].removeprefix('model.')}' ({type(owner).__name__})"
+            qualname = names[id(owner)].removeprefix("inner.").removeprefix("model.")
+            found = f" in module '{qualname}' ({type(owner).__name__})"
         tb = tb.tb_next
     return found
 

@@ -38,12 +38,15 @@ class PieceCost:
 
 
 def _leaves(inputs: Sequence[Any]) -> list[Any]:
-    """Fresh leaf copies of the floating inputs, so each repeat has its own autograd graph and
-    the backward pass computes the gradients a pipeline stage sends upstream."""
+    """Fresh copies of the floating inputs that require grad, so each repeat has its own
+    autograd graph and the backward pass computes the gradients a pipeline stage sends
+    upstream. They are clones of a leaf rather than leaves, because a piece may change its
+    input in place (ReLU(inplace=True)), which autograd forbids on a leaf; the clone is made
+    here, outside the timed region, and its backward is the identity."""
     out = []
     for x in inputs:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
-            out.append(x.detach().requires_grad_(True))
+            out.append(x.detach().requires_grad_(True).clone())
         else:
             out.append(x)
     return out
@@ -81,6 +84,9 @@ def warm_pass(piece: Piece, inputs: Sequence[Any]) -> tuple[float, int]:
 
 
 def time_cpu(piece: Piece, inputs: Sequence[Any], repeats: int) -> tuple[float, float]:
+    """Median forward and backward time over `repeats`. (Evicting the last-level cache before
+    each pass, to mimic a real step where other layers ran in between, changed the sums by less
+    than this machine's run-to-run noise, so it is not done.)"""
     fwd: list[float] = []
     bwd: list[float] = []
     for _ in range(repeats):

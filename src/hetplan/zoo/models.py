@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from hetplan.errors import HetplanError
 from hetplan.zoo import ZooModel
@@ -203,11 +204,18 @@ def user_model(ref: str, batch_size: int | None, seq_len: int | None) -> ZooMode
     raise HetplanError(f"{ref}: the factory must return a hetplan.zoo.ZooModel or a (model, batch dict) pair")
 
 
-def _output_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The model's `.loss` if its output has one, else the mean of its output tensor."""
-    out = model(**batch)
-    if not isinstance(out, torch.Tensor) and getattr(out, "loss", None) is not None:
+def output_loss(out: Any) -> torch.Tensor:
+    """The loss in a model's output: its `.loss` (a transformers ModelOutput), or the mean of
+    the output tensor. The test is on the output's class, so that it also holds while torch.fx
+    traces the model (then `out` is a Proxy, which has every attribute)."""
+    if not isinstance(out, torch.Tensor) and hasattr(type(out), "loss"):
         out = out.loss
-    if not isinstance(out, torch.Tensor):
-        raise HetplanError("the model's forward must return a tensor (or an output with .loss)")
-    return out if out.dim() == 0 else out.float().mean()
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    if not isinstance(out, torch.Tensor | fx.Proxy):
+        raise HetplanError("the model's output is not a tensor: pass loss_fn to turn it into the loss")
+    return out.float().mean()
+
+
+def _output_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return output_loss(model(**batch))

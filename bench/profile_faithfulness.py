@@ -1,0 +1,77 @@
+"""Faithfulness and cost of the profiler (issue 3).
+
+For each model, runs the CLI exactly as a user would,
+
+    hetplan profile MODEL --batch-size B [--seq-len S] --device cpu --granularity G --check -o OUT --json
+
+and reports the sum of node times against the measured whole forward+backward step of the
+unsplit model (the `--check` ratio), then times a plain profile of gpt2 at batch 8, sequence 128
+(no --check) from the shell, model construction and start-up included.
+
+    .venv/bin/python bench/profile_faithfulness.py [--out bench/results/profile_faithfulness.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HETPLAN = str(Path(sys.executable).with_name("hetplan"))
+CASES = [
+    ("gpt2", 8, 128, "layer"), ("gpt2", 8, 128, "block"),
+    ("bert-base", 8, 128, "layer"), ("bert-base", 8, 128, "block"),
+    ("resnet50", 16, None, "layer"), ("resnet50", 16, None, "block"),
+]
+
+
+def run(args: list[str]) -> tuple[dict, float]:
+    start = time.perf_counter()
+    proc = subprocess.run([HETPLAN, *args, "--json"], capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed: {proc.stderr}")
+    return json.loads(proc.stdout), wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("bench/results/profile_faithfulness.json"))
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        # Two rounds, so that each case is measured twice at different times: this machine's
+        # speed drifts, and the spread between the rounds shows by how much.
+        for model, batch, seq, gran in CASES * 2:
+            cmd = ["profile", model, "--batch-size", str(batch), "--device", "cpu", "--granularity", gran,
+                   "--check", "-o", f"{tmp}/{model}-{gran}.json"]
+            if seq:
+                cmd[4:4] = ["--seq-len", str(seq)]
+            info, wall = run(cmd)
+            dtype = info["device_types"][0]
+            rows.append({"command": "hetplan " + " ".join(cmd).replace(tmp + "/", ""), "model": model,
+                         "batch": batch, "seq_len": seq, "granularity": gran, "nodes": info["nodes"],
+                         "sum_nodes_s": info["fwd_s_total"] + info["bwd_s_total"],
+                         "whole_step_s": info["whole_step_s"][dtype],
+                         "whole_step_range_s": info["whole_step_range_s"][dtype], "ratio": info["check_ratio"][dtype],
+                         "profile_s": info["profile_s"], "wall_s": wall})
+            print(json.dumps(rows[-1]), flush=True)
+        timed = []
+        for _ in range(2):
+            _, wall = run(["profile", "gpt2", "--batch-size", "8", "--seq-len", "128", "--device", "cpu",
+                           "-o", f"{tmp}/gpt2-plain.json"])
+            timed.append(wall)
+            print(json.dumps({"gpt2_profile_wall_s": wall}), flush=True)
+    result = {"machine": f"{platform.processor() or platform.machine()}, {platform.node()}", "rows": rows,
+              "gpt2_b8_s128_profile_wall_s": timed}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
