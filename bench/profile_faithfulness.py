@@ -5,7 +5,8 @@ For each model, runs the CLI exactly as a user would,
     hetplan profile MODEL --batch-size B [--seq-len S] --device cpu --granularity G --check -o OUT --json
 
 and reports the sum of node times against the measured whole forward+backward step of the
-unsplit model (the `--check` ratio), then times a plain profile of gpt2 at batch 8, sequence 128
+unsplit model (the `--check` ratios: fastest runs against fastest runs, and medians against
+medians), then times a plain profile of gpt2 at batch 8, sequence 128
 (no --check) from the shell, model construction and start-up included.
 
     .venv/bin/python bench/profile_faithfulness.py [--out bench/results/profile_faithfulness.json]
@@ -59,6 +60,7 @@ def main() -> None:
                          "sum_nodes_s": info["fwd_s_total"] + info["bwd_s_total"],
                          "whole_step_s": info["whole_step_s"][dtype],
                          "whole_step_range_s": info["whole_step_range_s"][dtype], "ratio": info["check_ratio"][dtype],
+                         "ratio_median": info["check_ratio_median"][dtype],
                          "profile_s": info["profile_s"], "wall_s": wall})
             print(json.dumps(rows[-1]), flush=True)
         timed = []

@@ -29,14 +29,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from hetplan.profile.split import Piece, tensor_bytes
 
 
-@dataclass(frozen=True)
-class PieceCost:
-    fwd_s: float
-    bwd_s: float
-    flops: float
-    act_bytes: int
-
-
 def _leaves(inputs: Sequence[Any]) -> list[Any]:
     """Fresh copies of the floating inputs that require grad, so each repeat has its own
     autograd graph and the backward pass computes the gradients a pipeline stage sends
@@ -83,10 +75,22 @@ def warm_pass(piece: Piece, inputs: Sequence[Any]) -> tuple[float, int]:
     return float(counter.get_total_flops()), sum(saved.values())
 
 
-def time_cpu(piece: Piece, inputs: Sequence[Any], repeats: int) -> tuple[float, float]:
-    """Median forward and backward time over `repeats`. (Evicting the last-level cache before
-    each pass, to mimic a real step where other layers ran in between, changed the sums by less
-    than this machine's run-to-run noise, so it is not done.)"""
+@dataclass(frozen=True)
+class Timing:
+    """Forward and backward seconds: the median over the repeats (what the graph stores) and
+    the fastest repeat (interference from other work only ever adds time, so the fastest is the
+    steadiest estimate on a shared machine; `--check` compares fastest with fastest)."""
+
+    fwd_s: float
+    bwd_s: float
+    fwd_min_s: float
+    bwd_min_s: float
+
+
+def time_cpu(piece: Piece, inputs: Sequence[Any], repeats: int) -> Timing:
+    """Forward and backward time over `repeats`. (Evicting the last-level cache before each
+    pass, to mimic a real step where other layers ran in between, changed the sums by less than
+    this machine's run-to-run noise, so it is not done.)"""
     fwd: list[float] = []
     bwd: list[float] = []
     for _ in range(repeats):
@@ -103,10 +107,10 @@ def time_cpu(piece: Piece, inputs: Sequence[Any], repeats: int) -> tuple[float, 
         t3 = time.perf_counter()
         fwd.append(t1 - t0)
         bwd.append(t3 - t2)
-    return statistics.median(fwd), statistics.median(bwd)
+    return Timing(statistics.median(fwd), statistics.median(bwd), min(fwd), min(bwd))
 
 
-def time_cuda(piece: Piece, inputs: Sequence[Any], repeats: int) -> tuple[float, float]:
+def time_cuda(piece: Piece, inputs: Sequence[Any], repeats: int) -> Timing:
     leaves = [_leaves(inputs) for _ in range(repeats)]
     start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     torch.cuda.synchronize()
@@ -124,7 +128,8 @@ def time_cuda(piece: Piece, inputs: Sequence[Any], repeats: int) -> tuple[float,
             torch.autograd.backward(d, g)
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(mid) / 1e3 / repeats, begin.elapsed_time(end) / 1e3 / repeats
+    fwd, bwd = start.elapsed_time(mid) / 1e3 / repeats, begin.elapsed_time(end) / 1e3 / repeats
+    return Timing(fwd, bwd, fwd, bwd)  # one back-to-back batch: its mean is both
 
 
 def output_bytes(outs: Sequence[Any]) -> int:
