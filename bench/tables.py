@@ -1,0 +1,46 @@
+"""Print the Markdown tables of BENCHMARKS.md from the JSON files in bench/results/.
+
+    .venv/bin/python bench/tables.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).with_name("results")
+
+
+def faithfulness() -> None:
+    data = json.loads((RESULTS / "profile_faithfulness.json").read_text())
+    print("| model | batch | granularity | nodes | sum of nodes (median) | whole step: median (fastest-slowest) "
+          "| ratio, fastest | ratio, medians | profiling (wall) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in data["rows"]:
+        shape = f"{r['batch']}x{r['seq_len']}" if r["seq_len"] else str(r["batch"])
+        lo, hi = r["whole_step_range_s"]
+        print(f"| {r['model']} | {shape} | {r['granularity']} | {r['nodes']} | {r['sum_nodes_s']:.2f} s "
+              f"| {r['whole_step_s']:.2f} s ({lo:.2f}-{hi:.2f}) | {r['ratio']:.3f} | {r['ratio_median']:.3f} "
+              f"| {r['wall_s']:.0f} s |")
+    print()
+    print("gpt2 batch 8 x 128, plain profile (no --check), wall seconds:",
+          ", ".join(f"{t:.1f}" for t in data["gpt2_b8_s128_profile_wall_s"]))
+
+
+def projection() -> None:
+    data = json.loads((RESULTS / "projection_error.json").read_text())
+    print("| model | batch | nodes | sum on 1 thread | 2 threads measured | 2 threads projected | error of the sum "
+          "| node error (median) | node error (time-weighted) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in data["rows"]:
+        shape = f"{r['batch_size']}x{r['seq_len']}" if r.get("seq_len") else str(r["batch_size"])
+        print(f"| {r['model']} | {shape} | {r['nodes']} | {r['sum_1t_s']:.2f} s | {r['sum_2t_measured_s']:.2f} s "
+              f"(speed-up {r['measured_speedup_2t']:.2f}x) | {r['sum_2t_projected_s']:.2f} s | "
+              f"{r['total_rel_error']:+.0%} | {r['node_median_abs_rel_error']:.0%} | "
+              f"{r['node_time_weighted_abs_rel_error']:.0%} |")
+
+
+if __name__ == "__main__":
+    faithfulness()
+    print()
+    projection()
