@@ -33,7 +33,8 @@ def show_graph(console: Console, graph: Graph) -> None:
     inputs = [n for n in graph.nodes if n.is_input]
     if inputs:
         load = sum(n.fwd_s[graph.profiled_on] for n in inputs)
-        table.add_row("input nodes", f"{', '.join(n.id for n in inputs)} (data loading {fmt_seconds(load)})")
+        loading = f" (data loading {fmt_seconds(load)})" if load > 0 else ""
+        table.add_row("input nodes", f"{', '.join(n.id for n in inputs)}{loading}")
     table.add_row("sources / sinks", f"{len(graph.sources)} / {len(graph.sinks)}")
     table.add_row("widest fan-out", str(s["max_out_degree"]))
     skips = graph.skip_edges
