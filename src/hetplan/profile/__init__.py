@@ -28,7 +28,7 @@ from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.profile.devices import ProfileDevice, parse_device
 from hetplan.profile.split import GRANULARITIES, SplitStep, split_step, tensor_bytes
-from hetplan.profile.timing import Timing, output_bytes, time_cpu, time_cuda, warm_pass
+from hetplan.profile.timing import Timing, time_cpu, time_cuda, warm_pass
 
 __all__ = ["GRANULARITIES", "ProfileReport", "profile", "profile_step"]
 
@@ -217,7 +217,7 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
             bwd_s={t: m.times[piece.name].bwd_s for t, m in measured.items()},
             flops=first.flops[piece.name],
             param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
-            out_bytes=output_bytes([values[o] for o in piece.outputs]),
+            out_bytes=tensor_bytes([values[o] for o in piece.outputs]),
             act_bytes=first.act_bytes[piece.name],
             module=piece.modules,
         ))

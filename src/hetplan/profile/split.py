@@ -26,7 +26,6 @@ import contextlib
 import copy
 import io
 import logging
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -367,7 +366,3 @@ def tensor_bytes(value: Any) -> int:
     if isinstance(value, list | tuple):
         return sum(tensor_bytes(v) for v in value)
     return 0
-
-
-def finite(x: float) -> float:
-    return x if math.isfinite(x) else 0.0

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hetplan.profile.split import Piece, tensor_bytes
+from hetplan.profile.split import Piece
 
 
 def _leaves(inputs: Sequence[Any]) -> list[Any]:
@@ -130,7 +130,3 @@ def time_cuda(piece: Piece, inputs: Sequence[Any], repeats: int) -> Timing:
     torch.cuda.synchronize()
     fwd, bwd = start.elapsed_time(mid) / 1e3 / repeats, begin.elapsed_time(end) / 1e3 / repeats
     return Timing(fwd, bwd, fwd, bwd)  # one back-to-back batch: its mean is both
-
-
-def output_bytes(outs: Sequence[Any]) -> int:
-    return sum(tensor_bytes(o) for o in outs)
