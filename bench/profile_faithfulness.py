@@ -61,6 +61,7 @@ def main() -> None:
                          "whole_step_s": info["whole_step_s"][dtype],
                          "whole_step_range_s": info["whole_step_range_s"][dtype], "ratio": info["check_ratio"][dtype],
                          "ratio_median": info["check_ratio_median"][dtype],
+                         "ratio_isolated": info["check_ratio_isolated"][dtype],
                          "profile_s": info["profile_s"], "wall_s": wall})
             print(json.dumps(rows[-1]), flush=True)
         timed = []

@@ -197,3 +197,23 @@ def test_granularity_block_without_blocks():
     zm = load_model("mlp", batch_size=2)
     with pytest.raises(HetplanError, match="no module of class Nope"):
         profile_step(zm.step, zm.batch, granularity="block", block_classes=["Nope"], repeats=1)
+
+
+def test_calibration_keeps_each_nodes_share_and_matches_the_sequence():
+    from hetplan.profile import _calibrated
+    from hetplan.profile.timing import Timing
+
+    times = {"a": Timing(1.0, 2.0, 0.9, 1.8), "b": Timing(3.0, 2.0, 2.7, 1.9)}
+    out = _calibrated(times, fwd_total_s=6.0, bwd_total_s=2.0)
+    assert out["a"].fwd_s + out["b"].fwd_s == pytest.approx(6.0)
+    assert out["a"].bwd_s + out["b"].bwd_s == pytest.approx(2.0)
+    assert out["a"].fwd_s / out["b"].fwd_s == pytest.approx(1 / 3) and out["a"].bwd_s == pytest.approx(1.0)
+    assert out["b"].fwd_min_s == pytest.approx(2.7 * 1.5) and out["b"].bwd_min_s == pytest.approx(1.9 * 0.5)
+
+
+def test_isolated_and_calibrated_profiles_say_which_they_are():
+    zm = load_model("mlp", batch_size=4)
+    calibrated = profile_step(zm.step, zm.batch, repeats=1).graph
+    isolated = profile_step(zm.step, zm.batch, repeats=1, calibrate=False).graph
+    assert calibrated.meta["timing"].startswith("calibrated") and isolated.meta["timing"].startswith("nodes timed")
+    assert [n.id for n in calibrated.nodes] == [n.id for n in isolated.nodes]
