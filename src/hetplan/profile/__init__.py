@@ -109,12 +109,16 @@ class _Measured:
     isolated: dict[str, Timing]  # before calibration
 
 
-def _in_sequence_s(split: SplitStep, data: Mapping[str, Any], device: ProfileDevice, repeats: int
+def _in_sequence_s(split: SplitStep, data: Mapping[str, Any], device: ProfileDevice, runs: int = 2
                    ) -> tuple[float, float]:
-    """Median forward and backward time of all pieces run in sequence as one training step."""
+    """Mean forward and backward time of all pieces run in sequence as one training step.
+
+    No separate warm-up: timing the nodes has just warmed every piece, and a real step also
+    meets freshly allocated activations. Two runs keep profiling gpt2 (batch 8 x 128) on this
+    machine's CPU under a minute."""
     fwd, bwd = [], []
     params = {id(p): p for piece in split.pieces for p in piece.module.parameters()}.values()
-    for i in range(repeats + 1):
+    for _ in range(runs):
         for p in params:
             p.grad = None
         _sync(device)
@@ -124,10 +128,9 @@ def _in_sequence_s(split: SplitStep, data: Mapping[str, Any], device: ProfileDev
         t1 = time.perf_counter()
         loss.backward()
         _sync(device)
-        if i:
-            fwd.append(t1 - t0)
-            bwd.append(time.perf_counter() - t1)
-    return statistics.median(fwd), statistics.median(bwd)
+        fwd.append(t1 - t0)
+        bwd.append(time.perf_counter() - t1)
+    return statistics.mean(fwd), statistics.mean(bwd)
 
 
 def _calibrated(times: dict[str, Timing], fwd_total_s: float, bwd_total_s: float) -> dict[str, Timing]:
@@ -166,7 +169,7 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
     if calibrate:
         if progress:
             progress(f"{device.device_type}: running the pieces in sequence")
-        times = _calibrated(times, *_in_sequence_s(split, data, device, repeats))
+        times = _calibrated(times, *_in_sequence_s(split, data, device))
     return _Measured(split, values, times, flops, acts, raw)
 
 
