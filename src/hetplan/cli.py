@@ -151,7 +151,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             zoo_model.step, zoo_model.batch, name=zoo_model.name, devices=args.device or ["cpu"],
             granularity=args.granularity,
             block_classes=args.block_class or zoo_model.block_classes or None,
-            repeats=args.repeats, seed=args.seed, check=args.check, calibrate=not args.isolated,
+            repeats=args.repeats, seed=args.seed, check=args.check, calibrate=args.calibrate,
             progress=(lambda msg: status.update(f"profiling {msg}")) if console.is_terminal else None,
         )
     graph = report.graph
@@ -173,7 +173,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         low, high = report.whole_step_range_s[dtype]
         out.print(f"check on {dtype}: sum of node times / measured whole step = {ratio:.3f} comparing the "
                   f"fastest runs, {report.check_ratio_median[dtype]:.3f} comparing medians, "
-                  f"{report.check_ratio_isolated[dtype]:.3f} with nodes timed in isolation (uncalibrated); "
+                  f"{report.check_ratio_isolated[dtype]:.3f} before --calibrate; "
                   f"whole step {_ms(report.whole_step_s[dtype])} median, {_ms(low)} to {_ms(high)}")
     return 0
 
@@ -271,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="class name of the repeated block, for --granularity block on your own model")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per node; the median is kept (default: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch")
-    p.add_argument("--isolated", action="store_true",
-                   help="keep the times of nodes timed alone, without scaling them to the pieces' time in sequence")
+    p.add_argument("--calibrate", action="store_true",
+                   help="scale the nodes' isolated times to the pieces' time run in sequence (experimental)")
     p.add_argument("--check", action="store_true",
                    help="also time the unsplit step and print the ratio of the sum of node times to it")
     p.add_argument("-o", "--output", type=Path, required=True, help="the graph JSON to write")

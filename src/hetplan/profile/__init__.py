@@ -109,16 +109,13 @@ class _Measured:
     isolated: dict[str, Timing]  # before calibration
 
 
-def _in_sequence_s(split: SplitStep, data: Mapping[str, Any], device: ProfileDevice, runs: int = 2
+def _in_sequence_s(split: SplitStep, data: Mapping[str, Any], device: ProfileDevice, repeats: int
                    ) -> tuple[float, float]:
-    """Mean forward and backward time of all pieces run in sequence as one training step.
-
-    No separate warm-up: timing the nodes has just warmed every piece, and a real step also
-    meets freshly allocated activations. Two runs keep profiling gpt2 (batch 8 x 128) on this
-    machine's CPU under a minute."""
+    """Median forward and backward time of all pieces run in sequence as one training step,
+    after one warm-up run."""
     fwd, bwd = [], []
     params = {id(p): p for piece in split.pieces for p in piece.module.parameters()}.values()
-    for _ in range(runs):
+    for i in range(repeats + 1):
         for p in params:
             p.grad = None
         _sync(device)
@@ -128,9 +125,10 @@ def _in_sequence_s(split: SplitStep, data: Mapping[str, Any], device: ProfileDev
         t1 = time.perf_counter()
         loss.backward()
         _sync(device)
-        fwd.append(t1 - t0)
-        bwd.append(time.perf_counter() - t1)
-    return statistics.mean(fwd), statistics.mean(bwd)
+        if i:
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+    return statistics.median(fwd), statistics.median(bwd)
 
 
 def _calibrated(times: dict[str, Timing], fwd_total_s: float, bwd_total_s: float) -> dict[str, Timing]:
@@ -138,9 +136,10 @@ def _calibrated(times: dict[str, Timing], fwd_total_s: float, bwd_total_s: float
     backward separately): each node keeps its share, the total is the one measured in context.
 
     Why: a piece timed alone, repeat after repeat, finds its weights and inputs in the cache and
-    its memory already mapped; in a real step the layers before it evicted them. On gpt2 the
-    isolated sums were 17% (forward) and 22% (backward) below the same pieces run in sequence
-    (bench/profile_gap.py)."""
+    its memory already mapped; in a real step the layers before it evicted them. On gpt2 (block
+    granularity) the isolated sums were 17% (forward) and 22% (backward) below the same pieces
+    run in sequence (bench/profile_gap.py). Not the default: at layer granularity it overshot
+    the whole step in the one benchmark run made (BENCHMARKS.md)."""
     iso_f = sum(t.fwd_s for t in times.values())
     iso_b = sum(t.bwd_s for t in times.values())
     kf = fwd_total_s / iso_f if iso_f > 0 else 1.0
@@ -169,7 +168,7 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
     if calibrate:
         if progress:
             progress(f"{device.device_type}: running the pieces in sequence")
-        times = _calibrated(times, *_in_sequence_s(split, data, device))
+        times = _calibrated(times, *_in_sequence_s(split, data, device, repeats))
     return _Measured(split, values, times, flops, acts, raw)
 
 
@@ -184,13 +183,13 @@ def profile_step(
     repeats: int = 3,
     seed: int = 0,
     check: bool = False,
-    calibrate: bool = True,
+    calibrate: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> ProfileReport:
     """Profile `step(**batch)`, a module whose forward returns the training loss.
 
-    With `calibrate` (the default), node times timed in isolation are scaled so that they add
-    up to the pieces' forward and backward time measured in sequence (see `_calibrated`)."""
+    With `calibrate`, node times timed in isolation are scaled so that they add up to the
+    pieces' forward and backward time measured in sequence (see `_calibrated`)."""
     if granularity not in GRANULARITIES:
         raise HetplanError(f"--granularity {granularity!r}: allowed are {', '.join(GRANULARITIES)}")
     if repeats < 1:
@@ -302,7 +301,7 @@ def profile(
     repeats: int = 3,
     name: str | None = None,
     check: bool = False,
-    calibrate: bool = True,
+    calibrate: bool = False,
 ) -> Graph:
     """Profile one training step of `model` on `example_inputs` (a dict of keyword arguments
     or a sequence of positional ones) into a `Graph`.
