@@ -14,17 +14,26 @@ RESULTS = Path(__file__).with_name("results")
 def faithfulness() -> None:
     data = json.loads((RESULTS / "profile_faithfulness.json").read_text())
     print("| model | batch | granularity | nodes | sum of nodes (median) | whole step: median (fastest-slowest) "
-          "| ratio, fastest | ratio, medians | ratio, isolated | profiling (wall) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| ratio, fastest | ratio, medians | profiling (wall) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in data["rows"]:
         shape = f"{r['batch']}x{r['seq_len']}" if r["seq_len"] else str(r["batch"])
         lo, hi = r["whole_step_range_s"]
         print(f"| {r['model']} | {shape} | {r['granularity']} | {r['nodes']} | {r['sum_nodes_s']:.2f} s "
               f"| {r['whole_step_s']:.2f} s ({lo:.2f}-{hi:.2f}) | {r['ratio']:.3f} | {r['ratio_median']:.3f} "
-              f"| {r['ratio_isolated']:.3f} | {r['wall_s']:.0f} s |")
+              f"| {r['wall_s']:.0f} s |")
     print()
     print("gpt2 batch 8 x 128, plain profile (no --check), wall seconds:",
           ", ".join(f"{t:.1f}" for t in data["gpt2_b8_s128_profile_wall_s"]))
+
+
+def calibrated() -> None:
+    """The --calibrate experiment (made when calibration was the default, commit e1017cc)."""
+    rows = [json.loads(line) for line in (RESULTS / "profile_faithfulness_calibrated.jsonl").read_text().splitlines()]
+    print("| model | granularity | ratio of medians, isolated | ratio of medians, calibrated |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['granularity']} | {r['ratio_isolated']:.3f} | {r['ratio_median']:.3f} |")
 
 
 def projection() -> None:
@@ -42,5 +51,7 @@ def projection() -> None:
 
 if __name__ == "__main__":
     faithfulness()
+    print()
+    calibrated()
     print()
     projection()
