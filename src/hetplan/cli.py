@@ -171,9 +171,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
               f"profiled on {', '.join(graph.device_types)} in {report.profile_s:.1f} s")
     for dtype, ratio in report.check_ratio.items():
         low, high = report.whole_step_range_s[dtype]
+        before = f"{report.check_ratio_isolated[dtype]:.3f} before calibration; " if args.calibrate else ""
         out.print(f"check on {dtype}: sum of node times / measured whole step = {ratio:.3f} comparing the "
-                  f"fastest runs, {report.check_ratio_median[dtype]:.3f} comparing medians, "
-                  f"{report.check_ratio_isolated[dtype]:.3f} before --calibrate; "
+                  f"fastest runs, {report.check_ratio_median[dtype]:.3f} comparing medians; {before}"
                   f"whole step {_ms(report.whole_step_s[dtype])} median, {_ms(low)} to {_ms(high)}")
     return 0
 
