@@ -1,0 +1,103 @@
+"""Pipeline schedules as pure generators of per-stage action orders.
+
+GPipe (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
+Parallelism", 2019): every stage runs the forward pass of all m micro-batches, then all the
+backward passes. 1F1B (PipeDream-Flush, Narayanan et al., "Memory-Efficient Pipeline-Parallel
+DNN Training", 2021): stage r first runs n - 1 - r forward passes (warm-up), then alternates one
+forward and one backward (steady state), then runs the remaining backward passes (cool-down),
+so it never holds the activations of more than n - r micro-batches.
+
+The orders are exactly those torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B
+execute (`_step_microbatches`), so that a simulated step and a real one can be compared action
+by action. Tests also hold them against torch's printable `_get_pipeline_order` (idle slots and
+gradient reductions left out), which agrees everywhere except on 1F1B's last stage, where it
+numbers the forward passes from 1. An action prints as
+torch prints it: "1F0" is stage 1's forward pass of micro-batch 0, "0B3" stage 0's backward of
+micro-batch 3.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from hetplan.errors import HetplanError
+
+FORWARD = "F"
+BACKWARD = "B"
+_ACTION = re.compile(r"^(\d+)([FB])(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in (FORWARD, BACKWARD):
+            raise HetplanError(f"action kind {self.kind!r}: allowed are F (forward) and B (backward)")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        match = _ACTION.match(text.strip())
+        if not match:
+            raise HetplanError(f"cannot read action {text!r}; write it like 1F0 (stage, F or B, micro-batch)")
+        return cls(int(match[1]), match[2], int(match[3]))
+
+
+def _check(stages: int, microbatches: int) -> None:
+    if stages < 1 or microbatches < 1:
+        raise HetplanError(f"a schedule needs stages >= 1 and micro-batches >= 1, got {stages} and {microbatches}")
+
+
+def gpipe(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Per stage, the order of its actions under GPipe."""
+    _check(stages, microbatches)
+    return tuple(
+        tuple(Action(r, FORWARD, i) for i in range(microbatches))
+        + tuple(Action(r, BACKWARD, i) for i in range(microbatches))
+        for r in range(stages)
+    )
+
+
+def one_f_one_b(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Per stage, the order of its actions under 1F1B (with fewer micro-batches than stages,
+    the warm-up is cut short at the last micro-batch)."""
+    _check(stages, microbatches)
+    orders = []
+    for r in range(stages):
+        warmup = min(stages - 1 - r, microbatches)
+        actions = [Action(r, FORWARD, i) for i in range(warmup)]
+        forward, backward = warmup, 0
+        while forward < microbatches:
+            actions += [Action(r, FORWARD, forward), Action(r, BACKWARD, backward)]
+            forward += 1
+            backward += 1
+        actions += [Action(r, BACKWARD, i) for i in range(backward, microbatches)]
+        orders.append(tuple(actions))
+    return tuple(orders)
+
+
+SCHEDULE_ORDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def schedule_order(schedule: str, stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    try:
+        make = SCHEDULE_ORDERS[schedule]
+    except KeyError:
+        raise HetplanError(f"schedule {schedule!r} is unknown (allowed: {', '.join(SCHEDULE_ORDERS)})") from None
+    return make(stages, microbatches)
+
+
+def peak_in_flight(actions: tuple[Action, ...]) -> int:
+    """The most micro-batches whose forward pass a stage has run and backward pass not yet:
+    how many micro-batches' activations it holds at its peak."""
+    held = peak = 0
+    for a in actions:
+        held += 1 if a.kind == FORWARD else -1
+        peak = max(peak, held)
+    return peak
