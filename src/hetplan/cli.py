@@ -18,7 +18,7 @@ from rich.console import Console
 from hetplan import catalog
 from hetplan.cluster import Cluster, cluster_from_data, load_cluster, presets
 from hetplan.errors import HetplanError, InputError
-from hetplan.graph import Graph
+from hetplan.graph import GRANULARITIES, Graph
 from hetplan.io import serde
 from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, import_pipedream
 from hetplan.plan import OBJECTIVES, SCHEDULES, Plan
@@ -27,8 +27,6 @@ from hetplan.report import tables
 from hetplan.report.summary import cluster_summary, graph_summary, plan_summary
 from hetplan.units import fmt_bytes, fmt_flops
 from hetplan.zoo import zoo_names
-
-GRANULARITIES = ("layer", "block")  # as hetplan.profile.split; kept here so --help needs no torch import
 
 DESCRIPTION = """\
 hetplan plans how to split the training of a PyTorch model across a mixed set of devices,
@@ -55,15 +53,19 @@ def _emit_json(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj, indent=1, allow_nan=False) + "\n")
 
 
+def _refuse_pipedream_text(path: Path) -> None:
+    if path.suffix == ".txt" and path.is_file():
+        raise InputError(f"{path}: looks like a PipeDream profile; import it first with "
+                         f"'hetplan import pipedream {path} -o graph.json'")
+
+
 def load_any(ref: str) -> Graph | Cluster | Plan:
     """A graph, cluster or plan file, a cluster description, or a preset name."""
     path = Path(ref)
     if path.is_file():
         if path.suffix in (".yaml", ".yml"):
             return load_cluster(path)
-        if path.suffix == ".txt":
-            raise InputError(f"{path}: looks like a PipeDream profile; import it first with "
-                             f"'hetplan import pipedream {path} -o graph.json'")
+        _refuse_pipedream_text(path)
         data = serde.read_json(path)
         if not serde.is_hetplan_file(data) and isinstance(data, dict) and "devices" in data:
             return cluster_from_data(data, str(path))
@@ -77,9 +79,7 @@ def load_any(ref: str) -> Graph | Cluster | Plan:
 
 def load_graph(ref: str) -> Graph:
     path = Path(ref)
-    if path.suffix == ".txt" and path.is_file():
-        raise InputError(f"{path}: looks like a PipeDream profile; import it first with "
-                         f"'hetplan import pipedream {path} -o graph.json'")
+    _refuse_pipedream_text(path)
     return serde.load(path, expect="graph")
 
 

@@ -20,6 +20,10 @@ import networkx as nx
 from hetplan._frozen import FrozenMap
 from hetplan.errors import GraphError
 
+# How a profiled graph was cut: one node per leaf module, or per repeated block (recorded in
+# Graph.meta["granularity"] by the profiler).
+GRANULARITIES = ("layer", "block")
+
 
 def _check_number(value: float, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):

@@ -34,8 +34,8 @@ import torch
 from torch import fx, nn
 
 from hetplan.errors import HetplanError
+from hetplan.graph import GRANULARITIES
 
-GRANULARITIES = ("layer", "block")
 _CALLS = ("call_function", "call_method", "call_module")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from typing import Any
 
 from hetplan.cluster import Cluster
@@ -36,15 +37,8 @@ def graph_summary(graph: Graph) -> dict[str, Any]:
         "max_out_degree": max(out_degree.values()),
         "skip_edges": len(graph.skip_edges),
         "skip_edge_examples": [list(e) for e in graph.skip_edges[:5]],
-        "ops": dict(sorted(_count(n.op for n in graph.nodes).items(), key=lambda kv: (-kv[1], kv[0]))),
+        "ops": dict(sorted(Counter(n.op for n in graph.nodes).items(), key=lambda kv: (-kv[1], kv[0]))),
     }
-
-
-def _count(items) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for item in items:
-        out[item] = out.get(item, 0) + 1
-    return out
 
 
 def cluster_summary(cluster: Cluster) -> dict[str, Any]:
