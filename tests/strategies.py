@@ -1,4 +1,4 @@
-"""Hypothesis strategies for random graphs, clusters and plans."""
+"""Hypothesis strategies for random graphs, clusters and plans, and small builders."""
 
 from hypothesis import strategies as st
 
@@ -9,7 +9,7 @@ from hetplan.plan import Estimate, Plan, Stage
 
 OPS = ("Linear", "Conv2d", "ReLU", "Add", "GPT2Block", "LayerNorm")
 TYPES = (*catalog.CATALOG, "cpu-1t", "cpu-4t")
-times = st.floats(0, 2.0, allow_nan=False, allow_infinity=False)
+times = st.one_of(st.just(0.0), st.floats(1e-6, 2.0))  # no denormals: a step of 1e-310 s overflows rates
 sizes = st.integers(0, 2**34)
 
 
@@ -98,3 +98,29 @@ estimates = st.builds(
     bubble_fraction=st.floats(0, 1), link_bytes=st.dictionaries(st.just("a->b"), sizes, max_size=1),
     usd_per_step=times, feasible=st.booleans(), violations=st.lists(st.text(max_size=20), max_size=2).map(tuple),
 )
+
+
+V = "v100-16gb"
+
+
+def chain(n, fwd=0.03, bwd=0.05, edge_bytes=0, params=0, acts=0, batch=64):
+    """A chain of n equal nodes profiled on a V100."""
+    nodes = tuple(Node(f"n{i}", "Linear", {V: fwd}, {V: bwd}, param_bytes=params, act_bytes=acts) for i in range(n))
+    edges = tuple(Edge(f"n{i}", f"n{i + 1}", edge_bytes) for i in range(n - 1))
+    return Graph("chain", nodes, edges, batch_size=batch, profiled_on=V)
+
+
+def one_per_stage(n, m, schedule="1f1b", ids=None):
+    """Node i of a chain on device ids[i] (default v0, v1, ...)."""
+    ids = ids or [f"v{i}" for i in range(n)]
+    return Plan(tuple(Stage((f"n{i}",), (ids[i],)) for i in range(n)), m, schedule, "test")
+
+
+# six devices of four types on three hosts, for random plans
+MIXED = cluster_from_spec({
+    "devices": [{"id": "a0", "type": "a100-40gb", "host": "h0"}, {"id": "a1", "type": "a100-40gb", "host": "h0"},
+                {"id": "v0", "type": "v100-32gb", "host": "h0"}, {"id": "t0", "type": "t4-16gb", "host": "h1"},
+                {"id": "t1", "type": "t4-16gb", "host": "h1"}, {"id": "c0", "type": "cpu", "threads": 8, "host": "h2"}],
+    "network": {"intra_host": {"bandwidth": "50GB/s", "latency": "5us"},
+                "inter_host": {"bandwidth": "10Gbit/s", "latency": "30us"}},
+}, "mixed")

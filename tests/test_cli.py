@@ -53,13 +53,58 @@ def test_plan_then_info_on_the_plan(cli, profiles, tmp_path):
     r = cli("plan", g, "--cluster", "hetero-4", "--planner", "uniform", "-o", p, "--json")
     assert r.code == 0
     plan = r.json()
-    assert plan["kind"] == "plan" and plan["num_stages"] == 4 and plan["predicted"]["method"] == "analytic"
+    assert plan["kind"] == "plan" and plan["num_stages"] == 4 and plan["predicted"]["method"] == "event"
     assert plan["microbatches"] == 16
     r = cli("info", p, "--json")
     assert r.code == 0 and r.json()["stages"] == plan["stages"]
     r = cli("plan", g, "--cluster", "hetero-4", "--planner", "single", "--schedule", "gpipe",
             "--microbatches", "4")
-    assert r.code == 0 and "analytic" in r.out and "feasible" in r.out
+    assert r.code == 0 and "event-driven simulator" in r.out and "feasible" in r.out
+
+
+def test_simulate_prints_the_estimate_and_draws_the_step(cli, profiles, tmp_path):
+    g, p = tmp_path / "vgg.json", tmp_path / "plan.json"
+    cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", g)
+    assert cli("plan", g, "--cluster", "hetero-4", "-o", p).code == 0
+    png, trace = tmp_path / "out" / "step.png", tmp_path / "trace.json"
+    r = cli("simulate", p, "--graph", g, "--cluster", "hetero-4", "--gantt", png, "--trace", trace, "--json")
+    assert r.code == 0, r.err
+    est = r.json()
+    for key in ("step_s", "samples_per_s", "bubble_fraction", "peak_mem_bytes", "usd_per_step", "feasible",
+                "violations", "link_bytes", "peak_link"):
+        assert key in est
+    assert set(est["peak_mem_bytes"]) == {"a0", "v0", "t0", "t1"} and est["feasible"] is True
+    assert est["samples_per_s"] == pytest.approx(128 / est["step_s"])
+    assert est["step_s"] == pytest.approx(json.loads(p.read_text())["predicted"]["step_s"])
+    head = png.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+    assert width >= 1200 and height >= 400
+    events = json.loads(trace.read_text())["traceEvents"]
+    # 4 stages x 16 micro-batches x (F, B), plus 3 links x 2 directions x 16 x 1 tensor
+    assert sum(e["ph"] == "X" for e in events) == 4 * 16 * 2 + 3 * 2 * 16
+    r = cli("simulate", p, "--graph", g, "--cluster", "hetero-4", "--routing", "relay")
+    assert r.code == 0 and "busiest link" in r.out and "t0->v0" in r.out and "utilisation" in r.out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--cluster", "v100x4"), "invalid plan: stage 0 uses device 'a0', which cluster 'v100x4' does not have"),
+    (("--cluster", "hetero-4", "--gantt", "x.jpg"), "x.jpg: the chart is written as .png, .svg or .pdf"),
+    (("--cluster", "hetero-4", "--routing", "psychic"), "invalid choice: 'psychic'"),
+])
+def test_simulate_errors(cli, profiles, tmp_path, extra, message):
+    g, p = tmp_path / "vgg.json", tmp_path / "plan.json"
+    cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", g)
+    cli("plan", g, "--cluster", "hetero-4", "-o", p)
+    r = cli("simulate", p, "--graph", g, *extra)
+    assert r.code == 2 and message in r.err and "Traceback" not in r.err
+
+
+def test_simulate_wants_a_plan(cli, profiles, tmp_path):
+    g = tmp_path / "vgg.json"
+    cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", g)
+    r = cli("simulate", g, "--graph", g, "--cluster", "hetero-4")
+    assert r.code == 2 and "plan" in r.err and len(r.err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("args", [

@@ -21,11 +21,12 @@ from hetplan.errors import HetplanError, InputError
 from hetplan.graph import GRANULARITIES, Graph
 from hetplan.io import serde
 from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, import_pipedream
-from hetplan.plan import OBJECTIVES, SCHEDULES, Plan
+from hetplan.plan import OBJECTIVES, SCHEDULES, Plan, validate_plan
 from hetplan.planners import PLANNERS, PlanOptions, make_plan
 from hetplan.report import tables
 from hetplan.report.summary import cluster_summary, graph_summary, plan_summary
-from hetplan.units import fmt_bytes, fmt_flops
+from hetplan.sim.model import ROUTINGS
+from hetplan.units import fmt_bytes, fmt_flops, fmt_seconds
 from hetplan.zoo import zoo_names
 
 DESCRIPTION = """\
@@ -37,7 +38,8 @@ workflow:
                             (or import one: hetplan import pipedream resnet50/graph.txt -o r50.json)
   2. a cluster:             a YAML file, or a preset such as hetero-4 (hetplan catalog lists them)
   3. a plan:                hetplan plan r50.json --cluster hetero-4 --planner uniform -o plan.json
-  4. a look at any of them: hetplan info r50.json | hetplan info hetero-4 | hetplan info plan.json
+  4. its predicted step:    hetplan simulate plan.json --graph r50.json --cluster hetero-4 --gantt step.png
+  5. a look at any of them: hetplan info r50.json | hetplan info hetero-4 | hetplan info plan.json
 
 Every command takes --json and then prints one JSON object."""
 
@@ -137,6 +139,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tables.show_plan(console, plan, graph, cluster)
     if args.output:
         console.print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from hetplan.report.summary import estimate_summary
+    from hetplan.sim import simulate
+
+    plan = serde.load(args.plan, expect="plan")
+    graph = load_graph(args.graph)
+    cluster = load_cluster(args.cluster)
+    validate_plan(plan, graph, cluster)
+    sim = simulate(graph, cluster, plan, routing=args.routing, timeline=bool(args.gantt or args.trace))
+    est = sim.estimate
+    if args.gantt:
+        from hetplan.report.gantt import draw_gantt
+
+        labels = {d: f"{d} ({cluster.device(d).type}) · stage {i}"
+                  for i, stage in enumerate(plan.stages) for d in stage.devices}
+        title = (f"{graph.name} on {cluster.name}: {plan.planner} plan, {len(plan.stages)} stages, "
+                 f"{plan.microbatches} micro-batches, {plan.schedule}; step {fmt_seconds(est.step_s)}, "
+                 f"bubble {est.bubble_fraction:.0%}")
+        draw_gantt(sim.timeline, args.gantt, title=title, device_labels=labels)
+    if args.trace:
+        from hetplan.report.gantt import write_chrome_trace
+
+        write_chrome_trace(sim.timeline, args.trace)
+    if args.json:
+        _emit_json({"kind": "simulation", "routing": args.routing, **estimate_summary(est),
+                    "gantt": str(args.gantt) if args.gantt else None, "trace": str(args.trace) if args.trace else None})
+        return 0
+    console = _console()
+    tables.show_simulation(console, plan, cluster, est)
+    for what, path in (("Gantt chart", args.gantt), ("Chrome trace", args.trace)):
+        if path:
+            console.print(f"wrote {what} {path}")
     return 0
 
 
@@ -258,6 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, help="time budget of search planners")
     p.add_argument("-o", "--output", type=Path, help="the plan JSON to write")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("simulate", parents=[common], help="predict a plan's step: time, memory, traffic, price",
+                       description="Replay one training step of a plan with the event-driven simulator.")
+    p.add_argument("plan", metavar="PLAN", help="a plan JSON file")
+    p.add_argument("--graph", required=True, metavar="G", help="the graph JSON the plan was made for")
+    p.add_argument("--cluster", required=True, metavar="C", help="a cluster file or preset")
+    p.add_argument("--routing", default="direct", choices=ROUTINGS,
+                   help="direct: each tensor goes straight to the stages that use it; relay: only neighbouring "
+                        "stages talk, as in torch.distributed.pipelining (default: direct)")
+    p.add_argument("--gantt", type=Path, metavar="OUT.png", help="write a Gantt chart of the step (.png/.svg/.pdf)")
+    p.add_argument("--trace", type=Path, metavar="OUT.json",
+                   help="write the timeline as a Chrome trace (chrome://tracing, ui.perfetto.dev)")
+    p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("profile", parents=[common], help="profile a model's training step into a graph")
     p.add_argument("model", metavar="MODEL", help=f"a zoo model ({', '.join(zoo_names())}) or module.path:factory")

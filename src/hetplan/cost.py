@@ -1,5 +1,4 @@
-"""Cost model: node times on device types, transfers, all-reduce, memory, price, and the
-closed-form (analytic) estimate of a plan's training step.
+"""Cost model: node times on device types, transfers, all-reduce, memory and price.
 
 Node time on a device type is the measured time when the graph carries that type. Otherwise it
 is projected from a measured type with the roofline model of `hetplan.projection` (calibrated
@@ -10,15 +9,7 @@ Memory on a device under a schedule (DESIGN.md): parameters + gradients + Adam's
 moments (4x the parameter bytes) + the activations stashed for the micro-batches in flight:
 GPipe keeps all m of them, 1F1B at most `stages - stage_index` (and never more than m).
 
-`analytic_estimate` scores a plan with the flushed-pipeline formula: with per-micro-batch stage
-times u_i (forward + backward) and link times c_k between consecutive stages,
-
-    step = sum_i u_i + 2 * sum_k c_k + (m - 1) * max(max_i u_i, max_k c_k) + max_i allreduce_i
-
-Stages are taken as a chain: a tensor that skips stages is charged on every boundary it crosses
-(the runtime passes it through). It assumes communication overlaps computation in the steady
-state and that the forward and backward transfers use opposite directions of a link. The
-event-driven simulator replaces it for exact timelines.
+The simulators (`hetplan.sim`) put these costs together into the timeline of a training step.
 """
 
 from __future__ import annotations
@@ -33,12 +24,18 @@ from hetplan.catalog import DeviceType
 from hetplan.cluster import Cluster
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
-from hetplan.plan import Estimate, Plan
+from hetplan.plan import Plan
 from hetplan.projection import project_s
-from hetplan.units import fmt_bytes
 
 OPTIMIZER_STATE_COPIES = 2  # Adam: first and second moments, fp32, each the size of the weights
 WEIGHT_COPIES = 1 + 1 + OPTIMIZER_STATE_COPIES  # weights + gradients + optimizer state
+
+
+def microbatch_fractions(batch_size: int, microbatches: int) -> tuple[float, ...]:
+    """Each micro-batch's share of the batch, split as torch.tensor_split splits it: sizes
+    differ by at most one, the larger ones first."""
+    base, extra = divmod(batch_size, microbatches)
+    return tuple((base + (1 if i < extra else 0)) / batch_size for i in range(microbatches))
 
 
 def inflight_microbatches(schedule: str, stages: int, stage_index: int, microbatches: int) -> int:
@@ -138,85 +135,16 @@ class CostModel:
         return {d: s / total for d, s in speed.items()}
 
     def stage_memory_bytes(self, plan: Plan, stage_index: int, device_id: str) -> int:
-        """Peak memory of one replica of a stage under the plan's schedule."""
+        """Peak memory of one replica of a stage under the plan's schedule: at its peak a stage
+        holds micro-batches 0 .. held-1, the largest ones."""
         stage = plan.stages[stage_index]
         params = sum(self.graph.by_id[n].param_bytes for n in stage.nodes)
         acts = sum(self.graph.by_id[n].act_bytes for n in stage.nodes)
         share = self.replica_shares(stage.nodes, stage.devices)[device_id]
         held = inflight_microbatches(plan.schedule, len(plan.stages), stage_index, plan.microbatches)
-        return int(WEIGHT_COPIES * params + acts * share / plan.microbatches * held)
-
-    def boundary_bytes(self, plan: Plan) -> list[int]:
-        """Bytes per batch crossing each boundary between stage k and k+1 (skips pass through)."""
-        where = plan.stage_of()
-        crossing = [0] * (len(plan.stages) - 1)
-        for e in self.graph.edges:
-            for k in range(where[e.src], where[e.dst]):
-                crossing[k] += e.bytes
-        return crossing
+        stashed = math.fsum(microbatch_fractions(self.graph.batch_size, plan.microbatches)[:held])
+        return WEIGHT_COPIES * params + math.ceil(acts * share * stashed)
 
     def usd_per_step(self, devices: Sequence[str], step_s: float) -> float:
         return math.fsum(self.cluster.device(d).usd_per_hour for d in devices) * step_s / 3600.0
 
-
-def analytic_estimate(graph: Graph, cluster: Cluster, plan: Plan) -> Estimate:
-    """Score a (valid) plan with the closed-form pipeline formula of the module docstring."""
-    cm = CostModel(graph, cluster)
-    m = plan.microbatches
-    stage_u: list[float] = []
-    shares: list[dict[str, float]] = []
-    busy: dict[str, float] = {}
-    allreduce: list[float] = []
-    for stage in plan.stages:
-        share = cm.replica_shares(stage.nodes, stage.devices)
-        shares.append(share)
-        per_batch = max(share[d] * cm.device_stage_s(stage.nodes, d) for d in stage.devices)
-        stage_u.append(per_batch / m)
-        for d in stage.devices:
-            busy[d] = busy.get(d, 0.0) + share[d] * cm.device_stage_s(stage.nodes, d)
-        params = sum(graph.by_id[n].param_bytes for n in stage.nodes)
-        allreduce.append(cm.allreduce_s(params, stage.devices))
-
-    link_u: list[float] = []
-    link_bytes: dict[str, int] = {}
-    for k, nbytes in enumerate(cm.boundary_bytes(plan)):
-        worst = 0.0
-        for a, sa in shares[k].items():
-            for b, sb in shares[k + 1].items():
-                worst = max(worst, cm.transfer_s(nbytes * sa / m, a, b))
-                if a != b and nbytes > 0:
-                    for key in (f"{a}->{b}", f"{b}->{a}"):  # activations forward, gradients back
-                        link_bytes[key] = link_bytes.get(key, 0) + round(nbytes * sa * sb)
-        link_u.append(worst)
-
-    bottleneck = max(stage_u + link_u)
-    step = math.fsum(stage_u) + 2 * math.fsum(link_u) + (m - 1) * bottleneck + max(allreduce)
-    used = plan.devices
-    bubble = 1.0 - math.fsum(busy.values()) / (len(used) * step) if step > 0 else 0.0
-
-    peak: dict[str, int] = {}
-    violations: list[str] = []
-    for i, stage in enumerate(plan.stages):
-        for d in stage.devices:
-            need = cm.stage_memory_bytes(plan, i, d)
-            peak[d] = peak.get(d, 0) + need
-    for d, need in peak.items():
-        have = cluster.device(d).mem_bytes
-        if need > have:
-            stages = [str(i) for i, s in enumerate(plan.stages) if d in s.devices]
-            violations.append(
-                f"stage {', '.join(stages)} on {d} ({cluster.device(d).type}) needs {fmt_bytes(need)}, "
-                f"has {fmt_bytes(have)}"
-            )
-    return Estimate(
-        step_s=step,
-        samples_per_s=graph.batch_size / step if step > 0 else 0.0,
-        busy_s=busy,
-        peak_mem_bytes=peak,
-        bubble_fraction=max(0.0, bubble),
-        link_bytes=link_bytes,
-        usd_per_step=cm.usd_per_step(used, step),
-        feasible=not violations,
-        violations=tuple(violations),
-        method="analytic",
-    )

@@ -46,10 +46,10 @@ class Stage:
 class Estimate:
     """What a plan is predicted (or measured) to do in one training step.
 
-    `busy_s` and `peak_mem_bytes` are keyed by device id; `link_bytes` by `"src->dst"` device
-    ids, for the bytes sent that way in one step. `method` says where the numbers come from
-    (`analytic`: the closed-form pipeline formula of `hetplan.cost`; `event`: the simulator;
-    `measured`: a real run)."""
+    `busy_s` (compute time) and `peak_mem_bytes` are keyed by device id; `link_bytes` and
+    `link_busy_s` by `"src->dst"` device ids, for the bytes sent that way in one step and the
+    time the link spent sending them. `method` says where the numbers come from (`event`: the
+    event-driven simulator; `fast`: the batched evaluator; `measured`: a real run)."""
 
     step_s: float
     samples_per_s: float
@@ -60,16 +60,25 @@ class Estimate:
     usd_per_step: float
     feasible: bool
     violations: tuple[str, ...] = ()
-    method: str = "analytic"
+    method: str = "event"
+    link_busy_s: Mapping[str, float] = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
-        for name in ("busy_s", "peak_mem_bytes", "link_bytes"):
+        for name in ("busy_s", "peak_mem_bytes", "link_bytes", "link_busy_s"):
             object.__setattr__(self, name, FrozenMap(getattr(self, name)))
         object.__setattr__(self, "violations", tuple(self.violations))
         for name in ("step_s", "samples_per_s", "bubble_fraction", "usd_per_step"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise PlanError(f"estimate: {name} is {value!r}; it must be finite and >= 0")
+
+    @property
+    def peak_link(self) -> tuple[str, int] | None:
+        """The link that carries the most bytes in a step, and how many (None without links)."""
+        if not self.link_bytes:
+            return None
+        key = max(self.link_bytes, key=lambda k: (self.link_bytes[k], k))
+        return key, self.link_bytes[key]
 
     @property
     def usd_per_1k_samples(self) -> float:

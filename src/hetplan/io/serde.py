@@ -55,13 +55,16 @@ def dumps(obj: Any) -> str:
 
 
 def dump(obj: Any, path: str | os.PathLike) -> None:
-    """Write atomically (to a temporary file, then rename) so a reader never sees half a file."""
-    path = Path(path)
-    text = dumps(obj)
+    """Write a hetplan object as JSON, atomically."""
+    atomic_write_text(Path(path), dumps(obj) + "\n")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary file, then rename, so a reader never sees half a file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text + "\n")
+        tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as exc:
         raise InputError(f"{path}: cannot write the file ({exc.strerror})") from None

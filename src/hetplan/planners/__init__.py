@@ -1,7 +1,7 @@
 """Planners: a registry from name to planner, and `make_plan`, which runs one.
 
 A planner is a function `(graph, cluster, options) -> Plan`. `make_plan` times it, checks the
-plan it returns (`validate_plan`), attaches the cost model's estimate and records the planning
+plan it returns (`validate_plan`), attaches the event simulator's estimate and records the planning
 time, so that every planner's output is checked and scored the same way.
 """
 
@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from hetplan.cluster import Cluster
-from hetplan.cost import analytic_estimate
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import OBJECTIVES, SCHEDULES, Plan, validate_plan
 from hetplan.planners import baselines
+from hetplan.sim import simulate
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
         plan,
         graph=graph.name,
         cluster=cluster.name,
-        predicted=analytic_estimate(graph, cluster, plan),
+        predicted=simulate(graph, cluster, plan, timeline=False).estimate,
         meta={**plan.meta, "planning_s": round(planning_s, 6), "seed": options.seed},
     )
 

@@ -9,7 +9,7 @@ from typing import Any
 from hetplan.cluster import Cluster
 from hetplan.graph import Graph
 from hetplan.io.serde import to_dict
-from hetplan.plan import Plan
+from hetplan.plan import Estimate, Plan
 
 
 def graph_summary(graph: Graph) -> dict[str, Any]:
@@ -71,4 +71,18 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     body = to_dict(plan)
     body.pop("schema_version")
     body["num_stages"] = len(plan.stages)
+    return body
+
+
+def estimate_summary(est: Estimate) -> dict[str, Any]:
+    """The estimate as JSON values, with the busiest link and its utilisation."""
+    body = to_dict(est)
+    body.pop("schema_version")
+    body.pop("kind", None)
+    body["usd_per_1k_samples"] = est.usd_per_1k_samples
+    peak = est.peak_link
+    body["peak_link"] = None if peak is None else {
+        "link": peak[0], "bytes": peak[1],
+        "utilisation": est.link_busy_s.get(peak[0], 0.0) / est.step_s if est.step_s else 0.0,
+    }
     return body

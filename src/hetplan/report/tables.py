@@ -95,14 +95,51 @@ def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster:
 
 
 def show_estimate(console: Console, est: Estimate) -> None:
-    how = {"analytic": "analytic (closed-form pipeline formula, not the event simulator)"}.get(est.method, est.method)
-    console.print(f"estimate, {how}:")
+    how = {"event": "event-driven simulator", "fast": "batched fast path",
+           "measured": "measured"}.get(est.method, est.method)
+    console.print(f"estimate ({how}):")
     console.print(f"  step {fmt_seconds(est.step_s)}, {est.samples_per_s:,.1f} samples/s, "
                   f"bubble {est.bubble_fraction:.0%}, ${est.usd_per_step:.6f} per step "
                   f"(${est.usd_per_1k_samples:.4f} per 1,000 samples)")
+    peak = est.peak_link
+    if peak is not None and peak[1] > 0:
+        busy = est.link_busy_s.get(peak[0], 0.0)
+        console.print(f"  busiest link {peak[0]}: {fmt_bytes(peak[1])} per step, busy {busy / est.step_s:.0%} "
+                      "of the step")
     if est.feasible:
         console.print("  feasible: yes (fits in memory)")
     else:
         console.print("  [bold red]feasible: no[/]")
         for v in est.violations:
             console.print(f"  - {v}")
+
+
+def show_simulation(console: Console, plan: Plan, cluster: Cluster, est: Estimate) -> None:
+    """Per device and per link: what the step does with it."""
+    step = est.step_s or 1.0
+    stages: dict[str, list[str]] = {}
+    for i, stage in enumerate(plan.stages):
+        for d in stage.devices:
+            stages.setdefault(d, []).append(str(i))
+    table = Table(title=f"simulated step of a {plan.planner} plan: {len(plan.stages)} stages, "
+                        f"{plan.microbatches} micro-batches, {plan.schedule}", title_justify="left")
+    for col, justify in (("device", "left"), ("type", "left"), ("stage", "left"), ("busy", "right"),
+                         ("utilisation", "right"), ("peak memory", "right"), ("of", "right")):
+        table.add_column(col, justify=justify)
+    for d in plan.devices:
+        device = cluster.device(d)
+        need = est.peak_mem_bytes.get(d, 0)
+        mem = fmt_bytes(need) if need <= device.mem_bytes else f"[bold red]{fmt_bytes(need)}[/]"
+        busy = est.busy_s.get(d, 0.0)
+        table.add_row(d, device.type, ", ".join(stages[d]), fmt_seconds(busy), f"{busy / step:.0%}", mem,
+                      fmt_bytes(device.mem_bytes))
+    console.print(table)
+    if est.link_bytes:
+        links = Table(title="links", title_justify="left")
+        for col in ("link", "bytes per step", "busy", "utilisation"):
+            links.add_column(col, justify="left" if col == "link" else "right")
+        for key, nbytes in est.link_bytes.items():
+            busy = est.link_busy_s.get(key, 0.0)
+            links.add_row(key, fmt_bytes(nbytes), fmt_seconds(busy), f"{busy / step:.0%}")
+        console.print(links)
+    show_estimate(console, est)

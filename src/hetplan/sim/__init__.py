@@ -1,1 +1,81 @@
-"""Simulation of a training step under a plan (issue 4). So far: the schedules' action orders."""
+"""Simulation of one training step under a plan.
+
+`simulate(graph, cluster, plan)` replays the step with the event-driven simulator
+(`hetplan.sim.engine`) and returns the `Estimate` (step time, throughput, busy time and peak
+memory per device, bubble, bytes per link, price, memory violations) and the timeline of every
+action. `hetplan.sim.fast` scores many pipeline plans at once with numpy, for planners; a
+planner's final choice is re-scored here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hetplan.cluster import Cluster
+from hetplan.cost import CostModel
+from hetplan.graph import Graph
+from hetplan.plan import Estimate, Plan
+from hetplan.sim.engine import Span, Timeline, run_events
+from hetplan.sim.model import ROUTINGS, StepModel, build_step_model
+from hetplan.units import fmt_bytes
+
+
+@dataclass(frozen=True)
+class Simulation:
+    estimate: Estimate
+    timeline: Timeline | None
+
+
+def memory_violations(cluster: Cluster, plan: Plan, peak_mem_bytes: dict[str, int]) -> list[str]:
+    """One readable line per device whose peak memory exceeds what it has."""
+    violations = []
+    for d, need in peak_mem_bytes.items():
+        device = cluster.device(d)
+        if need > device.mem_bytes:
+            stages = [str(i) for i, s in enumerate(plan.stages) if d in s.devices]
+            violations.append(f"stage{'s' if len(stages) > 1 else ''} {', '.join(stages)} on {d} ({device.type}) "
+                              f"needs {fmt_bytes(need)}, has {fmt_bytes(device.mem_bytes)}")
+    return violations
+
+
+def simulate(graph: Graph, cluster: Cluster, plan: Plan, *, routing: str = "direct", timeline: bool = True,
+             cost: CostModel | None = None) -> Simulation:
+    """Simulate one training step of a valid plan (see `hetplan.plan.validate_plan`).
+
+    routing: `direct` (stages form a DAG; each tensor goes straight to the stages that use it) or
+    `relay` (only neighbouring stages talk, as in torch.distributed.pipelining); see
+    `hetplan.sim.model`. timeline: keep every action (off when only the estimate is wanted)."""
+    cm = cost or CostModel(graph, cluster)
+    model = build_step_model(graph, cluster, plan, routing, cm)
+    result = run_events(model, cluster, record=timeline)
+    return Simulation(_estimate(graph, cluster, plan, model, result, cm), result.timeline)
+
+
+def _estimate(graph: Graph, cluster: Cluster, plan: Plan, model: StepModel, result, cm: CostModel) -> Estimate:
+    step = result.step_s
+    used = plan.devices
+    peak: dict[str, int] = {}
+    for st in model.stages:
+        for rep in st.replicas:
+            peak[rep.device] = peak.get(rep.device, 0) + st.weight_bytes
+    for d, acts in result.peak_act_bytes.items():
+        peak[d] += math.ceil(acts)
+    violations = memory_violations(cluster, plan, peak)
+    busy = math.fsum(result.busy_s.values())
+    return Estimate(
+        step_s=step,
+        samples_per_s=graph.batch_size / step if step > 0 else 0.0,
+        busy_s=result.busy_s,
+        peak_mem_bytes=peak,
+        bubble_fraction=max(0.0, 1.0 - busy / (len(used) * step)) if step > 0 else 0.0,
+        link_bytes={k: round(v) for k, v in result.link_bytes.items()},
+        usd_per_step=cm.usd_per_step(used, step),
+        feasible=not violations,
+        violations=tuple(violations),
+        method="event",
+        link_busy_s=result.link_busy_s,
+    )
+
+
+__all__ = ["ROUTINGS", "Simulation", "Span", "Timeline", "memory_violations", "simulate"]

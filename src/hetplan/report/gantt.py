@@ -1,0 +1,100 @@
+"""Gantt chart of a simulated (or measured) step, and the timeline as a Chrome trace.
+
+One row per device (its compute) and one per directed link (its transfers); forward passes and
+activations in blue, backward passes and gradients in orange, gradient all-reduce in grey; each
+bar carries its micro-batch number when it is wide enough to hold it. The Chrome trace
+(chrome://tracing or https://ui.perfetto.dev) holds the same spans for zooming in.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from hetplan.errors import InputError
+from hetplan.io.serde import atomic_write_text
+from hetplan.sim.engine import ALLREDUCE, Timeline
+
+COLOURS = {"F": "#4C72B0", "B": "#DD8452", ALLREDUCE: "#9A9A9A"}
+NAMES = {"F": "forward / activations", "B": "backward / gradients", ALLREDUCE: "gradient all-reduce"}
+
+
+def _rows(timeline: Timeline, device_labels: Mapping[str, str] | None) -> list[tuple[str, str]]:
+    labels = device_labels or {}
+    rows = [(d, labels.get(d, d)) for d in timeline.devices]
+    rows += [(link, link.replace("->", " → ")) for link in timeline.links]
+    return rows
+
+
+def draw_gantt(timeline: Timeline, path: str | Path, title: str = "",
+               device_labels: Mapping[str, str] | None = None) -> Path:
+    """Write the chart as an image (PNG, SVG or PDF by the file's suffix)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    path = Path(path)
+    if path.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise InputError(f"{path}: the chart is written as .png, .svg or .pdf; name the file so")
+    rows = _rows(timeline, device_labels)
+    index = {key: k for k, (key, _) in enumerate(rows)}
+    scale, unit = (1e3, "ms") if timeline.step_s < 10 else (1.0, "s")
+    width_in = 15.0
+    fig = Figure(figsize=(width_in, 1.2 + 0.45 * len(rows)), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    span_max = max(timeline.step_s, 1e-12) * scale
+    # a label fits when the bar is wider than about two characters at this size
+    min_label = span_max * 0.22 / width_in
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for s in timeline.spans:
+        start, width = s.start_s * scale, (s.end_s - s.start_s) * scale
+        bars.setdefault((index[s.resource], s.kind), []).append((start, width))
+        if s.kind != ALLREDUCE and width >= min_label:
+            ax.text(start + width / 2, index[s.resource], str(s.microbatch), ha="center", va="center",
+                    fontsize=7, color="white", clip_on=True)
+    for (row, kind), xs in bars.items():
+        is_link = row >= len(timeline.devices)
+        ax.broken_barh(xs, (row - (0.3 if is_link else 0.4), 0.6 if is_link else 0.8),
+                       facecolors=COLOURS[kind], edgecolor="white", linewidth=0.0 if is_link else 0.4,
+                       alpha=0.75 if is_link else 1.0)
+    ax.set_yticks(range(len(rows)), [label for _, label in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    if timeline.links:
+        ax.axhline(len(timeline.devices) - 0.5, color="#444444", linewidth=0.8)
+    ax.set_xlim(0, span_max)
+    ax.set_xlabel(f"time ({unit})")
+    ax.grid(axis="x", color="#dddddd", linewidth=0.5)
+    ax.set_axisbelow(True)
+    kinds = [k for k in COLOURS if any(s.kind == k for s in timeline.spans)]
+    ax.legend(handles=[Patch(color=COLOURS[k], label=NAMES[k]) for k in kinds], loc="lower right",
+              bbox_to_anchor=(1.0, 1.0), ncol=len(kinds), frameon=False, fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10, loc="left")
+    fig.tight_layout()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write the chart ({exc.strerror})") from None
+    return path
+
+
+def chrome_trace(timeline: Timeline) -> dict:
+    """The timeline in the Chrome trace event format (times in microseconds)."""
+    rows = _rows(timeline, None)
+    events: list[dict] = [{"ph": "M", "pid": 0, "tid": k, "name": "thread_name", "args": {"name": label}}
+                          for k, (_, label) in enumerate(rows)]
+    index = {key: k for k, (key, _) in enumerate(rows)}
+    for s in timeline.spans:
+        events.append({"ph": "X", "pid": 0, "tid": index[s.resource], "name": s.label,
+                       "cat": NAMES[s.kind], "ts": s.start_s * 1e6, "dur": (s.end_s - s.start_s) * 1e6,
+                       "args": {"stage": s.stage, "microbatch": s.microbatch}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(timeline: Timeline, path: str | Path) -> Path:
+    path = Path(path)
+    atomic_write_text(path, json.dumps(chrome_trace(timeline)))
+    return path

@@ -1,0 +1,256 @@
+"""Batched scoring of pipeline plans with numpy, for planners that compare thousands of them.
+
+In a chain of stages where every device holds one stage, every resource's order of work is
+fixed in advance: a stage runs its schedule's action order, and the link from stage r to r + 1
+carries activations in the order stage r produces them (gradients likewise the other way). So
+the event simulator's timeline is the longest-path recurrence
+
+    F(r, i) = max(previous action of stage r, activations of i from stage r - 1) + fwd_r * f_i
+    B(r, i) = max(previous action of stage r, gradients of i from stage r + 1) + bwd_r * f_i
+    send(r, i) = max(the action that made it, send(r, i - 1)) + latency + bytes_r * f_i / bandwidth
+
+evaluated in a topological order of the actions that depends only on the shape (stages,
+micro-batch sizes, schedule). `ChainProgram` compiles that order once and evaluates it for a
+whole batch of plans at once, one numpy operation per action over the batch. For chains of
+single-device stages under `relay` routing this is exactly the event simulator (a test checks
+it); replicated stages are folded into one stage (the slowest replica's share, the slowest
+pair's transfer), and tensors that skip stages are relayed, so the fast path ranks plans rather
+than timing them, and a planner's final choice is re-scored by `hetplan.sim.simulate`.
+
+`ChainScorer` builds the inputs for plans written as cut points in a topological order plus one
+device per stage, from prefix sums, so a batch of such plans is scored without a Python loop
+over plans.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetplan.cluster import Cluster
+from hetplan.cost import WEIGHT_COPIES, CostModel, inflight_microbatches, microbatch_fractions
+from hetplan.errors import HetplanError
+from hetplan.graph import Graph
+from hetplan.plan import Plan
+from hetplan.sim.model import build_step_model
+from hetplan.sim.schedules import FORWARD, schedule_order
+
+
+@dataclass(frozen=True)
+class ChainProgram:
+    """The compiled recurrence for chains of `stages` stages with the given micro-batch shares."""
+
+    stages: int
+    fractions: tuple[float, ...]
+    schedule: str
+    ops: tuple[tuple[int, int, int], ...] = field(init=False, repr=False)  # (event, dep, dep or -1)
+    last: tuple[int, ...] = field(init=False, repr=False)  # each stage's last action
+
+    def __post_init__(self) -> None:
+        n, m = self.stages, len(self.fractions)
+        orders = schedule_order(self.schedule, n, m)
+        n_events = 2 * n * m + 2 * (n - 1) * m
+        deps: list[list[int]] = [[] for _ in range(n_events)]
+        for r, order in enumerate(orders):
+            prev = -1
+            for action in order:
+                i = action.microbatch
+                e = self._event(action.kind, r, i)
+                if prev >= 0:
+                    deps[e].append(prev)
+                if action.kind == FORWARD and r > 0:
+                    deps[e].append(self._send_f(r - 1, i))
+                if action.kind != FORWARD and r < n - 1:
+                    deps[e].append(self._send_b(r + 1, i))
+                prev = e
+        for r in range(n - 1):
+            for i in range(m):  # a link sends in the order its stage produces: micro-batch order
+                deps[self._send_f(r, i)].append(self._event(FORWARD, r, i))
+                deps[self._send_b(r + 1, i)].append(self._event("B", r + 1, i))
+                if i:
+                    deps[self._send_f(r, i)].append(self._send_f(r, i - 1))
+                    deps[self._send_b(r + 1, i)].append(self._send_b(r + 1, i - 1))
+        # Kahn's algorithm: an order in which every event comes after what it waits for
+        users: list[list[int]] = [[] for _ in range(n_events)]
+        missing = [len(d) for d in deps]
+        for e, ds in enumerate(deps):
+            for d in ds:
+                users[d].append(e)
+        queue = deque(e for e in range(n_events) if missing[e] == 0)
+        ops = []
+        while queue:
+            e = queue.popleft()
+            ds = deps[e]
+            ops.append((e, ds[0] if ds else -1, ds[1] if len(ds) > 1 else -1))
+            for u in users[e]:
+                missing[u] -= 1
+                if missing[u] == 0:
+                    queue.append(u)
+        if len(ops) != n_events:
+            raise HetplanError(f"schedule {self.schedule} deadlocks with {n} stages")  # never for gpipe/1f1b
+        object.__setattr__(self, "ops", tuple(ops))
+        object.__setattr__(self, "last", tuple(self._event(orders[r][-1].kind, r, orders[r][-1].microbatch)
+                                               for r in range(n)))
+
+    def _event(self, kind: str, r: int, i: int) -> int:
+        m = len(self.fractions)
+        return (0 if kind == FORWARD else self.stages * m) + r * m + i
+
+    def _send_f(self, r: int, i: int) -> int:  # activations of i from stage r to r + 1
+        m = len(self.fractions)
+        return 2 * self.stages * m + r * m + i
+
+    def _send_b(self, r: int, i: int) -> int:  # gradients of i from stage r to r - 1
+        m = len(self.fractions)
+        return 2 * self.stages * m + (self.stages - 1) * m + (r - 1) * m + i
+
+    def step_s(self, fwd_s: np.ndarray, bwd_s: np.ndarray, send_s: np.ndarray, latency_s: np.ndarray,
+               allreduce_s: np.ndarray | None = None) -> np.ndarray:
+        """Step time of P plans.
+
+        fwd_s, bwd_s: (P, stages) forward and backward time of each stage for the whole batch.
+        send_s: (P, stages - 1) bytes / bandwidth across each boundary for the whole batch (both
+        directions use it). latency_s: (P, stages - 1), 0 where nothing is sent.
+        allreduce_s: (P, stages) gradient all-reduce after each stage's last action, or None."""
+        n = self.stages
+        f = np.asarray(self.fractions)
+        fwd = np.atleast_2d(np.asarray(fwd_s, dtype=float))
+        p = fwd.shape[0]
+        parts = [fwd.T[:, None, :] * f[None, :, None],
+                 np.atleast_2d(np.asarray(bwd_s, dtype=float)).T[:, None, :] * f[None, :, None]]
+        if n > 1:
+            send = np.asarray(send_s, dtype=float).reshape(p, n - 1).T
+            lat = np.broadcast_to(np.asarray(latency_s, dtype=float), (p, n - 1)).T
+            comm = lat[:, None, :] + send[:, None, :] * f[None, :, None]
+            parts += [comm, comm]
+        dur = np.concatenate([x.reshape(-1, p) for x in parts])
+        t = np.empty_like(dur)
+        for e, a, b in self.ops:
+            if a < 0:
+                t[e] = dur[e]
+            elif b < 0:
+                np.add(t[a], dur[e], out=t[e])
+            else:
+                np.maximum(t[a], t[b], out=t[e])
+                t[e] += dur[e]
+        ends = t[list(self.last)]
+        if allreduce_s is not None:
+            ends = ends + np.asarray(allreduce_s, dtype=float).reshape(p, n).T
+        return ends.max(axis=0)
+
+
+@dataclass(frozen=True)
+class FastScores:
+    """Scores of a batch of P plans: step time, throughput, peak memory per stage, feasibility."""
+
+    step_s: np.ndarray  # (P,)
+    samples_per_s: np.ndarray  # (P,)
+    peak_mem_bytes: np.ndarray  # (P, stages)
+    feasible: np.ndarray  # (P,) bool
+    usd_per_step: np.ndarray  # (P,)
+
+
+class ChainScorer:
+    """Scores chains of single-device stages given as cut points in a fixed topological order.
+
+    A plan is `cuts` (stages - 1 increasing positions in `order`: stage k holds
+    order[cuts[k-1]:cuts[k]]) and `devices` (one device index of `cluster.ids` per stage)."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, order: Sequence[str] | None = None) -> None:
+        self.graph, self.cluster = graph, cluster
+        self.order = tuple(order or graph.topo_order)
+        cm = CostModel(graph, cluster)
+        pos = {nid: k for k, nid in enumerate(self.order)}
+        types = [d.type for d in cluster.devices]
+        self._type_of = np.array([sorted(set(types)).index(t) for t in types])
+        zero = np.zeros(1)
+        fwd, bwd = [], []
+        for t in sorted(set(types)):
+            times = cm.node_times_s(t)
+            fwd.append(np.concatenate([zero, np.cumsum([times[v][0] for v in self.order])]))
+            bwd.append(np.concatenate([zero, np.cumsum([times[v][1] for v in self.order])]))
+        self._fwd, self._bwd = np.array(fwd), np.array(bwd)  # (types, len(order) + 1) prefix sums
+        by_id = graph.by_id
+        self._params = np.concatenate([zero, np.cumsum([by_id[v].param_bytes for v in self.order], dtype=float)])
+        self._acts = np.concatenate([zero, np.cumsum([by_id[v].act_bytes for v in self.order], dtype=float)])
+        # crossing[c]: bytes of the edges cut when a stage boundary falls before position c
+        delta = np.zeros(len(self.order) + 2)
+        for e in graph.edges:
+            delta[pos[e.src] + 1] += e.bytes
+            delta[pos[e.dst] + 1] -= e.bytes
+        self._crossing = np.cumsum(delta)[: len(self.order) + 1]
+        ids = cluster.ids
+        self._bw = np.array([[cluster.link(a, b).bandwidth_Bps for b in ids] for a in ids])
+        self._lat = np.array([[cluster.link(a, b).latency_s for b in ids] for a in ids])
+        self._mem = np.array([d.mem_bytes for d in cluster.devices], dtype=float)
+        self._usd = np.array([d.usd_per_hour for d in cluster.devices])
+        self._programs: dict[tuple[int, int, str], ChainProgram] = {}
+
+    def program(self, stages: int, microbatches: int, schedule: str) -> ChainProgram:
+        key = (stages, microbatches, schedule)
+        if key not in self._programs:
+            self._programs[key] = ChainProgram(stages, microbatch_fractions(self.graph.batch_size, microbatches),
+                                               schedule)
+        return self._programs[key]
+
+    def score(self, cuts: np.ndarray, devices: np.ndarray, microbatches: int, schedule: str) -> FastScores:
+        devices = np.atleast_2d(np.asarray(devices, dtype=int))
+        p, n = devices.shape
+        cuts = np.asarray(cuts, dtype=int).reshape(p, n - 1)
+        bounds = np.concatenate([np.zeros((p, 1), int), cuts, np.full((p, 1), len(self.order))], axis=1)
+        lo, hi = bounds[:, :-1], bounds[:, 1:]
+        types = self._type_of[devices]
+        fwd = self._fwd[types, hi] - self._fwd[types, lo]
+        bwd = self._bwd[types, hi] - self._bwd[types, lo]
+        nbytes = self._crossing[cuts]
+        src, dst = devices[:, :-1], devices[:, 1:]
+        send = nbytes / self._bw[src, dst]
+        lat = np.where(nbytes > 0, self._lat[src, dst], 0.0)
+        step = self.program(n, microbatches, schedule).step_s(fwd, bwd, send, lat)
+        held = np.array([inflight_microbatches(schedule, n, r, microbatches) for r in range(n)])
+        # a stage holds micro-batches 0 .. held-1 at its peak (the largest: tensor_split puts the extra samples first)
+        first = np.cumsum(microbatch_fractions(self.graph.batch_size, microbatches))[held - 1]
+        stash = (self._acts[hi] - self._acts[lo]) * first
+        peak = WEIGHT_COPIES * (self._params[hi] - self._params[lo]) + stash
+        feasible = (peak <= self._mem[devices]).all(axis=1)
+        usd = self._usd[devices].sum(axis=1) * step / 3600.0
+        return FastScores(step, self.graph.batch_size / step, peak, feasible, usd)
+
+
+def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | None = None) -> dict[str, np.ndarray]:
+    """The `ChainProgram.step_s` inputs of any plan: replicated stages folded into one stage and
+    skipping tensors relayed (an approximation where the plan has either; exact otherwise)."""
+    model = build_step_model(graph, cluster, plan, "relay", cost)
+    n = len(model.stages)
+    send, lat = np.zeros(n - 1), np.zeros(n - 1)
+    for msg in model.messages:
+        k = msg.src_stage
+        if msg.src != msg.dst and msg.bytes_per_batch > 0:
+            link = cluster.link(msg.src, msg.dst)
+            send[k] = max(send[k], msg.bytes_per_batch / link.bandwidth_Bps)
+            lat[k] = max(lat[k], link.latency_s)
+    return {
+        "fwd_s": np.array([max(r.fwd_s for r in st.replicas) for st in model.stages]),
+        "bwd_s": np.array([max(r.bwd_s for r in st.replicas) for st in model.stages]),
+        "send_s": send,
+        "latency_s": lat,
+        "allreduce_s": np.array([st.allreduce_s for st in model.stages]),
+    }
+
+
+def fast_step_s(graph: Graph, cluster: Cluster, plans: Sequence[Plan]) -> np.ndarray:
+    """Fast-path step time of any plans (grouped by shape; one numpy pass per group)."""
+    cm = CostModel(graph, cluster)
+    out = np.empty(len(plans))
+    groups: dict[tuple[int, int, str], list[int]] = {}
+    for k, plan in enumerate(plans):
+        groups.setdefault((len(plan.stages), plan.microbatches, plan.schedule), []).append(k)
+    for (n, m, schedule), members in groups.items():
+        inputs = [chain_inputs(graph, cluster, plans[k], cm) for k in members]
+        stacked = {key: np.stack([x[key] for x in inputs]) for key in inputs[0]}
+        program = ChainProgram(n, microbatch_fractions(graph.batch_size, m), schedule)
+        out[members] = program.step_s(**stacked)
+    return out

@@ -1,0 +1,297 @@
+"""The event-driven simulator: exact answers on small cases, invariants on random plans."""
+
+import math
+from collections import defaultdict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetplan.cluster import cluster_from_spec, load_cluster
+from hetplan.cost import CostModel
+from hetplan.graph import Edge, Graph, Node
+from hetplan.plan import Plan, Stage, validate_plan
+from hetplan.sim import simulate
+from hetplan.sim.engine import ALLREDUCE
+from hetplan.sim.model import build_step_model
+from hetplan.sim.schedules import schedule_order
+from strategies import MIXED as CLUSTER
+from strategies import V, chain, graphs, one_per_stage
+
+GiB = 2**30
+
+
+def two_hosts(bandwidth="1GB/s", latency="0us", types=(V, V)):
+    spec = {"devices": [{"id": "a", "type": types[0], "host": "x"}, {"id": "b", "type": types[1], "host": "y"}],
+            "network": {"inter_host": {"bandwidth": bandwidth, "latency": latency}}}
+    return cluster_from_spec(spec, "two")
+
+
+@pytest.mark.parametrize("n,m", [(1, 1), (2, 4), (4, 8), (4, 1), (3, 2), (8, 16)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_equal_stages_without_communication(n, m, schedule):
+    """(m + n - 1) x (t_fwd + t_bwd) per micro-batch: the textbook pipeline formula."""
+    g = chain(n, fwd=0.03, bwd=0.05)
+    est = simulate(g, load_cluster("v100x8"), one_per_stage(n, m, schedule)).estimate
+    t_fwd, t_bwd = 0.03 / m, 0.05 / m
+    assert est.step_s == pytest.approx((m + n - 1) * (t_fwd + t_bwd), rel=1e-12)
+    assert est.bubble_fraction == pytest.approx((n - 1) / (m + n - 1))
+    assert est.samples_per_s == pytest.approx(64 / est.step_s)
+    assert est.feasible and est.method == "event" and est.link_bytes == {}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_peak_memory_follows_the_schedule(schedule, m):
+    """Weights x4 (weights, gradients, Adam's two moments) plus the stashed activations of the
+    micro-batches in flight: all m under GPipe, min(m, n - i) under 1F1B."""
+    n = 4
+    g = chain(n, params=1000, acts=800)
+    plan = one_per_stage(n, m, schedule)
+    est = simulate(g, load_cluster("v100x4"), plan).estimate
+    cm = CostModel(g, load_cluster("v100x4"))
+    for i in range(n):
+        held = m if schedule == "gpipe" else min(m, n - i)
+        assert est.peak_mem_bytes[f"v{i}"] == 4 * 1000 + 800 * held // m == cm.stage_memory_bytes(plan, i, f"v{i}")
+
+
+def test_memory_violation_is_readable():
+    g = chain(2, params=5 * GiB, acts=0)
+    est = simulate(g, load_cluster("hetero-4"), one_per_stage(2, 1, ids=["a0", "t0"])).estimate
+    assert not est.feasible
+    assert est.violations == ("stage 1 on t0 (t4-16gb) needs 20.0 GiB, has 16.0 GiB",)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_a_slow_link_bounds_the_step(m):
+    """Transfers of L seconds, compute much shorter: under GPipe the activations stream over the
+    link back to back and the gradients likewise the other way, so the step is
+    2 (t_fwd + t_bwd) + 2 m L; under any schedule it is at least the m L the link is busy."""
+    g = chain(2, fwd=0.001, bwd=0.002, edge_bytes=8 * 10**9)
+    cluster = two_hosts("1GB/s")
+    big_l = 8.0 / m
+    for schedule in ("gpipe", "1f1b"):
+        est = simulate(g, cluster, one_per_stage(2, m, schedule, ids=["a", "b"])).estimate
+        assert est.link_bytes == {"a->b": 8 * 10**9, "b->a": 8 * 10**9}
+        assert est.link_busy_s["a->b"] == pytest.approx(m * big_l)
+        assert est.step_s >= m * big_l
+        if schedule == "gpipe":
+            assert est.step_s == pytest.approx(2 * (0.001 + 0.002) / m + 2 * m * big_l)
+
+
+def test_latency_is_paid_per_transfer():
+    g = chain(2, fwd=0.0, bwd=0.0, edge_bytes=10**6)
+    est = simulate(g, two_hosts("1GB/s", "1ms"), one_per_stage(2, 4, "gpipe", ids=["a", "b"])).estimate
+    # four activations back to back, then four gradients back to back: 8 x (1 ms + 0.25 ms)
+    assert est.step_s == pytest.approx(8 * (1e-3 + 0.25e-3))
+
+
+def test_two_replicas_of_different_speeds_finish_together():
+    g = chain(2, fwd=0.1, bwd=0.2, params=10**8)
+    cluster = load_cluster("hetero-4")
+    plan = Plan((Stage(("n0",), ("v0",)), Stage(("n1",), ("a0", "t0"))), 4, "1f1b", "test")
+    sim = simulate(g, cluster, plan)
+    est = sim.estimate
+    assert est.busy_s["a0"] == pytest.approx(est.busy_s["t0"])
+    cm = CostModel(g, cluster)
+    together = 1 / (1 / cm.device_stage_s(("n1",), "a0") + 1 / cm.device_stage_s(("n1",), "t0"))
+    assert est.busy_s["a0"] == pytest.approx(together)  # the batch split in proportion to speed
+    last_b = {d: max(s.end_s for s in sim.timeline.spans if s.resource == d and s.kind == "B") for d in ("a0", "t0")}
+    # both replicas get their inputs at the same moments, so they end their last backward together
+    assert last_b["a0"] == pytest.approx(last_b["t0"], rel=1e-9)
+    ar = [s for s in sim.timeline.spans if s.kind == ALLREDUCE]
+    assert {s.resource for s in ar} == {"a0", "t0"}
+    allreduce = cm.allreduce_s(10**8, ("a0", "t0"))
+    assert ar[0].end_s - ar[0].start_s == pytest.approx(allreduce)
+    assert est.step_s == pytest.approx(max(max(last_b.values()) + allreduce,
+                                           max(s.end_s for s in sim.timeline.spans if s.resource == "v0")))
+
+
+def test_one_replicated_stage_is_data_parallelism():
+    g = chain(1, fwd=0.1, bwd=0.2, params=10**8)
+    cluster = load_cluster("hetero-4")
+    cm = CostModel(g, cluster)
+    est = simulate(g, cluster, Plan((Stage(("n0",), ("a0", "t0")),), 1, "gpipe", "test")).estimate
+    speed = 1 / cm.device_stage_s(("n0",), "a0") + 1 / cm.device_stage_s(("n0",), "t0")
+    assert est.busy_s["a0"] == pytest.approx(1 / speed)
+    assert est.step_s == pytest.approx(1 / speed + cm.allreduce_s(10**8, ("a0", "t0")))
+
+
+def diamond():
+    """n0 feeds n1 and n2, which both feed n3."""
+    t = {"n0": 0.01, "n1": 0.04, "n2": 0.03, "n3": 0.02}
+    nodes = tuple(Node(k, "Linear", {V: v}, {V: 2 * v}) for k, v in t.items())
+    edges = (Edge("n0", "n1", 0), Edge("n0", "n2", 0), Edge("n1", "n3", 0), Edge("n2", "n3", 0))
+    return Graph("diamond", nodes, edges, batch_size=8, profiled_on=V), t
+
+
+def test_branches_of_a_dag_of_stages_run_in_parallel():
+    g, t = diamond()
+    plan = Plan(tuple(Stage((k,), (f"v{i}",)) for i, k in enumerate(t)), 1, "1f1b", "test")
+    cluster = load_cluster("v100x4")
+    direct = simulate(g, cluster, plan)
+    span = {(s.resource, s.kind): s for s in direct.timeline.spans}
+    assert span[("v1", "F")].start_s == span[("v2", "F")].start_s == pytest.approx(0.01)
+    # forward n0, then the longer branch, then n3; backward the same way back (twice the time)
+    assert direct.estimate.step_s == pytest.approx(3 * (0.01 + 0.04 + 0.02))
+    relay = simulate(g, cluster, plan, routing="relay")
+    assert relay.estimate.step_s == pytest.approx(3 * sum(t.values()))
+
+
+def test_relay_passes_skipping_tensors_through_the_stages_between():
+    nodes = tuple(Node(f"n{i}", "Linear", {V: 0.0}, {V: 0.0}) for i in range(3))
+    edges = (Edge("n0", "n1", 10**6), Edge("n1", "n2", 10**6), Edge("n0", "n2", 3 * 10**6))
+    g = Graph("skip", nodes, edges, batch_size=4, profiled_on=V)
+    plan = one_per_stage(3, 1)
+    cluster = load_cluster("v100x4")
+    assert simulate(g, cluster, plan).estimate.link_bytes == {
+        "v0->v1": 10**6, "v1->v0": 10**6, "v0->v2": 3 * 10**6, "v2->v0": 3 * 10**6,
+        "v1->v2": 10**6, "v2->v1": 10**6}
+    assert simulate(g, cluster, plan, routing="relay").estimate.link_bytes == {
+        "v0->v1": 4 * 10**6, "v1->v0": 4 * 10**6, "v1->v2": 4 * 10**6, "v2->v1": 4 * 10**6}
+
+
+def test_price_per_step():
+    g = chain(2)
+    cluster = load_cluster("hetero-4")
+    est = simulate(g, cluster, one_per_stage(2, 2, ids=["a0", "t0"])).estimate
+    assert est.usd_per_step == pytest.approx((1.50 + 0.35) * est.step_s / 3600)
+
+
+def test_each_device_runs_its_stage_in_the_torch_schedule_order():
+    """The order of actions on a device is the schedule's order (held against torch's own in
+    test_schedules.py), whatever the timing."""
+    g = chain(4, fwd=0.01, bwd=0.03, edge_bytes=10**8)
+    for schedule in ("gpipe", "1f1b"):
+        plan = one_per_stage(4, 6, schedule, ids=["a0", "t0", "v0", "t1"])
+        sim = simulate(g, load_cluster("hetero-4"), plan)
+        orders = schedule_order(schedule, 4, 6)
+        for r, d in enumerate(["a0", "t0", "v0", "t1"]):
+            ran = [s for s in sorted(sim.timeline.spans, key=lambda s: s.start_s) if s.resource == d]
+            assert [s.label for s in ran] == [str(a) for a in orders[r]]
+
+
+# ---- invariants over random plans ---------------------------------------------------------------
+
+
+
+@st.composite
+def random_plans(draw, shared=False):
+    """A random DAG, cut into convex stages (pieces of a topological order); each stage on one
+    to three devices; with `shared`, devices may hold several stages."""
+    graph = draw(graphs(min_nodes=1, max_nodes=9, types=("v100-16gb",)).filter(lambda g: g.batch_size >= 1))
+    order = graph.topo_order
+    k = draw(st.integers(1, min(len(order), 4)))
+    cuts = sorted(draw(st.sets(st.integers(1, len(order) - 1), min_size=k - 1, max_size=k - 1))) if k > 1 else []
+    bounds = [0, *cuts, len(order)]
+    pool = list(draw(st.permutations(CLUSTER.ids)))
+    stages = []
+    for i in range(k):
+        reps = draw(st.integers(1, 3 if shared else max(1, (len(pool) - (k - 1 - i)) // 2)))
+        if shared:
+            devices = tuple(draw(st.lists(st.sampled_from(CLUSTER.ids), min_size=1, max_size=reps, unique=True)))
+        else:
+            devices, pool = tuple(pool[:reps]), pool[reps:]
+        stages.append(Stage(order[bounds[i]:bounds[i + 1]], devices))
+    m = draw(st.integers(1, min(graph.batch_size, 12)))
+    plan = Plan(tuple(stages), m, draw(st.sampled_from(["gpipe", "1f1b"])), "random", shared_devices=shared)
+    validate_plan(plan, graph, CLUSTER)
+    return graph, plan, draw(st.sampled_from(["direct", "relay"]))
+
+
+def check_timeline(graph, plan, routing):
+    sim = simulate(graph, CLUSTER, plan, routing=routing)
+    spans, est = sim.timeline.spans, sim.estimate
+    model = build_step_model(graph, CLUSTER, plan, routing)
+    m = plan.microbatches
+    eps = 1e-9 * max(est.step_s, 1.0)
+
+    # every action of every stage replica runs exactly once
+    compute = {(s.stage, s.resource, s.kind, s.microbatch): s for s in spans if s.resource in CLUSTER.by_id
+               and s.kind != ALLREDUCE}
+    expected = {(st_.index, r.device, kind, i) for st_ in model.stages for r in st_.replicas
+                for kind in "FB" for i in range(m)}
+    assert set(compute) == expected
+    assert len([s for s in spans if s.resource in CLUSTER.by_id and s.kind != ALLREDUCE]) == len(expected)
+
+    # a device computes one action at a time; a link sends one tensor at a time, in FIFO order
+    rows = defaultdict(list)
+    for s in spans:
+        if s.kind != ALLREDUCE:
+            rows[s.resource].append(s)
+    for row in rows.values():
+        row.sort(key=lambda s: (s.start_s, s.end_s))
+        for a, b in zip(row, row[1:], strict=False):
+            assert b.start_s >= a.end_s - eps
+
+    # dependencies: a stage's actions in schedule order; inputs arrive before they are used
+    orders = schedule_order(plan.schedule, len(plan.stages), m)
+    for st_ in model.stages:
+        for r in st_.replicas:
+            ran = [compute[(st_.index, r.device, a.kind, a.microbatch)] for a in orders[st_.index]]
+            for a, b in zip(ran, ran[1:], strict=False):
+                assert b.start_s >= a.end_s - eps
+    transfers = {(s.resource, s.kind, s.stage, s.to_stage, s.microbatch): s for s in spans if "->" in s.resource}
+    lower_bound = {}
+    for msg in model.messages:
+        for i in range(m):
+            for kind, src, dst, s_from, s_to in (("F", msg.src, msg.dst, msg.src_stage, msg.dst_stage),
+                                                 ("B", msg.dst, msg.src, msg.dst_stage, msg.src_stage)):
+                made, used = compute[(s_from, src, kind, i)], compute[(s_to, dst, kind, i)]
+                if src == dst or msg.bytes_per_batch == 0:
+                    assert used.start_s >= made.end_s - eps
+                    continue
+                x = transfers[(f"{src}->{dst}", kind, s_from, s_to, i)]
+                assert x.start_s >= made.end_s - eps and used.start_s >= x.end_s - eps
+                lower_bound[(s_from, src, s_to, dst, kind, i)] = x.end_s - x.start_s
+
+    # the step is never shorter than the busiest device nor than the critical path
+    assert est.step_s >= max(est.busy_s.values()) - eps
+    duration = {k: s.end_s - s.start_s for k, s in compute.items()}
+    feeds = defaultdict(list)
+    for (s_from, src, s_to, dst, kind, i), dt in lower_bound.items():
+        feeds[(s_to, dst, kind, i)].append(((s_from, src, kind, i), dt))
+    for msg in model.messages:
+        if msg.src == msg.dst or msg.bytes_per_batch == 0:
+            for i in range(m):
+                feeds[(msg.dst_stage, msg.dst, "F", i)].append(((msg.src_stage, msg.src, "F", i), 0.0))
+                feeds[(msg.src_stage, msg.src, "B", i)].append(((msg.dst_stage, msg.dst, "B", i), 0.0))
+    memo = {}
+
+    def finish(key):  # earliest end of an action given only data dependencies
+        if key not in memo:
+            start = max([finish(k) + dt for k, dt in feeds[key]], default=0.0)
+            if key[2] == "B":
+                start = max(start, finish((key[0], key[1], "F", key[3])))
+            memo[key] = start + duration[key]
+        return memo[key]
+
+    assert est.step_s >= max(finish(k) for k in compute) - eps
+    # memory: weights of every stage a device holds plus at most all of its activations
+    for d, peak in est.peak_mem_bytes.items():
+        weights = sum(st_.weight_bytes for st_ in model.stages for r in st_.replicas if r.device == d)
+        acts = sum(r.act_bytes for st_ in model.stages for r in st_.replicas if r.device == d)
+        assert weights <= peak <= weights + math.ceil(acts) + 1
+    assert 0 <= est.bubble_fraction <= 1
+    return sim
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_plans())
+def test_random_plans_respect_resources_and_dependencies(case):
+    check_timeline(*case)
+
+
+@settings(max_examples=40, deadline=None)
+@given(random_plans(shared=True))
+def test_random_plans_with_shared_devices(case):
+    check_timeline(*case)
+
+
+@settings(max_examples=30, deadline=None)
+@given(random_plans())
+def test_the_simulation_is_deterministic(case):
+    graph, plan, routing = case
+    a, b = simulate(graph, CLUSTER, plan, routing=routing), simulate(graph, CLUSTER, plan, routing=routing)
+    assert a == b
+    assert simulate(graph, CLUSTER, plan, routing=routing, timeline=False).estimate == a.estimate
