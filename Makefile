@@ -26,6 +26,11 @@ demo: $(STAMP)
 	$(HETPLAN) info hetero-4
 	$(HETPLAN) plan $(OUT)/resnet50.json --cluster hetero-4 --planner single -o $(OUT)/plan-single.json
 	$(HETPLAN) plan $(OUT)/resnet50.json --cluster hetero-4 --planner uniform -o $(OUT)/plan-uniform.json
+	$(HETPLAN) import pipedream $(PROFILES)/vgg16/graph.txt -o $(OUT)/vgg16.json
+	$(HETPLAN) plan $(OUT)/vgg16.json --cluster hetero-4 --planner uniform -o $(OUT)/plan-vgg16.json
+	$(HETPLAN) simulate $(OUT)/plan-vgg16.json --graph $(OUT)/vgg16.json --cluster hetero-4 --gantt $(OUT)/vgg16-hetero-4.png --trace $(OUT)/vgg16-hetero-4.trace.json
+	$(HETPLAN) plan $(OUT)/gpt2-tiny.json --cluster hetero-4 --planner uniform --microbatches 8 -o $(OUT)/plan-gpt2-tiny-hetero-4.json
+	$(HETPLAN) simulate $(OUT)/plan-gpt2-tiny-hetero-4.json --graph $(OUT)/gpt2-tiny.json --cluster hetero-4 --gantt $(OUT)/gpt2-tiny-hetero-4.png
 	@echo "demo: files written to $(OUT)/"
 
 test: $(STAMP)

@@ -49,9 +49,33 @@ def projection() -> None:
               f"{r['node_time_weighted_abs_rel_error']:.0%} |")
 
 
+def sim_speed() -> None:
+    data = json.loads((RESULTS / "sim_speed.json").read_text())
+    print("| stages | micro-batches | event simulator | event, with timeline | fast path, arrays (batches of 1024) "
+          "| fast path, Plan objects |")
+    print("|---|---|---|---|---|---|")
+    for r in data["rows"]:
+        print(f"| {r['stages']} | {r['microbatches']} | {r['event_per_s']:,.0f}/s | {r['event_timeline_per_s']:,.0f}/s "
+              f"| {r['fast_arrays_per_s']:,.0f}/s | {r['fast_plans_per_s']:,.0f}/s |")
+
+
+def fast_vs_event() -> None:
+    data = json.loads((RESULTS / "fast_vs_event.json").read_text())
+    print("| model | cluster | plans (with replicas) | Spearman | exact | rel. error median | p90 | worst |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in data["rows"]:
+        print(f"| {r['model']} | {r['cluster']} | {r['plans']} ({r['replicated_plans']}) | {r['spearman']:.4f} "
+              f"| {r['exact_share']:.0%} | {r['rel_err_median']:.2%} | {r['rel_err_p90']:.2%} "
+              f"| {r['rel_err_max']:.1%} |")
+
+
 if __name__ == "__main__":
     faithfulness()
     print()
     calibrated()
     print()
     projection()
+    print()
+    sim_speed()
+    print()
+    fast_vs_event()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hetplan.cluster import cluster_from_spec, load_cluster
 from hetplan.cost import CostModel
 from hetplan.graph import Edge, Graph, Node
-from hetplan.plan import Plan, Stage, validate_plan
+from hetplan.plan import Estimate, Plan, Stage, validate_plan
 from hetplan.sim import simulate
 from hetplan.sim.engine import ALLREDUCE
 from hetplan.sim.model import build_step_model
@@ -295,3 +295,9 @@ def test_the_simulation_is_deterministic(case):
     a, b = simulate(graph, CLUSTER, plan, routing=routing), simulate(graph, CLUSTER, plan, routing=routing)
     assert a == b
     assert simulate(graph, CLUSTER, plan, routing=routing, timeline=False).estimate == a.estimate
+
+
+def test_the_busiest_link_is_the_one_that_sends_longest():
+    est = Estimate(1.0, 1.0, {}, {}, 0.0, {"x->y": 10, "y->z": 5}, 0.0, True, link_busy_s={"x->y": 0.1, "y->z": 0.4})
+    assert est.peak_link == ("y->z", 5)
+    assert Estimate(1.0, 1.0, {}, {}, 0.0, {}, 0.0, True).peak_link is None

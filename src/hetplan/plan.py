@@ -74,10 +74,11 @@ class Estimate:
 
     @property
     def peak_link(self) -> tuple[str, int] | None:
-        """The link that carries the most bytes in a step, and how many (None without links)."""
+        """The busiest link (longest time sending, then most bytes) and the bytes it carries in a
+        step; None without links."""
         if not self.link_bytes:
             return None
-        key = max(self.link_bytes, key=lambda k: (self.link_bytes[k], k))
+        key = max(self.link_bytes, key=lambda k: (self.link_busy_s.get(k, 0.0), self.link_bytes[k], k))
         return key, self.link_bytes[key]
 
     @property

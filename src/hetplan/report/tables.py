@@ -99,8 +99,8 @@ def show_estimate(console: Console, est: Estimate) -> None:
            "measured": "measured"}.get(est.method, est.method)
     console.print(f"estimate ({how}):")
     console.print(f"  step {fmt_seconds(est.step_s)}, {est.samples_per_s:,.1f} samples/s, "
-                  f"bubble {est.bubble_fraction:.0%}, ${est.usd_per_step:.6f} per step "
-                  f"(${est.usd_per_1k_samples:.4f} per 1,000 samples)")
+                  f"bubble {est.bubble_fraction:.0%}, ${est.usd_per_step:.3g} per step "
+                  f"(${est.usd_per_1k_samples:.3g} per 1,000 samples)")
     peak = est.peak_link
     if peak is not None and peak[1] > 0:
         busy = est.link_busy_s.get(peak[0], 0.0)

@@ -95,28 +95,31 @@ def run_events(model: StepModel, cluster: Cluster, record: bool = True) -> Event
     c_fwd: list[bool] = []
     c_stage: list[int] = []
     c_mb: list[int] = []
-    task_of: dict[tuple[int, str, str, int], int] = {}  # (stage, device, kind, mb) -> task id
+    task_base: dict[tuple[int, str], int] = {}  # (stage, device) -> id of its first task
+    position: list[dict[str, list[int]]] = []  # per stage, kind -> micro-batch -> place in its order
     last_task: list[tuple[int, list[int]]] = []  # (stage, last task of each replica)
     for st in model.stages:
         order = orders[st.index]
+        is_fwd = [a.kind == FORWARD for a in order]
+        mbs = [a.microbatch for a in order]
+        place: dict[str, list[int]] = {FORWARD: [0] * m, "B": [0] * m}
+        for k, a in enumerate(order):
+            place[a.kind][a.microbatch] = k
+        position.append(place)
         lasts = []
         for rep in st.replicas:
             dev = dev_index[rep.device]
-            program = []
-            for action in order:
-                i = action.microbatch
-                fwd = action.kind == FORWARD
-                tid = len(c_dev)
-                c_dev.append(dev)
-                c_dur.append((rep.fwd_s if fwd else rep.bwd_s) * fractions[i])
-                c_act.append(rep.act_bytes * fractions[i])
-                c_fwd.append(fwd)
-                c_stage.append(st.index)
-                c_mb.append(i)
-                task_of[(st.index, rep.device, action.kind, i)] = tid
-                program.append(tid)
-            programs[dev].append(program)
-            lasts.append(program[-1])
+            base = len(c_dev)
+            task_base[(st.index, rep.device)] = base
+            size = len(order)
+            c_dev.extend([dev] * size)
+            c_dur.extend([(rep.fwd_s if f else rep.bwd_s) * fractions[i] for f, i in zip(is_fwd, mbs, strict=True)])
+            c_act.extend([rep.act_bytes * fractions[i] for i in mbs])
+            c_fwd.extend(is_fwd)
+            c_stage.extend([st.index] * size)
+            c_mb.extend(mbs)
+            programs[dev].append(list(range(base, base + size)))
+            lasts.append(base + size - 1)
         last_task.append((st.index, lasts))
     nc = len(c_dev)
     c_wait = [0] * nc
@@ -140,27 +143,32 @@ def run_events(model: StepModel, cluster: Cluster, record: bool = True) -> Event
                                              ("B", msg.dst, msg.src, msg.dst_stage, msg.src_stage)):
             # a tensor to the same device, or an empty one, is a dependency and nothing on a link
             link = cluster.link(src, dst) if src != dst and msg.bytes_per_batch > 0 else None
+            p_base, p_place = task_base[(s_from, src)], position[s_from][kind]
+            c_base, c_place = task_base[(s_to, dst)], position[s_to][kind]
+            if link is None:
+                for i in range(m):
+                    consumer = c_base + c_place[i]
+                    c_wait[consumer] += 1
+                    c_succ_c[p_base + p_place[i]].append(consumer)
+                continue
+            if (src, dst) not in link_index:
+                link_index[(src, dst)] = len(links)
+                links.append(f"{src}->{dst}")
+            lid = link_index[(src, dst)]
+            latency, bandwidth = link.latency_s, link.bandwidth_Bps
             for i in range(m):
-                producer = task_of[(s_from, src, kind, i)]
-                consumer = task_of[(s_to, dst, kind, i)]
+                consumer = c_base + c_place[i]
                 c_wait[consumer] += 1
-                if link is None:
-                    c_succ_c[producer].append(consumer)
-                    continue
-                key = (src, dst)
-                if key not in link_index:
-                    link_index[key] = len(links)
-                    links.append(f"{src}->{dst}")
                 nbytes = msg.bytes_per_batch * fractions[i]
-                c_succ_x[producer].append(len(x_link))
-                x_link.append(link_index[key])
-                x_dur.append(link.transfer_s(nbytes))
+                c_succ_x[p_base + p_place[i]].append(len(x_link))
+                x_link.append(lid)
+                x_dur.append(latency + nbytes / bandwidth)  # Link.transfer_s, inlined: nbytes > 0 here
                 x_bytes.append(nbytes)
                 x_dst.append(consumer)
-                x_fwd.append(kind == FORWARD)
-                x_stage.append(s_from)
-                x_to.append(s_to)
-                x_mb.append(i)
+            x_fwd.extend([kind == FORWARD] * m)
+            x_stage.extend([s_from] * m)
+            x_to.extend([s_to] * m)
+            x_mb.extend(range(m))
 
     # the event loop
     nd = len(devices)
