@@ -45,7 +45,8 @@ def main() -> None:
             cost = CostModel(graph, cluster)
             rng = np.random.default_rng(0)
             plans = [random_plan(graph, cluster, rng, max_replicas=3) for _ in range(args.plans)]
-            event = np.array([simulate(graph, cluster, p, timeline=False, cost=cost).estimate.step_s for p in plans])
+            event = np.array([simulate(graph, cluster, p, routing="direct", timeline=False, cost=cost).estimate.step_s
+                              for p in plans])
             fast = fast_step_s(graph, cluster, plans)
             rel = np.abs(fast / event - 1)
             row = {"model": model, "cluster": cluster_name, "plans": len(plans),

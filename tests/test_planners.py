@@ -21,7 +21,7 @@ def chain(n, params=0, acts=0, batch=32):
 
 def test_registry():
     assert {"single", "uniform"} <= set(PLANNERS)
-    with pytest.raises(HetplanError, match="unknown planner 'magic' \\(planners: single, uniform"):
+    with pytest.raises(HetplanError, match="unknown planner 'magic' \\(planners: single, data-parallel, uniform"):
         get_planner("magic")
 
 

@@ -129,7 +129,7 @@ def test_branches_of_a_dag_of_stages_run_in_parallel():
     g, t = diamond()
     plan = Plan(tuple(Stage((k,), (f"v{i}",)) for i, k in enumerate(t)), 1, "1f1b", "test")
     cluster = load_cluster("v100x4")
-    direct = simulate(g, cluster, plan)
+    direct = simulate(g, cluster, plan, routing="direct")
     span = {(s.resource, s.kind): s for s in direct.timeline.spans}
     assert span[("v1", "F")].start_s == span[("v2", "F")].start_s == pytest.approx(0.01)
     # forward n0, then the longer branch, then n3; backward the same way back (twice the time)
@@ -144,7 +144,7 @@ def test_relay_passes_skipping_tensors_through_the_stages_between():
     g = Graph("skip", nodes, edges, batch_size=4, profiled_on=V)
     plan = one_per_stage(3, 1)
     cluster = load_cluster("v100x4")
-    assert simulate(g, cluster, plan).estimate.link_bytes == {
+    assert simulate(g, cluster, plan, routing="direct").estimate.link_bytes == {
         "v0->v1": 10**6, "v1->v0": 10**6, "v0->v2": 3 * 10**6, "v2->v0": 3 * 10**6,
         "v1->v2": 10**6, "v2->v1": 10**6}
     assert simulate(g, cluster, plan, routing="relay").estimate.link_bytes == {

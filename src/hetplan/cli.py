@@ -301,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", metavar="PLAN", help="a plan JSON file")
     p.add_argument("--graph", required=True, metavar="G", help="the graph JSON the plan was made for")
     p.add_argument("--cluster", required=True, metavar="C", help="a cluster file or preset")
-    p.add_argument("--routing", default="direct", choices=ROUTINGS,
-                   help="direct: each tensor goes straight to the stages that use it; relay: only neighbouring "
-                        "stages talk, as in torch.distributed.pipelining (default: direct)")
+    p.add_argument("--routing", default="relay", choices=ROUTINGS,
+                   help="relay: only neighbouring stages talk, as in torch.distributed.pipelining (default); "
+                        "direct: each tensor goes straight to the stages that use it, branches run in parallel")
     p.add_argument("--gantt", type=Path, metavar="OUT.png", help="write a Gantt chart of the step (.png/.svg/.pdf)")
     p.add_argument("--trace", type=Path, metavar="OUT.json",
                    help="write the timeline as a Chrome trace (chrome://tracing, ui.perfetto.dev)")

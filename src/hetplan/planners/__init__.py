@@ -15,40 +15,10 @@ from types import MappingProxyType
 from hetplan.cluster import Cluster
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
-from hetplan.plan import OBJECTIVES, SCHEDULES, Plan, validate_plan
+from hetplan.plan import Plan, validate_plan
 from hetplan.planners import baselines
+from hetplan.planners.options import PlanOptions
 from hetplan.sim import simulate
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """What the user asks of a planner.
-
-    microbatches: the number of micro-batches, or None to let the planner choose.
-    schedule: `gpipe` or `1f1b`.
-    objective: `time`, `cost` or `mdpe` (planners that do not optimise ignore it).
-    seed: for planners that draw random numbers.
-    budget_s: a time budget for search planners (None: the planner's default).
-    min_samples_per_s: the throughput floor of the `cost` objective.
-    """
-
-    microbatches: int | None = None
-    schedule: str = "1f1b"
-    objective: str = "time"
-    seed: int = 0
-    budget_s: float | None = None
-    min_samples_per_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.microbatches is not None and (
-            isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1
-        ):
-            raise HetplanError(f"--microbatches: {self.microbatches!r} is not a whole number >= 1")
-        if self.schedule not in SCHEDULES:
-            raise HetplanError(f"--schedule: {self.schedule!r} is unknown (allowed: {', '.join(SCHEDULES)})")
-        if self.objective not in OBJECTIVES:
-            raise HetplanError(f"--objective: {self.objective!r} is unknown (allowed: {', '.join(OBJECTIVES)})")
-
 
 PlannerFn = Callable[[Graph, Cluster, PlanOptions], Plan]
 
@@ -60,14 +30,36 @@ class PlannerSpec:
     run: PlannerFn
 
 
+def _dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
+    from hetplan.planners.dp import dp
+
+    return dp(graph, cluster, options)
+
+
+def _exact(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
+    from hetplan.planners.exact import exact
+
+    return exact(graph, cluster, options)
+
+
 PLANNERS: MappingProxyType[str, PlannerSpec] = MappingProxyType({
     spec.name: spec
     for spec in (
         PlannerSpec("single", "the whole model on the fastest device that fits", baselines.single),
+        PlannerSpec("data-parallel", "every device that fits holds the whole model; batch split by speed",
+                    baselines.data_parallel),
         PlannerSpec("uniform", "equal numbers of nodes per stage, in topological order, one stage per device",
                     baselines.uniform),
+        PlannerSpec("params", "stages balanced by parameter bytes (DeepSpeed's default), one per device",
+                    baselines.params),
+        PlannerSpec("balanced-time", "stages balanced by profiled time (torchgpipe's block partition), one per device",
+                    baselines.balanced_time),
+        PlannerSpec("dp", "antichain dynamic program over stages, devices, replicas and micro-batches", _dp),
+        PlannerSpec("exact", "every valid plan of a small problem, by branch and bound on the simulator", _exact),
     )
 })
+
+BASELINES = ("single", "data-parallel", "uniform", "params", "balanced-time")
 
 
 def get_planner(name: str) -> PlannerSpec:
@@ -89,9 +81,9 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
         plan,
         graph=graph.name,
         cluster=cluster.name,
-        predicted=simulate(graph, cluster, plan, timeline=False).estimate,
-        meta={**plan.meta, "planning_s": round(planning_s, 6), "seed": options.seed},
+        predicted=simulate(graph, cluster, plan, routing=options.routing, timeline=False).estimate,
+        meta={**plan.meta, "planning_s": round(planning_s, 6), "seed": options.seed, "routing": options.routing},
     )
 
 
-__all__ = ["PLANNERS", "PlanOptions", "PlannerSpec", "get_planner", "make_plan"]
+__all__ = ["BASELINES", "PLANNERS", "PlanOptions", "PlannerSpec", "get_planner", "make_plan"]

@@ -1,18 +1,30 @@
 """Baseline planners: what people do without a planner.
 
 - `single`: the whole model on the fastest device that fits in memory.
+- `data-parallel`: bulk-synchronous data parallelism (the baseline of TAPP): every device that
+  can hold the whole model gets a slice of the batch in proportion to its speed, and the
+  gradients are all-reduced at the end of the step.
 - `uniform`: as many stages as devices (at most one node each), each stage the same number of
-  consecutive nodes of the topological order, stages given to devices in cluster order. Cutting
-  a topological order into consecutive pieces always gives convex stages in pipeline order,
-  because every edge goes forward in the order.
+  consecutive nodes of the topological order, stages given to devices in cluster order.
+- `params`: the same, with stages balanced by parameter bytes (DeepSpeed's default
+  `partition_method="parameters"`): the split of the order that minimises the largest stage.
+- `balanced-time`: the same, with stages balanced by profiled time (forward + backward on the
+  type the graph was profiled on) by the block-partition algorithm of Bárány and Grinberg
+  ("Block partitions of sequences", Israel J. Math. 2015), which torchgpipe's
+  `balance_by_time` uses.
+
+Cutting a topological order into consecutive pieces always gives convex stages in pipeline
+order, because every edge goes forward in the order. None of these look at the devices' speeds
+(except data-parallel's split) or at communication: that is what the planners improve on.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from hetplan.cluster import Cluster
-from hetplan.cost import CostModel
+from hetplan.cost import WEIGHT_COPIES, CostModel
 from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
@@ -38,16 +50,124 @@ def chunk_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def uniform(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
+def _pipeline(graph: Graph, cluster: Cluster, options: PlanOptions, sizes: list[int], name: str) -> Plan:
+    """Consecutive pieces of the topological order of the given sizes, one per device in order."""
     order = graph.topo_order
-    k = min(len(cluster.devices), len(order))
     stages: list[Stage] = []
     start = 0
-    for size, device in zip(chunk_sizes(len(order), k), cluster.devices, strict=False):
+    for size, device in zip(sizes, cluster.devices, strict=False):
         stages.append(Stage(order[start:start + size], (device.id,)))
         start += size
-    m = options.microbatches or default_microbatches(graph.batch_size, k)
-    return Plan(tuple(stages), m, options.schedule, "uniform", options.objective)
+    m = options.microbatches or default_microbatches(graph.batch_size, len(stages))
+    return Plan(tuple(stages), m, options.schedule, name, options.objective)
+
+
+def uniform(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
+    k = min(len(cluster.devices), len(graph.nodes))
+    return _pipeline(graph, cluster, options, chunk_sizes(len(graph.nodes), k), "uniform")
+
+
+def min_max_sizes(weights: list[float], parts: int) -> list[int]:
+    """Sizes of `parts` non-empty consecutive blocks whose largest sum is as small as possible
+    (bisection on the largest sum, each candidate checked greedily)."""
+    n = len(weights)
+    parts = min(parts, n)
+
+    def greedy(limit: float) -> list[int]:
+        sizes, total = [0], 0.0
+        for w in weights:
+            if sizes[-1] and total + w > limit:
+                sizes.append(0)
+                total = 0.0
+            sizes[-1] += 1
+            total += w
+        return sizes
+
+    lo, hi = max(weights, default=0.0), math.fsum(weights)
+    for _ in range(100):
+        if hi - lo <= 1e-12 * max(hi, 1e-300):
+            break
+        mid = (lo + hi) / 2
+        if len(greedy(mid)) <= parts:
+            hi = mid
+        else:
+            lo = mid
+    sizes = greedy(hi)
+    while len(sizes) < parts:  # fewer blocks than parts: split the longest (never raises the max)
+        i = max(range(len(sizes)), key=lambda k: sizes[k])
+        sizes[i:i + 1] = [sizes[i] - sizes[i] // 2, sizes[i] // 2]
+    return sizes
+
+
+def block_partition(weights: list[float], parts: int, max_rounds: int = 100_000) -> list[int]:
+    """Bárány and Grinberg's block partition: sizes of `parts` consecutive blocks whose sums
+    differ by at most the largest element.
+
+    Start from equal numbers of elements; while the largest block exceeds the smallest by more
+    than the largest element, move one element into the smallest block from its neighbour on
+    the side of the largest block. (The paper scales the elements into [0, 1]; we divide by the
+    largest so that sums stay proportional to the weights; torchgpipe also subtracts the
+    smallest, which balances something other than the sums when blocks differ in length.)"""
+    n = len(weights)
+    parts = min(parts, n)
+    top = max(weights, default=0.0)
+    if parts <= 1 or top <= 0:
+        return chunk_sizes(n, parts)
+    unit = [w / top for w in weights]
+    bounds = [n // parts * (i + 1) for i in range(parts - 1)] + [n]  # end of each block
+
+    def block(i: int) -> float:
+        return math.fsum(unit[(bounds[i - 1] if i else 0):bounds[i]])
+
+    for _ in range(max_rounds):
+        sums = [block(i) for i in range(parts)]
+        p = max(range(parts), key=lambda i: (sums[i], -i))
+        low = min(sums)
+        if sums[p] <= low + 1.0:
+            break
+        q = min((i for i in range(parts) if sums[i] == low), key=lambda i: abs(i - p))
+        if p < q:  # move the last element of block q-1 into q
+            if bounds[q - 1] - (bounds[q - 2] if q >= 2 else 0) <= 1:
+                break
+            bounds[q - 1] -= 1
+        else:  # move the first element of block q+1 into q
+            if bounds[q + 1] - bounds[q] <= 1:
+                break
+            bounds[q] += 1
+    return [bounds[i] - (bounds[i - 1] if i else 0) for i in range(parts)]
+
+
+def params(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
+    weights = [float(graph.by_id[n].param_bytes) for n in graph.topo_order]
+    return _pipeline(graph, cluster, options, min_max_sizes(weights, len(cluster.devices)), "params")
+
+
+def balanced_time(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
+    t = graph.profiled_on
+    weights = [graph.by_id[n].fwd_s[t] + graph.by_id[n].bwd_s[t] for n in graph.topo_order]
+    return _pipeline(graph, cluster, options, block_partition(weights, len(cluster.devices)), "balanced-time")
+
+
+def data_parallel(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
+    """Every device that fits the whole model holds a replica; slower devices are dropped first
+    when one runs out of memory (its share of the activations shrinks as others join)."""
+    cm = CostModel(graph, cluster)
+    nodes = graph.topo_order
+    m = options.microbatches or 1
+    devices = [d.id for d in cluster.devices]
+    while devices:
+        plan = Plan((Stage(nodes, tuple(devices)),), m, options.schedule, "data-parallel", options.objective)
+        short = [d for d in devices if cm.stage_memory_bytes(plan, 0, d) > cluster.device(d).mem_bytes]
+        if not short:
+            return plan
+        devices.remove(max(short, key=lambda d: (cm.device_stage_s(nodes, d), d)))
+    need = min(WEIGHT_COPIES * graph.param_bytes_total + sum(n.act_bytes for n in graph.nodes) // m, 2**63)
+    biggest = max(cluster.devices, key=lambda d: d.mem_bytes)
+    raise InfeasibleError(
+        f"data parallelism needs the whole model on every device it uses, at least {fmt_bytes(need)} "
+        f"with {m} micro-batch{'es' if m > 1 else ''}, but the largest device ({biggest.id}, {biggest.type}) "
+        f"has {fmt_bytes(biggest.mem_bytes)}: use a pipeline planner such as dp"
+    )
 
 
 def single(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hetplan.cluster import Cluster
-from hetplan.graph import Graph
+from hetplan.cluster import Cluster, cluster_from_spec
+from hetplan.graph import Edge, Graph, Node
 from hetplan.plan import SCHEDULES, Plan, Stage
 
 
@@ -36,3 +36,74 @@ def random_plan(graph: Graph, cluster: Cluster, rng: np.random.Generator, *, sta
         plan_stages.append(Stage(order[bounds[i]:bounds[i + 1]], tuple(devices)))
     fitting = [m for m in microbatches if m <= graph.batch_size] or [1]
     return Plan(tuple(plan_stages), int(rng.choice(fitting)), str(rng.choice(list(schedules))), "random")
+
+
+def random_problem(rng: np.random.Generator, max_nodes: int = 12, max_devices: int = 4,
+                   max_types: int = 2) -> tuple[Graph, Cluster]:
+    """A small random planning problem: a chain or a branchy DAG (forks of two or three branches
+    joined again, as in Inception or ResNet) with node times on every device type (the second
+    type 1.2-4x slower, varying by node), parameters, stashed activations and tensor sizes; and
+    a cluster of 2 to `max_devices` devices of 1 to `max_types` types on one or two hosts, whose
+    memory is sometimes too small for the whole model."""
+    types = [str(t) for t in rng.choice(["v100-16gb", "t4-16gb", "a100-40gb", "l4-24gb"],
+                                        size=int(rng.integers(1, max_types + 1)), replace=False)]
+    slowdown = {types[0]: 1.0}
+    for t in types[1:]:
+        slowdown[t] = float(rng.uniform(1.2, 4.0))
+    n_target = int(rng.integers(3, max_nodes + 1))
+    nodes: list[Node] = []
+    edges: list[Edge] = []
+    branchy = bool(rng.integers(0, 2))
+
+    def new_node() -> str:
+        nid = f"n{len(nodes)}"
+        t = float(rng.uniform(1e-3, 20e-3))
+        fwd = {ty: t * s * float(rng.uniform(0.8, 1.25)) for ty, s in slowdown.items()}
+        nodes.append(Node(nid, "Linear", fwd, {ty: 2 * v for ty, v in fwd.items()},
+                          param_bytes=int(rng.integers(0, 2**28)), act_bytes=int(rng.integers(0, 2**29)),
+                          out_bytes=int(rng.integers(2**16, 2**26))))
+        return nid
+
+    def edge(a: str, b: str) -> None:
+        edges.append(Edge(a, b, nodes[int(a[1:])].out_bytes))
+
+    last = new_node()
+    while len(nodes) < n_target:
+        room = n_target - len(nodes)
+        if branchy and room >= 3 and rng.random() < 0.6:
+            width = int(rng.integers(2, 4))
+            ends = []
+            for _ in range(width):
+                if len(nodes) >= n_target - 1:
+                    break
+                length = int(rng.integers(1, 3))
+                prev = last
+                for _ in range(length):
+                    if len(nodes) >= n_target - 1:
+                        break
+                    cur = new_node()
+                    edge(prev, cur)
+                    prev = cur
+                ends.append(prev)
+            join = new_node()
+            for end in ends:
+                edge(end, join)
+            last = join
+        else:
+            cur = new_node()
+            edge(last, cur)
+            last = cur
+    graph = Graph("random", tuple(nodes), tuple(edges), batch_size=int(rng.choice([8, 16, 32, 64])),
+                  profiled_on=types[0])
+    k = int(rng.integers(2, max_devices + 1))
+    hosts = int(rng.integers(1, 3))
+    need = 4 * graph.param_bytes_total + sum(n.act_bytes for n in nodes)
+    devices = []
+    for i in range(k):
+        t = types[i % len(types)] if i < len(types) else types[int(rng.integers(0, len(types)))]
+        mem = max(2**30, int(need * float(rng.uniform(0.3, 1.5))))
+        devices.append({"id": f"d{i}", "type": t, "host": f"h{i % hosts}", "memory": mem})
+    spec = {"name": "random", "devices": devices,
+            "network": {"intra_host": {"bandwidth": f"{int(rng.integers(5, 100))}GB/s", "latency": "5us"},
+                        "inter_host": {"bandwidth": f"{int(rng.integers(1, 25))}Gbit/s", "latency": "30us"}}}
+    return graph, cluster_from_spec(spec, "random")

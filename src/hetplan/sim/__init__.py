@@ -39,13 +39,14 @@ def memory_violations(cluster: Cluster, plan: Plan, peak_mem_bytes: dict[str, in
     return violations
 
 
-def simulate(graph: Graph, cluster: Cluster, plan: Plan, *, routing: str = "direct", timeline: bool = True,
+def simulate(graph: Graph, cluster: Cluster, plan: Plan, *, routing: str = "relay", timeline: bool = True,
              cost: CostModel | None = None) -> Simulation:
     """Simulate one training step of a valid plan (see `hetplan.plan.validate_plan`).
 
-    routing: `direct` (stages form a DAG; each tensor goes straight to the stages that use it) or
-    `relay` (only neighbouring stages talk, as in torch.distributed.pipelining); see
-    `hetplan.sim.model`. timeline: keep every action (off when only the estimate is wanted)."""
+    routing: `relay` (default: only neighbouring stages talk, as in torch.distributed.pipelining,
+    which hetplan's runtime uses) or `direct` (stages form a DAG; each tensor goes straight to
+    the stages that use it, and independent branches run in parallel); see `hetplan.sim.model`.
+    timeline: keep every action (off when only the estimate is wanted)."""
     cm = cost or CostModel(graph, cluster)
     model = build_step_model(graph, cluster, plan, routing, cm)
     result = run_events(model, cluster, record=timeline)

@@ -1,0 +1,100 @@
+"""What planners optimise, as one number per estimate (lower is better).
+
+- `time`: the step time, for plans that fit in memory (highest throughput).
+- `cost`: the price per sample, `usd_per_step / batch_size`, for plans that fit and reach the
+  throughput floor `min_samples_per_s`; devices may stay unused (HeterPS, Liu et al. 2021:
+  minimise monetary cost under a throughput constraint).
+- `mdpe`: Trinity's multi-dimensional performance model (Zeng et al. 2022), which the paper
+  describes as runtime plus penalties when communication or memory pass user limits. We read it
+  as a weighted sum of three dimensionless terms:
+
+      mdpe = alpha * T / T_ref
+           + beta  * max(0, C / C_tol - 1)
+           + gamma * max(0, M / M_tol - 1)
+
+  T is the step time and T_ref the graph's total forward and backward time on the fastest
+  device type the cluster has (so the first term is about 1 for one device and falls with a
+  good split); C is the busiest link's busy share of the step and C_tol its tolerance
+  (`comm_tolerance`, default 0.5); M is the largest share of a device's memory in use and M_tol
+  its tolerance (`mem_tolerance`, default 0.8). Defaults alpha 0.5, beta 0.3, gamma 0.2. A plan
+  that does not fit in memory at all is infeasible under every objective.
+
+`value` is infinite for infeasible plans; `search_value` stays finite and grows with how far a
+plan is from feasible, so that a search can walk through infeasible plans back to feasible ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hetplan.cluster import Cluster
+from hetplan.cost import CostModel
+from hetplan.graph import Graph
+from hetplan.plan import Estimate
+from hetplan.planners.options import PlanOptions
+
+
+def reference_time_s(graph: Graph, cluster: Cluster, cost: CostModel | None = None) -> float:
+    """The graph's forward + backward time on the fastest device type of the cluster."""
+    cm = cost or CostModel(graph, cluster)
+    nodes = graph.topo_order
+    return min(math.fsum(cm.stage_times_s(nodes, t)) for t in {d.type for d in cluster.devices})
+
+
+def memory_share(est: Estimate, cluster: Cluster) -> float:
+    """The largest share of a device's memory the plan uses."""
+    return max((need / cluster.device(d).mem_bytes for d, need in est.peak_mem_bytes.items()), default=0.0)
+
+
+def link_share(est: Estimate) -> float:
+    """The busiest link's busy time as a share of the step."""
+    if not est.link_busy_s or est.step_s <= 0:
+        return 0.0
+    return max(est.link_busy_s.values()) / est.step_s
+
+
+def mdpe(est: Estimate, options: PlanOptions, cluster: Cluster, t_ref_s: float) -> float:
+    return (options.alpha * est.step_s / max(t_ref_s, 1e-30)
+            + options.beta * max(0.0, link_share(est) / options.comm_tolerance - 1.0)
+            + options.gamma * max(0.0, memory_share(est, cluster) / options.mem_tolerance - 1.0))
+
+
+def meets_floor(est: Estimate, options: PlanOptions) -> bool:
+    return options.objective != "cost" or est.samples_per_s >= (options.min_samples_per_s or 0.0) * (1 - 1e-12)
+
+
+def value(est: Estimate, options: PlanOptions, cluster: Cluster, batch_size: int, t_ref_s: float) -> float:
+    """The objective of a plan's estimate; infinite when the plan is infeasible."""
+    if not est.feasible or not meets_floor(est, options):
+        return math.inf
+    return _raw(est, options, cluster, batch_size, t_ref_s)
+
+
+def _raw(est: Estimate, options: PlanOptions, cluster: Cluster, batch_size: int, t_ref_s: float) -> float:
+    if options.objective == "time":
+        return est.step_s
+    if options.objective == "cost":
+        return est.usd_per_step / batch_size
+    return mdpe(est, options, cluster, t_ref_s)
+
+
+def search_value(est: Estimate, options: PlanOptions, cluster: Cluster, batch_size: int, t_ref_s: float) -> float:
+    """Like `value`, but finite: an infeasible plan costs its objective times a factor that grows
+    with its memory overflow and its shortfall below the throughput floor."""
+    over = max(0.0, memory_share(est, cluster) - 1.0)
+    short = 0.0
+    if options.objective == "cost" and options.min_samples_per_s:
+        short = max(0.0, options.min_samples_per_s / max(est.samples_per_s, 1e-30) - 1.0)
+    base = _raw(est, options, cluster, batch_size, t_ref_s)
+    if over == 0.0 and short == 0.0:
+        return base
+    return (base + 1e-12) * (10.0 + 10.0 * (over + short))
+
+
+def describe(options: PlanOptions) -> str:
+    if options.objective == "time":
+        return "shortest step"
+    if options.objective == "cost":
+        return f"lowest price per sample at >= {options.min_samples_per_s:g} samples/s"
+    return (f"mdpe (alpha {options.alpha:g}, beta {options.beta:g}, gamma {options.gamma:g}, "
+            f"link tolerance {options.comm_tolerance:g}, memory tolerance {options.mem_tolerance:g})")

@@ -1,0 +1,66 @@
+"""What a user asks of a planner: micro-batches, schedule, objective and its parameters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hetplan.errors import HetplanError
+from hetplan.plan import OBJECTIVES, SCHEDULES
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the user asks of a planner.
+
+    microbatches: the number of micro-batches, or None to let the planner choose.
+    schedule: `gpipe` or `1f1b`.
+    objective: `time`, `cost` or `mdpe` (planners that do not optimise ignore it).
+    seed: for planners that draw random numbers.
+    budget_s: a time budget for search planners (None: the planner's default).
+    min_samples_per_s: the throughput floor of the `cost` objective.
+    alpha, beta, gamma: weights of runtime, communication and memory in the `mdpe` objective.
+    comm_tolerance: the busiest link's share of the step that `mdpe` tolerates without penalty.
+    mem_tolerance: the share of a device's memory that `mdpe` tolerates without penalty.
+    routing: how the simulator that scores plans sends tensors between stages (`relay`, as the
+    runtime does, or `direct`; see `hetplan.sim.model`).
+    """
+
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    objective: str = "time"
+    seed: int = 0
+    budget_s: float | None = None
+    min_samples_per_s: float | None = None
+    alpha: float = 0.5
+    beta: float = 0.3
+    gamma: float = 0.2
+    comm_tolerance: float = 0.5
+    mem_tolerance: float = 0.8
+    routing: str = "relay"
+
+    def __post_init__(self) -> None:
+        if self.microbatches is not None and (
+            isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1
+        ):
+            raise HetplanError(f"--microbatches: {self.microbatches!r} is not a whole number >= 1")
+        if self.schedule not in SCHEDULES:
+            raise HetplanError(f"--schedule: {self.schedule!r} is unknown (allowed: {', '.join(SCHEDULES)})")
+        if self.objective not in OBJECTIVES:
+            raise HetplanError(f"--objective: {self.objective!r} is unknown (allowed: {', '.join(OBJECTIVES)})")
+        if self.budget_s is not None and not (self.budget_s > 0 and math.isfinite(self.budget_s)):
+            raise HetplanError(f"--budget-s: {self.budget_s!r} must be a number of seconds > 0")
+        if self.min_samples_per_s is not None and not (self.min_samples_per_s > 0
+                                                       and math.isfinite(self.min_samples_per_s)):
+            raise HetplanError(f"--min-samples-per-s: {self.min_samples_per_s!r} must be a number > 0")
+        if self.objective == "cost" and self.min_samples_per_s is None:
+            raise HetplanError("--objective cost needs a throughput floor: add --min-samples-per-s X "
+                               "(the fewest samples per second you accept)")
+        if self.routing not in ("relay", "direct"):
+            raise HetplanError(f"--routing: {self.routing!r} is unknown (allowed: relay, direct)")
+        for name in ("alpha", "beta", "gamma"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise HetplanError(f"--{name}: {getattr(self, name)!r} must be a number >= 0")
+        for name in ("comm_tolerance", "mem_tolerance"):
+            if not 0 < getattr(self, name) <= 1:
+                raise HetplanError(f"--{name.replace('_', '-')}: {getattr(self, name)!r} must be in (0, 1]")

@@ -1,0 +1,127 @@
+"""Cut states of a DAG: the down-sets ("ideals") at which a pipeline can be cut.
+
+PipeDream's optimizer (Narayanan et al., SOSP 2019) and Ju et al.'s task segmentation split a
+branchy graph only at *antichains*: a state is the set of all nodes up to an antichain (a
+down-set, closed under predecessors), and the stage between two states i and j is the
+difference of their down-sets, which is always convex, and in pipeline order when the first is
+a subset of the second. The *augmented* antichain of a state is its boundary: the nodes inside
+whose outputs are still needed outside; the bytes they send out are what crosses the cut.
+
+We enumerate the states breadth-first from the empty set, adding at each step one node whose
+predecessors are all inside (so every down-set is reachable), and sort them by size, which is a
+topological order of the states under inclusion. A graph with wide parallel regions has
+exponentially many states; past `limit` we fall back to the prefixes of one topological order
+together with the down-set of every single node (a polynomial family that still contains every
+cut of a chain), and say so. `coarsen` keeps at most K states, spread evenly over the compute
+time with the cheapest cut in each slice, for the dynamic program on large graphs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetplan.graph import Graph
+
+
+@dataclass(frozen=True)
+class CutStates:
+    """Down-sets of a graph as bitmasks over `order` (bit k is node order[k]), sorted by size."""
+
+    order: tuple[str, ...]
+    ideals: tuple[int, ...]
+    complete: bool  # True when every down-set of the graph is here
+
+    def __len__(self) -> int:
+        return len(self.ideals)
+
+    def members(self, mask: int) -> tuple[str, ...]:
+        """The node ids of a bitmask, in `order` (a topological order)."""
+        out = []
+        k = 0
+        while mask:
+            if mask & 1:
+                out.append(self.order[k])
+            mask >>= 1
+            k += 1
+        return tuple(out)
+
+    def matrix(self) -> np.ndarray:
+        """(states, nodes) booleans: which nodes each state holds."""
+        n = len(self.order)
+        nbytes = (n + 7) // 8
+        raw = np.frombuffer(b"".join(m.to_bytes(nbytes, "little") for m in self.ideals), dtype=np.uint8)
+        bits = np.unpackbits(raw.reshape(len(self.ideals), nbytes), axis=1, bitorder="little")
+        return bits[:, :n].astype(bool)
+
+
+def _closures(graph: Graph, order: tuple[str, ...]) -> tuple[dict[str, int], list[int]]:
+    bit = {v: 1 << k for k, v in enumerate(order)}
+    pred_mask = []
+    closure: dict[str, int] = {}
+    for v in order:
+        preds = graph.predecessors(v)
+        mask = 0
+        for p in preds:
+            mask |= bit[p]
+        pred_mask.append(mask)
+        c = bit[v]
+        for p in preds:
+            c |= closure[p]
+        closure[v] = c
+    return closure, pred_mask
+
+
+def cut_states(graph: Graph, limit: int = 20_000) -> CutStates:
+    """Every down-set of the graph, or (past `limit`) the polynomial family described above."""
+    order = graph.topo_order
+    closure, pred_mask = _closures(graph, order)
+    n = len(order)
+    full = (1 << n) - 1
+    index = {v: k for k, v in enumerate(order)}
+    succ = [[index[w] for w in graph.successors(v)] for v in order]
+    seen = {0}
+    # each queued state carries the nodes that can join it (all their predecessors inside)
+    queue = deque([(0, tuple(k for k in range(n) if pred_mask[k] == 0))])
+    complete = True
+    while queue:
+        ideal, ready = queue.popleft()
+        for k in ready:
+            nxt = ideal | (1 << k)
+            if nxt in seen:
+                continue
+            seen.add(nxt)
+            joins = tuple(w for w in succ[k] if pred_mask[w] & ~nxt == 0)
+            queue.append((nxt, tuple(x for x in ready if x != k) + joins))
+        if len(seen) > limit:
+            complete = False
+            break
+    if not complete:
+        seen = {0, full}
+        prefix = 0
+        for k, v in enumerate(order):
+            prefix |= 1 << k
+            seen.add(prefix)
+            seen.add(closure[v])
+    ideals = tuple(sorted(seen, key=lambda m: (m.bit_count(), m)))
+    return CutStates(order, ideals, complete)
+
+
+def coarsen(states: CutStates, weight: np.ndarray, cut_bytes: np.ndarray, keep: int) -> list[int]:
+    """Indices of at most `keep` states: the empty and the full one, and in each of keep - 2
+    equal slices of the compute time the state with the fewest bytes crossing its cut."""
+    s = len(states)
+    if s <= keep:
+        return list(range(s))
+    total = weight[-1] if weight[-1] > 0 else 1.0
+    slices = np.minimum((weight / total * (keep - 2)).astype(int), keep - 3)
+    chosen = {0, s - 1}
+    best: dict[int, int] = {}
+    for idx in range(1, s - 1):
+        sl = int(slices[idx])
+        if sl not in best or cut_bytes[idx] < cut_bytes[best[sl]]:
+            best[sl] = idx
+    chosen.update(best.values())
+    return sorted(chosen, key=lambda i: (states.ideals[i].bit_count(), states.ideals[i]))
