@@ -22,7 +22,7 @@ from hetplan.graph import GRANULARITIES, Graph
 from hetplan.io import serde
 from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, import_pipedream
 from hetplan.plan import OBJECTIVES, SCHEDULES, Plan, validate_plan
-from hetplan.planners import PLANNERS, PlanOptions, make_plan
+from hetplan.planners import PLANNERS, PlanOptions, get_planner, make_plan
 from hetplan.report import tables
 from hetplan.report.summary import cluster_summary, graph_summary, plan_summary
 from hetplan.sim.model import ROUTINGS
@@ -120,16 +120,39 @@ def cmd_import_pipedream(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    graph = load_graph(args.graph)
-    cluster = load_cluster(args.cluster)
-    options = PlanOptions(
+def _options(args: argparse.Namespace) -> PlanOptions:
+    return PlanOptions(
         microbatches=(None if args.microbatches in (None, "auto")
                       else _positive_int(args.microbatches, "--microbatches")),
         schedule=args.schedule, objective=args.objective, seed=args.seed, budget_s=args.budget_s,
-        min_samples_per_s=args.min_samples_per_s,
+        min_samples_per_s=args.min_samples_per_s, alpha=args.alpha, beta=args.beta, gamma=args.gamma,
+        comm_tolerance=args.comm_tolerance, mem_tolerance=args.mem_tolerance, routing=args.routing,
     )
-    plan = make_plan(graph, cluster, args.planner, options)
+
+
+def _progress_bar():
+    """A progress bar on stderr when it is a terminal, else nothing."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True, highlight=False)
+    if not console.is_terminal:
+        return None
+    return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
+                    transient=True)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    graph = load_graph(args.graph)
+    cluster = load_cluster(args.cluster)
+    options = _options(args)
+    bar = _progress_bar()
+    if bar is None:
+        plan = make_plan(graph, cluster, args.planner, options)
+    else:
+        with bar:
+            task = bar.add_task(f"planning with {args.planner}", total=1.0)
+            plan = make_plan(graph, cluster, args.planner, options,
+                             progress=lambda done: bar.update(task, completed=done))
     if args.output:
         serde.dump(plan, args.output)
     if args.json:
@@ -139,6 +162,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tables.show_plan(console, plan, graph, cluster)
     if args.output:
         console.print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from hetplan.planners.compare import compare
+
+    graph = load_graph(args.graph)
+    cluster = load_cluster(args.cluster)
+    options = _options(args)
+    names = [n.strip() for n in args.planners.split(",") if n.strip()] if args.planners else list(PLANNERS)
+    for name in names:
+        get_planner(name)
+    bar = _progress_bar()
+    if bar is None:
+        result = compare(graph, cluster, names, options)
+    else:
+        with bar:
+            task = bar.add_task("comparing", total=len(names))
+
+            def step(name: str, done: float) -> None:
+                bar.update(task, description=f"planning with {name}", completed=names.index(name) + done)
+
+            result = compare(graph, cluster, names, options, progress=step)
+    if args.json:
+        _emit_json(result.to_json())
+        return 0
+    tables.show_comparison(_console(), result, graph, cluster)
     return 0
 
 
@@ -282,19 +332,39 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--batch-size", type=int, help="batch size of the profile (read off image inputs if omitted)")
     q.set_defaults(func=cmd_import_pipedream)
 
-    p = sub.add_parser("plan", parents=[common], help="split a graph over a cluster with a planner")
-    p.add_argument("graph", metavar="GRAPH", help="a graph JSON file")
-    p.add_argument("--cluster", required=True, metavar="C", help="a cluster file or preset")
-    p.add_argument("--planner", default="uniform", choices=list(PLANNERS), metavar="NAME",
-                   help=f"one of: {', '.join(PLANNERS)} (default: uniform)")
-    p.add_argument("--microbatches", metavar="M|auto", help="micro-batches per step (default: auto)")
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
-    p.add_argument("--objective", default="time", choices=OBJECTIVES)
-    p.add_argument("--min-samples-per-s", type=float, help="throughput floor for --objective cost")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, help="time budget of search planners")
+    planning = argparse.ArgumentParser(add_help=False)
+    planning.add_argument("graph", metavar="GRAPH", help="a graph JSON file")
+    planning.add_argument("--cluster", required=True, metavar="C", help="a cluster file or preset")
+    planning.add_argument("--microbatches", metavar="M|auto",
+                          help="micro-batches per step (default: auto, the planner chooses)")
+    planning.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default: 1f1b)")
+    planning.add_argument("--objective", default="time", choices=OBJECTIVES,
+                          help="time: shortest step; cost: lowest price per sample above --min-samples-per-s; "
+                               "mdpe: Trinity's runtime + communication + memory model (default: time)")
+    planning.add_argument("--min-samples-per-s", type=float, metavar="X", help="throughput floor of --objective cost")
+    planning.add_argument("--seed", type=int, default=0, help="seed of search planners (default: 0)")
+    planning.add_argument("--budget-s", type=float, metavar="T", help="time budget of search planners (default: 10)")
+    planning.add_argument("--routing", default="relay", choices=ROUTINGS,
+                          help="how the simulator scoring plans sends tensors between stages (default: relay, "
+                               "as the runtime does)")
+    mdpe = planning.add_argument_group("mdpe objective")
+    mdpe.add_argument("--alpha", type=float, default=0.5, help="weight of the step time (default: 0.5)")
+    mdpe.add_argument("--beta", type=float, default=0.3, help="weight of communication over tolerance (default: 0.3)")
+    mdpe.add_argument("--gamma", type=float, default=0.2, help="weight of memory over tolerance (default: 0.2)")
+    mdpe.add_argument("--comm-tolerance", type=float, default=0.5,
+                      help="busiest link's share of the step tolerated (default: 0.5)")
+    mdpe.add_argument("--mem-tolerance", type=float, default=0.8,
+                      help="share of a device's memory tolerated (default: 0.8)")
+
+    p = sub.add_parser("plan", parents=[common, planning], help="split a graph over a cluster with a planner")
+    p.add_argument("--planner", default="dp", choices=list(PLANNERS), metavar="NAME",
+                   help=f"one of: {', '.join(PLANNERS)} (default: dp)")
     p.add_argument("-o", "--output", type=Path, help="the plan JSON to write")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("compare", parents=[common, planning], help="run several planners on one problem, side by side")
+    p.add_argument("--planners", metavar="A,B,...", help=f"planners to run (default: all: {', '.join(PLANNERS)})")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("simulate", parents=[common], help="predict a plan's step: time, memory, traffic, price",
                        description="Replay one training step of a plan with the event-driven simulator.")

@@ -28,12 +28,19 @@ class PlannerSpec:
     name: str
     summary: str
     run: PlannerFn
+    reports_progress: bool = False  # run(..., progress=callback(fraction done)) for long searches
 
 
 def _dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
     from hetplan.planners.dp import dp
 
     return dp(graph, cluster, options)
+
+
+def _local_search(graph: Graph, cluster: Cluster, options: PlanOptions, progress=None) -> Plan:
+    from hetplan.planners.search import local_search
+
+    return local_search(graph, cluster, options, progress=progress)
 
 
 def _exact(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
@@ -56,6 +63,8 @@ PLANNERS: MappingProxyType[str, PlannerSpec] = MappingProxyType({
                     baselines.balanced_time),
         PlannerSpec("dp", "antichain dynamic program over stages, devices, replicas and micro-batches", _dp),
         PlannerSpec("exact", "every valid plan of a small problem, by branch and bound on the simulator", _exact),
+        PlannerSpec("local-search", "simulated annealing from dp's plan, every move scored by the simulator",
+                    _local_search, reports_progress=True),
     )
 })
 
@@ -69,12 +78,17 @@ def get_planner(name: str) -> PlannerSpec:
         raise HetplanError(f"unknown planner {name!r} (planners: {', '.join(PLANNERS)})") from None
 
 
-def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions | None = None) -> Plan:
-    """Run a planner, check its plan and attach the estimate and the planning time."""
+def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions | None = None,
+              progress: Callable[[float], None] | None = None) -> Plan:
+    """Run a planner, check its plan and attach the estimate and the planning time. `progress`
+    is called with the fraction done by planners that search for a while."""
     spec = get_planner(planner)
     options = options or PlanOptions()
     start = time.perf_counter()
-    plan = spec.run(graph, cluster, options)
+    if spec.reports_progress and progress is not None:
+        plan = spec.run(graph, cluster, options, progress=progress)
+    else:
+        plan = spec.run(graph, cluster, options)
     planning_s = time.perf_counter() - start
     validate_plan(plan, graph, cluster)
     return replace(

@@ -60,8 +60,10 @@ import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import WEIGHT_COPIES
+from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
+from hetplan.planners import baselines
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.scoring import Scorer
 from hetplan.planners.states import coarsen, cut_states
@@ -69,10 +71,11 @@ from hetplan.sim.fast import fast_step_s
 
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 MAX_STATES = 160
-MAX_LABELS = 12
+MAX_LABELS = 6
 EPSILON = 0.002  # labels closer than this in sum, max and all-reduce are merged
 TOP_K = 12
-BOUND_SLACK = 0.15  # the first pass's step, in the program's model, may be this much too low
+BOUND_SLACK = 0.05  # partial plans within this of the best found so far are kept (the model is not exact)
+BASELINE_SLACK = 0.25  # the program's model may find a baseline's plan this much slower than simulated
 POOL = 256  # candidates the fast path re-ranks before the event simulator scores TOP_K of them
 MAX_ORDERS = 24
 
@@ -169,7 +172,8 @@ class _Problem:
 
 
 def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: PlanOptions,
-               m_max: int, bound_s: float, max_labels: int = MAX_LABELS) -> list[tuple]:
+               m_max: int, bound_s: float, max_labels: int = MAX_LABELS,
+               bound_usd_s: float = math.inf) -> list[tuple]:
     """The Pareto front at ({}, device 0) for one device order. A label is
     (sum, max, ar, r, mreq, price, kfirst, lat, stage, parent, rank)."""
     cluster = scorer.cluster
@@ -180,6 +184,7 @@ def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: 
     dtype = [tindex[d.type] for d in dev]
     times = np.array([prob.time[t] for t in prob.types])  # (types, states)
     gpipe = options.schedule == "gpipe"
+    max_replicas = D if D <= 8 else max(8, D // 2)  # on big clusters, stages of at most half the devices
     # the stages after a stage matter only through 1F1B's memory; skip them when all fits anyway
     fits_anywhere = WEIGHT_COPIES * prob.params[-1] + prob.acts[-1] <= min(d.mem_bytes for d in dev)
     track_r = not gpipe and not fits_anywhere
@@ -247,7 +252,7 @@ def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: 
             labels = front.get((j, e))
             if not labels:
                 continue
-            for k in range(1, e + 1):
+            for k in range(1, min(e, max_replicas) + 1):
                 d = e - k
                 cnt, mem, ar_link = groups[(d, k)]
                 with np.errstate(divide="ignore", invalid="ignore"):
@@ -304,7 +309,8 @@ def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: 
                         # a lower bound on the whole step: the stages still to come take at least r_i
                         # in all and the slowest of them at least r_i too (their devices are disjoint,
                         # so max(w_k / speed_k) >= sum(w_k) / sum(speed_k)); the best m is the largest
-                        if (s2 + r_i + (m_max - 1) * max(mx2, r_i)) / m_max > bound_s:
+                        low = (s2 + r_i + (m_max - 1) * max(mx2, r_i)) / m_max
+                        if low > bound_s or (track_price and price * low > bound_usd_s):
                             continue
                         ar2, lat2 = max(lar, ar), lat + lt
                         rank = ((s2 + (m_max - 1) * mx2) / m_max + 2 * lat2 + ar2) * (price if track_price else 1.0)
@@ -331,21 +337,23 @@ def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: 
     m_max = max(choices)
     speed = {t: 1.0 / max(float(prob.time[t][-1]), 1e-30) for t in prob.types}
     orders = device_orders(cluster, speed, options.objective)
-    bound = math.inf
-    if options.objective == "cost":  # slower than the floor is infeasible
-        bound = graph.batch_size / (options.min_samples_per_s or 1e-300)
-    else:
-        # a first pass keeping one label per state finds a good plan fast; its step (in the
-        # program's model) bounds the full pass, which then cuts every partial plan that cannot beat it
-        for order in orders:
-            for lab in _run_order(prob, scorer, order, options, m_max, bound, max_labels=1):
-                for m in choices:
-                    if m >= lab[4]:
-                        bound = min(bound, (lab[0] + (m - 1) * lab[1]) / m + 2 * lab[7] + lab[2])
-        bound *= 1.0 + BOUND_SLACK
+    # Bounds cut every partial plan that cannot beat the best found so far: for time, the
+    # baselines' simulated steps (with slack: the program's model may see them slower), then the
+    # best step found in the orders done; for cost, the floor (slower plans are infeasible) and the
+    # best price x step found so far above it.
+    bound = graph.batch_size / options.min_samples_per_s if options.objective == "cost" else math.inf
+    bound_usd = math.inf
+    if options.objective == "time":
+        for make in (baselines.single, baselines.data_parallel, baselines.balanced_time):
+            try:
+                est = scorer.estimate(make(graph, cluster, replace(options, microbatches=None)))
+            except HetplanError:
+                continue
+            if est.feasible:
+                bound = min(bound, est.step_s * (1.0 + BASELINE_SLACK))
     pool = []
     for order in orders:
-        for lab in _run_order(prob, scorer, order, options, m_max, bound):
+        for lab in _run_order(prob, scorer, order, options, m_max, bound, bound_usd_s=bound_usd):
             for m in choices:
                 if m < lab[4]:
                     continue
@@ -353,8 +361,12 @@ def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: 
                 if options.objective == "cost":
                     fast_enough = graph.batch_size / max(t, 1e-30) >= 0.9 * (options.min_samples_per_s or 0)
                     key = (0 if fast_enough else 1, lab[5] * t)
+                    if t <= bound:
+                        bound_usd = min(bound_usd, lab[5] * t * (1.0 + BOUND_SLACK))
                 else:
                     key = (0, t)
+                    if options.objective == "time":
+                        bound = min(bound, t * (1.0 + BOUND_SLACK))
                 pool.append((key, order, lab, m))
     pool.sort(key=lambda x: x[0])
     # the program's model ranks the pool; the fast path (the exact recurrence of the schedule,

@@ -107,3 +107,64 @@ def random_problem(rng: np.random.Generator, max_nodes: int = 12, max_devices: i
             "network": {"intra_host": {"bandwidth": f"{int(rng.integers(5, 100))}GB/s", "latency": "5us"},
                         "inter_host": {"bandwidth": f"{int(rng.integers(1, 25))}Gbit/s", "latency": "30us"}}}
     return graph, cluster_from_spec(spec, "random")
+
+
+def synthetic_graph(n_nodes: int, rng: np.random.Generator, device_type: str = "v100-16gb",
+                    batch_size: int = 64) -> Graph:
+    """A large model-like graph: residual blocks (three nodes and a skip connection around them,
+    as in ResNet) and now and then an Inception-like fork of three branches, with node times of
+    0.1-2 ms, parameters up to 16 MB, activations up to 64 MB and FLOPs in proportion to time
+    (so projection to other device types works)."""
+    nodes: list[Node] = []
+    edges: list[Edge] = []
+
+    def new_node(op: str) -> str:
+        nid = f"n{len(nodes)}"
+        t = float(rng.uniform(1e-4, 2e-3))
+        out = int(rng.integers(2**18, 2**24))
+        nodes.append(Node(nid, op, {device_type: t}, {device_type: 2 * t}, flops=t * 5e12,
+                          param_bytes=int(rng.integers(0, 2**24)), out_bytes=out,
+                          act_bytes=int(rng.integers(2**20, 2**26))))
+        return nid
+
+    def edge(a: str, b: str) -> None:
+        edges.append(Edge(a, b, nodes[int(a[1:])].out_bytes))
+
+    last = new_node("Input")
+    while len(nodes) < n_nodes:
+        room = n_nodes - len(nodes)
+        if room >= 5 and rng.random() < 0.15:  # fork of three branches, joined
+            ends = []
+            for _ in range(3):
+                b = new_node("Conv2d")
+                edge(last, b)
+                ends.append(b)
+            join = new_node("Cat")
+            for b in ends:
+                edge(b, join)
+            last = join
+        elif room >= 4:  # residual block
+            a = new_node("Conv2d")
+            b = new_node("Conv2d")
+            c = new_node("Conv2d")
+            add = new_node("Add")
+            edge(last, a)
+            edge(a, b)
+            edge(b, c)
+            edge(c, add)
+            edge(last, add)
+            last = add
+        else:
+            cur = new_node("Linear")
+            edge(last, cur)
+            last = cur
+    return Graph(f"synthetic-{n_nodes}", tuple(nodes), tuple(edges), batch_size=batch_size, profiled_on=device_type)
+
+
+def synthetic_cluster(devices: int, types: tuple[str, ...] = ("a100-40gb", "v100-32gb", "t4-16gb")) -> Cluster:
+    """`devices` devices spread evenly over `types`, four to a host."""
+    spec_devices = [{"id": f"g{i}", "type": types[i % len(types)], "host": f"h{i // 4}"} for i in range(devices)]
+    return cluster_from_spec({"name": f"synthetic-{devices}", "devices": spec_devices,
+                              "network": {"intra_host": {"bandwidth": "50GB/s", "latency": "5us"},
+                                          "inter_host": {"bandwidth": "25Gbit/s", "latency": "50us"}}},
+                             f"synthetic-{devices}")

@@ -143,3 +143,44 @@ def show_simulation(console: Console, plan: Plan, cluster: Cluster, est: Estimat
             links.add_row(key, fmt_bytes(nbytes), fmt_seconds(busy), f"{busy / step:.0%}")
         console.print(links)
     show_estimate(console, est)
+
+
+def show_comparison(console: Console, result, graph: Graph, cluster: Cluster) -> None:
+    """One row per planner; the best by the objective marked."""
+    import math
+
+    from hetplan.planners import BASELINES, objectives
+
+    best = result.best
+    table = Table(title=f"{graph.name} on {cluster.name}: {objectives.describe(result.options)}, "
+                        f"{result.options.schedule}", title_justify="left")
+    for col, justify in (("", "left"), ("planner", "left"), ("stages/devices", "right"), ("m", "right"),
+                         ("step", "right"), ("samples/s", "right"), ("$/1k", "right"), ("memory", "right"),
+                         ("feasible", "left"), ("planning", "right"), ("vs baselines", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    failed = []
+    for r in result.rows:
+        mark = "*" if best is not None and r is best else ""
+        if r.plan is None or r.plan.predicted is None:
+            table.add_row(mark, r.planner, "-", "-", "-", "-", "-", "-", "[red]no plan[/]", "-", "-")
+            failed.append(r)
+            continue
+        est = r.plan.predicted
+        gain = result.gain_over_baselines(r)
+        feasible = "yes" if math.isfinite(r.value) else (
+            "[red]no: memory[/]" if not est.feasible else "[red]no: too slow[/]")
+        cells = [mark, r.planner, f"{len(r.plan.stages)} / {len(r.plan.devices)}", str(r.plan.microbatches),
+                 fmt_seconds(est.step_s), f"{est.samples_per_s:,.1f}", f"{est.usd_per_1k_samples:.3g}",
+                 f"{r.plan.meta.get('peak_mem_share', 0.0):.0%}", feasible, fmt_seconds(r.planning_s or 0.0),
+                 "-" if gain is None else f"{gain:+.1%}"]
+        if mark:
+            cells = [f"[bold]{c}[/]" for c in cells]
+        table.add_row(*cells)
+    console.print(table)
+    for r in failed:
+        console.print(r.error if r.error and r.error.startswith(f"{r.planner}:") else f"{r.planner}: {r.error}")
+    if best is not None:
+        console.print(f"best: {best.planner} (*); memory: the fullest device's share; vs baselines: how much "
+                      f"lower the objective is than the best of {', '.join(BASELINES)}")
+    else:
+        console.print("[bold red]no planner found a feasible plan[/]")
