@@ -65,7 +65,7 @@ def test_plan_then_info_on_the_plan(cli, profiles, tmp_path):
 def test_simulate_prints_the_estimate_and_draws_the_step(cli, profiles, tmp_path):
     g, p = tmp_path / "vgg.json", tmp_path / "plan.json"
     cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", g)
-    assert cli("plan", g, "--cluster", "hetero-4", "-o", p).code == 0
+    assert cli("plan", g, "--cluster", "hetero-4", "--planner", "uniform", "-o", p).code == 0
     png, trace = tmp_path / "out" / "step.png", tmp_path / "trace.json"
     r = cli("simulate", p, "--graph", g, "--cluster", "hetero-4", "--gantt", png, "--trace", trace, "--json")
     assert r.code == 0, r.err
@@ -95,7 +95,7 @@ def test_simulate_prints_the_estimate_and_draws_the_step(cli, profiles, tmp_path
 def test_simulate_errors(cli, profiles, tmp_path, extra, message):
     g, p = tmp_path / "vgg.json", tmp_path / "plan.json"
     cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", g)
-    cli("plan", g, "--cluster", "hetero-4", "-o", p)
+    cli("plan", g, "--cluster", "hetero-4", "--planner", "uniform", "-o", p)
     r = cli("simulate", p, "--graph", g, *extra)
     assert r.code == 2 and message in r.err and "Traceback" not in r.err
 
