@@ -278,3 +278,57 @@ def test_profile_bad_input(cli, tmp_path):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
 def test_profile_on_cuda_without_a_gpu(cli, tmp_path):
     bad(cli("profile", "mlp", "--device", "cuda", "-o", tmp_path / "x.json"), "no CUDA device is available")
+
+
+def test_compare_rows_and_best(cli, profiles, tmp_path):
+    g = tmp_path / "vgg.json"
+    cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", g)
+    r = cli("compare", g, "--cluster", "hetero-4", "--planners", "single,uniform,balanced-time,dp,exact,local-search",
+            "--budget-s", "0.5", "--json")
+    assert r.code == 0, r.err
+    out = r.json()
+    rows = {row["planner"]: row for row in out["rows"]}
+    assert list(rows) == ["single", "uniform", "balanced-time", "dp", "exact", "local-search"]
+    for name in ("single", "uniform", "balanced-time", "dp", "local-search"):
+        row = rows[name]
+        for key in ("step_s", "samples_per_s", "usd_per_step", "feasible", "planning_s", "stages"):
+            assert row[key] is not None, (name, key)
+    assert rows["exact"]["error"].startswith("exact: ") and "too many to search" in rows["exact"]["error"]
+    assert out["best"] in ("dp", "local-search")
+    assert rows["dp"]["step_s"] <= min(rows[b]["step_s"] for b in ("single", "uniform", "balanced-time"))
+    assert rows["local-search"]["step_s"] <= rows["dp"]["step_s"] * (1 + 1e-9)
+    assert rows["dp"]["gain_over_best_baseline"] > 0
+    r = cli("compare", g, "--cluster", "hetero-4", "--planners", "single,dp")
+    assert r.code == 0 and "best: dp" in r.out and "vs baselines" in r.out
+
+
+def test_plan_cost_objective_and_errors(cli, profiles, tmp_path):
+    g, p = tmp_path / "vgg.json", tmp_path / "plan.json"
+    cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", g)
+    r = cli("plan", g, "--cluster", "cloud-mix", "--objective", "cost", "--min-samples-per-s", "200", "-o", p, "--json")
+    assert r.code == 0, r.err
+    plan = r.json()
+    assert plan["planner"] == "dp" and plan["objective"] == "cost" and plan["predicted"]["samples_per_s"] >= 200
+    for args, message in [
+        (("--objective", "cost"), "--objective cost needs a throughput floor: add --min-samples-per-s X"),
+        (("--objective", "cost", "--min-samples-per-s", "1e9"), "no plan dp found reaches 1e+09 samples/s"),
+        (("--planner", "nope"), "invalid choice: 'nope'"),
+    ]:
+        r = cli("plan", g, "--cluster", "cloud-mix", *args)
+        assert r.code == 2 and message in r.err and "Traceback" not in r.err, r.err
+    r = cli("compare", g, "--cluster", "cloud-mix", "--planners", "dp,nope")
+    assert r.code == 2 and "unknown planner 'nope'" in r.err
+
+
+def test_plan_says_what_memory_is_missing(cli, tmp_path):
+    from hetplan.graph import Edge, Graph, Node
+    from hetplan.io import serde
+
+    nodes = tuple(Node(f"n{i}", "Linear", {"v100-16gb": 0.01}, {"v100-16gb": 0.02}, param_bytes=4 * 2**30)
+                  for i in range(8))
+    g = Graph("huge", nodes, tuple(Edge(f"n{i}", f"n{i + 1}", 8) for i in range(7)), 32, "v100-16gb")
+    path = tmp_path / "huge.json"
+    serde.dump(g, path)
+    r = cli("plan", path, "--cluster", "hetero-4")
+    assert r.code == 2 and len(r.err.strip().splitlines()) == 1
+    assert "all 4 devices together have 104.0 GiB: add devices" in r.err

@@ -76,7 +76,7 @@ def min_max_sizes(weights: list[float], parts: int) -> list[int]:
     def greedy(limit: float) -> list[int]:
         sizes, total = [0], 0.0
         for w in weights:
-            if sizes[-1] and total + w > limit:
+            if sizes[-1] and total + w > limit * (1 + 1e-12):  # tolerance: sums in another order differ
                 sizes.append(0)
                 total = 0.0
             sizes[-1] += 1
@@ -126,14 +126,20 @@ def block_partition(weights: list[float], parts: int, max_rounds: int = 100_000)
         if sums[p] <= low + 1.0:
             break
         q = min((i for i in range(parts) if sums[i] == low), key=lambda i: abs(i - p))
-        if p < q:  # move the last element of block q-1 into q
-            if bounds[q - 1] - (bounds[q - 2] if q >= 2 else 0) <= 1:
-                break
-            bounds[q - 1] -= 1
-        else:  # move the first element of block q+1 into q
-            if bounds[q + 1] - bounds[q] <= 1:
-                break
-            bounds[q] += 1
+        step = -1 if p < q else 1  # from q towards p
+        # the paper moves one element into q from its neighbour h towards p; stages may not be
+        # empty, so when h has one element, the nearest block towards p with two or more passes
+        # one element along the blocks in between (each keeps its size)
+        h = q + step
+        while h != p and bounds[h] - (bounds[h - 1] if h else 0) <= 1:
+            h += step
+        if bounds[h] - (bounds[h - 1] if h else 0) <= 1:
+            break
+        for b in range(q, h, step):  # shift the boundary between block b and b + step by one
+            if step < 0:
+                bounds[b - 1] -= 1
+            else:
+                bounds[b] += 1
     return [bounds[i] - (bounds[i - 1] if i else 0) for i in range(parts)]
 
 

@@ -399,5 +399,8 @@ def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: 
 def dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
     scorer = Scorer(graph, cluster, options)
     plans, meta = dp_candidates(graph, cluster, options, scorer)
+    if not plans and options.objective == "cost":  # the floor cut everything: say how fast it can go
+        fastest, _ = dp_candidates(graph, cluster, replace(options, objective="time", min_samples_per_s=None))
+        raise scorer.infeasible(fastest, "dp")
     best = scorer.best(plans, "dp")
     return replace(best, meta={**best.meta, "dp": meta})

@@ -148,6 +148,7 @@ def exact(graph: Graph, cluster: Cluster, options: PlanOptions, limit: int = LIM
     floor_s = batch / options.min_samples_per_s if options.objective == "cost" else math.inf
     scored = sorted(((lower(b, g), b, chain, g, m) for b, chain, g, m in candidates), key=lambda x: x[:2])
     best_value, best_plan, looked = math.inf, None, []
+    fastest_s = min((b for _, b, _, _, _ in scored), default=math.inf)
     for low, bound_s, chain, groups, m in scored:
         if low >= best_value:
             break
@@ -162,6 +163,10 @@ def exact(graph: Graph, cluster: Cluster, options: PlanOptions, limit: int = LIM
         if value < best_value:
             best_value, best_plan = value, plan
     if best_plan is None:
+        if fastest_s > floor_s:
+            raise InfeasibleError(
+                f"no plan reaches {options.min_samples_per_s:g} samples/s: even the fastest split is at most "
+                f"{batch / fastest_s:,.1f} samples/s: lower --min-samples-per-s or add devices")
         raise scorer.infeasible(looked, "exact")
     return Plan(best_plan.stages, best_plan.microbatches, best_plan.schedule, "exact", options.objective,
                 meta={"exact": {"candidates": total, "simulated": scorer.simulations,

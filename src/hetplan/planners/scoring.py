@@ -97,6 +97,7 @@ def memory_infeasible(graph: Graph, cluster: Cluster, options: PlanOptions) -> I
             f"but all {len(mems)} devices together have {fmt_bytes(sum(mems))}: add devices"
             + (" or use --schedule 1f1b" if options.schedule == "gpipe" else ""))
     return InfeasibleError(
-        f"no plan fits in memory: the model needs at least {count} devices with >= {fmt_bytes(mems[count - 1])} "
+        f"no plan fits in memory: the model needs at least {count} device{'s' if count > 1 else ''} with "
+        f">= {fmt_bytes(mems[count - 1])} "
         f"({fmt_bytes(need)} in all under {options.schedule}) and a split that balances memory; "
         f"try more micro-batches{' or --schedule 1f1b' if options.schedule == 'gpipe' else ''}, or add devices")
