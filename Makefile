@@ -26,6 +26,9 @@ demo: $(STAMP)
 	$(HETPLAN) info hetero-4
 	$(HETPLAN) plan $(OUT)/resnet50.json --cluster hetero-4 --planner single -o $(OUT)/plan-single.json
 	$(HETPLAN) plan $(OUT)/resnet50.json --cluster hetero-4 --planner uniform -o $(OUT)/plan-uniform.json
+	$(HETPLAN) plan $(OUT)/resnet50.json --cluster hetero-4 -o $(OUT)/plan-dp.json
+	$(HETPLAN) compare $(OUT)/resnet50.json --cluster hetero-4 --budget-s 3
+	$(HETPLAN) plan $(OUT)/resnet50.json --cluster cloud-mix --objective cost --min-samples-per-s 400 -o $(OUT)/plan-cost.json
 	$(HETPLAN) import pipedream $(PROFILES)/vgg16/graph.txt -o $(OUT)/vgg16.json
 	$(HETPLAN) plan $(OUT)/vgg16.json --cluster hetero-4 --planner uniform -o $(OUT)/plan-vgg16.json
 	$(HETPLAN) simulate $(OUT)/plan-vgg16.json --graph $(OUT)/vgg16.json --cluster hetero-4 --gantt $(OUT)/vgg16-hetero-4.png --trace $(OUT)/vgg16-hetero-4.trace.json

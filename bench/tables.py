@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("results")
+BASELINES = ("single", "data-parallel", "uniform", "params", "balanced-time")
 
 
 def faithfulness() -> None:
@@ -69,6 +70,56 @@ def fast_vs_event() -> None:
               f"| {r['rel_err_max']:.1%} |")
 
 
+def dp_vs_exact() -> None:
+    s = json.loads((RESULTS / "dp_vs_exact.json").read_text())["summary"]
+    print(f"{s['problems']} problems ({s['chains']} chains, {s['problems'] - s['chains']} branchy DAGs), none "
+          f"refused by exact ({s['refused_by_exact']}), none without a feasible plan ({s['no_feasible_plan']})")
+    print()
+    print("| | within 1% of exact | within 5% | equal to exact | worst gap | mean gap | planning time median (max) |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| dp | {s['dp_within_1pct']:.1%} | {s['dp_within_5pct']:.1%} | {s['dp_exact_share']:.1%} "
+          f"| {s['dp_gap_max']:.2%} | {s['dp_gap_mean']:.3%} | {s['dp_s_median'] * 1e3:.0f} ms "
+          f"({s['dp_s_max'] * 1e3:.0f} ms) |")
+    print(f"| best of the 5 baselines | {s['baseline_within_1pct']:.1%} | | | {s['baseline_gap_max']:.0%} "
+          f"| median {s['baseline_gap_median']:.0%} | |")
+    print(f"| exact (reference) | | | | | | {s['exact_s_median'] * 1e3:.0f} ms ({s['exact_s_max']:.1f} s) |")
+
+
+def dp_scaling() -> None:
+    rows = json.loads((RESULTS / "dp_scaling.json").read_text())["rows"]
+    print("| graph | nodes | devices | cut states (kept) | device orders | dp planning time | stages | "
+          "step | best baseline step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['graph']} | {r['nodes']} | {r['devices']} | {r['states']} ({r['states_used']}) "
+              f"| {r['device_orders']} | {r['dp_s']:.2f} s | {r['stages']} | {r['step_s'] * 1e3:.1f} ms "
+              f"| {r['best_baseline_step_s'] * 1e3:.1f} ms |")
+
+
+def compare_table() -> None:
+    data = json.loads((RESULTS / "compare.json").read_text())["comparisons"]
+    print("| model | cluster | objective | best baseline | its value | dp | dp's gain | local-search | best |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in data:
+        rows = {r["planner"]: r for r in c["rows"]}
+        base = [r for n, r in rows.items() if n in BASELINES and r.get("objective_value") is not None]
+        best_base = min(base, key=lambda r: r["objective_value"]) if base else None
+
+        def show(r, c=c):
+            if r is None or r.get("objective_value") is None:
+                return "infeasible"
+            if c["objective"] == "time":
+                return f"{r['step_s'] * 1e3:.1f} ms ({r['samples_per_s']:,.0f}/s)"
+            return f"${r['usd_per_1k_samples']:.4f}/1k ({r['samples_per_s']:,.0f}/s)"
+
+        dp = rows.get("dp")
+        gain = dp.get("gain_over_best_baseline") if dp else None
+        objective = c["objective"] + (f" >= {c['floor_samples_per_s']:,.0f}/s" if c["objective"] == "cost" else "")
+        print(f"| {c['model']} | {c['cluster']} | {objective} | {best_base['planner'] if best_base else '-'} "
+              f"| {show(best_base)} | {show(dp)} | {'-' if gain is None else f'{gain:+.1%}'} "
+              f"| {show(rows.get('local-search'))} | {c['best']} |")
+
+
 if __name__ == "__main__":
     faithfulness()
     print()
@@ -79,3 +130,9 @@ if __name__ == "__main__":
     sim_speed()
     print()
     fast_vs_event()
+    print()
+    dp_vs_exact()
+    print()
+    dp_scaling()
+    print()
+    compare_table()

@@ -37,7 +37,8 @@ workflow:
   1. a graph of the model:  hetplan profile gpt2-tiny --device cpu:1 --device cpu:2 -o g.json
                             (or import one: hetplan import pipedream resnet50/graph.txt -o r50.json)
   2. a cluster:             a YAML file, or a preset such as hetero-4 (hetplan catalog lists them)
-  3. a plan:                hetplan plan r50.json --cluster hetero-4 --planner uniform -o plan.json
+  3. a plan:                hetplan plan r50.json --cluster hetero-4 -o plan.json   (planner dp)
+                            hetplan compare r50.json --cluster hetero-4              (all planners)
   4. its predicted step:    hetplan simulate plan.json --graph r50.json --cluster hetero-4 --gantt step.png
   5. a look at any of them: hetplan info r50.json | hetplan info hetero-4 | hetplan info plan.json
 

@@ -6,13 +6,14 @@ models: the graph's cut states (down-sets, `hetplan.planners.states`) are sorted
 and a pipeline is a chain of states  {} = S_0 < S_1 < ... < S_n = V,  stage k being the convex
 set S_k minus S_(k-1). We extend both papers:
 
-- Devices. Candidate *device orders* are sequences of the cluster's devices (all distinct
-  orders of its device classes, a class being a type on a host, when there are few; otherwise
-  orders that group types, fastest first, slowest first, and so on). Along an order, each stage
+- Devices. Candidate *device orders* are sequences of the cluster's devices: all distinct
+  orders of its device classes (devices of one type, host, memory and price) when there are at
+  most 24; otherwise orders that keep types and hosts together, one per order of the types
+  (fastest first, ...), plus cheapest-per-speed first for cost. Along an order, each stage
   takes the next k >= 1 devices as data-parallel replicas (mixed types allowed: a replica's share
   of every micro-batch is proportional to its speed) and devices left at the end stay unused.
-  Every assignment of disjoint device groups to stages is such a run of some order, so with all
-  orders the search over devices is complete.
+  Every assignment of disjoint device groups to stages is such a run of some order, so on small
+  clusters, where all orders are tried, the search over devices is complete.
 - Communication: the bytes crossing each cut, sent forward and (as gradients) back over the link
   between the two stages' devices, always counted; split over max(k, k') parallel links when
   either side is replicated.
@@ -22,12 +23,16 @@ set S_k minus S_(k-1). We extend both papers:
 - The objective of a flushed pipeline. With t_k a stage's time for the whole batch, c_k the
   transfer time across cut k for the whole batch and m micro-batches,
 
-      T(m) = ( sum_k t_k + 2 sum_k c_k + (m - 1) * max(t_k, c_k) ) / m  +  2 sum latency  +  max_k AR_k
+      T(m) = ( sum_k (t_k + 2 c_k) + (m - 1) * P ) / m  +  2 sum latency  +  max_k AR_k
+      P    = max( t_k, c_k, and under 1F1B  sum_{j >= k} (t_j + 2 c_j) / (n - k) )
 
-  (AR_k: the ring all-reduce of a replicated stage). T is not a sum of per-stage terms, so the
-  program keeps, per state, a Pareto front of labels (sum, max, all-reduce, stages after, the
-  fewest micro-batches memory allows, price per hour when the objective is cost) instead of one
-  number, and m is chosen at the end from {1, 2, 4, ..., 32} (or the user's m).
+  where AR_k is the ring all-reduce of a replicated stage and the last term of P says that under
+  1F1B stage k has at most n - k micro-batches in flight, so one round trip through the rest of
+  the pipeline is shared by at most n - k of them (it matters when links are slow). T is not a
+  sum of per-stage terms, so the program keeps, per state, a Pareto front of labels (sum, P,
+  all-reduce, stages after, the fewest micro-batches memory allows, price per hour when the
+  objective is cost) instead of one number, and m is chosen at the end from {1, 2, 4, ..., 32}
+  (or the user's m).
 
 Recurrence, from the end of the pipeline backwards: F(j, e) is the front of ways to run the
 nodes outside S_j on devices e, e+1, ... of the order (devices after the last stage unused), with
@@ -37,16 +42,22 @@ F(V, e) = {empty} for e >= 1 and
                       label in F(j, d + k) ),
 
 answer F({}, 0). With S states (at most 160 after `coarsen`), D devices, O orders and fronts
-capped at L labels, the work is O(O * S^2 * D^2 * L) label extensions in the worst case; pairs of
-states with no subset relation are skipped, and stages slower than the best plan found so far by
-any baseline are cut.
+capped at L labels (6, after merging labels within 0.2%), the work is O(O * S^2 * D * K * L)
+label extensions in the worst case, K the largest replica group (D up to 8 devices, then D/2).
+Pairs of states with no subset relation are skipped; the transitions of one (state, position,
+group size) are computed for all earlier states at once with numpy; and a partial plan is cut
+when a lower bound on its step (the work left, spread over the devices left, is at least the
+slowest stage still to come) exceeds the best step found so far (the baselines' simulated
+steps, then the best of the orders already done, with 5% slack because the model is not exact).
 
-Finally the TOP_K best (label, m) pairs by T(m) (or price, for `cost`) over all orders are
-turned into plans, re-scored by the event simulator, and the best by the user's objective is
-returned. Assumptions: compute time linear in the micro-batch size, the link between the two
-adjacent devices of two stages stands for all links between them, all-reduces do not overlap
-anything, tensors that skip stages are charged on every cut they cross (relayed). The event
-simulator re-scoring corrects these for the plans it sees.
+Finally the best 256 (label, m) pairs by T(m) (or price, for `cost`) over all orders are turned
+into plans and re-ranked by the fast path (`hetplan.sim.fast`, the schedule's exact recurrence
+for chains), the TOP_K best of those are re-scored by the event simulator, and the best by the
+user's objective is returned. Assumptions: compute time linear in the micro-batch size; the
+link between the two adjacent devices of two stages stands for all links between them;
+all-reduces do not overlap anything; tensors that skip stages are charged on every cut they
+cross (relayed, as the runtime sends them). The event simulator's re-scoring corrects these for
+the plans it sees, not for the ones the program discarded.
 """
 
 from __future__ import annotations
@@ -162,7 +173,6 @@ class _Problem:
         self.acts = (mat @ np.array([float(by_id[v].act_bytes) for v in order]))[keep]
         self.cut = cut[keep]
         self.states = states
-        self.coarsened = len(keep) < len(states)
         n = len(self.ideals)
         self.below = [[i for i in range(j) if self.ideals[i] & ~self.ideals[j] == 0 and i != j] for j in range(n)]
         self.below_arr = [np.array(b, dtype=int) for b in self.below]
