@@ -43,7 +43,7 @@ F(V, e) = {empty} for e >= 1 and
 
 answer F({}, 0). With S states (at most 160 after `coarsen`), D devices, O orders and fronts
 capped at L labels (6, after merging labels within 0.2%), the work is O(O * S^2 * D * K * L)
-label extensions in the worst case, K the largest replica group (D up to 8 devices, then D/2).
+label extensions in the worst case, K the largest replica group (D up to 8 devices, then 4).
 Pairs of states with no subset relation are skipped; the transitions of one (state, position,
 group size) are computed for all earlier states at once with numpy; and a partial plan is cut
 when a lower bound on its step (the work left, spread over the devices left, is at least the
@@ -89,6 +89,8 @@ BOUND_SLACK = 0.05  # partial plans within this of the best found so far are kep
 BASELINE_SLACK = 0.25  # the program's model may find a baseline's plan this much slower than simulated
 POOL = 256  # candidates the fast path re-ranks before the event simulator scores TOP_K of them
 MAX_ORDERS = 24
+SMALL_CLUSTER = 8  # up to this many devices a stage may take any number of them as replicas
+BIG_CLUSTER_REPLICAS = 4  # on bigger clusters, at most this many
 
 
 def microbatch_choices(graph: Graph, options: PlanOptions) -> tuple[int, ...]:
@@ -194,7 +196,7 @@ def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: 
     dtype = [tindex[d.type] for d in dev]
     times = np.array([prob.time[t] for t in prob.types])  # (types, states)
     gpipe = options.schedule == "gpipe"
-    max_replicas = D if D <= 8 else max(8, D // 2)  # on big clusters, stages of at most half the devices
+    max_replicas = D if D <= SMALL_CLUSTER else BIG_CLUSTER_REPLICAS
     # the stages after a stage matter only through 1F1B's memory; skip them when all fits anyway
     fits_anywhere = WEIGHT_COPIES * prob.params[-1] + prob.acts[-1] <= min(d.mem_bytes for d in dev)
     track_r = not gpipe and not fits_anywhere
