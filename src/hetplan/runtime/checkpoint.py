@@ -1,0 +1,44 @@
+"""Checkpoints: each stage's weights, optimizer state and random state, written atomically
+(to a temporary file, then renamed), so a crash never leaves half a checkpoint."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def stage_path(directory: Path, stage: int) -> Path:
+    return directory / f"stage{stage}.pt"
+
+
+def save_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = stage_path(directory, stage)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save({"step": step, "model": module.state_dict(), "optimizer": optimizer.state_dict(),
+                "rng": torch.get_rng_state()}, tmp)
+    os.replace(tmp, path)
+
+
+def load_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    state = torch.load(stage_path(directory, stage), weights_only=False)
+    module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def checkpoint_step(directory: Path, stages: int) -> int | None:
+    """The step every stage's checkpoint has reached (None when a stage has none)."""
+    steps = []
+    for s in range(stages):
+        path = stage_path(directory, s)
+        if not path.exists():
+            return None
+        steps.append(int(torch.load(path, weights_only=False)["step"]))
+    if len(set(steps)) != 1:
+        return None
+    return steps[0]

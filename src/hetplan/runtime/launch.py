@@ -1,0 +1,177 @@
+"""Launching a plan's workers on this machine, watching them, and measuring the step.
+
+`run_plan` writes RUN.json, starts one `python -m hetplan.runtime.worker RUN.json` process per
+device of the plan (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT in their
+environment, as torchrun would set them) and watches them: when a worker exits with an error,
+or no worker's heartbeat moves for `timeout_s`, every worker is stopped (SIGTERM, then SIGKILL)
+and the error names the worker and its stage. Gloo's own timeout is the same, so a worker waiting
+for a dead peer fails by itself too. The measured step is the median wall time of the steps after
+the warm-up, each timed between two barriers on every worker (the slowest worker's time).
+
+Several machines: run the same worker under torchrun on each, with RUN.json copied to all of them
+(README: "Running on several machines").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetplan.cluster import Cluster
+from hetplan.errors import HetplanError, InputError
+from hetplan.io.serde import to_dict
+from hetplan.plan import Plan
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class WorkerFailure(HetplanError):
+    """A worker died or hung; the message names it and its stage."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    steps: int
+    warmup: int
+    step_times_s: tuple[float, ...]  # per step, the slowest worker's
+    losses: tuple[float, ...]
+    peak_mem_bytes: dict[str, int]  # per device
+    out_dir: str
+    ranks: tuple[dict, ...] = field(default=())
+
+    @property
+    def measured_step_s(self) -> float:
+        timed = self.step_times_s[self.warmup:] or self.step_times_s
+        return statistics.median(timed)
+
+
+def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_len: int | None, granularity: str,
+             block_classes: tuple[str, ...] = (), steps: int = 10, warmup: int = 2, seed: int = 0,
+             optimizer: str = "adam", lr: float = 1e-3, data: str = "synthetic", out_dir: Path,
+             timeout_s: float = DEFAULT_TIMEOUT_S, no_dropout: bool = False, return_weights: bool = False,
+             checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume_step: int = 0) -> dict[str, Any]:
+    """The RUN.json of a plan: the settings and, per rank, its stage and device."""
+    if any(len(s.devices) > 1 for s in plan.stages):
+        raise HetplanError("the runtime does not run replicated stages yet (a stage with several devices); "
+                           "plan without replicas, or simulate this plan instead")
+    if batch_size % plan.microbatches:
+        raise HetplanError(f"the runtime needs the batch ({batch_size}) to be a multiple of the micro-batches "
+                           f"({plan.microbatches}); plan with --microbatches dividing {batch_size}")
+    ranks = []
+    for k, stage in enumerate(plan.stages):
+        device = cluster.device(stage.devices[0])
+        binding = device.binding or "cpu"
+        threads = 1 if binding.startswith("cuda") else device.threads or 1
+        ranks.append({"stage": k, "device": device.id, "binding": binding, "threads": threads})
+    return {
+        "plan": to_dict(plan), "model": model, "batch_size": batch_size, "seq_len": seq_len,
+        "granularity": granularity, "block_classes": list(block_classes), "steps": steps, "warmup": warmup,
+        "seed": seed, "optimizer": optimizer, "lr": lr, "data": data, "out_dir": str(out_dir),
+        "timeout_s": timeout_s, "no_dropout": no_dropout, "return_weights": return_weights,
+        "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None, "checkpoint_every": checkpoint_every,
+        "resume_step": resume_step, "ranks": ranks,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + 5
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _why(out_dir: Path, rank: int, spec: dict) -> str:
+    err = out_dir / f"error.{rank}"
+    if err.exists():
+        return err.read_text().splitlines()[0]
+    log = out_dir / f"worker.{rank}.log"
+    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+    me = spec["ranks"][rank]
+    return f"worker {rank} (stage {me['stage']}, device {me['device']}) exited: {tail[0] if tail else 'no output'}"
+
+
+def launch(spec: dict[str, Any], progress=None) -> RunResult:
+    """Start the workers of a RUN.json spec, wait for them, and read the result."""
+    out_dir = Path(spec["out_dir"])
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{out_dir}: cannot create the run folder ({exc.strerror})") from None
+    for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json")]:
+        old.unlink()
+    spec_path = out_dir / "run.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    world = len(spec["ranks"])
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": str(spec["ranks"][rank]["threads"])}
+        log = open(out_dir / f"worker.{rank}.log", "w")  # noqa: SIM115 - closed when the worker ends
+        procs.append(subprocess.Popen([sys.executable, "-m", "hetplan.runtime.worker", str(spec_path)],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        log.close()
+    timeout = float(spec["timeout_s"])
+    last_move, last_seen = time.time(), None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                _stop(procs)
+                raise WorkerFailure(_why(out_dir, failed[0], spec) + "; every worker was stopped")
+            if all(c == 0 for c in codes):
+                break
+            beats = []
+            for rank in range(world):
+                try:
+                    beats.append(json.loads((out_dir / f"heartbeat.{rank}").read_text()))
+                except (OSError, ValueError):
+                    beats.append(None)
+            seen = tuple((b or {}).get("step", -2) for b in beats) + tuple((b or {}).get("phase", "") for b in beats)
+            if seen != last_seen:
+                last_seen, last_move = seen, time.time()
+                if progress is not None:
+                    progress(min((b or {}).get("step", -1) for b in beats) + 1, spec["steps"])
+            elif time.time() - last_move > timeout:
+                laggard = min(range(world), key=lambda r: (beats[r] or {}).get("step", -2))
+                me, beat = spec["ranks"][laggard], beats[laggard] or {}
+                _stop(procs)
+                raise WorkerFailure(
+                    f"no worker made progress for {timeout:.0f} s; worker {laggard} (stage {me['stage']}, device "
+                    f"{me['device']}) is at step {beat.get('step', 'start')} ({beat.get('phase', 'not started')}); "
+                    "every worker was stopped")
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        _stop(procs)
+        raise
+    data = json.loads((out_dir / "result.json").read_text())
+    ranks = sorted(data["ranks"], key=lambda r: r["rank"])
+    steps = len(ranks[0]["times_s"])
+    times = tuple(max(r["times_s"][i] for r in ranks) for i in range(steps))
+    losses = next((tuple(r["losses"]) for r in ranks if r["losses"]), ())
+    return RunResult(steps=steps, warmup=min(spec["warmup"], max(0, steps - 1)), step_times_s=times, losses=losses,
+                     peak_mem_bytes={r["device"]: int(r["peak_mem_bytes"]) for r in ranks}, out_dir=str(out_dir),
+                     ranks=tuple(ranks))

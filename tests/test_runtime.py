@@ -1,0 +1,98 @@
+"""The runtime: pipelined training on worker processes equals single-process training."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from hetplan.cluster import cluster_from_spec
+from hetplan.errors import HetplanError
+from hetplan.plan import Plan, Stage
+from hetplan.profile.split import split_step
+from hetplan.runtime.launch import WorkerFailure, launch, run_spec
+from hetplan.runtime.stages import stage_modules, stage_specs
+from hetplan.runtime.worker import _batches
+from hetplan.zoo import load_model
+
+THREE_CPUS = cluster_from_spec({"name": "three", "devices": [
+    {"id": f"c{i}", "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for i in range(3)]}, "three")
+
+
+def model(name, batch=8, seq=16):
+    zm = load_model(name, batch_size=batch, seq_len=seq, seed=0)
+    for mod in zm.step.modules():
+        if isinstance(mod, nn.Dropout):
+            mod.p = 0.0
+    return zm
+
+
+def three_stage_plan(split, m, schedule, cuts=None):
+    names = [p.name for p in split.pieces]
+    a, b = cuts or (len(names) // 3, 2 * len(names) // 3)
+    return Plan((Stage(tuple(names[:a]), ("c0",)), Stage(tuple(names[a:b]), ("c1",)),
+                 Stage(tuple(names[b:]), ("c2",))), m, schedule, "test")
+
+
+def reference_step(zm, batch, m, lr):
+    """Single process: the same micro-batches one after the other (batch norm sees micro-batches,
+    as in the pipeline), mean of their losses, one SGD step."""
+    opt = torch.optim.SGD(zm.step.parameters(), lr=lr)
+    opt.zero_grad()
+    chunks = {k: v.tensor_split(m) for k, v in batch.items()}
+    for i in range(m):
+        (zm.step(**{k: c[i] for k, c in chunks.items()}) / m).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("name,schedule,granularity", [
+    ("gpt2-tiny", "gpipe", "layer"), ("gpt2-tiny", "1f1b", "layer"), ("inception-tiny", "1f1b", "layer"),
+])
+def test_pipelined_step_equals_single_process(tmp_path, name, schedule, granularity):
+    batch_size, m, lr = 8, 4, 0.1
+    zm = model(name, batch_size)
+    split = split_step(zm.step, {k: v[:batch_size // m] for k, v in zm.batch.items()}, granularity=granularity)
+    plan = three_stage_plan(split, m, schedule)
+    specs = stage_specs(split, plan)
+    if name == "inception-tiny":  # branches cross the boundaries: several tensors are relayed
+        assert max(len(s.outputs) for s in specs[:-1]) >= 2
+    spec = run_spec(plan, THREE_CPUS, name, batch_size=batch_size, seq_len=16, granularity=granularity, steps=1,
+                    warmup=0, optimizer="sgd", lr=lr, out_dir=tmp_path, no_dropout=True, return_weights=True)
+    result = launch(spec)
+    assert result.steps == 1 and len(result.losses) == 1
+    batch = _batches(spec, zm, 0)
+    modules = stage_modules(split, plan)  # share the model's parameters
+    before = {id(p): p.detach().clone() for p in zm.step.parameters()}
+    reference_step(zm, batch, m, lr)
+    worst, moved = 0.0, 0.0
+    for k, module in enumerate(modules):
+        trained = torch.load(tmp_path / f"weights.{k}.pt")
+        for pname, p in module.named_parameters():
+            worst = max(worst, (trained[pname] - p.detach()).abs().max().item())
+            moved = max(moved, (p.detach() - before[id(p)]).abs().max().item())
+    assert moved > 1e-4  # the step changed the weights...
+    assert worst <= 1e-5  # ...exactly as single-process training does
+
+
+def test_runtime_refuses_what_it_cannot_run(tmp_path):
+    zm = model("gpt2-tiny")
+    split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
+    plan = three_stage_plan(split, 3, "1f1b")
+    with pytest.raises(HetplanError, match=r"batch \(8\) to be a multiple of the micro-batches \(3\)"):
+        run_spec(plan, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer", out_dir=tmp_path)
+    replicated = Plan((Stage(tuple(p.name for p in split.pieces), ("c0", "c1")),), 2, "1f1b", "test")
+    with pytest.raises(HetplanError, match="does not run replicated stages yet"):
+        run_spec(replicated, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer",
+                 out_dir=tmp_path)
+
+
+def test_a_dead_worker_stops_every_worker_with_its_name(tmp_path):
+    zm = model("gpt2-tiny")
+    split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
+    plan = three_stage_plan(split, 4, "1f1b")
+    spec = run_spec(plan, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer", steps=2,
+                    out_dir=tmp_path, timeout_s=30)
+    spec["model"] = "no-such-model"  # every worker fails while building its stage
+    with pytest.raises(WorkerFailure, match=r"worker \d \(stage \d, device c\d\): HetplanError: unknown model"):
+        launch(spec)
+    assert json.loads((tmp_path / "run.json").read_text())["model"] == "no-such-model"
