@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -190,6 +191,75 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _emit_json(result.to_json())
         return 0
     tables.show_comparison(_console(), result, graph, cluster)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from hetplan.runtime.checkpoint import checkpoint_step
+    from hetplan.runtime.launch import launch, run_spec
+
+    plan = serde.load(args.plan, expect="plan")
+    graph = load_graph(args.graph) if args.graph else None
+    cluster_ref = args.cluster or plan.cluster
+    if not cluster_ref:
+        raise HetplanError("the plan does not name its cluster; pass --cluster C")
+    cluster = load_cluster(cluster_ref)
+    if graph is not None:
+        validate_plan(plan, graph, cluster)
+    batch_size = args.batch_size or (graph.batch_size if graph is not None else None)
+    shapes = re.search(r"input_ids\[(\d+)x(\d+)\]", str(graph.meta.get("inputs", ""))) if graph is not None else None
+    seq_len = args.seq_len or (int(shapes[2]) if shapes else None)
+    if batch_size is None:
+        from hetplan.zoo import ZOO
+
+        batch_size = ZOO[args.model].default_batch_size if args.model in ZOO else None
+    if batch_size is None:
+        raise HetplanError("give --batch-size N (or --graph G, whose batch size is used)")
+    granularity = args.granularity or (graph.meta.get("granularity") if graph is not None else None) or "layer"
+    resume_step = 0
+    if args.resume:
+        if not args.checkpoint_dir:
+            raise HetplanError("--resume needs --checkpoint-dir DIR")
+        found = checkpoint_step(args.checkpoint_dir, len(plan.stages))
+        if found is None:
+            raise HetplanError(f"{args.checkpoint_dir}: no complete checkpoint of all {len(plan.stages)} stages "
+                               "to resume from")
+        resume_step = found
+    spec = run_spec(plan, cluster, args.model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
+                    steps=args.steps, warmup=args.warmup, seed=args.seed, optimizer=args.optimizer, lr=args.lr,
+                    data=args.data, out_dir=args.out, timeout_s=args.timeout_s,
+                    checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                    resume_step=resume_step)
+    bar = _progress_bar()
+    if bar is None:
+        result = launch(spec)
+    else:
+        with bar:
+            task = bar.add_task(f"running {len(plan.stages)} workers", total=args.steps)
+            result = launch(spec, progress=lambda done, total: bar.update(task, completed=done))
+    predicted = None
+    if graph is not None:
+        from hetplan.sim import simulate
+
+        predicted = simulate(graph, cluster, plan, timeline=False).estimate
+    measured = result.measured_step_s
+    summary = {
+        "kind": "run", "plan": str(args.plan), "model": args.model, "workers": len(result.ranks),
+        "steps": result.steps, "first_step": resume_step, "warmup": result.warmup, "measured_step_s": measured,
+        "measured_samples_per_s": batch_size / measured if measured > 0 else None,
+        "predicted_step_s": predicted.step_s if predicted else None,
+        "relative_error": (measured / predicted.step_s - 1) if predicted else None,
+        "step_times_s": list(result.step_times_s), "losses": list(result.losses),
+        "loss_first": result.losses[0] if result.losses else None,
+        "loss_last": result.losses[-1] if result.losses else None,
+        "peak_mem_bytes": {f"{r['rank']}:{r['device']}": r["peak_mem_bytes"] for r in result.ranks},
+        "predicted_peak_mem_bytes": dict(predicted.peak_mem_bytes) if predicted else None,
+        "out_dir": result.out_dir,
+    }
+    if args.json:
+        _emit_json(summary)
+        return 0
+    tables.show_run(_console(), summary, plan)
     return 0
 
 
@@ -379,6 +449,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, metavar="OUT.json",
                    help="write the timeline as a Chrome trace (chrome://tracing, ui.perfetto.dev)")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("run", parents=[common], help="train with a plan on workers; measured against predicted",
+                       description="Run a plan for real: one worker process per device, "
+                                   "torch.distributed.pipelining over gloo.")
+    p.add_argument("plan", metavar="PLAN", help="a plan JSON file")
+    p.add_argument("--model", required=True, help=f"the profiled model: a zoo model ({', '.join(zoo_names())}) "
+                                                  "or module.path:factory")
+    p.add_argument("--graph", metavar="G", help="the graph the plan was made for (for the prediction and the shapes)")
+    p.add_argument("--cluster", metavar="C", help="cluster file or preset (default: the plan's, e.g. local)")
+    p.add_argument("--batch-size", type=int, help="samples per step (default: the graph's)")
+    p.add_argument("--seq-len", type=int, help="sequence length (default: the graph's)")
+    p.add_argument("--granularity", choices=GRANULARITIES, help="as profiled (default: the graph's)")
+    p.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (default: 2)")
+    p.add_argument("--data", choices=("synthetic", "text"), default="synthetic",
+                   help="synthetic random batches, or text: the Python standard library's sources, byte-level")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", type=Path, metavar="DIR")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="stop every worker when none moves for this long")
+    p.add_argument("--out", type=Path, default=Path("out/run"), help="the run folder: logs, run.json, result")
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("profile", parents=[common], help="profile a model's training step into a graph")
     p.add_argument("model", metavar="MODEL", help=f"a zoo model ({', '.join(zoo_names())}) or module.path:factory")

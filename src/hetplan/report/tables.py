@@ -184,3 +184,28 @@ def show_comparison(console: Console, result, graph: Graph, cluster: Cluster) ->
                       f"lower the objective is than the best of {', '.join(BASELINES)}")
     else:
         console.print("[bold red]no planner found a feasible plan[/]")
+
+
+def show_run(console: Console, s: dict, plan: Plan) -> None:
+    """Measured against predicted, per run."""
+    table = Table(title=f"{s['model']}: {len(plan.stages)} stages, {plan.microbatches} micro-batches, {plan.schedule}; "
+                        f"{s['steps']} steps from step {s['first_step']}, {s['warmup']} of them warm-up",
+                  title_justify="left")
+    for col in ("", "measured", "predicted", "error"):
+        table.add_column(col, justify="left" if not col else "right")
+    pred = s["predicted_step_s"]
+    table.add_row("step (median)", fmt_seconds(s["measured_step_s"]), fmt_seconds(pred) if pred else "-",
+                  f"{s['relative_error']:+.1%}" if s["relative_error"] is not None else "-")
+    table.add_row("samples/s", f"{s['measured_samples_per_s']:,.1f}", "-", "-")
+    console.print(table)
+    mem = Table(title="peak memory per worker", title_justify="left")
+    for col in ("worker", "measured (process RSS)", "predicted (model state + activations)"):
+        mem.add_column(col, justify="left" if col == "worker" else "right")
+    predicted = s.get("predicted_peak_mem_bytes") or {}
+    for key, value in s["peak_mem_bytes"].items():
+        device = key.split(":", 1)[1]
+        mem.add_row(key, fmt_bytes(value), fmt_bytes(predicted[device]) if device in predicted else "-")
+    console.print(mem)
+    if s["losses"]:
+        console.print(f"loss: {s['loss_first']:.4f} at the first step, {s['loss_last']:.4f} at the last")
+    console.print(f"logs and results in {s['out_dir']}")

@@ -59,19 +59,27 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
              optimizer: str = "adam", lr: float = 1e-3, data: str = "synthetic", out_dir: Path,
              timeout_s: float = DEFAULT_TIMEOUT_S, no_dropout: bool = False, return_weights: bool = False,
              checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume_step: int = 0) -> dict[str, Any]:
-    """The RUN.json of a plan: the settings and, per rank, its stage and device."""
-    if any(len(s.devices) > 1 for s in plan.stages):
-        raise HetplanError("the runtime does not run replicated stages yet (a stage with several devices); "
-                           "plan without replicas, or simulate this plan instead")
-    if batch_size % plan.microbatches:
-        raise HetplanError(f"the runtime needs the batch ({batch_size}) to be a multiple of the micro-batches "
-                           f"({plan.microbatches}); plan with --microbatches dividing {batch_size}")
+    """The RUN.json of a plan: the settings and, per rank, its stage, pipeline and device.
+
+    Replicated stages run as r whole pipelines side by side (replica p of every stage forms
+    pipeline p), each on an equal slice of the batch, with every stage's gradients all-reduced
+    over its replicas; so every stage must have the same number of replicas."""
+    replicas = {len(s.devices) for s in plan.stages}
+    if len(replicas) > 1:
+        raise HetplanError("the runtime runs replicated stages only when every stage has the same number of "
+                           f"replicas (this plan has {', '.join(str(len(s.devices)) for s in plan.stages)}); "
+                           "simulate this plan, or plan for the runtime without replicas")
+    r = replicas.pop()
+    if batch_size % (plan.microbatches * r):
+        raise HetplanError(f"the runtime needs the batch ({batch_size}) to be a multiple of micro-batches x "
+                           f"replicas ({plan.microbatches} x {r}); plan with --microbatches that divides it")
     ranks = []
-    for k, stage in enumerate(plan.stages):
-        device = cluster.device(stage.devices[0])
-        binding = device.binding or "cpu"
-        threads = 1 if binding.startswith("cuda") else device.threads or 1
-        ranks.append({"stage": k, "device": device.id, "binding": binding, "threads": threads})
+    for p in range(r):
+        for k, stage in enumerate(plan.stages):
+            device = cluster.device(stage.devices[p])
+            binding = device.binding or "cpu"
+            threads = 1 if binding.startswith("cuda") else device.threads or 1
+            ranks.append({"stage": k, "pipeline": p, "device": device.id, "binding": binding, "threads": threads})
     return {
         "plan": to_dict(plan), "model": model, "batch_size": batch_size, "seq_len": seq_len,
         "granularity": granularity, "block_classes": list(block_classes), "steps": steps, "warmup": warmup,
@@ -171,7 +179,8 @@ def launch(spec: dict[str, Any], progress=None) -> RunResult:
     ranks = sorted(data["ranks"], key=lambda r: r["rank"])
     steps = len(ranks[0]["times_s"])
     times = tuple(max(r["times_s"][i] for r in ranks) for i in range(steps))
-    losses = next((tuple(r["losses"]) for r in ranks if r["losses"]), ())
+    with_loss = [r["losses"] for r in ranks if r["losses"]]  # the last stage of each pipeline
+    losses = tuple(statistics.fmean(values) for values in zip(*with_loss, strict=True)) if with_loss else ()
     return RunResult(steps=steps, warmup=min(spec["warmup"], max(0, steps - 1)), step_times_s=times, losses=losses,
                      peak_mem_bytes={r["device"]: int(r["peak_mem_bytes"]) for r in ranks}, out_dir=str(out_dir),
                      ranks=tuple(ranks))

@@ -33,10 +33,13 @@ class StageSpec:
     outputs: tuple[str, ...]  # value names it sends to the next stage (the loss for the last)
 
 
+BATCH_NODES = ("input", "batch")  # the node the profiler adds for the batch: no code, not a piece
+
+
 def stage_specs(split: SplitStep, plan: Plan) -> list[StageSpec]:
     """The values crossing each boundary of the plan's chain of stages."""
-    where = plan.stage_of()
     names = {p.name for p in split.pieces}
+    where = {v: s for v, s in plan.stage_of().items() if v in names or v not in BATCH_NODES}
     missing = [n for n in where if n not in names]
     extra = [p.name for p in split.pieces if p.name not in where]
     if missing or extra:

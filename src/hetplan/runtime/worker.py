@@ -81,12 +81,19 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
             if isinstance(mod, nn.Dropout):
                 mod.p = 0.0
     m = plan.microbatches
-    micro = {k: v[: spec["batch_size"] // m] for k, v in zoo_model.batch.items()}
+    n = len(plan.stages)
+    r = len(plan.stages[0].devices)  # pipelines side by side, one per replica
+    pipe, share = me.get("pipeline", 0), spec["batch_size"] // r  # this pipeline's slice of the batch
+    micro = {k: v[: share // m] for k, v in zoo_model.batch.items()}
     split = split_step(zoo_model.step, micro, granularity=spec["granularity"],
                        block_classes=spec.get("block_classes") or zoo_model.block_classes or None)
     modules = stage_modules(split, plan)
     module = modules[me["stage"]].to(device)
-    n = len(plan.stages)
+    # Process groups, created by every rank in the same order: one per pipeline (its stages talk
+    # to each other), one per stage over its replicas (gradients are averaged), and one per set of
+    # stages that share a parameter within a pipeline (see below).
+    pipe_groups = [dist.new_group([p * n + k for k in range(n)]) for p in range(r)]
+    replica_groups = [dist.new_group([p * n + k for p in range(r)]) for k in range(n)] if r > 1 else []
     # Give the stage its example inputs and outputs: torch would otherwise infer them by running
     # the stage on uninitialised tensors, which breaks on integer inputs such as labels (a loss
     # reading garbage class ids). Every rank holds the whole model, so it runs the stages before
@@ -102,7 +109,8 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
     out = module(*example_in)
     example_out = tuple(o.detach().requires_grad_(o.requires_grad) for o in (out if isinstance(out, tuple) else (out,)))
     module.zero_grad(set_to_none=True)
-    stage = PipelineStage(module, me["stage"], n, device, input_args=example_in, output_args=example_out)
+    stage = PipelineStage(module, me["stage"], n, device, input_args=example_in, output_args=example_out,
+                          group=pipe_groups[pipe])
     schedule_cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
     schedule = schedule_cls(stage, n_microbatches=m, loss_fn=lambda out, target: out)
     # Parameters used by several stages (GPT-2 ties its embedding to its output layer) live on each
@@ -114,8 +122,9 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
         for p in mod.parameters():
             holders.setdefault(id(p), set()).add(k)
     sharing = sorted({tuple(sorted(h)) for h in holders.values() if len(h) > 1})
-    groups = {ranks: dist.new_group(list(ranks)) for ranks in sharing}
-    tied = [(p, groups[tuple(sorted(holders[id(p)]))]) for p in module.parameters() if len(holders[id(p)]) > 1]
+    groups = {(q, stages): dist.new_group([q * n + k for k in stages]) for q in range(r) for stages in sharing}
+    tied = [(p, groups[(pipe, tuple(sorted(holders[id(p)])))]) for p in module.parameters()
+            if len(holders[id(p)]) > 1]
     params = [p for p in module.parameters() if p.requires_grad]
     if spec["optimizer"] == "sgd":
         opt = torch.optim.SGD(params, lr=spec["lr"])
@@ -131,8 +140,8 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
     for step in range(start_step, spec["steps"]):
         _write(heartbeat, {"rank": rank, "stage": me["stage"], "phase": "step", "step": step, "t": time.time()})
         batch = _batches(spec, zoo_model, step)
-        args = tuple(batch[k].to(device) for k in split.input_keys) if first else ()
-        target = torch.zeros(spec["batch_size"], device=device) if last else None
+        args = tuple(batch[k][pipe * share:(pipe + 1) * share].to(device) for k in split.input_keys) if first else ()
+        target = torch.zeros(share, device=device) if last else None
         step_losses: list = [] if last else None
         dist.barrier()
         t0 = time.perf_counter()
@@ -145,13 +154,19 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
+        if r > 1:  # equal slices: the batch's gradient is the mean of the replicas'
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=replica_groups[me["stage"]])
+                p.grad /= r
         opt.step()
         dist.barrier()
         times.append(time.perf_counter() - t0)
         if last:
             losses.append(float(sum(x.detach().float().item() for x in step_losses) / m))
         every = spec.get("checkpoint_every") or 0
-        if every and (step + 1) % every == 0:
+        if every and (step + 1) % every == 0 and pipe == 0:  # replicas hold the same weights
             from hetplan.runtime.checkpoint import save_stage
 
             save_stage(Path(spec["checkpoint_dir"]), me["stage"], module, opt, step + 1)
