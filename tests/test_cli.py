@@ -332,3 +332,20 @@ def test_plan_says_what_memory_is_missing(cli, tmp_path):
     r = cli("plan", path, "--cluster", "hetero-4")
     assert r.code == 2 and len(r.err.strip().splitlines()) == 1
     assert "all 4 devices together have 104.0 GiB: add devices" in r.err
+
+
+def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
+    g, p, out = tmp_path / "g.json", tmp_path / "p.json", tmp_path / "run"
+    assert cli("profile", "gpt2-tiny", "--batch-size", "8", "--seq-len", "16", "--device", "cpu:1", "-o", g).code == 0
+    assert cli("plan", g, "--cluster", "local", "--planner", "uniform", "--microbatches", "4", "-o", p).code == 0
+    r = cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--steps", "3", "--warmup", "1", "--out", out, "--json")
+    assert r.code == 0, r.err
+    s = r.json()
+    for key in ("measured_step_s", "predicted_step_s", "steps", "loss_first", "loss_last", "relative_error"):
+        assert s[key] is not None, key
+    assert s["steps"] == 3 and len(s["losses"]) == 3 and 4.5 < s["loss_first"] < 6.5  # ln 256 = 5.5
+    assert s["relative_error"] == pytest.approx(s["measured_step_s"] / s["predicted_step_s"] - 1)
+    r = cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--dry-run", "--out", out)
+    assert r.code == 0 and "torchrun --nnodes 1 --node-rank 0 --nproc-per-node 2" in r.out
+    r = cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--resume", "--out", out)
+    assert r.code == 2 and "--resume needs --checkpoint-dir DIR" in r.err

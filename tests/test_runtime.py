@@ -1,6 +1,7 @@
 """The runtime: pipelined training on worker processes equals single-process training."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hetplan.cluster import cluster_from_spec
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan, Stage
 from hetplan.profile.split import split_step
+from hetplan.runtime.checkpoint import checkpoint_step
 from hetplan.runtime.launch import WorkerFailure, launch, run_spec
 from hetplan.runtime.stages import stage_modules, stage_specs
 from hetplan.runtime.worker import _batches
@@ -96,3 +98,69 @@ def test_a_dead_worker_stops_every_worker_with_its_name(tmp_path):
     with pytest.raises(WorkerFailure, match=r"worker \d \(stage \d, device c\d\): HetplanError: unknown model"):
         launch(spec)
     assert json.loads((tmp_path / "run.json").read_text())["model"] == "no-such-model"
+
+
+def two_stage(tmp_path, steps, **kw):
+    zm = model("gpt2-tiny")
+    split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
+    names = [p.name for p in split.pieces]
+    half = len(names) // 2
+    plan = Plan((Stage(tuple(names[:half]), ("c0",)), Stage(tuple(names[half:]), ("c1",))), 4, "1f1b", "test")
+    return run_spec(plan, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer", steps=steps,
+                    out_dir=tmp_path, **kw)
+
+
+@pytest.mark.parametrize("fault", ["hang", "die"])
+def test_a_hung_or_dead_worker_stops_everyone_in_time(tmp_path, monkeypatch, fault):
+    spec = two_stage(tmp_path / "run", 4, timeout_s=8, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1)
+    monkeypatch.setenv("HETPLAN_FAULT", f"{fault}:1:2")
+    t = time.time()
+    with pytest.raises(WorkerFailure, match="worker 1 \\(stage 1, device c1\\)") as err:
+        launch(spec)
+    assert time.time() - t < 60
+    if fault == "hang":
+        assert "no worker made progress for 8 s" in str(err.value) and "c1) at step 2" in str(err.value)
+    # the checkpoint of step 2, written before the fault, is whole and loads
+    assert checkpoint_step(tmp_path / "ckpt", 2) == 2
+
+
+def test_loss_falls_on_text_and_resume_continues_the_same_run(tmp_path):
+    full = launch(two_stage(tmp_path / "full", 20, data="text", lr=3e-3))
+    assert len(full.losses) == 20
+    assert sum(full.losses[-5:]) / 5 < sum(full.losses[:5]) / 5 - 0.2  # byte-level loss starts near ln 256
+    ckpt = tmp_path / "ckpt"
+    launch(two_stage(tmp_path / "a", 6, data="text", lr=3e-3, checkpoint_dir=ckpt, checkpoint_every=3))
+    assert checkpoint_step(ckpt, 2) == 6
+    resumed = launch(two_stage(tmp_path / "b", 20, data="text", lr=3e-3, checkpoint_dir=ckpt, resume_step=6))
+    assert resumed.losses == pytest.approx(full.losses[6:], abs=1e-5)
+
+
+def test_torchrun_two_nodes_on_loopback(tmp_path):
+    """The worker entry point under torchrun: two "machines" (two torchrun agents on this host)
+    with one worker each, as the commands `hetplan run --dry-run` prints."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hetplan.runtime.launch import torchrun_commands, write_spec
+
+    two_hosts = cluster_from_spec({"name": "two", "devices": [
+        {"id": "a", "type": "cpu", "threads": 1, "binding": "cpu", "host": "m0"},
+        {"id": "b", "type": "cpu", "threads": 1, "binding": "cpu", "host": "m1"}]}, "two")
+    zm = model("gpt2-tiny")
+    split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
+    names = [p.name for p in split.pieces]
+    plan = Plan((Stage(tuple(names[:20]), ("a",)), Stage(tuple(names[20:]), ("b",))), 4, "gpipe", "test")
+    spec = run_spec(plan, two_hosts, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer", steps=2,
+                    warmup=0, out_dir=tmp_path)
+    path = write_spec(spec)
+    port = 29500 + (abs(hash(str(tmp_path))) % 1000)
+    commands = torchrun_commands(path, spec, master_port=port)
+    assert len(commands) == 2 and "--node-rank 1" in commands[1]
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    procs = [subprocess.Popen([torchrun, *cmd.split()[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for cmd in commands]
+    outs = [p.communicate(timeout=180)[0].decode(errors="replace") for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert [r["device"] for r in result["ranks"]] == ["a", "b"] and len(result["ranks"][1]["losses"]) == 2

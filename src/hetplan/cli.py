@@ -230,6 +230,20 @@ def cmd_run(args: argparse.Namespace) -> int:
                     data=args.data, out_dir=args.out, timeout_s=args.timeout_s,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                     resume_step=resume_step)
+    if args.dry_run:
+        from hetplan.runtime.launch import torchrun_commands, write_spec
+
+        path = write_spec(spec)
+        commands = torchrun_commands(path, spec)
+        if args.json:
+            _emit_json({"kind": "run", "dry_run": True, "run_json": str(path), "torchrun": commands})
+        else:
+            console = _console()
+            console.print(f"wrote {path}; copy it to the same path on every machine, then run, one per machine "
+                          "(set --master-addr to the first machine's address):")
+            for cmd in commands:
+                console.print(f"  {cmd}", soft_wrap=True)
+        return 0
     bar = _progress_bar()
     if bar is None:
         result = launch(spec)
@@ -473,6 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
     p.add_argument("--timeout-s", type=float, default=60.0, help="stop every worker when none moves for this long")
     p.add_argument("--out", type=Path, default=Path("out/run"), help="the run folder: logs, run.json, result")
+    p.add_argument("--dry-run", action="store_true",
+                   help="write the run folder's run.json and print the torchrun command of each machine")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("profile", parents=[common], help="profile a model's training step into a graph")

@@ -79,7 +79,8 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
             device = cluster.device(stage.devices[p])
             binding = device.binding or "cpu"
             threads = 1 if binding.startswith("cuda") else device.threads or 1
-            ranks.append({"stage": k, "pipeline": p, "device": device.id, "binding": binding, "threads": threads})
+            ranks.append({"stage": k, "pipeline": p, "device": device.id, "host": device.host, "binding": binding,
+                          "threads": threads})
     return {
         "plan": to_dict(plan), "model": model, "batch_size": batch_size, "seq_len": seq_len,
         "granularity": granularity, "block_classes": list(block_classes), "steps": steps, "warmup": warmup,
@@ -88,6 +89,31 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
         "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None, "checkpoint_every": checkpoint_every,
         "resume_step": resume_step, "ranks": ranks,
     }
+
+
+def write_spec(spec: dict[str, Any]) -> Path:
+    out_dir = Path(spec["out_dir"])
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{out_dir}: cannot create the run folder ({exc.strerror})") from None
+    path = out_dir / "run.json"
+    path.write_text(json.dumps(spec, indent=1))
+    return path
+
+
+def torchrun_commands(path: Path, spec: dict[str, Any], master_addr: str = "127.0.0.1",
+                      master_port: int = 29500) -> list[str]:
+    """One torchrun command per host of the plan's devices. torchrun numbers ranks host by host,
+    so the ranks of RUN.json are grouped by host in that order (`hosts` in RUN.json)."""
+    hosts = list(dict.fromkeys(r["host"] for r in spec["ranks"]))
+    if [r["host"] for r in spec["ranks"]] != sorted((r["host"] for r in spec["ranks"]), key=hosts.index):
+        raise HetplanError("torchrun numbers ranks host by host, but this plan's stages go back and forth between "
+                           "hosts; run it with hetplan run on one machine, or plan so that each host's stages "
+                           "are consecutive")
+    return [f"torchrun --nnodes {len(hosts)} --node-rank {i} --nproc-per-node "
+            f"{sum(r['host'] == h for r in spec['ranks'])} --master-addr {master_addr} --master-port {master_port} "
+            f"-m hetplan.runtime.worker {path}" for i, h in enumerate(hosts)]
 
 
 def _free_port() -> int:
@@ -128,8 +154,7 @@ def launch(spec: dict[str, Any], progress=None) -> RunResult:
         raise InputError(f"{out_dir}: cannot create the run folder ({exc.strerror})") from None
     for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json")]:
         old.unlink()
-    spec_path = out_dir / "run.json"
-    spec_path.write_text(json.dumps(spec, indent=1))
+    spec_path = write_spec(spec)
     world = len(spec["ranks"])
     port = _free_port()
     procs = []
@@ -164,13 +189,14 @@ def launch(spec: dict[str, Any], progress=None) -> RunResult:
                 if progress is not None:
                     progress(min((b or {}).get("step", -1) for b in beats) + 1, spec["steps"])
             elif time.time() - last_move > timeout:
-                laggard = min(range(world), key=lambda r: (beats[r] or {}).get("step", -2))
-                me, beat = spec["ranks"][laggard], beats[laggard] or {}
+                # a hung worker and the ones waiting for it look alike from outside: name all that
+                # have not finished, with the step each is in
+                stuck = [f"worker {r} (stage {spec['ranks'][r]['stage']}, device {spec['ranks'][r]['device']}) "
+                         f"at step {(beats[r] or {}).get('step', 'start')}"
+                         for r in range(world) if codes[r] is None]
                 _stop(procs)
-                raise WorkerFailure(
-                    f"no worker made progress for {timeout:.0f} s; worker {laggard} (stage {me['stage']}, device "
-                    f"{me['device']}) is at step {beat.get('step', 'start')} ({beat.get('phase', 'not started')}); "
-                    "every worker was stopped")
+                raise WorkerFailure(f"no worker made progress for {timeout:.0f} s: {'; '.join(stuck)}; "
+                                    "every worker was stopped")
             time.sleep(0.2)
     except KeyboardInterrupt:
         _stop(procs)

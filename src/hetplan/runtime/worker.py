@@ -14,7 +14,8 @@ step's gradients equal those of the whole batch at once, and the gradients of pa
 several stages use (tied embeddings) are summed over those stages. After every pipeline step each stage
 takes an optimizer step. Workers write a heartbeat file per step (the launcher's watchdog reads
 it) and rank 0 writes the result: per-step wall times (between two barriers), the last stage's
-losses, and each worker's peak memory.
+losses, and each worker's peak memory. HETPLAN_FAULT=hang:RANK:STEP or die:RANK:STEP makes a
+worker hang or exit at a step, to test the launcher's handling of faults.
 """
 
 from __future__ import annotations
@@ -137,8 +138,13 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
 
         load_stage(Path(spec["checkpoint_dir"]), me["stage"], module, opt)
     start_step = spec.get("resume_step") or 0
+    fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     for step in range(start_step, spec["steps"]):
         _write(heartbeat, {"rank": rank, "stage": me["stage"], "phase": "step", "step": step, "t": time.time()})
+        if len(fault) == 3 and int(fault[1]) == rank and int(fault[2]) == step:
+            if fault[0] == "hang":
+                time.sleep(10**6)
+            os._exit(3)
         batch = _batches(spec, zoo_model, step)
         args = tuple(batch[k][pipe * share:(pipe + 1) * share].to(device) for k in split.input_keys) if first else ()
         target = torch.zeros(share, device=device) if last else None
