@@ -80,10 +80,11 @@ def test_runtime_refuses_what_it_cannot_run(tmp_path):
     zm = model("gpt2-tiny")
     split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
     plan = three_stage_plan(split, 3, "1f1b")
-    with pytest.raises(HetplanError, match=r"batch \(8\) to be a multiple of the micro-batches \(3\)"):
+    with pytest.raises(HetplanError, match=r"batch \(8\) to be a multiple of micro-batches x replicas \(3 x 1\)"):
         run_spec(plan, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer", out_dir=tmp_path)
-    replicated = Plan((Stage(tuple(p.name for p in split.pieces), ("c0", "c1")),), 2, "1f1b", "test")
-    with pytest.raises(HetplanError, match="does not run replicated stages yet"):
+    names = [p.name for p in split.pieces]
+    replicated = Plan((Stage(tuple(names[:20]), ("c0", "c1")), Stage(tuple(names[20:]), ("c2",))), 2, "1f1b", "test")
+    with pytest.raises(HetplanError, match="only when every stage has the same number of replicas"):
         run_spec(replicated, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer",
                  out_dir=tmp_path)
 
@@ -164,3 +165,30 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
     assert all(p.returncode == 0 for p in procs), outs
     result = json.loads((tmp_path / "result.json").read_text())
     assert [r["device"] for r in result["ranks"]] == ["a", "b"] and len(result["ranks"][1]["losses"]) == 2
+
+
+def test_replicated_stages_equal_single_process(tmp_path):
+    """Two pipelines of two stages side by side (each stage replicated on two workers), each on
+    half the batch: after one step the weights equal those of single-process training."""
+    four = cluster_from_spec({"name": "four", "devices": [
+        {"id": f"c{i}", "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for i in range(4)]}, "four")
+    batch_size, m, lr = 8, 2, 0.1
+    zm = model("gpt2-tiny", batch_size)
+    split = split_step(zm.step, {k: v[:batch_size // (2 * m)] for k, v in zm.batch.items()})
+    names = [p.name for p in split.pieces]
+    plan = Plan((Stage(tuple(names[:20]), ("c0", "c2")), Stage(tuple(names[20:]), ("c1", "c3"))), m, "1f1b", "test")
+    spec = run_spec(plan, four, "gpt2-tiny", batch_size=batch_size, seq_len=16, granularity="layer", steps=1,
+                    warmup=0, optimizer="sgd", lr=lr, out_dir=tmp_path, no_dropout=True, return_weights=True)
+    assert [(r["stage"], r["pipeline"], r["device"]) for r in spec["ranks"]] == [
+        (0, 0, "c0"), (1, 0, "c1"), (0, 1, "c2"), (1, 1, "c3")]
+    launch(spec)
+    batch = _batches(spec, zm, 0)
+    modules = stage_modules(split, plan)
+    opt = torch.optim.SGD(zm.step.parameters(), lr=lr)
+    opt.zero_grad()
+    zm.step(**batch).backward()  # the whole batch at once: gpt2 has no batch norm
+    opt.step()
+    for rank, k in ((0, 0), (1, 1), (2, 0), (3, 1)):
+        trained = torch.load(tmp_path / f"weights.{rank}.pt")
+        worst = max((trained[n] - p.detach()).abs().max().item() for n, p in modules[k].named_parameters())
+        assert worst <= 1e-5, (rank, worst)
