@@ -277,6 +277,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from hetplan.demo import run_demo
+
+    err = Console(stderr=True, highlight=False)
+    summary = run_demo(args.out, steps=args.steps, budget_s=args.budget_s,
+                       say=(lambda msg: None) if args.json else err.print)
+    if args.json:
+        _emit_json(summary)
+        return 0
+    from rich.table import Table
+
+    console = _console()
+    table = Table(title=f"{summary['model']} on {summary['cluster']}: predicted against measured",
+                  title_justify="left")
+    for col in ("plan", "stages", "workers", "m", "predicted step", "measured step", "error"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for r in summary["runs"]:
+        table.add_row(r["label"], str(r["stages"]), str(r["devices"]), str(r["microbatches"]),
+                      fmt_seconds(r["predicted_step_s"]), fmt_seconds(r["measured_step_s"]), f"{r['error']:+.0%}")
+    console.print(table)
+    console.print(f"measured speed-up of the chosen plan ({summary['chosen']}) over the faster other baseline: "
+                  f"{summary['speedup_over_best_baseline']:.2f}x; report in {args.out}/report.md")
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from hetplan.report.summary import estimate_summary
     from hetplan.sim import simulate
@@ -490,6 +515,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="write the run folder's run.json and print the torchrun command of each machine")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("demo", parents=[common], help="profile, plan, simulate and run gpt2-tiny on this machine")
+    p.add_argument("--out", type=Path, default=Path("out/demo/report"), help="the report folder")
+    p.add_argument("--steps", type=int, default=12, help="training steps per run, 3 of them warm-up (default: 12)")
+    p.add_argument("--budget-s", type=float, default=3.0, help="local-search's budget (default: 3)")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("profile", parents=[common], help="profile a model's training step into a graph")
     p.add_argument("model", metavar="MODEL", help=f"a zoo model ({', '.join(zoo_names())}) or module.path:factory")
