@@ -120,6 +120,18 @@ def compare_table() -> None:
               f"| {show(rows.get('local-search'))} | {c['best']} |")
 
 
+def predicted_vs_measured() -> None:
+    data = json.loads((RESULTS / "predicted_vs_measured.json").read_text())
+    print("| model | plan | stages x replicas | m | predicted | measured | error |")
+    print("|---|---|---|---|---|---|---|")
+    for r in data["rows"]:
+        print(f"| {r['model']} | {r['plan']} | {r['stages']} x {r['replicas']} | {r['microbatches']} "
+              f"| {r['predicted_step_s'] * 1e3:.1f} ms | {r['measured_step_s'] * 1e3:.1f} ms | {r['error']:+.0%} |")
+    s = data["summary"]
+    print()
+    print(f"{s['plans']} plans: median absolute error {s['median_abs_error']:.0%}, worst {s['max_abs_error']:.0%}")
+
+
 if __name__ == "__main__":
     faithfulness()
     print()
@@ -136,3 +148,5 @@ if __name__ == "__main__":
     dp_scaling()
     print()
     compare_table()
+    print()
+    predicted_vs_measured()
