@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from hetplan.io import serde
+
 
 def test_help_explains_the_workflow(cli):
     r = cli("--help")
@@ -234,6 +236,11 @@ def test_acceptance_profile_gpt2_tiny(cli, tmp_path):
     assert info["kind"] == "graph" and info["nodes"] == 42 and info["batch_size"] == 4
     assert info["skip_edges"] >= 8  # two residual connections in each of the 4 blocks
     assert ["transformer.drop", "transformer.h.0.ln_2"] in info["skip_edge_examples"]
+    graph = serde.load(out)
+    dtype = graph.profiled_on
+    fixed = [(n.fwd_fixed_s[dtype], n.fwd_s[dtype]) for n in graph.nodes if not n.is_input]
+    assert all(0 <= f <= t for f, t in fixed)  # the part of each pass that does not shrink with the batch
+    assert sum(f for f, _ in fixed) > 0
 
 
 def test_acceptance_profile_inception_tiny(cli, tmp_path):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from hetplan.cluster import cluster_from_spec, load_cluster
 from hetplan.cost import CostModel
+from hetplan.errors import GraphError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.plan import Estimate, Plan, Stage, validate_plan
 from hetplan.sim import simulate
@@ -301,3 +302,23 @@ def test_the_busiest_link_is_the_one_that_sends_longest():
     est = Estimate(1.0, 1.0, {}, {}, 0.0, {"x->y": 10, "y->z": 5}, 0.0, True, link_busy_s={"x->y": 0.1, "y->z": 0.4})
     assert est.peak_link == ("y->z", 5)
     assert Estimate(1.0, 1.0, {}, {}, 0.0, {}, 0.0, True).peak_link is None
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_fixed_costs_per_action(schedule):
+    """A pass's fixed part is paid by every micro-batch: with n equal stages each action takes
+    fixed + variable / m, and the pipeline formula holds for that action time. The fast path
+    agrees."""
+    from hetplan.sim.fast import fast_step_s
+
+    n, m, fixed = 3, 4, 0.004
+    nodes = tuple(Node(f"n{i}", "Linear", {V: 0.03}, {V: 0.05}, fwd_fixed_s={V: fixed}, bwd_fixed_s={V: fixed})
+                  for i in range(n))
+    g = Graph("fixed", nodes, tuple(Edge(f"n{i}", f"n{i + 1}", 0) for i in range(n - 1)), 64, V)
+    plan = one_per_stage(n, m, schedule)
+    est = simulate(g, load_cluster("v100x4"), plan).estimate
+    action = 2 * fixed + (0.03 - fixed + 0.05 - fixed) / m
+    assert est.step_s == pytest.approx((m + n - 1) * action, rel=1e-12)
+    assert fast_step_s(g, load_cluster("v100x4"), [plan])[0] == pytest.approx(est.step_s, rel=1e-12)
+    with pytest.raises(GraphError, match="more than the whole pass"):
+        Node("x", "Linear", {V: 0.01}, {V: 0.01}, fwd_fixed_s={V: 0.02})

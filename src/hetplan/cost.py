@@ -105,6 +105,13 @@ class CostModel:
         self._node_times[device_type] = times
         return times
 
+    def stage_fixed_s(self, nodes: Sequence[str], device_type: str) -> tuple[float, float]:
+        """The parts of a stage's forward and backward passes that do not shrink with the
+        micro-batch (measured by the profiler on that device type; 0 where it was not)."""
+        by_id = self.graph.by_id
+        return (math.fsum(by_id[n].fwd_fixed_s.get(device_type, 0.0) for n in nodes),
+                math.fsum(by_id[n].bwd_fixed_s.get(device_type, 0.0) for n in nodes))
+
     def stage_times_s(self, nodes: Sequence[str], device_type: str) -> tuple[float, float]:
         """Forward and backward time of a set of nodes on a device type, for the whole batch."""
         times = self.node_times_s(device_type)

@@ -41,7 +41,10 @@ class Node:
     `out_bytes` is the size of the node's output for the batch, `act_bytes` what the node keeps
     for its backward pass. `module` holds the qualified module names the node covers, so that a
     plan can be turned back into stage modules. An input node (`is_input`) stands for loading
-    the batch: PipeDream profiles put data-loading time on it.
+    the batch: PipeDream profiles put data-loading time on it. `fwd_fixed_s` / `bwd_fixed_s`, when
+    the profiler measured them, are the part of a pass that does not shrink with the batch (the
+    cost of calling the node's operators): a micro-batch of b samples takes
+    `fixed + (time - fixed) * b / batch_size`; missing types mean 0.
     """
 
     id: str
@@ -54,6 +57,8 @@ class Node:
     act_bytes: int = 0
     module: tuple[str, ...] = ()
     is_input: bool = False
+    fwd_fixed_s: Mapping[str, float] = field(default_factory=FrozenMap)
+    bwd_fixed_s: Mapping[str, float] = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -74,6 +79,14 @@ class Node:
         for name in ("flops", "param_bytes", "out_bytes", "act_bytes"):
             _check_number(getattr(self, name), f"{who}: {name}")
         object.__setattr__(self, "module", tuple(self.module))
+        for name, whole in (("fwd_fixed_s", self.fwd_s), ("bwd_fixed_s", self.bwd_s)):
+            fixed = getattr(self, name)
+            for dtype, t in fixed.items():
+                _check_number(t, f"{who}: {name}[{dtype!r}]")
+                if dtype not in whole or t > whole[dtype] * (1 + 1e-9) + 1e-12:
+                    raise GraphError(f"{who}: {name}[{dtype!r}] is {t}, more than the whole pass "
+                                     f"({whole.get(dtype)}); the fixed part is a part of it")
+            object.__setattr__(self, name, FrozenMap({k: float(v) for k, v in fixed.items()}))
 
     def time_s(self, device_type: str) -> float:
         """Forward plus backward time on `device_type` (measured; KeyError if not profiled)."""

@@ -184,12 +184,15 @@ def profile_step(
     seed: int = 0,
     check: bool = False,
     calibrate: bool = False,
+    fixed: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> ProfileReport:
     """Profile `step(**batch)`, a module whose forward returns the training loss.
 
     With `calibrate`, node times timed in isolation are scaled so that they add up to the
-    pieces' forward and backward time measured in sequence (see `_calibrated`)."""
+    pieces' forward and backward time measured in sequence (see `_calibrated`). With `fixed`,
+    every node is timed again at a quarter of the batch, and the two times give the part of each
+    pass that does not shrink with the batch (`Node.fwd_fixed_s`): t(b) = fixed + rate * b."""
     if granularity not in GRANULARITIES:
         raise HetplanError(f"--granularity {granularity!r}: allowed are {', '.join(GRANULARITIES)}")
     if repeats < 1:
@@ -203,6 +206,7 @@ def profile_step(
     batch_size = int(tensors[0].shape[0])
     start = time.perf_counter()
     measured: dict[str, _Measured] = {}
+    fixed_parts: dict[str, dict[str, tuple[float, float]]] = {}
     whole: dict[str, tuple[float, float, float]] = {}
     with _preserved(parsed):
         for device in parsed:
@@ -219,6 +223,19 @@ def profile_step(
                     del work
                 measured[device.device_type] = _measure(step, batch, device, granularity, block_classes,
                                                          repeats, seed, calibrate, progress)
+                small = max(2, batch_size // 4)  # two samples at least: batch norm needs them
+                if fixed and small < batch_size:
+                    if progress:
+                        progress(f"{device.device_type}: timing at batch {small} for the fixed costs")
+                    part = {k: (v[:small] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                            for k, v in batch.items()}
+                    try:
+                        again = _measure(step, part, device, granularity, block_classes, repeats, seed, False, None)
+                    except HetplanError:  # a model that only runs at its own batch size: no fixed parts
+                        again = None
+                    if again is not None:
+                        fixed_parts[device.device_type] = _fixed_parts(measured[device.device_type].times,
+                                                                       again.times, batch_size, small)
                 if len(measured) > 1:  # sizes come from the first device: let the rest go
                     measured[device.device_type].values.clear()
             except Exception as exc:
@@ -228,7 +245,7 @@ def profile_step(
                         "try a smaller --batch-size"
                     ) from None
                 raise
-    graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, calibrate)
+    graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, calibrate, fixed_parts)
     fastest = {t: sum(x.fwd_min_s + x.bwd_min_s for x in measured[t].times.values()) for t in whole}
     return ProfileReport(
         graph, time.perf_counter() - start,
@@ -242,8 +259,27 @@ def profile_step(
     )
 
 
+def _fixed_parts(full: Mapping[str, Any], part: Mapping[str, Any], big: int,
+                 small: int) -> dict[str, tuple[float, float]]:
+    """Per node, the intercept of the line through (small, t_small) and (big, t_big) for the
+    forward and the backward pass, kept between 0 and the smaller of the two times (timing noise
+    can put it outside)."""
+    out = {}
+    for node, t_big in full.items():
+        t_small = part.get(node)
+        if t_small is None:
+            continue
+        pair = []
+        for a, b in ((t_small.fwd_s, t_big.fwd_s), (t_small.bwd_s, t_big.bwd_s)):
+            intercept = (a * big - b * small) / (big - small)
+            pair.append(min(max(intercept, 0.0), a, b))
+        out[node] = (pair[0], pair[1])
+    return out
+
+
 def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence[ProfileDevice],
-                 batch: Mapping[str, Any], batch_size: int, granularity: str, calibrated: bool) -> Graph:
+                 batch: Mapping[str, Any], batch_size: int, granularity: str, calibrated: bool,
+                 fixed_parts: Mapping[str, Mapping[str, tuple[float, float]]] | None = None) -> Graph:
     first = measured[devices[0].device_type]
     split = first.split
     names = [p.name for p in split.pieces]
@@ -275,6 +311,8 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
             out_bytes=tensor_bytes([values[o] for o in piece.outputs]),
             act_bytes=first.act_bytes[piece.name],
             module=piece.modules,
+            fwd_fixed_s={t: f[piece.name][0] for t, f in (fixed_parts or {}).items() if piece.name in f},
+            bwd_fixed_s={t: f[piece.name][1] for t, f in (fixed_parts or {}).items() if piece.name in f},
         ))
     shapes = ", ".join(f"{k}[{'x'.join(map(str, v.shape))}] {str(v.dtype).removeprefix('torch.')}"
                        for k, v in batch.items() if isinstance(v, torch.Tensor))

@@ -113,7 +113,8 @@ def run_events(model: StepModel, cluster: Cluster, record: bool = True) -> Event
             task_base[(st.index, rep.device)] = base
             size = len(order)
             c_dev.extend([dev] * size)
-            c_dur.extend([(rep.fwd_s if f else rep.bwd_s) * fractions[i] for f, i in zip(is_fwd, mbs, strict=True)])
+            c_dur.extend([(rep.fwd_fixed_s + rep.fwd_s * fractions[i]) if f
+                          else (rep.bwd_fixed_s + rep.bwd_s * fractions[i]) for f, i in zip(is_fwd, mbs, strict=True)])
             c_act.extend([rep.act_bytes * fractions[i] for i in mbs])
             c_fwd.extend(is_fwd)
             c_stage.extend([st.index] * size)

@@ -108,10 +108,13 @@ class ChainProgram:
         return 2 * self.stages * m + (self.stages - 1) * m + (r - 1) * m + i
 
     def step_s(self, fwd_s: np.ndarray, bwd_s: np.ndarray, send_s: np.ndarray, latency_s: np.ndarray,
-               allreduce_s: np.ndarray | None = None) -> np.ndarray:
+               allreduce_s: np.ndarray | None = None, fwd_fixed_s: np.ndarray | None = None,
+               bwd_fixed_s: np.ndarray | None = None) -> np.ndarray:
         """Step time of P plans.
 
-        fwd_s, bwd_s: (P, stages) forward and backward time of each stage for the whole batch.
+        fwd_s, bwd_s: (P, stages) forward and backward time of each stage for the whole batch
+        (without the fixed parts, if those are given). fwd_fixed_s, bwd_fixed_s: (P, stages) the
+        time of every action whatever its size, or None for 0.
         send_s: (P, stages - 1) bytes / bandwidth across each boundary for the whole batch (both
         directions use it). latency_s: (P, stages - 1), 0 where nothing is sent.
         allreduce_s: (P, stages) gradient all-reduce after each stage's last action, or None."""
@@ -121,6 +124,9 @@ class ChainProgram:
         p = fwd.shape[0]
         parts = [fwd.T[:, None, :] * f[None, :, None],
                  np.atleast_2d(np.asarray(bwd_s, dtype=float)).T[:, None, :] * f[None, :, None]]
+        for k, fixed in enumerate((fwd_fixed_s, bwd_fixed_s)):
+            if fixed is not None:
+                parts[k] = parts[k] + np.asarray(fixed, dtype=float).reshape(p, n).T[:, None, :]
         if n > 1:
             send = np.asarray(send_s, dtype=float).reshape(p, n - 1).T
             lat = np.broadcast_to(np.asarray(latency_s, dtype=float), (p, n - 1)).T
@@ -167,12 +173,19 @@ class ChainScorer:
         types = [d.type for d in cluster.devices]
         self._type_of = np.array([sorted(set(types)).index(t) for t in types])
         zero = np.zeros(1)
-        fwd, bwd = [], []
+        fwd, bwd, ffix, bfix = [], [], [], []
+        by_id = graph.by_id
         for t in sorted(set(types)):
             times = cm.node_times_s(t)
+            measured = t in graph.device_types  # fixed parts are known only where measured
             fwd.append(np.concatenate([zero, np.cumsum([times[v][0] for v in self.order])]))
             bwd.append(np.concatenate([zero, np.cumsum([times[v][1] for v in self.order])]))
+            ffix.append(np.concatenate([zero, np.cumsum([by_id[v].fwd_fixed_s.get(t, 0.0) if measured else 0.0
+                                                         for v in self.order])]))
+            bfix.append(np.concatenate([zero, np.cumsum([by_id[v].bwd_fixed_s.get(t, 0.0) if measured else 0.0
+                                                         for v in self.order])]))
         self._fwd, self._bwd = np.array(fwd), np.array(bwd)  # (types, len(order) + 1) prefix sums
+        self._ffix, self._bfix = np.array(ffix), np.array(bfix)
         by_id = graph.by_id
         self._params = np.concatenate([zero, np.cumsum([by_id[v].param_bytes for v in self.order], dtype=float)])
         self._acts = np.concatenate([zero, np.cumsum([by_id[v].act_bytes for v in self.order], dtype=float)])
@@ -203,13 +216,16 @@ class ChainScorer:
         bounds = np.concatenate([np.zeros((p, 1), int), cuts, np.full((p, 1), len(self.order))], axis=1)
         lo, hi = bounds[:, :-1], bounds[:, 1:]
         types = self._type_of[devices]
-        fwd = self._fwd[types, hi] - self._fwd[types, lo]
-        bwd = self._bwd[types, hi] - self._bwd[types, lo]
+        ffix = self._ffix[types, hi] - self._ffix[types, lo]
+        bfix = self._bfix[types, hi] - self._bfix[types, lo]
+        fwd = self._fwd[types, hi] - self._fwd[types, lo] - ffix
+        bwd = self._bwd[types, hi] - self._bwd[types, lo] - bfix
         nbytes = self._crossing[cuts]
         src, dst = devices[:, :-1], devices[:, 1:]
         send = nbytes / self._bw[src, dst]
         lat = np.where(nbytes > 0, self._lat[src, dst], 0.0)
-        step = self.program(n, microbatches, schedule).step_s(fwd, bwd, send, lat)
+        step = self.program(n, microbatches, schedule).step_s(fwd, bwd, send, lat, fwd_fixed_s=ffix,
+                                                              bwd_fixed_s=bfix)
         held = np.array([inflight_microbatches(schedule, n, r, microbatches) for r in range(n)])
         # a stage holds micro-batches 0 .. held-1 at its peak (the largest: tensor_split puts the extra samples first)
         first = np.cumsum(microbatch_fractions(self.graph.batch_size, microbatches))[held - 1]
@@ -235,6 +251,8 @@ def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | N
     return {
         "fwd_s": np.array([max(r.fwd_s for r in st.replicas) for st in model.stages]),
         "bwd_s": np.array([max(r.bwd_s for r in st.replicas) for st in model.stages]),
+        "fwd_fixed_s": np.array([max(r.fwd_fixed_s for r in st.replicas) for st in model.stages]),
+        "bwd_fixed_s": np.array([max(r.bwd_fixed_s for r in st.replicas) for st in model.stages]),
         "send_s": send,
         "latency_s": lat,
         "allreduce_s": np.array([st.allreduce_s for st in model.stages]),

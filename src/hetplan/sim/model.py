@@ -2,9 +2,9 @@
 between them, built once from a graph, a cluster and a plan by the cost model.
 
 - Micro-batches split the batch as `torch.tensor_split` does (sizes differ by at most one,
-  larger ones first), and a stage's time for a micro-batch is its batch time scaled by the
-  micro-batch's share of the samples (time is taken as linear in the samples; small
-  micro-batches are less efficient on a GPU than this assumes).
+  larger ones first), and a stage's time for a micro-batch is its fixed part (what calling its
+  operators costs whatever the size, when the profiler measured it) plus the rest of its batch
+  time scaled by the micro-batch's share of the samples.
 - Replicas of a stage take contiguous slices of every micro-batch, sized in proportion to their
   speed (`CostModel.replica_shares`), so that they finish together. A replica receives from each
   replica of a producer stage the part of the tensor whose samples the two slices share, and
@@ -58,9 +58,11 @@ class Replica:
     device: str
     share: float  # of every micro-batch's samples
     lo: float  # its slice of the samples: [lo, lo + share)
-    fwd_s: float  # share x the stage's forward time on this device, for the whole batch
+    fwd_s: float  # share x the part of the stage's forward time that scales with the samples
     bwd_s: float
     act_bytes: float  # share x the stage's stashed activations, for the whole batch
+    fwd_fixed_s: float = 0.0  # per forward action, whatever its size (calling the operators)
+    bwd_fixed_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,12 @@ def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = 
         params = sum(by_id[n].param_bytes for n in stage.nodes)
         replicas, lo = [], 0.0
         for d in stage.devices:
-            fwd, bwd = cm.stage_times_s(stage.nodes, cluster.device(d).type)
+            dtype = cluster.device(d).type
+            fwd, bwd = cm.stage_times_s(stage.nodes, dtype)
+            ffix, bfix = cm.stage_fixed_s(stage.nodes, dtype) if dtype in graph.device_types else (0.0, 0.0)
             share = shares[d]
-            replicas.append(Replica(d, share, lo, share * fwd, share * bwd, share * acts))
+            replicas.append(Replica(d, share, lo, share * (fwd - ffix), share * (bwd - bfix), share * acts,
+                                    ffix, bfix))
             lo += share
         stages.append(StageWork(i, tuple(replicas), WEIGHT_COPIES * params, cm.allreduce_s(params, stage.devices)))
     messages = []
