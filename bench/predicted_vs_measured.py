@@ -7,7 +7,9 @@ then runs plans on the `local` cluster (one single-threaded worker per core: two
 `hetplan.runtime`, and compares the measured median step (after 3 warm-up steps) with the event
 simulator's prediction for the same plan, graph and cluster (relay routing). Plans: one worker
 alone, the two workers as a two-stage pipeline (uniform and dp's split) under GPipe and 1F1B with
-2 to 8 micro-batches, and data parallelism over both.
+2 to 8 micro-batches, and data parallelism over both. With `--cluster F` from `hetplan calibrate`,
+the simulator also charges the runtime's measured cost per action (calibrated on llama-tiny, a
+model not in this benchmark).
 """
 
 from __future__ import annotations
@@ -47,10 +49,12 @@ def plans_for(graph, cluster):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--cluster", default="local",
+                        help="local, or the cluster `hetplan calibrate --cluster local -o F` wrote")
     parser.add_argument("-o", "--output", type=Path,
                         default=Path(__file__).with_name("results") / "predicted_vs_measured.json")
     args = parser.parse_args()
-    cluster = load_cluster("local")
+    cluster = load_cluster(args.cluster)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, batch, seq, granularity in MODELS:
@@ -71,7 +75,9 @@ def main() -> None:
                 print(f"{name:>14} {label:<22} predicted {predicted * 1e3:8.1f} ms, measured "
                       f"{result.measured_step_s * 1e3:8.1f} ms, error {row['error']:+.0%}", flush=True)
     errors = [abs(r["error"]) for r in rows]
-    summary = {"plans": len(rows), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
+    summary = {"plans": len(rows), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
+               "cluster": cluster.name,
+               "action_overhead_s": max(d.action_overhead_s for d in cluster.devices)}
     print(json.dumps(summary))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")

@@ -277,6 +277,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from hetplan.runtime.calibrate import calibrate_action_overhead
+
+    cluster = load_cluster(args.cluster)
+    err = Console(stderr=True, highlight=False)
+    overhead, points = calibrate_action_overhead(cluster, steps=args.steps,
+                                                 say=(lambda msg: None) if args.json else err.print)
+    calibrated = replace(cluster, name=f"{cluster.name}-calibrated", devices=tuple(
+        replace(d, action_overhead_s=overhead) if (d.binding or "").startswith("cpu") else d
+        for d in cluster.devices))
+    serde.dump(calibrated, args.output)
+    if args.json:
+        _emit_json({"kind": "calibration", "action_overhead_s": overhead, "runs": points,
+                    "output": str(args.output)})
+        return 0
+    _console().print(f"runtime overhead per pipeline action on {cluster.name}'s CPU workers: "
+                     f"{overhead * 1e3:.2f} ms; wrote {args.output} (use it as --cluster)")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from hetplan.demo import run_demo
 
@@ -515,6 +537,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="write the run folder's run.json and print the torchrun command of each machine")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("calibrate", parents=[common],
+                       help="measure the runtime's cost per pipeline action on a cluster's CPU workers")
+    p.add_argument("--cluster", default="local", metavar="C", help="a cluster file or preset (default: local)")
+    p.add_argument("--steps", type=int, default=10, help="steps per probe run (default: 10)")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the calibrated cluster JSON to write")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("demo", parents=[common], help="profile, plan, simulate and run gpt2-tiny on this machine")
     p.add_argument("--out", type=Path, default=Path("out/demo/report"), help="the report folder")

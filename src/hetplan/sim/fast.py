@@ -200,6 +200,7 @@ class ChainScorer:
         self._lat = np.array([[cluster.link(a, b).latency_s for b in ids] for a in ids])
         self._mem = np.array([d.mem_bytes for d in cluster.devices], dtype=float)
         self._usd = np.array([d.usd_per_hour for d in cluster.devices])
+        self._overhead = np.array([d.action_overhead_s for d in cluster.devices])
         self._programs: dict[tuple[int, int, str], ChainProgram] = {}
 
     def program(self, stages: int, microbatches: int, schedule: str) -> ChainProgram:
@@ -220,6 +221,8 @@ class ChainScorer:
         bfix = self._bfix[types, hi] - self._bfix[types, lo]
         fwd = self._fwd[types, hi] - self._fwd[types, lo] - ffix
         bwd = self._bwd[types, hi] - self._bwd[types, lo] - bfix
+        ffix = ffix + self._overhead[devices]
+        bfix = bfix + self._overhead[devices]
         nbytes = self._crossing[cuts]
         src, dst = devices[:, :-1], devices[:, 1:]
         send = nbytes / self._bw[src, dst]

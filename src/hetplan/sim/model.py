@@ -120,8 +120,9 @@ def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = 
             fwd, bwd = cm.stage_times_s(stage.nodes, dtype)
             ffix, bfix = cm.stage_fixed_s(stage.nodes, dtype) if dtype in graph.device_types else (0.0, 0.0)
             share = shares[d]
+            extra = cluster.device(d).action_overhead_s  # the runtime's own cost per action
             replicas.append(Replica(d, share, lo, share * (fwd - ffix), share * (bwd - bfix), share * acts,
-                                    ffix, bfix))
+                                    ffix + extra, bfix + extra))
             lo += share
         stages.append(StageWork(i, tuple(replicas), WEIGHT_COPIES * params, cm.allreduce_s(params, stage.devices)))
     messages = []
