@@ -83,8 +83,9 @@ def test_simulate_prints_the_estimate_and_draws_the_step(cli, profiles, tmp_path
     width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
     assert width >= 1200 and height >= 400
     events = json.loads(trace.read_text())["traceEvents"]
-    # 4 stages x 16 micro-batches x (F, B), plus 3 links x 2 directions x 16 x 1 tensor
-    assert sum(e["ph"] == "X" for e in events) == 4 * 16 * 2 + 3 * 2 * 16
+    # 4 stages x 16 micro-batches x (F, B), plus 3 links x 2 directions x 16 x 1 tensor, plus an
+    # optimizer step on each of the 4 devices
+    assert sum(e["ph"] == "X" for e in events) == 4 * 16 * 2 + 3 * 2 * 16 + 4
     r = cli("simulate", p, "--graph", g, "--cluster", "hetero-4", "--routing", "relay")
     assert r.code == 0 and "busiest link" in r.out and "t0->v0" in r.out and "utilisation" in r.out
 

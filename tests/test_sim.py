@@ -13,7 +13,7 @@ from hetplan.errors import GraphError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.plan import Estimate, Plan, Stage, validate_plan
 from hetplan.sim import simulate
-from hetplan.sim.engine import ALLREDUCE
+from hetplan.sim.engine import ALLREDUCE, OPTIMIZER
 from hetplan.sim.model import build_step_model
 from hetplan.sim.schedules import schedule_order
 from strategies import MIXED as CLUSTER
@@ -104,7 +104,10 @@ def test_two_replicas_of_different_speeds_finish_together():
     assert {s.resource for s in ar} == {"a0", "t0"}
     allreduce = cm.allreduce_s(10**8, ("a0", "t0"))
     assert ar[0].end_s - ar[0].start_s == pytest.approx(allreduce)
-    assert est.step_s == pytest.approx(max(max(last_b.values()) + allreduce,
+    # then each replica's optimizer step: Adam reads and writes 7 x the weights' bytes
+    opt = {d: 7 * 10**8 / cluster.types[cluster.device(d).type].mem_bw_Bps for d in ("a0", "t0", "v0")}
+    assert {s.resource: s.end_s - s.start_s for s in sim.timeline.spans if s.kind == OPTIMIZER} == pytest.approx(opt)
+    assert est.step_s == pytest.approx(max(max(last_b.values()) + allreduce + max(opt["a0"], opt["t0"]),
                                            max(s.end_s for s in sim.timeline.spans if s.resource == "v0")))
 
 
@@ -115,7 +118,8 @@ def test_one_replicated_stage_is_data_parallelism():
     est = simulate(g, cluster, Plan((Stage(("n0",), ("a0", "t0")),), 1, "gpipe", "test")).estimate
     speed = 1 / cm.device_stage_s(("n0",), "a0") + 1 / cm.device_stage_s(("n0",), "t0")
     assert est.busy_s["a0"] == pytest.approx(1 / speed)
-    assert est.step_s == pytest.approx(1 / speed + cm.allreduce_s(10**8, ("a0", "t0")))
+    opt = max(cm.optimizer_s(10**8, cluster.device(d).type) for d in ("a0", "t0"))
+    assert est.step_s == pytest.approx(1 / speed + cm.allreduce_s(10**8, ("a0", "t0")) + opt)
 
 
 def diamond():
@@ -209,16 +213,17 @@ def check_timeline(graph, plan, routing):
 
     # every action of every stage replica runs exactly once
     compute = {(s.stage, s.resource, s.kind, s.microbatch): s for s in spans if s.resource in CLUSTER.by_id
-               and s.kind != ALLREDUCE}
+               and s.kind not in (ALLREDUCE, OPTIMIZER)}
     expected = {(st_.index, r.device, kind, i) for st_ in model.stages for r in st_.replicas
                 for kind in "FB" for i in range(m)}
     assert set(compute) == expected
-    assert len([s for s in spans if s.resource in CLUSTER.by_id and s.kind != ALLREDUCE]) == len(expected)
+    assert len([s for s in spans if s.resource in CLUSTER.by_id and s.kind not in (ALLREDUCE, OPTIMIZER)]) == len(
+        expected)
 
     # a device computes one action at a time; a link sends one tensor at a time, in FIFO order
     rows = defaultdict(list)
     for s in spans:
-        if s.kind != ALLREDUCE:
+        if s.kind not in (ALLREDUCE, OPTIMIZER):
             rows[s.resource].append(s)
     for row in rows.values():
         row.sort(key=lambda s: (s.start_s, s.end_s))

@@ -29,6 +29,9 @@ from hetplan.projection import project_s
 
 OPTIMIZER_STATE_COPIES = 2  # Adam: first and second moments, fp32, each the size of the weights
 WEIGHT_COPIES = 1 + 1 + OPTIMIZER_STATE_COPIES  # weights + gradients + optimizer state
+# An Adam step reads weights, gradients and both moments and writes weights and both moments:
+# seven passes over the weights' bytes, bound by memory bandwidth.
+OPTIMIZER_PASSES = 7
 
 
 def microbatch_fractions(batch_size: int, microbatches: int) -> tuple[float, ...]:
@@ -120,6 +123,12 @@ class CostModel:
     def device_stage_s(self, nodes: Sequence[str], device_id: str) -> float:
         fwd, bwd = self.stage_times_s(nodes, self.cluster.device(device_id).type)
         return fwd + bwd
+
+    def optimizer_s(self, param_bytes: float, device_type: str) -> float:
+        """Time of the optimizer step over `param_bytes` of weights on a device type (Adam,
+        memory-bound)."""
+        t = self._type(device_type)
+        return OPTIMIZER_PASSES * param_bytes / t.mem_bw_Bps if t is not None and t.mem_bw_Bps > 0 else 0.0
 
     def transfer_s(self, nbytes: float, src: str, dst: str) -> float:
         return self.cluster.link(src, dst).transfer_s(nbytes)

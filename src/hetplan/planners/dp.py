@@ -23,10 +23,11 @@ set S_k minus S_(k-1). We extend both papers:
 - The objective of a flushed pipeline. With t_k a stage's time for the whole batch, c_k the
   transfer time across cut k for the whole batch and m micro-batches,
 
-      T(m) = ( sum_k (t_k + 2 c_k) + (m - 1) * P ) / m  +  2 sum latency  +  max_k AR_k
+      T(m) = ( sum_k (t_k + 2 c_k) + (m - 1) * P ) / m  +  2 sum latency  +  max_k (AR_k + OPT_k)
       P    = max( t_k, c_k, and under 1F1B  sum_{j >= k} (t_j + 2 c_j) / (n - k) )
 
-  where AR_k is the ring all-reduce of a replicated stage and the last term of P says that under
+  where AR_k is the ring all-reduce of a replicated stage, OPT_k its optimizer step (Adam,
+  memory-bound, on the slowest replica), and the last term of P says that under
   1F1B stage k has at most n - k micro-batches in flight, so one round trip through the rest of
   the pipeline is shared by at most n - k of them (it matters when links are slow). T is not a
   sum of per-stage terms, so the program keeps, per state, a Pareto front of labels (sum, P,
@@ -219,7 +220,8 @@ def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: 
                 ar = (min(li.bandwidth_Bps for li in ring), max(li.latency_s for li in ring))
             else:
                 ar = None
-            groups[(d, k)] = (cnt, mem, ar)
+            opt_per_byte = max(scorer.cost.optimizer_s(1.0, dev[x].type) for x in range(d, d + k))
+            groups[(d, k)] = (cnt, mem, ar, opt_per_byte)
     links = [cluster.link(order[p], order[p + 1]) if p + 1 < D else None for p in range(D)]
 
     front: dict[tuple[int, int], list[tuple]] = {}
@@ -266,7 +268,7 @@ def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: 
                 continue
             for k in range(1, min(e, max_replicas) + 1):
                 d = e - k
-                cnt, mem, ar_link = groups[(d, k)]
+                cnt, mem, ar_link, opt_per_byte = groups[(d, k)]
                 with np.errstate(divide="ignore", invalid="ignore"):
                     used = [ti for ti, c in enumerate(cnt) if c]
                     speed = sum(cnt[ti] / diff[ti] for ti in used)  # inf where a type needs no time
@@ -293,6 +295,7 @@ def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: 
                     ar_all = np.where(w_stage > 0, 2 * (k - 1) * (ar_link[1] + w_stage / k / ar_link[0]), 0.0)
                 else:
                     ar_all = np.zeros(len(below))
+                ar_all = ar_all + w_stage * opt_per_byte  # then the optimizer step on the slowest replica
                 link = links[e - 1] if not last else None
                 cut_j = prob.cut[j]
                 for c_idx in cand.tolist():

@@ -14,10 +14,11 @@ from pathlib import Path
 
 from hetplan.errors import InputError
 from hetplan.io.serde import atomic_write_text
-from hetplan.sim.engine import ALLREDUCE, Timeline
+from hetplan.sim.engine import ALLREDUCE, OPTIMIZER, Timeline
 
-COLOURS = {"F": "#4C72B0", "B": "#DD8452", ALLREDUCE: "#9A9A9A"}
-NAMES = {"F": "forward / activations", "B": "backward / gradients", ALLREDUCE: "gradient all-reduce"}
+COLOURS = {"F": "#4C72B0", "B": "#DD8452", ALLREDUCE: "#9A9A9A", OPTIMIZER: "#55A868"}
+NAMES = {"F": "forward / activations", "B": "backward / gradients", ALLREDUCE: "gradient all-reduce",
+         OPTIMIZER: "optimizer step"}
 
 
 def _rows(timeline: Timeline, device_labels: Mapping[str, str] | None) -> list[tuple[str, str]]:
@@ -51,7 +52,7 @@ def draw_gantt(timeline: Timeline, path: str | Path, title: str = "",
     for s in timeline.spans:
         start, width = s.start_s * scale, (s.end_s - s.start_s) * scale
         bars.setdefault((index[s.resource], s.kind), []).append((start, width))
-        if s.kind != ALLREDUCE and width >= min_label:
+        if s.kind not in (ALLREDUCE, OPTIMIZER) and width >= min_label:
             ax.text(start + width / 2, index[s.resource], str(s.microbatch), ha="center", va="center",
                     fontsize=7, color="white", clip_on=True)
     for (row, kind), xs in bars.items():

@@ -10,7 +10,8 @@ the same stage is done and its inputs (activations for a forward pass, gradients
 pass) have arrived. A device that holds several stages (plans with `shared_devices`) runs, of
 the actions at the heads of its stages' orders, the one whose inputs arrived first (ties: the
 lower stage). After its last backward pass, a replicated stage all-reduces its gradients (ring
-all-reduce, `CostModel.allreduce_s`), which uses the network, not the device's compute.
+all-reduce, `CostModel.allreduce_s`), which uses the network, not the device's compute; then every
+replica takes its optimizer step (`CostModel.optimizer_s`: Adam, memory-bound).
 
 The loop is a priority queue of finish events ordered by (time, sequence number), so the
 result is deterministic; the code is written with flat lists because planners call it often.
@@ -28,6 +29,7 @@ from hetplan.sim.model import StepModel
 from hetplan.sim.schedules import FORWARD, schedule_order
 
 ALLREDUCE = "AR"
+OPTIMIZER = "OPT"
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,8 @@ class Span:
 
     `resource` is a device id, or `"a->b"` for the link from device a to device b. `kind` is F
     (a forward pass, or activations on a link), B (a backward pass, or gradients on a link) or AR
-    (the stage's gradient all-reduce, drawn on each replica's row). `stage` is the stage doing the
+    (the stage's gradient all-reduce, drawn on each replica's row) or OPT (the optimizer step after
+    the last backward pass and the all-reduce). `stage` is the stage doing the
     work (on links, the sending stage, and `to_stage` the receiving one); `microbatch` is -1 for AR."""
 
     resource: str
@@ -281,12 +284,19 @@ def run_events(model: StepModel, cluster: Cluster, record: bool = True) -> Event
     allreduce_spans: list[Span] = []
     for s, lasts in last_task:
         ar = model.stages[s].allreduce_s
+        begin = max(c_end[t] for t in lasts)
         if ar > 0:
-            begin = max(c_end[t] for t in lasts)
             step = max(step, begin + ar)
             if record:
                 allreduce_spans += [Span(rep.device, ALLREDUCE, s, -1, begin, begin + ar)
                                     for rep in model.stages[s].replicas]
+        # then each replica's optimizer step (after the all-reduce, when there is one)
+        for rep in model.stages[s].replicas:
+            if rep.optimizer_s > 0:
+                start = begin + ar
+                step = max(step, start + rep.optimizer_s)
+                if record:
+                    allreduce_spans.append(Span(rep.device, OPTIMIZER, s, -1, start, start + rep.optimizer_s))
 
     timeline = None
     if record:

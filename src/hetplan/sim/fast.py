@@ -109,7 +109,7 @@ class ChainProgram:
 
     def step_s(self, fwd_s: np.ndarray, bwd_s: np.ndarray, send_s: np.ndarray, latency_s: np.ndarray,
                allreduce_s: np.ndarray | None = None, fwd_fixed_s: np.ndarray | None = None,
-               bwd_fixed_s: np.ndarray | None = None) -> np.ndarray:
+               bwd_fixed_s: np.ndarray | None = None, optimizer_s: np.ndarray | None = None) -> np.ndarray:
         """Step time of P plans.
 
         fwd_s, bwd_s: (P, stages) forward and backward time of each stage for the whole batch
@@ -145,6 +145,8 @@ class ChainProgram:
         ends = t[list(self.last)]
         if allreduce_s is not None:
             ends = ends + np.asarray(allreduce_s, dtype=float).reshape(p, n).T
+        if optimizer_s is not None:
+            ends = ends + np.asarray(optimizer_s, dtype=float).reshape(p, n).T
         return ends.max(axis=0)
 
 
@@ -201,6 +203,7 @@ class ChainScorer:
         self._mem = np.array([d.mem_bytes for d in cluster.devices], dtype=float)
         self._usd = np.array([d.usd_per_hour for d in cluster.devices])
         self._overhead = np.array([d.action_overhead_s for d in cluster.devices])
+        self._opt_per_byte = np.array([cm.optimizer_s(1.0, d.type) for d in cluster.devices])
         self._programs: dict[tuple[int, int, str], ChainProgram] = {}
 
     def program(self, stages: int, microbatches: int, schedule: str) -> ChainProgram:
@@ -227,8 +230,9 @@ class ChainScorer:
         src, dst = devices[:, :-1], devices[:, 1:]
         send = nbytes / self._bw[src, dst]
         lat = np.where(nbytes > 0, self._lat[src, dst], 0.0)
+        opt = (self._params[hi] - self._params[lo]) * self._opt_per_byte[devices]
         step = self.program(n, microbatches, schedule).step_s(fwd, bwd, send, lat, fwd_fixed_s=ffix,
-                                                              bwd_fixed_s=bfix)
+                                                              bwd_fixed_s=bfix, optimizer_s=opt)
         held = np.array([inflight_microbatches(schedule, n, r, microbatches) for r in range(n)])
         # a stage holds micro-batches 0 .. held-1 at its peak (the largest: tensor_split puts the extra samples first)
         first = np.cumsum(microbatch_fractions(self.graph.batch_size, microbatches))[held - 1]
@@ -259,6 +263,7 @@ def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | N
         "send_s": send,
         "latency_s": lat,
         "allreduce_s": np.array([st.allreduce_s for st in model.stages]),
+        "optimizer_s": np.array([max(r.optimizer_s for r in st.replicas) for st in model.stages]),
     }
 
 
