@@ -77,7 +77,8 @@ def main() -> None:
     errors = [abs(r["error"]) for r in rows]
     summary = {"plans": len(rows), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
                "cluster": cluster.name,
-               "action_overhead_s": max(d.action_overhead_s for d in cluster.devices)}
+               "action_overhead_s": max(d.action_overhead_s for d in cluster.devices),
+               "step_overhead_s": max(d.step_overhead_s for d in cluster.devices)}
     print(json.dumps(summary))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")

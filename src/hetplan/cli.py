@@ -284,18 +284,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     cluster = load_cluster(args.cluster)
     err = Console(stderr=True, highlight=False)
-    overhead, points = calibrate_action_overhead(cluster, steps=args.steps,
-                                                 say=(lambda msg: None) if args.json else err.print)
+    overhead, per_step, points = calibrate_action_overhead(cluster, steps=args.steps,
+                                                           say=(lambda msg: None) if args.json else err.print)
     calibrated = replace(cluster, name=f"{cluster.name}-calibrated", devices=tuple(
-        replace(d, action_overhead_s=overhead) if (d.binding or "").startswith("cpu") else d
-        for d in cluster.devices))
+        replace(d, action_overhead_s=overhead, step_overhead_s=per_step) if (d.binding or "").startswith("cpu")
+        else d for d in cluster.devices))
     serde.dump(calibrated, args.output)
     if args.json:
-        _emit_json({"kind": "calibration", "action_overhead_s": overhead, "runs": points,
-                    "output": str(args.output)})
+        _emit_json({"kind": "calibration", "action_overhead_s": overhead, "step_overhead_s": per_step,
+                    "runs": points, "output": str(args.output)})
         return 0
-    _console().print(f"runtime overhead per pipeline action on {cluster.name}'s CPU workers: "
-                     f"{overhead * 1e3:.2f} ms; wrote {args.output} (use it as --cluster)")
+    _console().print(f"runtime overhead on {cluster.name}'s CPU workers: {overhead * 1e3:.2f} ms per pipeline "
+                     f"action, {per_step * 1e3:.1f} ms per step; wrote {args.output} (use it as --cluster)")
     return 0
 
 

@@ -88,8 +88,9 @@ class Device:
     start from the type's and can be set per device. `binding` says where a real run puts it
     (`cpu`, `cuda:0`); None means the device is only simulated. `action_overhead_s` is what the
     runtime spends per pipeline action on this device outside the model's operators (schedule
-    bookkeeping, sending and receiving), as `hetplan calibrate` measures it; the simulator adds
-    it to every forward and backward action."""
+    bookkeeping, sending and receiving), and `step_overhead_s` what it spends once per step
+    (barriers, starting the schedule), as `hetplan calibrate` measures them; the simulator adds
+    the first to every forward and backward action and the second to the end of the step."""
 
     id: str
     type: str
@@ -99,6 +100,7 @@ class Device:
     threads: int | None = None
     binding: str | None = None
     action_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -113,8 +115,10 @@ class Device:
             self.binding == "cpu" or self.binding == "cuda" or self.binding.startswith("cuda:")
         ):
             raise ClusterError(f"device {self.id!r}: binding {self.binding!r}; allowed: cpu, cuda, cuda:N")
-        if not math.isfinite(self.action_overhead_s) or self.action_overhead_s < 0:
-            raise ClusterError(f"device {self.id!r}: action_overhead_s is {self.action_overhead_s!r}; it must be >= 0")
+        for name in ("action_overhead_s", "step_overhead_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ClusterError(f"device {self.id!r}: {name} is {value!r}; it must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -201,7 +205,8 @@ class Cluster:
 # ---- loading ---------------------------------------------------------------------------------
 
 _TOP_KEYS = {"name", "types", "devices", "network"}
-_DEVICE_KEYS = {"id", "type", "host", "threads", "memory", "usd_per_hour", "binding", "count", "action_overhead"}
+_DEVICE_KEYS = {"id", "type", "host", "threads", "memory", "usd_per_hour", "binding", "count", "action_overhead",
+                "step_overhead"}
 _TYPE_KEYS = {"base", "kind", "peak_flops", "peak_flops_fp16", "memory", "memory_bandwidth",
               "usd_per_hour", "threads", "description"}
 _NETWORK_KEYS = {"intra_host", "inter_host", "links"}
@@ -314,6 +319,7 @@ def cluster_from_spec(spec: object, source: str = "<cluster>") -> Cluster:
             raise ClusterError(f"{where}.memory: must be > 0")
         price = _price(d["usd_per_hour"], f"{where}.usd_per_hour") if "usd_per_hour" in d else dtype.usd_per_hour
         overhead = parse_duration(d["action_overhead"], f"{where}.action_overhead") if "action_overhead" in d else 0.0
+        per_step = parse_duration(d["step_overhead"], f"{where}.step_overhead") if "step_overhead" in d else 0.0
         count = d.get("count", None)
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             raise ClusterError(f"{where}.count: {count!r} is not a whole number >= 1")
@@ -323,7 +329,7 @@ def cluster_from_spec(spec: object, source: str = "<cluster>") -> Cluster:
                 devices.append(Device(
                     id=dev_id, type=dtype.name, host=str(d.get("host", "host0")), mem_bytes=mem,
                     usd_per_hour=price, threads=dtype.threads, binding=d.get("binding"),
-                    action_overhead_s=overhead,
+                    action_overhead_s=overhead, step_overhead_s=per_step,
                 ))
             except ClusterError as exc:
                 raise ClusterError(f"{where}: {exc}") from None

@@ -221,7 +221,8 @@ def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: 
             else:
                 ar = None
             opt_per_byte = max(scorer.cost.optimizer_s(1.0, dev[x].type) for x in range(d, d + k))
-            groups[(d, k)] = (cnt, mem, ar, opt_per_byte)
+            per_step = max(dev[x].step_overhead_s for x in range(d, d + k))
+            groups[(d, k)] = (cnt, mem, ar, opt_per_byte, per_step)
     links = [cluster.link(order[p], order[p + 1]) if p + 1 < D else None for p in range(D)]
 
     front: dict[tuple[int, int], list[tuple]] = {}
@@ -268,7 +269,7 @@ def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: 
                 continue
             for k in range(1, min(e, max_replicas) + 1):
                 d = e - k
-                cnt, mem, ar_link, opt_per_byte = groups[(d, k)]
+                cnt, mem, ar_link, opt_per_byte, per_step = groups[(d, k)]
                 with np.errstate(divide="ignore", invalid="ignore"):
                     used = [ti for ti, c in enumerate(cnt) if c]
                     speed = sum(cnt[ti] / diff[ti] for ti in used)  # inf where a type needs no time
@@ -295,7 +296,7 @@ def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: 
                     ar_all = np.where(w_stage > 0, 2 * (k - 1) * (ar_link[1] + w_stage / k / ar_link[0]), 0.0)
                 else:
                     ar_all = np.zeros(len(below))
-                ar_all = ar_all + w_stage * opt_per_byte  # then the optimizer step on the slowest replica
+                ar_all = ar_all + w_stage * opt_per_byte + per_step  # then the optimizer step, slowest replica
                 link = links[e - 1] if not last else None
                 cut_j = prob.cut[j]
                 for c_idx in cand.tolist():

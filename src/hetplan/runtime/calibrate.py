@@ -9,9 +9,12 @@ divides the extra time the simulator did not predict by the extra actions on the
     overhead = (excess(m_hi) - excess(m_lo)) / (actions(m_hi) - actions(m_lo)),
     excess = measured - predicted, actions = 2 (m + stages - 1)
 
-The difference cancels what does not grow with the micro-batches. The probe is llama-tiny, a
-model that the benchmark of predicted against measured (gpt2-tiny, mlp, inception-tiny) does
-not use, so that the benchmark checks the calibration rather than repeats it.
+The difference cancels what does not grow with the micro-batches; what is left of the excess
+with few micro-batches, less their actions' share, is the runtime's cost per step (barriers,
+starting the schedule, gathering the loss). The probe is a small
+perceptron of its own (12 layers of width 256, `probe_model`), not one of the models of the
+benchmark of predicted against measured (gpt2-tiny, the zoo's mlp, inception-tiny), so that the
+benchmark checks the calibration rather than repeats it.
 """
 
 from __future__ import annotations
@@ -23,12 +26,27 @@ from pathlib import Path
 from hetplan.cluster import Cluster
 from hetplan.errors import HetplanError
 
-PROBE, PROBE_BATCH, PROBE_SEQ = "llama-tiny", 8, 32
+PROBE, PROBE_BATCH, PROBE_SEQ = "hetplan.runtime.calibrate:probe_model", 32, None
+
+
+def probe_model(batch_size: int = PROBE_BATCH, seq_len: int | None = None):
+    """The calibration probe: 12 linear layers of width 256 with ReLUs, random data."""
+    import torch
+
+    from hetplan.zoo import ZooModel
+    from hetplan.zoo.models import MLP, TrainStep, _classifier_loss
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(batch_size, 256, generator=gen), "labels": torch.randint(0, 10, (batch_size,),
+                                                                                          generator=gen)}
+    return ZooModel("probe", TrainStep(MLP((256,) * 12 + (10,)), _classifier_loss), batch, ("Linear",))
 
 
 def calibrate_action_overhead(cluster: Cluster, steps: int = 10, m_lo: int = 2, m_hi: int = 8,
-                              say=lambda msg: None) -> tuple[float, dict]:
-    """Seconds per action, and the measurements it comes from."""
+                              say=lambda msg: None) -> tuple[float, float, dict]:
+    """Seconds per action, seconds per step (what is left of the excess with few micro-batches),
+    and the measurements they come from."""
     from hetplan.plan import Plan, Stage
     from hetplan.profile import profile_step
     from hetplan.runtime.launch import launch, run_spec
@@ -49,7 +67,8 @@ def calibrate_action_overhead(cluster: Cluster, steps: int = 10, m_lo: int = 2, 
         raise HetplanError(f"the workers are {a.type} but the probe was profiled as {graph.profiled_on}")
     order = graph.topo_order
     half = len(order) // 2
-    bare = replace(cluster, devices=tuple(replace(d, action_overhead_s=0.0) for d in cluster.devices))
+    bare = replace(cluster, devices=tuple(replace(d, action_overhead_s=0.0, step_overhead_s=0.0)
+                                          for d in cluster.devices))
     points = {}
     with tempfile.TemporaryDirectory() as tmp:
         for m in (m_lo, m_hi):
@@ -63,4 +82,6 @@ def calibrate_action_overhead(cluster: Cluster, steps: int = 10, m_lo: int = 2, 
     lo, hi = points[m_lo], points[m_hi]
     slope = ((hi["measured_step_s"] - hi["predicted_step_s"]) - (lo["measured_step_s"] - lo["predicted_step_s"])) / (
         hi["actions"] - lo["actions"])
-    return max(0.0, slope), points
+    slope = max(0.0, slope)
+    per_step = max(0.0, lo["measured_step_s"] - lo["predicted_step_s"] - slope * lo["actions"])
+    return slope, per_step, points

@@ -204,6 +204,7 @@ class ChainScorer:
         self._usd = np.array([d.usd_per_hour for d in cluster.devices])
         self._overhead = np.array([d.action_overhead_s for d in cluster.devices])
         self._opt_per_byte = np.array([cm.optimizer_s(1.0, d.type) for d in cluster.devices])
+        self._step_overhead = np.array([d.step_overhead_s for d in cluster.devices])
         self._programs: dict[tuple[int, int, str], ChainProgram] = {}
 
     def program(self, stages: int, microbatches: int, schedule: str) -> ChainProgram:
@@ -230,7 +231,7 @@ class ChainScorer:
         src, dst = devices[:, :-1], devices[:, 1:]
         send = nbytes / self._bw[src, dst]
         lat = np.where(nbytes > 0, self._lat[src, dst], 0.0)
-        opt = (self._params[hi] - self._params[lo]) * self._opt_per_byte[devices]
+        opt = (self._params[hi] - self._params[lo]) * self._opt_per_byte[devices] + self._step_overhead[devices]
         step = self.program(n, microbatches, schedule).step_s(fwd, bwd, send, lat, fwd_fixed_s=ffix,
                                                               bwd_fixed_s=bfix, optimizer_s=opt)
         held = np.array([inflight_microbatches(schedule, n, r, microbatches) for r in range(n)])

@@ -63,7 +63,7 @@ class Replica:
     act_bytes: float  # share x the stage's stashed activations, for the whole batch
     fwd_fixed_s: float = 0.0  # per forward action, whatever its size (calling the operators)
     bwd_fixed_s: float = 0.0
-    optimizer_s: float = 0.0  # the optimizer step on this replica's copy of the stage's weights
+    optimizer_s: float = 0.0  # the optimizer step on this replica's weights, and the runtime's per-step cost
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,8 @@ def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = 
             share = shares[d]
             extra = cluster.device(d).action_overhead_s  # the runtime's own cost per action
             replicas.append(Replica(d, share, lo, share * (fwd - ffix), share * (bwd - bfix), share * acts,
-                                    ffix + extra, bfix + extra, cm.optimizer_s(params, dtype)))
+                                    ffix + extra, bfix + extra,
+                                    cm.optimizer_s(params, dtype) + cluster.device(d).step_overhead_s))
             lo += share
         stages.append(StageWork(i, tuple(replicas), WEIGHT_COPIES * params, cm.allreduce_s(params, stage.devices)))
     messages = []
