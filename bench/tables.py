@@ -120,8 +120,8 @@ def compare_table() -> None:
               f"| {show(rows.get('local-search'))} | {c['best']} |")
 
 
-def predicted_vs_measured() -> None:
-    data = json.loads((RESULTS / "predicted_vs_measured.json").read_text())
+def predicted_vs_measured(name: str = "predicted_vs_measured.json") -> None:
+    data = json.loads((RESULTS / name).read_text())
     print("| model | plan | stages x replicas | m | predicted | measured | error |")
     print("|---|---|---|---|---|---|---|")
     for r in data["rows"]:
@@ -150,3 +150,5 @@ if __name__ == "__main__":
     compare_table()
     print()
     predicted_vs_measured()
+    print()
+    predicted_vs_measured("predicted_vs_measured_calibrated.json")
