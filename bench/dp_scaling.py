@@ -22,9 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from hetplan.cluster import load_cluster
-from hetplan.errors import InfeasibleError
 from hetplan.io.pipedream import import_pipedream
-from hetplan.planners import BASELINES, make_plan
+from hetplan.planners import best_baseline, make_plan
 from hetplan.planners.randomized import synthetic_cluster, synthetic_graph
 
 SHARED = Path(os.environ.get("HETPLAN_SHARED", Path(__file__).resolve().parents[2] / "shared"))
@@ -34,18 +33,11 @@ def run(graph, cluster) -> dict:
     t = time.perf_counter()
     plan = make_plan(graph, cluster, "dp")
     wall = time.perf_counter() - t
-    base = []
-    for name in BASELINES:
-        try:
-            p = make_plan(graph, cluster, name)
-        except InfeasibleError:
-            continue
-        if p.predicted.feasible:
-            base.append(p.predicted.step_s)
+    base = best_baseline(graph, cluster)
     meta = plan.meta["dp"]
     return {"graph": graph.name, "nodes": len(graph.nodes), "devices": len(cluster.devices), "dp_s": wall,
             "states": meta["states"], "states_used": meta["states_used"], "device_orders": meta["device_orders"],
-            "step_s": plan.predicted.step_s, "best_baseline_step_s": min(base) if base else None,
+            "step_s": plan.predicted.step_s, "best_baseline_step_s": base.predicted.step_s if base else None,
             "stages": len(plan.stages)}
 
 

@@ -100,4 +100,17 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
     )
 
 
-__all__ = ["BASELINES", "PLANNERS", "PlanOptions", "PlannerSpec", "get_planner", "make_plan"]
+def best_baseline(graph: Graph, cluster: Cluster, options: PlanOptions | None = None) -> Plan | None:
+    """The fastest of the baselines' plans that fit in memory (None if none does)."""
+    fitting = []
+    for name in BASELINES:
+        try:
+            plan = make_plan(graph, cluster, name, options)
+        except HetplanError:
+            continue
+        if plan.predicted is not None and plan.predicted.feasible:
+            fitting.append(plan)
+    return min(fitting, key=lambda p: p.predicted.step_s, default=None)
+
+
+__all__ = ["BASELINES", "best_baseline", "PLANNERS", "PlanOptions", "PlannerSpec", "get_planner", "make_plan"]
