@@ -192,3 +192,18 @@ def test_replicated_stages_equal_single_process(tmp_path):
         trained = torch.load(tmp_path / f"weights.{rank}.pt")
         worst = max((trained[n] - p.detach()).abs().max().item() for n, p in modules[k].named_parameters())
         assert worst <= 1e-5, (rank, worst)
+
+
+def test_runtime_runs_only_bound_cpu_devices(tmp_path):
+    from hetplan.cluster import load_cluster
+
+    zm = model("gpt2-tiny")
+    split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
+    names = tuple(p.name for p in split.pieces)
+    with pytest.raises(HetplanError, match="device a0 of cluster 'hetero-4' has no binding, so it can only be"):
+        run_spec(Plan((Stage(names, ("a0",)),), 4, "1f1b", "test"), load_cluster("hetero-4"), "gpt2-tiny",
+                 batch_size=8, seq_len=16, granularity="layer", out_dir=tmp_path)
+    gpu = cluster_from_spec({"devices": [{"id": "g", "type": "a100-40gb", "binding": "cuda:0"}]}, "gpu")
+    with pytest.raises(HetplanError, match="the runtime runs CPU workers only so far"):
+        run_spec(Plan((Stage(names, ("g",)),), 4, "1f1b", "test"), gpu, "gpt2-tiny",
+                 batch_size=8, seq_len=16, granularity="layer", out_dir=tmp_path)

@@ -216,6 +216,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if batch_size is None:
         raise HetplanError("give --batch-size N (or --graph G, whose batch size is used)")
     granularity = args.granularity or (graph.meta.get("granularity") if graph is not None else None) or "layer"
+    from hetplan.zoo import ZOO
+
+    if args.data == "text" and args.model in ZOO and ZOO[args.model].builder not in ("gpt2", "bert", "llama_tiny"):
+        raise HetplanError(f"--data text is for language models; {args.model} takes --data synthetic")
     resume_step = 0
     if args.resume:
         if not args.checkpoint_dir:

@@ -73,6 +73,15 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
     if batch_size % (plan.microbatches * r):
         raise HetplanError(f"the runtime needs the batch ({batch_size}) to be a multiple of micro-batches x "
                            f"replicas ({plan.microbatches} x {r}); plan with --microbatches that divides it")
+    for d in plan.devices:
+        device = cluster.device(d)
+        if device.binding is None:
+            raise HetplanError(f"device {d} of cluster {cluster.name!r} has no binding, so it can only be simulated; "
+                               "run on a cluster whose devices say where they run (binding: cpu, with threads), "
+                               "such as the preset local")
+        if device.binding.startswith("cuda"):
+            raise HetplanError(f"device {d} is bound to {device.binding}: the runtime runs CPU workers only so far "
+                               "(GPU workers are not written yet)")
     ranks = []
     for p in range(r):
         for k, stage in enumerate(plan.stages):
