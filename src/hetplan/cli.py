@@ -209,15 +209,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     batch_size = args.batch_size or (graph.batch_size if graph is not None else None)
     shapes = re.search(r"input_ids\[(\d+)x(\d+)\]", str(graph.meta.get("inputs", ""))) if graph is not None else None
     seq_len = args.seq_len or (int(shapes[2]) if shapes else None)
-    if batch_size is None:
-        from hetplan.zoo import ZOO
+    from hetplan.zoo import ZOO
 
+    if batch_size is None:
         batch_size = ZOO[args.model].default_batch_size if args.model in ZOO else None
     if batch_size is None:
         raise HetplanError("give --batch-size N (or --graph G, whose batch size is used)")
     granularity = args.granularity or (graph.meta.get("granularity") if graph is not None else None) or "layer"
-    from hetplan.zoo import ZOO
-
     if args.data == "text" and args.model in ZOO and ZOO[args.model].builder not in ("gpt2", "bert", "llama_tiny"):
         raise HetplanError(f"--data text is for language models; {args.model} takes --data synthetic")
     resume_step = 0

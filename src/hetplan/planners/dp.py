@@ -156,7 +156,6 @@ class _Problem:
         self.graph = graph
         cm = scorer.cost
         states = cut_states(graph)
-        self.all_states = states
         mat = states.matrix().astype(float)
         by_id = graph.by_id
         order = states.order

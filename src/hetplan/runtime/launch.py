@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from hetplan.cluster import Cluster
-from hetplan.errors import HetplanError, InputError
-from hetplan.io.serde import to_dict
+from hetplan.errors import HetplanError
+from hetplan.io.serde import atomic_write_text, to_dict
 from hetplan.plan import Plan
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -101,13 +101,9 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
 
 
 def write_spec(spec: dict[str, Any]) -> Path:
-    out_dir = Path(spec["out_dir"])
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"{out_dir}: cannot create the run folder ({exc.strerror})") from None
-    path = out_dir / "run.json"
-    path.write_text(json.dumps(spec, indent=1))
+    """Write RUN.json into the run folder (made if missing)."""
+    path = Path(spec["out_dir"]) / "run.json"
+    atomic_write_text(path, json.dumps(spec, indent=1))
     return path
 
 
@@ -157,13 +153,9 @@ def _why(out_dir: Path, rank: int, spec: dict) -> str:
 def launch(spec: dict[str, Any], progress=None) -> RunResult:
     """Start the workers of a RUN.json spec, wait for them, and read the result."""
     out_dir = Path(spec["out_dir"])
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"{out_dir}: cannot create the run folder ({exc.strerror})") from None
+    spec_path = write_spec(spec)
     for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json")]:
         old.unlink()
-    spec_path = write_spec(spec)
     world = len(spec["ranks"])
     port = _free_port()
     procs = []
