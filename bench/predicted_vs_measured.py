@@ -1,6 +1,7 @@
 """Predicted against measured step time on this machine's CPU workers.
 
-    .venv/bin/python bench/predicted_vs_measured.py [--steps 8] [-o bench/results/predicted_vs_measured.json]
+    .venv/bin/python bench/predicted_vs_measured.py [--steps 20] [--repeats 10]
+        [-o bench/results/predicted_vs_measured.json]
 
 Profiles each model on one thread (`--device cpu:1`, the type of the `local` preset's workers),
 then runs plans on the `local` cluster (one single-threaded worker per core: two here) with
@@ -8,8 +9,8 @@ then runs plans on the `local` cluster (one single-threaded worker per core: two
 simulator's prediction for the same plan, graph and cluster (relay routing). Plans: one worker
 alone, the two workers as a two-stage pipeline (uniform and dp's split) under GPipe and 1F1B with
 2 to 8 micro-batches, and data parallelism over both. With `--cluster F` from `hetplan calibrate`,
-the simulator also charges the runtime's measured cost per action (calibrated on llama-tiny, a
-model not in this benchmark).
+the simulator also charges the runtime's measured cost per action (calibrated on hetplan's probe
+perceptron, a model not in this benchmark).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def plans_for(graph, cluster):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=10, help="profiler repeats per node")
     parser.add_argument("--cluster", default="local",
                         help="local, or the cluster `hetplan calibrate --cluster local -o F` wrote")
     parser.add_argument("-o", "--output", type=Path,
@@ -60,7 +62,7 @@ def main() -> None:
         for name, batch, seq, granularity in MODELS:
             zm = load_model(name, batch_size=batch, seq_len=seq)
             graph = profile_step(zm.step, zm.batch, name=name, devices=["cpu:1"], granularity=granularity,
-                                 block_classes=zm.block_classes or None).graph
+                                 block_classes=zm.block_classes or None, repeats=args.repeats).graph
             for label, plan in plans_for(graph, cluster):
                 predicted = simulate(graph, cluster, plan, timeline=False).estimate.step_s
                 spec = run_spec(plan, cluster, name, batch_size=batch, seq_len=seq, granularity=granularity,

@@ -204,6 +204,36 @@ def test_runtime_runs_only_bound_cpu_devices(tmp_path):
         run_spec(Plan((Stage(names, ("a0",)),), 4, "1f1b", "test"), load_cluster("hetero-4"), "gpt2-tiny",
                  batch_size=8, seq_len=16, granularity="layer", out_dir=tmp_path)
     gpu = cluster_from_spec({"devices": [{"id": "g", "type": "a100-40gb", "binding": "cuda:0"}]}, "gpu")
-    with pytest.raises(HetplanError, match="the runtime runs CPU workers only so far"):
-        run_spec(Plan((Stage(names, ("g",)),), 4, "1f1b", "test"), gpu, "gpt2-tiny",
-                 batch_size=8, seq_len=16, granularity="layer", out_dir=tmp_path)
+    spec = run_spec(Plan((Stage(names, ("g",)),), 4, "1f1b", "test"), gpu, "gpt2-tiny",
+                    batch_size=8, seq_len=16, granularity="layer", out_dir=tmp_path)
+    assert spec["ranks"][0]["binding"] == "cuda:0"  # a spec for torchrun on a GPU machine is fine
+    if not torch.cuda.is_available():
+        with pytest.raises(HetplanError, match="bound to cuda:0, but this machine has no CUDA GPUs: bind it to cpu"):
+            launch(spec)
+
+
+def test_runtime_refuses_1f1b_with_fewer_microbatches_than_stages(tmp_path):
+    zm = model("gpt2-tiny")
+    split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
+    plan = three_stage_plan(split, 2, "1f1b")
+    with pytest.raises(HetplanError, match="needs at least as many micro-batches as stages .* --microbatches 3"):
+        run_spec(plan, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16,
+                 granularity="layer", out_dir=tmp_path)
+
+
+def test_host_boundary_passes_values_and_gradients_through():
+    """What a GPU stage does around its module, checked on the CPU: same outputs, same input and
+    weight gradients, CPU tensors out (the move to a GPU itself needs a GPU machine)."""
+    from hetplan.runtime.stages import HostBoundary
+
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+    x = torch.randn(5, 4, requires_grad=True)
+    ref = inner(x)
+    ref.sum().backward()
+    gx, gw = x.grad.clone(), inner[0].weight.grad.clone()
+    x.grad, inner[0].weight.grad = None, None
+    out = HostBoundary(inner, torch.device("cpu"))(x)
+    assert out.device.type == "cpu" and torch.equal(out, ref)
+    out.sum().backward()
+    assert torch.equal(x.grad, gx) and torch.equal(inner[0].weight.grad, gw)

@@ -191,8 +191,10 @@ def profile_step(
 
     With `calibrate`, node times timed in isolation are scaled so that they add up to the
     pieces' forward and backward time measured in sequence (see `_calibrated`). With `fixed`,
-    every node is timed again at a quarter of the batch, and the two times give the part of each
-    pass that does not shrink with the batch (`Node.fwd_fixed_s`): t(b) = fixed + rate * b."""
+    every node is timed again at an eighth of the batch (a micro-batch of 8, so that the line
+    between the two sizes covers the micro-batches plans use rather than extrapolates to them),
+    and the two times give the part of each pass that does not shrink with the batch
+    (`Node.fwd_fixed_s`): t(b) = fixed + rate * b."""
     if granularity not in GRANULARITIES:
         raise HetplanError(f"--granularity {granularity!r}: allowed are {', '.join(GRANULARITIES)}")
     if repeats < 1:
@@ -223,7 +225,7 @@ def profile_step(
                     del work
                 measured[device.device_type] = _measure(step, batch, device, granularity, block_classes,
                                                          repeats, seed, calibrate, progress)
-                small = max(2, batch_size // 4)  # two samples at least: batch norm needs them
+                small = max(2, batch_size // 8)  # two samples at least: batch norm needs them
                 if fixed and small < batch_size:
                     if progress:
                         progress(f"{device.device_type}: timing at batch {small} for the fixed costs")

@@ -62,7 +62,8 @@ def calibrate_action_overhead(cluster: Cluster, steps: int = 10, m_lo: int = 2, 
     threads = a.threads or 1
     say(f"profiling the probe ({PROBE}) on cpu:{threads}, the workers' type")
     zoo_model = load_model(PROBE, batch_size=PROBE_BATCH, seq_len=PROBE_SEQ)
-    graph = profile_step(zoo_model.step, zoo_model.batch, name=PROBE, devices=[f"cpu:{threads}"]).graph
+    graph = profile_step(zoo_model.step, zoo_model.batch, name=PROBE, devices=[f"cpu:{threads}"],
+                         repeats=10).graph
     if graph.profiled_on != a.type:
         raise HetplanError(f"the workers are {a.type} but the probe was profiled as {graph.profiled_on}")
     order = graph.topo_order

@@ -24,7 +24,7 @@ def save_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.
 
 
 def load_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    state = torch.load(stage_path(directory, stage), weights_only=False)
+    state = torch.load(stage_path(directory, stage), weights_only=False, map_location="cpu")
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])

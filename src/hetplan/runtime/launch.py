@@ -54,6 +54,18 @@ class RunResult:
         return statistics.median(timed)
 
 
+def _check_cuda(device_id: str, binding: str) -> None:
+    """A local CUDA binding must name a GPU this machine has (remote hosts check their own)."""
+    import torch
+
+    index = int(binding.split(":", 1)[1]) if ":" in binding else 0
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= count:
+        gpus = f"{count or 'no'} CUDA GPU{'s' if count != 1 else ''}"
+        raise HetplanError(f"device {device_id} is bound to {binding}, but this machine has {gpus}: "
+                           "bind it to cpu or run on a GPU machine")
+
+
 def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_len: int | None, granularity: str,
              block_classes: tuple[str, ...] = (), steps: int = 10, warmup: int = 2, seed: int = 0,
              optimizer: str = "adam", lr: float = 1e-3, data: str = "synthetic", out_dir: Path,
@@ -70,6 +82,10 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
                            f"replicas (this plan has {', '.join(str(len(s.devices)) for s in plan.stages)}); "
                            "simulate this plan, or plan for the runtime without replicas")
     r = replicas.pop()
+    if plan.schedule == "1f1b" and plan.microbatches < len(plan.stages):
+        raise HetplanError(f"torch's 1F1B schedule needs at least as many micro-batches as stages (this plan has "
+                           f"{plan.microbatches} for {len(plan.stages)} stages): plan with --microbatches "
+                           f"{len(plan.stages)} or more, or with --schedule gpipe")
     if batch_size % (plan.microbatches * r):
         raise HetplanError(f"the runtime needs the batch ({batch_size}) to be a multiple of micro-batches x "
                            f"replicas ({plan.microbatches} x {r}); plan with --microbatches that divides it")
@@ -79,9 +95,6 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
             raise HetplanError(f"device {d} of cluster {cluster.name!r} has no binding, so it can only be simulated; "
                                "run on a cluster whose devices say where they run (binding: cpu, with threads), "
                                "such as the preset local")
-        if device.binding.startswith("cuda"):
-            raise HetplanError(f"device {d} is bound to {device.binding}: the runtime runs CPU workers only so far "
-                               "(GPU workers are not written yet)")
     ranks = []
     for p in range(r):
         for k, stage in enumerate(plan.stages):
@@ -153,6 +166,9 @@ def _why(out_dir: Path, rank: int, spec: dict) -> str:
 def launch(spec: dict[str, Any], progress=None) -> RunResult:
     """Start the workers of a RUN.json spec, wait for them, and read the result."""
     out_dir = Path(spec["out_dir"])
+    for me in spec["ranks"]:  # every worker runs here: its GPU must be here
+        if me["binding"].startswith("cuda"):
+            _check_cuda(me["device"], me["binding"])
     spec_path = write_spec(spec)
     for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json")]:
         old.unlink()

@@ -102,3 +102,22 @@ class StageModule(nn.Module):
 def stage_modules(split: SplitStep, plan: Plan) -> list[StageModule]:
     by_name = {p.name: p for p in split.pieces}
     return [StageModule(spec, [by_name[name] for name in spec.pieces]) for spec in stage_specs(split, plan)]
+
+
+class HostBoundary(nn.Module):
+    """A stage on a GPU that takes and returns CPU tensors.
+
+    Workers talk over gloo, which sends CPU tensors only; so a GPU stage moves what it receives
+    to its GPU and what it sends back to the CPU. Autograd records both moves, so the gradients
+    that come back from the next stage (on the CPU) reach the GPU, and the input gradients go out
+    on the CPU. Integer inputs (token ids, labels) move the same way."""
+
+    def __init__(self, inner: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.inner, self.device = inner, device
+
+    def forward(self, *args: torch.Tensor):
+        out = self.inner(*(a.to(self.device) for a in args))
+        if isinstance(out, tuple):
+            return tuple(o.to("cpu") for o in out)
+        return out.to("cpu")

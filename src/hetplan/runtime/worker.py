@@ -57,6 +57,19 @@ def _batches(spec: dict, zoo_model, step: int):
     return out
 
 
+def _all_reduce(tensor, group) -> None:
+    """Sum a tensor over a process group in place; a GPU tensor goes through the CPU, because
+    gloo's collectives are for CPU tensors."""
+    import torch.distributed as dist
+
+    if tensor.device.type == "cpu":
+        dist.all_reduce(tensor, group=group)
+        return
+    host = tensor.cpu()
+    dist.all_reduce(host, group=group)
+    tensor.copy_(host)
+
+
 def run_worker(spec: dict, rank: int, world: int) -> None:
     import torch
     import torch.distributed as dist
@@ -65,7 +78,7 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
 
     from hetplan.io.serde import from_dict
     from hetplan.profile.split import split_step
-    from hetplan.runtime.stages import stage_modules
+    from hetplan.runtime.stages import HostBoundary, stage_modules
     from hetplan.zoo import load_model
 
     out_dir = Path(spec["out_dir"])
@@ -89,7 +102,11 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
     split = split_step(zoo_model.step, micro, granularity=spec["granularity"],
                        block_classes=spec.get("block_classes") or zoo_model.block_classes or None)
     modules = stage_modules(split, plan)
-    module = modules[me["stage"]].to(device)
+    module = own = modules[me["stage"]].to(device)  # `own`: the stage itself, for weights and checkpoints
+    if device.type == "cuda":
+        # gloo sends CPU tensors only: the stage takes and gives CPU tensors, and moves them to
+        # and from its GPU itself (autograd carries the gradients across the moves)
+        module = HostBoundary(module, device)
     # Process groups, created by every rank in the same order: one per pipeline (its stages talk
     # to each other), one per stage over its replicas (gradients are averaged), and one per set of
     # stages that share a parameter within a pipeline (see below).
@@ -106,11 +123,11 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
             values = out if isinstance(out, tuple) else (out,)
     # inputs from an earlier stage carry gradients back, and outputs that depend on weights or on
     # such inputs want gradients: the examples must say so, or torch sends no gradients
-    example_in = tuple(v.to(device).requires_grad_(me["stage"] > 0 and v.is_floating_point()) for v in values)
+    example_in = tuple(v.requires_grad_(me["stage"] > 0 and v.is_floating_point()) for v in values)
     out = module(*example_in)
     example_out = tuple(o.detach().requires_grad_(o.requires_grad) for o in (out if isinstance(out, tuple) else (out,)))
     module.zero_grad(set_to_none=True)
-    stage = PipelineStage(module, me["stage"], n, device, input_args=example_in, output_args=example_out,
+    stage = PipelineStage(module, me["stage"], n, torch.device("cpu"), input_args=example_in, output_args=example_out,
                           group=pipe_groups[pipe])
     schedule_cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
     schedule = schedule_cls(stage, n_microbatches=m, loss_fn=lambda out, target: out)
@@ -136,7 +153,7 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
     if spec.get("resume_step"):
         from hetplan.runtime.checkpoint import load_stage
 
-        load_stage(Path(spec["checkpoint_dir"]), me["stage"], module, opt)
+        load_stage(Path(spec["checkpoint_dir"]), me["stage"], own, opt)
     start_step = spec.get("resume_step") or 0
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     for step in range(start_step, spec["steps"]):
@@ -146,8 +163,8 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
                 time.sleep(10**6)
             os._exit(3)
         batch = _batches(spec, zoo_model, step)
-        args = tuple(batch[k][pipe * share:(pipe + 1) * share].to(device) for k in split.input_keys) if first else ()
-        target = torch.zeros(share, device=device) if last else None
+        args = tuple(batch[k][pipe * share:(pipe + 1) * share] for k in split.input_keys) if first else ()
+        target = torch.zeros(share) if last else None
         step_losses: list = [] if last else None
         dist.barrier()
         t0 = time.perf_counter()
@@ -159,7 +176,7 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
         for p, group in tied:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
+            _all_reduce(p.grad, group)
         if r > 1:  # equal slices: the batch's gradient is the mean of the replicas'
             for p in params:
                 if p.grad is None:
@@ -167,7 +184,7 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
             # one all-reduce of all gradients in one flat buffer: gloo pays its latency once, not
             # once per tensor
             flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=replica_groups[me["stage"]])
+            _all_reduce(flat, replica_groups[me["stage"]])
             flat /= r
             offset = 0
             for p in params:
@@ -182,13 +199,13 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
         if every and (step + 1) % every == 0 and pipe == 0:  # replicas hold the same weights
             from hetplan.runtime.checkpoint import save_stage
 
-            save_stage(Path(spec["checkpoint_dir"]), me["stage"], module, opt, step + 1)
+            save_stage(Path(spec["checkpoint_dir"]), me["stage"], own, opt, step + 1)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     weights = None
     if spec.get("return_weights"):
-        weights = {name: p.detach().cpu() for name, p in module.named_parameters()}
+        weights = {name: p.detach().cpu() for name, p in own.named_parameters()}
     mine = {"rank": rank, "stage": me["stage"], "device": me["device"], "times_s": times, "losses": losses,
             "peak_mem_bytes": peak}
     gathered: list = [None] * world
