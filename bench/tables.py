@@ -132,6 +132,46 @@ def predicted_vs_measured(name: str = "predicted_vs_measured.json") -> None:
     print(f"{s['plans']} plans: median absolute error {s['median_abs_error']:.0%}, worst {s['max_abs_error']:.0%}")
 
 
+def rl_planners() -> None:
+    data = json.loads((RESULTS / "rl_planners.json").read_text())
+    print(f"Budget {data['budget_s']:g} s per search planner.")
+    print()
+    print("| model | cluster | objective | planner | value | vs dp | plans scored (fast) | simulated | time |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in data.get("rows", []):
+        name = r["planner"] + (" --faithful" if r.get("faithful") else "")
+        if "error" in r:
+            print(f"| {r['model']} | {r['cluster']} | {r['objective']} | {name} | refused: {r['error'][:70]} "
+                  f"| | | | {r['seconds']:.1f} s |")
+            continue
+        value = "-" if r["value"] is None else (f"{r['value'] * 1e3:.2f} ms" if r["objective"] == "time"
+                                                 else f"${r['value'] * 1e6:.3f}/M samples")
+        vs = "-" if r["vs_dp"] is None else f"{r['vs_dp']:+.1%}"
+        fast = "-" if r.get("fast_evaluations") is None else f"{r['fast_evaluations']:,}"
+        sims = "-" if r.get("event_simulations") is None else f"{r['event_simulations']:,}"
+        print(f"| {r['model']} | {r['cluster']} | {r['objective']} | {name} | {value} | {vs} | {fast} | {sims} "
+              f"| {r['seconds']:.1f} s |")
+    if "ppo" in data:
+        print()
+        print(json.dumps(data["ppo"]))
+    if "heterps" in data:
+        print()
+        print("| model | floor (samples/s) | cheapest one type ($/M samples) | heterps | vs one type "
+              "| heterps --faithful | vs one type |")
+        print("|---|---|---|---|---|---|---|")
+
+        def usd(v):
+            return "-" if v is None else f"{v * 1e6:.3f}"
+
+        def pct(v):
+            return "-" if v is None else f"{v:+.1%}"
+
+        for r in data["heterps"]:
+            print(f"| {r['model']} | {r['floor_samples_per_s']:.1f} | {usd(r['cheapest_one_type'])} "
+                  f"| {usd(r['heterps'])} | {pct(r['heterps_vs_one_type'])} | {usd(r['heterps_faithful'])} "
+                  f"| {pct(r['heterps_faithful_vs_one_type'])} |")
+
+
 if __name__ == "__main__":
     faithfulness()
     print()
@@ -152,3 +192,5 @@ if __name__ == "__main__":
     predicted_vs_measured()
     print()
     predicted_vs_measured("predicted_vs_measured_calibrated.json")
+    print()
+    rl_planners()

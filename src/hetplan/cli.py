@@ -23,7 +23,7 @@ from hetplan.graph import GRANULARITIES, Graph
 from hetplan.io import serde
 from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, import_pipedream
 from hetplan.plan import OBJECTIVES, SCHEDULES, Plan, validate_plan
-from hetplan.planners import PLANNERS, PlanOptions, get_planner, make_plan
+from hetplan.planners import PLANNERS, RL_PLANNERS, PlanOptions, get_planner, make_plan
 from hetplan.report import tables
 from hetplan.report.summary import cluster_summary, graph_summary, plan_summary
 from hetplan.sim.model import ROUTINGS
@@ -129,6 +129,8 @@ def _options(args: argparse.Namespace) -> PlanOptions:
         schedule=args.schedule, objective=args.objective, seed=args.seed, budget_s=args.budget_s,
         min_samples_per_s=args.min_samples_per_s, alpha=args.alpha, beta=args.beta, gamma=args.gamma,
         comm_tolerance=args.comm_tolerance, mem_tolerance=args.mem_tolerance, routing=args.routing,
+        max_iters=args.max_iters,
+        faithful=args.faithful,
     )
 
 
@@ -155,15 +157,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
             task = bar.add_task(f"planning with {args.planner}", total=1.0)
             plan = make_plan(graph, cluster, args.planner, options,
                              progress=lambda done: bar.update(task, completed=done))
+    curve_files = []
+    if args.curve:
+        from hetplan.report.curve import write_curve
+
+        curve_files = write_curve(plan, args.curve)
     if args.output:
         serde.dump(plan, args.output)
     if args.json:
-        _emit_json({**plan_summary(plan), "output": str(args.output) if args.output else None})
+        _emit_json({**plan_summary(plan), "output": str(args.output) if args.output else None,
+                    **({"curve_files": curve_files} if args.curve else {})})
         return 0
     console = _console()
     tables.show_plan(console, plan, graph, cluster)
     if args.output:
         console.print(f"wrote {args.output}")
+    for f in curve_files:
+        console.print(f"wrote {f}")
     return 0
 
 
@@ -173,7 +183,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     graph = load_graph(args.graph)
     cluster = load_cluster(args.cluster)
     options = _options(args)
-    names = [n.strip() for n in args.planners.split(",") if n.strip()] if args.planners else list(PLANNERS)
+    names = ([n.strip() for n in args.planners.split(",") if n.strip()] if args.planners
+             else [n for n in PLANNERS if n not in RL_PLANNERS])
     for name in names:
         get_planner(name)
     bar = _progress_bar()
@@ -280,24 +291,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from hetplan.runtime.calibrate import calibrate_action_overhead
+    from hetplan.runtime.calibrate import calibrate_cluster
 
     cluster = load_cluster(args.cluster)
     err = Console(stderr=True, highlight=False)
-    overhead, per_step, points = calibrate_action_overhead(cluster, steps=args.steps,
-                                                           say=(lambda msg: None) if args.json else err.print)
-    calibrated = replace(cluster, name=f"{cluster.name}-calibrated", devices=tuple(
-        replace(d, action_overhead_s=overhead, step_overhead_s=per_step) if (d.binding or "").startswith("cpu")
-        else d for d in cluster.devices))
+    calibrated, report = calibrate_cluster(cluster, steps=args.steps,
+                                           say=(lambda msg: None) if args.json else err.print)
     serde.dump(calibrated, args.output)
     if args.json:
-        _emit_json({"kind": "calibration", "action_overhead_s": overhead, "step_overhead_s": per_step,
-                    "runs": points, "output": str(args.output)})
+        _emit_json({"kind": "calibration", **report, "output": str(args.output)})
         return 0
-    _console().print(f"runtime overhead on {cluster.name}'s CPU workers: {overhead * 1e3:.2f} ms per pipeline "
-                     f"action, {per_step * 1e3:.1f} ms per step; wrote {args.output} (use it as --cluster)")
+    link = ""
+    if "link_bandwidth_Bps" in report:
+        link = (f"gloo between local workers {report['link_bandwidth_Bps'] / 1e9:.2f} GB/s, "
+                f"{report['link_latency_s'] * 1e6:.0f} us latency; ")
+    _console().print(f"{link}runtime overhead on {cluster.name}'s CPU workers: {report['action_overhead_s'] * 1e3:.2f} "
+                     f"ms per pipeline action, {report['step_overhead_s'] * 1e3:.1f} ms per step; wrote {args.output} "
+                     "(use it as --cluster)")
     return 0
 
 
@@ -477,7 +487,13 @@ def build_parser() -> argparse.ArgumentParser:
                                "mdpe: Trinity's runtime + communication + memory model (default: time)")
     planning.add_argument("--min-samples-per-s", type=float, metavar="X", help="throughput floor of --objective cost")
     planning.add_argument("--seed", type=int, default=0, help="seed of search planners (default: 0)")
-    planning.add_argument("--budget-s", type=float, metavar="T", help="time budget of search planners (default: 10)")
+    planning.add_argument("--budget-s", type=float, metavar="T",
+                          help="time budget of search planners (default: 10 for local-search, 20 for the RL "
+                               "planners, 60 with --faithful)")
+    planning.add_argument("--max-iters", type=int, metavar="N",
+                          help="iterations of search planners instead of a time budget (the same plan every run)")
+    planning.add_argument("--faithful", action="store_true",
+                          help="RL planners: the paper's set-up (cold start) instead of a warm start from dp")
     planning.add_argument("--routing", default="relay", choices=ROUTINGS,
                           help="how the simulator scoring plans sends tensors between stages (default: relay, "
                                "as the runtime does)")
@@ -494,10 +510,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--planner", default="dp", choices=list(PLANNERS), metavar="NAME",
                    help=f"one of: {', '.join(PLANNERS)} (default: dp)")
     p.add_argument("-o", "--output", type=Path, help="the plan JSON to write")
+    p.add_argument("--curve", type=Path, metavar="PREFIX",
+                   help="RL planners: write the learning curve to PREFIX.csv and PREFIX.png (and TensorBoard "
+                        "events under PREFIX-tb/ when tensorboard is installed)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("compare", parents=[common, planning], help="run several planners on one problem, side by side")
-    p.add_argument("--planners", metavar="A,B,...", help=f"planners to run (default: all: {', '.join(PLANNERS)})")
+    p.add_argument("--planners", metavar="A,B,...",
+                   help=f"planners to run, of: {', '.join(PLANNERS)} (default: all but the RL planners "
+                        f"{', '.join(RL_PLANNERS)}, which take their budget each)")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("simulate", parents=[common], help="predict a plan's step: time, memory, traffic, price",

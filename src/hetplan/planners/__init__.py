@@ -43,6 +43,15 @@ def _local_search(graph: Graph, cluster: Cluster, options: PlanOptions, progress
     return local_search(graph, cluster, options, progress=progress)
 
 
+def _rl(name: str):
+    def run(graph: Graph, cluster: Cluster, options: PlanOptions, progress=None) -> Plan:
+        from hetplan.planners import rl
+
+        return getattr(rl, name)(graph, cluster, options, progress=progress)
+
+    return run
+
+
 def _exact(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
     from hetplan.planners.exact import exact
 
@@ -65,10 +74,17 @@ PLANNERS: MappingProxyType[str, PlannerSpec] = MappingProxyType({
         PlannerSpec("exact", "every valid plan of a small problem, by branch and bound on the simulator", _exact),
         PlannerSpec("local-search", "simulated annealing from dp's plan, every move scored by the simulator",
                     _local_search, reports_progress=True),
+        PlannerSpec("reinforce", "Hierarchical placer / TAPP: grouper + seq2seq placer trained with REINFORCE",
+                    _rl("reinforce"), reports_progress=True),
+        PlannerSpec("ppo", "Trinity: partition MLP + LSTM schedule network with attention, trained with PPO",
+                    _rl("ppo"), reports_progress=True),
+        PlannerSpec("heterps", "HeterPS: RL schedules layers to device types, then provisions device counts",
+                    _rl("heterps"), reports_progress=True),
     )
 })
 
 BASELINES = ("single", "data-parallel", "uniform", "params", "balanced-time")
+RL_PLANNERS = ("reinforce", "ppo", "heterps")
 
 
 def get_planner(name: str) -> PlannerSpec:
@@ -113,4 +129,5 @@ def best_baseline(graph: Graph, cluster: Cluster, options: PlanOptions | None = 
     return min(fitting, key=lambda p: p.predicted.step_s, default=None)
 
 
-__all__ = ["BASELINES", "best_baseline", "PLANNERS", "PlanOptions", "PlannerSpec", "get_planner", "make_plan"]
+__all__ = ["BASELINES", "RL_PLANNERS", "best_baseline", "PLANNERS", "PlanOptions", "PlannerSpec", "get_planner",
+           "make_plan"]

@@ -24,6 +24,10 @@ class PlanOptions:
     mem_tolerance: the share of a device's memory that `mdpe` tolerates without penalty.
     routing: how the simulator that scores plans sends tensors between stages (`relay`, as the
     runtime does, or `direct`; see `hetplan.sim.model`).
+    max_iters: for search planners, a number of iterations instead of (or within) the time
+    budget, for runs that must be the same every time.
+    faithful: for the RL planners, the paper's set-up (cold start, the paper's hyper-parameters)
+    instead of hetplan's default (warm start from dp, never worse than dp).
     """
 
     microbatches: int | None = None
@@ -38,6 +42,8 @@ class PlanOptions:
     comm_tolerance: float = 0.5
     mem_tolerance: float = 0.8
     routing: str = "relay"
+    max_iters: int | None = None
+    faithful: bool = False
 
     def __post_init__(self) -> None:
         if self.microbatches is not None and (
@@ -56,6 +62,9 @@ class PlanOptions:
         if self.objective == "cost" and self.min_samples_per_s is None:
             raise HetplanError("--objective cost needs a throughput floor: add --min-samples-per-s X "
                                "(the fewest samples per second you accept)")
+        if self.max_iters is not None and (isinstance(self.max_iters, bool) or not isinstance(self.max_iters, int)
+                                           or self.max_iters < 1):
+            raise HetplanError(f"--max-iters: {self.max_iters!r} must be a whole number >= 1")
         if self.routing not in ("relay", "direct"):
             raise HetplanError(f"--routing: {self.routing!r} is unknown (allowed: relay, direct)")
         for name in ("alpha", "beta", "gamma"):

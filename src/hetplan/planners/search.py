@@ -134,6 +134,7 @@ def neighbour(plan: Plan, graph: Graph, cluster: Cluster, rng: np.random.Generat
 def local_search(graph: Graph, cluster: Cluster, options: PlanOptions, start: Plan | None = None,
                  max_iters: int | None = None, progress: Callable[[float], None] | None = None) -> Plan:
     scorer = Scorer(graph, cluster, options)
+    max_iters = max_iters if max_iters is not None else options.max_iters
     if start is None:
         from hetplan.planners.dp import dp
 

@@ -19,6 +19,7 @@ benchmark checks the calibration rather than repeats it.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -86,3 +87,93 @@ def calibrate_action_overhead(cluster: Cluster, steps: int = 10, m_lo: int = 2, 
     slope = max(0.0, slope)
     per_step = max(0.0, lo["measured_step_s"] - lo["predicted_step_s"] - slope * lo["actions"])
     return slope, per_step, points
+
+
+LINK_SIZES_BYTES = (1 << 20, 16 << 20)
+
+
+def _link_probe(rank: int, world: int, sizes: tuple[int, ...], repeats: int, out: Path) -> None:
+    """Run in each of two worker processes: time gloo all-reduces of float32 buffers of `sizes`
+    bytes (after two untimed ones), median per size, written by rank 0."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    medians = {}
+    for size in sizes:
+        buf = torch.ones(size // 4)
+        times = []
+        for i in range(repeats + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        medians[size] = statistics.median(times)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.write_text(json.dumps({str(k): v for k, v in medians.items()}))
+
+
+def calibrate_link(repeats: int = 10) -> tuple[float, float, dict]:
+    """Bandwidth (bytes/s) and latency (s) of gloo between two local worker processes, as the
+    simulator's ring all-reduce charges them: for two replicas an all-reduce of n bytes takes
+    2 latency + n / bandwidth, so a line through two sizes gives both. This is what gradients
+    cost between replicas on this machine (loopback TCP, buffer copies, reductions), which the
+    cluster presets can only guess."""
+    import os
+    import subprocess
+    import sys
+
+    from hetplan.runtime.launch import _free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "link.json"
+        port = _free_port()
+        code = ("import sys; from pathlib import Path; from hetplan.runtime.calibrate import _link_probe; "
+                f"_link_probe(int(sys.argv[1]), 2, {LINK_SIZES_BYTES!r}, {repeats}, Path(sys.argv[2]))")
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(out)],
+                                  env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                       "OMP_NUM_THREADS": "1"},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for rank in range(2)]
+        errors = []
+        for p in procs:
+            try:
+                _, err = p.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                err = "timed out after 120 s"
+            if p.returncode:
+                errors.append((err or "").strip().splitlines()[-1:] or ["no output"])
+        if errors or not out.exists():
+            raise HetplanError(f"measuring gloo between two local processes failed: {errors[0][0] if errors else '?'}")
+        medians = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    (n1, t1), (n2, t2) = sorted(medians.items())
+    per_byte = max((t2 - t1) / (n2 - n1), 1e-15)
+    latency = max(0.0, (t1 - per_byte * n1) / 2)
+    return 1.0 / per_byte, latency, {"allreduce_s_by_bytes": medians}
+
+
+def calibrate_cluster(cluster: Cluster, steps: int = 10, say=lambda msg: None) -> tuple[Cluster, dict]:
+    """The cluster with what this machine measured: the link between local workers (gloo), then
+    each CPU worker's cost per action and per step on top of it. Returns it and the figures."""
+    from hetplan.cluster import Link
+
+    hosts = {d.host for d in cluster.devices if (d.binding or "").startswith("cpu")}
+    report: dict = {}
+    if len(hosts) == 1:
+        say("timing gloo all-reduces between two local processes")
+        bandwidth, latency, points = calibrate_link()
+        cluster = replace(cluster, intra_host=Link(bandwidth, latency))
+        report.update(link_bandwidth_Bps=bandwidth, link_latency_s=latency, link_runs=points)
+    overhead, per_step, points = calibrate_action_overhead(cluster, steps=steps, say=say)
+    report.update(action_overhead_s=overhead, step_overhead_s=per_step, runs=points)
+    calibrated = replace(cluster, name=f"{cluster.name}-calibrated", devices=tuple(
+        replace(d, action_overhead_s=overhead, step_overhead_s=per_step) if (d.binding or "").startswith("cpu")
+        else d for d in cluster.devices))
+    return calibrated, report

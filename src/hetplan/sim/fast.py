@@ -159,6 +159,7 @@ class FastScores:
     peak_mem_bytes: np.ndarray  # (P, stages)
     feasible: np.ndarray  # (P,) bool
     usd_per_step: np.ndarray  # (P,)
+    link_busy_s: np.ndarray | None = None  # (P,) the busiest directed link's time sending in a step
 
 
 class ChainScorer:
@@ -241,7 +242,10 @@ class ChainScorer:
         peak = WEIGHT_COPIES * (self._params[hi] - self._params[lo]) + stash
         feasible = (peak <= self._mem[devices]).all(axis=1)
         usd = self._usd[devices].sum(axis=1) * step / 3600.0
-        return FastScores(step, self.graph.batch_size / step, peak, feasible, usd)
+        # each boundary's link carries the batch's activations one way and its gradients (as
+        # many bytes) the other, one message per micro-batch
+        busy = (send + microbatches * lat).max(axis=1) if n > 1 else np.zeros(p)
+        return FastScores(step, self.graph.batch_size / step, peak, feasible, usd, busy)
 
 
 def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | None = None) -> dict[str, np.ndarray]:

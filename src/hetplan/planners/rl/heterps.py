@@ -1,0 +1,308 @@
+"""`heterps`: schedule layers to resource types with RL, then provision devices (HeterPS).
+
+Liu et al., "HeterPS: Distributed Deep Learning With Reinforcement Learning Based Scheduling in
+Heterogeneous Environments" (2021/2023). Two steps:
+
+1. **Scheduling.** An LSTM policy reads the units (runs of layers, as in `PlanEnv`) in order and
+   picks a resource *type* for each (CPU, T4, V100, A100, ...); types whose one device cannot
+   hold a unit's weights, gradients and optimizer state are masked out. Consecutive units of one
+   type form a stage, so every choice is a valid pipeline and no repair is needed. Trained with
+   REINFORCE and a moving-average baseline, the reward being -log(value / v_ref) (value: the
+   objective, `cost` by default; v_ref the value of running on every device at the reference
+   time). The logarithm keeps a plan 10% cheaper worth as much whatever the price scale, and
+   keeps the penalties of plans that need more devices of a type than there are from drowning
+   the differences between plans that fit.
+2. **Provisioning.** Each stage starts with one device of its type; while the throughput is
+   below the user's floor (objective `cost`) or the step still gets shorter (objective `time`),
+   the stage with the longest per-replica busy time (its compute over its replicas, plus its
+   all-reduce and optimizer step) gets one more device of its type, while there are devices of
+   that type left. HeterPS computes these counts from its cost model in the same spirit: the
+   fewest resources per stage that meet the throughput constraint. Every provisioned plan is
+   scored by the fast path at each allowed number of micro-batches, and the final candidates by
+   the event simulator.
+
+By default the run is warm: dp's plan and every all-one-type configuration are candidates, and
+the policy's logits start biased towards the types of dp's stages; `faithful` is the cold
+set-up. `all_one_type` gives, for one
+type, the provisioned plan that puts every layer on that type (HeterPS's comparison: the
+cheapest single-type configuration that meets the floor).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+import torch
+from torch import nn
+
+from hetplan.cluster import Cluster
+from hetplan.cost import WEIGHT_COPIES, CostModel
+from hetplan.errors import InfeasibleError
+from hetplan.graph import Graph
+from hetplan.plan import Plan, Stage
+from hetplan.planners import objectives
+from hetplan.planners.options import PlanOptions
+from hetplan.planners.rl.env import unit_starts
+from hetplan.planners.rl.features import hierarchical_features
+from hetplan.planners.rl.loop import CURVE_POINTS, KEEP
+from hetplan.planners.scoring import Scorer
+from hetplan.sim.fast import fast_step_s
+
+DEFAULT_BUDGET_S = 20.0
+FAITHFUL_BUDGET_S = 60.0
+WARM_NATS = 3.0
+
+
+class TypePolicy(nn.Module):
+    """LSTM over the units in order; each unit's hidden state scores the resource types."""
+
+    def __init__(self, n_in: int, types: int, hidden: int = 64) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(n_in, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, types)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x.unsqueeze(0))
+        return self.head(out[0])  # (U, types)
+
+
+class Provisioner:
+    """Turns a type per unit into a provisioned plan and scores it (memoised by the type runs)."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, options: PlanOptions, starts: np.ndarray) -> None:
+        from hetplan.planners.dp import microbatch_choices
+
+        self.graph, self.cluster, self.options, self.starts = graph, cluster, options, starts
+        self.order = graph.topo_order
+        self.types = sorted({d.type for d in cluster.devices})
+        # devices of a type in the order they are given out: the roomiest first
+        self.pool = {t: [d.id for d in sorted(cluster.devices, key=lambda d: -d.mem_bytes) if d.type == t]
+                     for t in self.types}
+        self.cost = CostModel(graph, cluster)
+        self.m_choices = microbatch_choices(graph, options)
+        self.t_ref_s = objectives.reference_time_s(graph, cluster, self.cost)
+        # the objective's scale: every device busy for the reference time (cost), or that time
+        if options.objective == "cost":
+            self.scale = self.cost.usd_per_step(cluster.ids, self.t_ref_s) / graph.batch_size
+        elif options.objective == "time":
+            self.scale = self.t_ref_s
+        else:
+            self.scale = options.alpha
+        self.cache: dict[tuple, tuple[float, Plan | None, bool]] = {}
+        self.evaluations = 0
+
+    def _fast(self, plans: list[Plan]) -> list[tuple[float, bool, Plan]]:
+        """Objective value (finite; see PlanEnv) and feasibility of plans by the fast path."""
+        steps = fast_step_s(self.graph, self.cluster, plans)
+        self.evaluations += len(plans)
+        out = []
+        opts, batch = self.options, self.graph.batch_size
+        for plan, step in zip(plans, steps, strict=True):
+            over = 0.0
+            for k, st in enumerate(plan.stages):
+                for d in st.devices:
+                    need = self.cost.stage_memory_bytes(plan, k, d)
+                    over = max(over, need / self.cluster.device(d).mem_bytes - 1.0)
+            devices = [d for st in plan.stages for d in st.devices]
+            short = 0.0
+            if opts.objective == "cost":
+                base = self.cost.usd_per_step(devices, float(step)) / batch
+                short = max(0.0, opts.min_samples_per_s * float(step) / batch - 1.0)
+            elif opts.objective == "time":
+                base = float(step)
+            else:
+                base = opts.alpha * float(step) / max(self.t_ref_s, 1e-30)
+            ok = over <= 0.0 and short <= 0.0
+            out.append((base if ok else (base + 1e-12) * (10.0 + 10.0 * (max(over, 0.0) + short)), ok, plan))
+        return out
+
+    def runs(self, types: np.ndarray) -> list[tuple[int, int, int]]:
+        """Stages as (first unit, last unit + 1, type index): maximal runs of one type."""
+        out, start = [], 0
+        for u in range(1, len(types) + 1):
+            if u == len(types) or types[u] != types[start]:
+                out.append((start, u, int(types[start])))
+                start = u
+        return out
+
+    def _plan(self, runs, counts, m: int) -> Plan | None:
+        used = {t: 0 for t in self.types}
+        stages = []
+        for (lo, hi, t), k in zip(runs, counts, strict=True):
+            name = self.types[t]
+            devs = self.pool[name][used[name]:used[name] + k]
+            if len(devs) < k:
+                return None
+            used[name] += k
+            stages.append(Stage(self.order[self.starts[lo]:self.starts[hi]], tuple(devs)))
+        return Plan(tuple(stages), m, self.options.schedule, "heterps", objective=self.options.objective)
+
+    def _best_m(self, runs, counts) -> tuple[float, bool, Plan] | None:
+        plans = [p for m in self.m_choices if (p := self._plan(runs, counts, m)) is not None]
+        if not plans:
+            return None
+        return min(self._fast(plans), key=lambda x: (not x[1], x[0]))
+
+    def provision(self, types: np.ndarray) -> tuple[float, Plan | None, bool]:
+        runs = self.runs(types)
+        key = tuple(runs)
+        if key in self.cache:
+            return self.cache[key]
+        counts = [1] * len(runs)
+        free = {t: len(self.pool[t]) for t in self.types}
+        for _, _, t in runs:
+            free[self.types[t]] -= 1
+        if min(free.values()) < 0:  # more stages of a type than devices of it
+            short = -min(free.values())
+            result = (self.scale * 100.0 * (1.0 + short), None, False)
+            self.cache[key] = result
+            return result
+        best = self._best_m(runs, counts)
+        while True:
+            value, ok, plan = best
+            step_ok = self.options.objective != "cost" or ok
+            if self.options.objective == "cost" and step_ok:
+                break
+            # the stage with the longest per-replica busy time that can still grow
+            busy = []
+            for k, (_, _, t) in enumerate(runs):
+                if free[self.types[t]] <= 0:
+                    continue
+                st = plan.stages[k]
+                one = self.cost.device_stage_s(st.nodes, st.devices[0]) / counts[k]
+                params = sum(self.graph.by_id[v].param_bytes for v in st.nodes)
+                busy.append((one + self.cost.allreduce_s(params, st.devices), k))
+            if not busy:
+                break
+            _, k = max(busy)
+            trial = counts.copy()
+            trial[k] += 1
+            cand = self._best_m(runs, trial)
+            if cand is None:
+                break
+            if self.options.objective != "cost" and not (cand[0] < value):
+                break  # objective time/mdpe: stop when one more device no longer helps
+            counts = trial
+            free[self.types[runs[k][2]]] -= 1
+            best = cand
+        value, ok, plan = best
+        self.cache[key] = (value, plan, ok)
+        return self.cache[key]
+
+
+def all_one_type(graph: Graph, cluster: Cluster, options: PlanOptions, device_type: str) -> Plan | None:
+    """Every layer on `device_type`, provisioned as `heterps` does (None if no such device)."""
+    starts = unit_starts(graph, cluster)
+    prov = Provisioner(graph, cluster, options, starts)
+    if device_type not in prov.types:
+        return None
+    _, plan, _ = prov.provision(np.full(len(starts) - 1, prov.types.index(device_type)))
+    return plan
+
+
+def heterps(graph: Graph, cluster: Cluster, options: PlanOptions,
+            progress: Callable[[float], None] | None = None) -> Plan:
+    starts = unit_starts(graph, cluster)
+    units = len(starts) - 1
+    prov = Provisioner(graph, cluster, options, starts)
+    feats = torch.as_tensor(hierarchical_features(graph, cluster, starts))
+    # a type whose one device cannot hold a unit's weights, gradients and optimizer state is masked
+    params = np.add.reduceat(np.array([graph.by_id[v].param_bytes for v in prov.order], float), starts[:-1])
+    biggest = {t: max(cluster.device(d).mem_bytes for d in prov.pool[t]) for t in prov.types}
+    mask = torch.as_tensor(np.array([[WEIGHT_COPIES * params[u] <= biggest[t] for t in prov.types]
+                                     for u in range(units)]))
+    mask[~mask.any(dim=1)] = True
+    warm = None
+    bias = torch.zeros(units, len(prov.types))
+    if not options.faithful:
+        from hetplan.planners.dp import dp
+
+        try:
+            warm = dp(graph, cluster, options)
+        except InfeasibleError:
+            warm = None
+        if warm is not None:
+            type_of = {v: prov.types.index(cluster.device(st.devices[0]).type) for st in warm.stages for v in st.nodes}
+            for u in range(units):
+                bias[u, type_of[prov.order[starts[u]]]] = WARM_NATS
+    best: dict = {}
+    if not options.faithful:
+        # every all-one-type configuration is a point of HeterPS's action space; trying them
+        # first costs a few provisionings and makes the result never dearer than the best of them
+        for t in range(len(prov.types)):
+            value, plan, ok = prov.provision(np.full(units, t))
+            if ok and plan is not None:
+                best[Scorer.key(plan)] = (value, plan)
+    max_iters = options.max_iters
+    budget_s = options.budget_s or (FAITHFUL_BUDGET_S if options.faithful else DEFAULT_BUDGET_S)
+    if max_iters is not None and options.budget_s is None:
+        budget_s = math.inf
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(options.seed)
+            gen = torch.Generator().manual_seed(options.seed)
+            policy = TypePolicy(feats.shape[1], len(prov.types))
+            opt = torch.optim.Adam(policy.parameters(), lr=3e-3)
+            began, it, baseline, v_ref = time.perf_counter(), 0, None, None
+            curve = []
+            while True:
+                elapsed = time.perf_counter() - began
+                frac = it / max_iters if max_iters is not None else elapsed / budget_s
+                if frac >= 1.0 or elapsed >= budget_s:
+                    break
+                scale = max(0.0, 1.0 - 2.0 * frac)
+                logits = (policy(feats) + scale * bias).masked_fill(~mask, float("-inf"))
+                logp_all = torch.log_softmax(logits, dim=-1)
+                with torch.no_grad():
+                    picks = torch.multinomial(logp_all.exp(), 8, replacement=True, generator=gen).T  # (8, U)
+                values = []
+                for row in picks.numpy():
+                    value, plan, ok = prov.provision(row)
+                    values.append(value)
+                    if ok and plan is not None:
+                        best[Scorer.key(plan)] = (value, plan)
+                values = np.array(values)
+                if v_ref is None:
+                    v_ref = prov.scale if prov.scale > 0 else 1.0
+                rewards = -np.log(np.maximum(values, 1e-30) / v_ref)
+                mean_r = float(rewards.mean())
+                baseline = mean_r if baseline is None else 0.9 * baseline + 0.1 * mean_r
+                logp = logp_all.gather(1, picks.T).sum(dim=0)  # (8,)
+                loss = -(torch.as_tensor(rewards - baseline, dtype=torch.float32) * logp).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                it += 1
+                found = min((v for v, _ in best.values()), default=math.inf)
+                curve.append((it, prov.evaluations, time.perf_counter() - began, float(values.mean()),
+                              found if math.isfinite(found) else None))
+                if progress is not None and it % 2 == 0:
+                    progress(min(1.0, frac))
+    finally:
+        torch.set_num_threads(threads)
+    if progress is not None:
+        progress(1.0)
+    scorer = Scorer(graph, cluster, options)
+    cands = [p for _, p in sorted(best.values(), key=lambda x: x[0])[:KEEP]]
+    plans = cands + ([replace(warm, planner="heterps", predicted=None, meta={})] if warm is not None else [])
+    if not plans:
+        raise InfeasibleError(f"heterps found no provisioned plan that fits and meets the objective in {it} "
+                              "iterations: give it a larger --budget-s or --max-iters, or lower --min-samples-per-s")
+    chosen = scorer.best(plans, "heterps")
+    if len(curve) > CURVE_POINTS:
+        keep = np.unique(np.linspace(0, len(curve) - 1, CURVE_POINTS).astype(int))
+        curve = [curve[k] for k in keep]
+    found = min((scorer.value(p) for p in cands), default=math.inf)
+    meta = {"iterations": it, "fast_evaluations": prov.evaluations, "event_simulations": scorer.simulations,
+            "seconds": round(time.perf_counter() - began, 3), "faithful": options.faithful, "units": units,
+            "types": prov.types, "learned_value": found if math.isfinite(found) else None,
+            "warm_start": warm.planner if warm is not None else None,
+            "returned": "warm start" if warm is not None and chosen is plans[-1] else "learned",
+            "curve": [list(r) for r in curve], "algorithm": "reinforce (types) + provisioning"}
+    return replace(chosen, planner="heterps", objective=options.objective, meta={"heterps": meta})

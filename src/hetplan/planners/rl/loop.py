@@ -1,0 +1,202 @@
+"""The learning loop shared by `reinforce` and `ppo`, and how their result is chosen.
+
+Each iteration samples a batch of plans from the policy, scores them with the fast path
+(`PlanEnv.score`), turns values into rewards, and updates the policy:
+
+- REINFORCE (Williams 1992), as the Hierarchical placer trains it: loss = -(R - b) log pi(plan),
+  b an exponential moving average of the rewards; reward -sqrt(value / v_ref);
+- PPO (Schulman et al. 2017), as Trinity trains it: several epochs over the batch of the clipped
+  surrogate min(r A, clip(r, 1 - eps, 1 + eps) A), r = pi(plan) / pi_old(plan), A = R - b with
+  b an exponential moving average; reward -value / v_ref; exploration noise on the logits for the
+  first iterations; gradient norm clipped to 1.0.
+
+v_ref is the median value of the first batch, so that rewards are about -1 whatever the
+objective's unit. Adam on all parameters; one torch thread, a torch generator seeded from the
+options, and the global torch RNG forked and seeded, so that a run with `max_iters` is the same
+every time (a run with only a time budget does as many iterations as the machine allows).
+
+The best plans the fast path found (distinct, up to `KEEP`) are re-scored with the event
+simulator (`Scorer`), and the best of them is the result; by default the warm start (dp's plan)
+is among the candidates, so the planner never returns a worse plan than dp.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from hetplan.cluster import Cluster
+from hetplan.errors import HetplanError, InfeasibleError
+from hetplan.graph import Graph
+from hetplan.plan import Plan
+from hetplan.planners.options import PlanOptions
+from hetplan.planners.rl.env import PlanEnv
+from hetplan.planners.rl.policy import PlanPolicy
+from hetplan.planners.scoring import Scorer
+
+KEEP = 8  # plans re-scored by the event simulator at the end
+CURVE_POINTS = 400
+
+
+@dataclass(frozen=True)
+class LearnConfig:
+    algorithm: str  # "reinforce" or "ppo"
+    batch: int = 8  # plans sampled per iteration
+    lr: float = 3e-3
+    baseline_decay: float = 0.9
+    entropy: float = 0.0
+    epochs: int = 1  # PPO epochs per batch
+    clip: float = 0.2  # PPO ratio clip
+    grad_clip: float | None = None
+    noise_std: float = 0.0  # exploration noise on the logits ...
+    noise_iters: float = 0.0  # ... for this fraction of the run
+    warm_nats: float = 0.0  # bias towards the warm start, in logits, fading out over half the run
+    reward: str = "neg"  # "neg_sqrt": -sqrt(v / v_ref), "neg": -v / v_ref
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What a run found: the best fast-path candidates, the learning curve and counters."""
+
+    candidates: tuple[tuple[float, tuple, tuple, int], ...]  # (value, stages, devices, m), best first
+    curve: tuple[tuple[int, int, float, float, float], ...]  # (iteration, plans, seconds, mean, best)
+    iterations: int
+    evaluations: int
+    seconds: float
+
+
+def _budget(options: PlanOptions, default_s: float) -> tuple[int | None, float]:
+    if options.max_iters is not None:
+        return options.max_iters, math.inf if options.budget_s is None else options.budget_s
+    return None, options.budget_s or default_s
+
+
+def learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, options: PlanOptions, default_budget_s: float,
+          progress: Callable[[float], None] | None = None) -> Learned:
+    max_iters, budget_s = _budget(options, default_budget_s)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(options.seed)
+            gen = torch.Generator().manual_seed(options.seed)
+            return _learn(env, policy, cfg, max_iters, budget_s, gen, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, max_iters: int | None, budget_s: float,
+           gen: torch.Generator, progress) -> Learned:
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    began = time.perf_counter()
+    best: list[tuple[float, int, tuple, tuple, int]] = []  # max-heap by -value of the KEEP best
+    seen: set = set()
+    curve = []
+    baseline = None
+    v_ref = None
+    it = 0
+    best_v = math.inf
+    while True:
+        elapsed = time.perf_counter() - began
+        frac = it / max_iters if max_iters is not None else elapsed / budget_s
+        if frac >= 1.0 or elapsed >= budget_s:
+            break
+        scale = max(0.0, 1.0 - 2.0 * frac) if cfg.warm_nats else 0.0  # of the warm start's bias
+        noise = cfg.noise_std if frac < cfg.noise_iters else 0.0
+        policy.eval()  # no dropout while sampling; dropout regularises the updates
+        sample = policy.sample(cfg.batch, gen, bias_scale=scale, noise_std=noise)
+        scored = env.score(sample.stages, sample.devices)
+        values = scored.value
+        if v_ref is None:
+            finite = values[np.isfinite(values)]
+            v_ref = float(np.median(finite)) if len(finite) else 1.0
+            v_ref = v_ref if v_ref > 0 else 1.0
+        rel = np.minimum(values / v_ref, 1e6)
+        rewards = -np.sqrt(rel) if cfg.reward == "neg_sqrt" else -rel
+        for i in range(cfg.batch):
+            n = int(scored.n[i])
+            key = (tuple(int(x) for x in scored.stages[i]), tuple(int(x) for x in scored.devices[i, :n]),
+                   int(scored.microbatches[i]))
+            if key in seen or not scored.feasible[i]:
+                continue
+            seen.add(key)
+            item = (-float(values[i]), len(seen), key[0], key[1], key[2])
+            if len(best) < KEEP:
+                heapq.heappush(best, item)
+            elif item > best[0]:
+                heapq.heapreplace(best, item)
+            best_v = min(best_v, float(values[i]))
+        mean_r = float(rewards.mean())
+        baseline = mean_r if baseline is None else cfg.baseline_decay * baseline + (1 - cfg.baseline_decay) * mean_r
+        adv = torch.as_tensor(rewards - baseline, dtype=torch.float32)
+        policy.train()
+        if cfg.algorithm == "reinforce":
+            logp, ent = policy.log_prob(sample, scale)
+            loss = -(adv * logp).mean() - cfg.entropy * ent
+            opt.zero_grad()
+            loss.backward()
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+            opt.step()
+        else:
+            if adv.std() > 0:
+                adv = adv / (adv.std() + 1e-8)
+            with torch.no_grad():
+                old, _ = policy.log_prob(sample, scale)
+            for _ in range(cfg.epochs):
+                logp, ent = policy.log_prob(sample, scale)
+                ratio = torch.exp(logp - old)
+                surrogate = torch.min(ratio * adv, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * adv)
+                loss = -surrogate.mean() - cfg.entropy * ent
+                opt.zero_grad()
+                loss.backward()
+                if cfg.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+                opt.step()
+        it += 1
+        curve.append((it, env.evaluations, time.perf_counter() - began, float(values.mean()),
+                      best_v if math.isfinite(best_v) else None))
+        if progress is not None and it % 5 == 0:
+            progress(min(1.0, frac))
+    if progress is not None:
+        progress(1.0)
+    if len(curve) > CURVE_POINTS:  # keep the plan file small: thin evenly, keep the last point
+        keep = np.unique(np.linspace(0, len(curve) - 1, CURVE_POINTS).astype(int))
+        curve = [curve[k] for k in keep]
+    cands = sorted(((-v, s, d, m) for v, _, s, d, m in best), key=lambda c: c[0])
+    return Learned(tuple(cands), tuple(curve), it, env.evaluations, time.perf_counter() - began)
+
+
+def finish(graph: Graph, cluster: Cluster, options: PlanOptions, env: PlanEnv, learned: Learned, planner: str,
+           warm: Plan | None, extra: dict) -> Plan:
+    """Re-score the candidates with the event simulator and return the best (the warm start
+    included when given), with what the run did in `meta[planner]`."""
+    scorer = Scorer(graph, cluster, options)
+    plans = [env.to_plan(np.array(s), np.array(d), m, planner) for _, s, d, m in learned.candidates]
+    if warm is not None:
+        plans.append(replace(warm, planner=planner, predicted=None, meta={}))
+    if not plans:
+        raise InfeasibleError(f"{planner} found no plan that fits in memory and meets the objective's limits in "
+                              f"{learned.iterations} iterations: give it a larger --budget-s or --max-iters")
+    try:
+        chosen = scorer.best(plans, planner)
+    except HetplanError:
+        raise
+    found = min((scorer.value(p) for p in plans[:len(learned.candidates)]), default=math.inf)
+    warm_v = scorer.value(plans[-1]) if warm is not None else None
+    meta = {
+        "iterations": learned.iterations, "fast_evaluations": learned.evaluations,
+        "event_simulations": scorer.simulations, "seconds": round(learned.seconds, 3),
+        "learned_value": found if math.isfinite(found) else None,
+        "warm_start": warm.planner if warm is not None else None,
+        "warm_value": warm_v if warm_v is not None and math.isfinite(warm_v) else None,
+        "returned": "warm start" if warm is not None and chosen is plans[-1] else "learned",
+        "curve": [list(row) for row in learned.curve], **extra,
+    }
+    return replace(chosen, planner=planner, objective=options.objective, meta={planner: meta})

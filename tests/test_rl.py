@@ -1,0 +1,210 @@
+"""The RL planners (reinforce, ppo, heterps) and their shared plan space."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetplan.cluster import load_cluster
+from hetplan.errors import InfeasibleError
+from hetplan.plan import plan_problems
+from hetplan.planners import PlanOptions, make_plan
+from hetplan.planners.randomized import random_problem
+from hetplan.planners.rl.env import PlanEnv, group_ranks, nearest_monotone, repair
+from hetplan.planners.rl.heterps import all_one_type
+from hetplan.planners.scoring import Scorer
+from hetplan.sim import simulate
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3).flatmap(lambda g: st.tuples(st.just(g), st.lists(st.integers(0, g - 1), min_size=1,
+                                                                          max_size=6))))
+def test_nearest_monotone_changes_the_fewest_units(case):
+    groups, ranks = case
+    out = nearest_monotone(np.array([ranks]), groups)[0]
+    assert all(a <= b for a, b in itertools.pairwise(out)) and out.min() >= 0 and out.max() < groups
+    brute = min(sum(a != b for a, b in zip(seq, ranks, strict=True))
+                for seq in itertools.combinations_with_replacement(range(groups), len(ranks)))
+    assert sum(a != b for a, b in zip(out, ranks, strict=True)) == brute
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=12))
+def test_repair_gives_consecutive_stages_and_keeps_legal_labels(labels):
+    stages = repair(np.array([labels]), 4)[0]
+    assert stages[0] == 0 and all(b - a in (0, 1) for a, b in itertools.pairwise(stages))
+    # labels that already are a pipeline (non-decreasing by first appearance) come back unchanged,
+    # up to renumbering
+    ranks = group_ranks(np.array([labels]), 4)[0]
+    if all(a <= b for a, b in itertools.pairwise(ranks)):
+        assert all((x == y) == (a == b) for (x, y), (a, b) in zip(itertools.pairwise(stages),
+                                                                     itertools.pairwise(labels), strict=True))
+
+
+def _env(seed: int = 3, objective: str = "time"):
+    rng = np.random.default_rng(seed)
+    graph, cluster = random_problem(rng, max_nodes=10, max_devices=4)
+    opts = PlanOptions(objective=objective,
+                       min_samples_per_s=1.0 if objective == "cost" else None)
+    return graph, cluster, PlanEnv(graph, cluster, opts)
+
+
+@pytest.mark.parametrize("seed,objective", [(s, o) for s in range(6) for o in ("time", "cost", "mdpe")])
+def test_env_scores_chain_plans_as_the_event_simulator(seed, objective):
+    graph, cluster, env = _env(seed, objective)
+    rng = np.random.default_rng(seed)
+    p = 6
+    labels = rng.integers(0, env.groups, size=(p, env.units))
+    stages = repair(labels, env.groups)
+    devices = np.array([rng.permutation(env.devices)[:env.groups] for _ in range(p)])
+    scored = env.score(stages, devices)
+    for i in range(p):
+        plan = env.to_plan(stages[i], devices[i], int(scored.microbatches[i]), "test")
+        assert plan_problems(plan, graph, cluster) == []
+        est = simulate(graph, cluster, plan, timeline=False).estimate
+        assert scored.step_s[i] == pytest.approx(est.step_s, rel=1e-9)
+        assert bool(scored.feasible[i]) == est.feasible
+        if est.feasible:
+            assert scored.value[i] == pytest.approx(Scorer(graph, cluster, env.options).value(plan), rel=1e-9)
+
+
+def test_env_round_trips_its_own_plans():
+    graph, cluster, env = _env(5)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        stages = repair(rng.integers(0, env.groups, size=(1, env.units)), env.groups)[0]
+        n = stages.max() + 1
+        devices = np.full(env.groups, -1)
+        devices[:n] = rng.permutation(env.devices)[:n]
+        plan = env.to_plan(stages, devices, 2, "test")
+        back_stages, back_devices = env.from_plan(plan)
+        assert back_stages.tolist() == stages.tolist()
+        assert back_devices[:n].tolist() == devices[:n].tolist()
+
+
+def test_sampling_masks_devices_that_are_used_or_too_small():
+    import torch
+
+    from hetplan.planners.rl.features import device_features, hierarchical_features
+    from hetplan.planners.rl.policy import PlanPolicy
+
+    for seed in range(8):
+        graph, cluster, env = _env(seed)
+        policy = PlanPolicy(env, hierarchical_features(graph, cluster, env.starts), device_features(graph, cluster))
+        sample = policy.sample(16, torch.Generator().manual_seed(seed))
+        need = env.stage_need_bytes(sample.stages, sample.n)
+        for i in range(16):
+            n = int(sample.n[i])
+            devs = sample.devices[i, :n]
+            assert len(set(devs.tolist())) == n  # one stage per device
+            for s in range(n):
+                fits = [d for d in range(env.devices) if env.mem_bytes[d] >= need[i, s] and d not in devs[:s]]
+                if fits:
+                    assert devs[s] in fits
+        logp, _ = policy.log_prob(sample)
+        assert torch.isfinite(logp).all()
+
+
+def _value(graph, cluster, options, plan):
+    return Scorer(graph, cluster, options).value(plan)
+
+
+@pytest.mark.parametrize("planner", ["reinforce", "ppo", "heterps"])
+def test_warm_started_rl_planners_are_never_worse_than_dp(planner):
+    rng = np.random.default_rng(11)
+    done = 0
+    while done < 4:
+        graph, cluster = random_problem(rng, max_nodes=10, max_devices=4)
+        options = PlanOptions(max_iters=3, seed=done)
+        try:
+            dp_plan = make_plan(graph, cluster, "dp", options)
+        except InfeasibleError:
+            continue
+        plan = make_plan(graph, cluster, planner, options)
+        assert plan_problems(plan, graph, cluster) == []
+        assert _value(graph, cluster, options, plan) <= _value(graph, cluster, options, dp_plan) * (1 + 1e-12)
+        assert plan.meta[planner]["iterations"] == 3
+        done += 1
+
+
+@pytest.mark.parametrize("planner", ["reinforce", "ppo", "heterps"])
+def test_rl_planners_are_reproducible_and_learn_cold(planner):
+    graph, cluster, _ = _env(2)
+    options = PlanOptions(max_iters=15, seed=4, faithful=True)
+    a = make_plan(graph, cluster, planner, options)
+    b = make_plan(graph, cluster, planner, options)
+    assert a.stages == b.stages and a.microbatches == b.microbatches
+    meta = a.meta[planner]
+    assert meta["warm_start"] is None and meta["returned"] == "learned" and meta["faithful"] is True
+    assert len(meta["curve"]) == 15
+    best = [row[4] for row in meta["curve"] if row[4] is not None]
+    assert best and all(x >= y for x, y in itertools.pairwise(best))  # best so far never gets worse
+
+
+def test_ppo_learns_to_beat_its_first_samples_on_a_real_profile(profiles):
+    """Cold PPO on vgg16 / hetero-4: the best plan after 60 iterations is better than the mean
+    plan of the first iteration, and it fits."""
+    from hetplan.io.pipedream import import_pipedream
+
+    graph = import_pipedream(profiles / "vgg16" / "graph.txt")
+    cluster = load_cluster("hetero-4")
+    plan = make_plan(graph, cluster, "ppo", PlanOptions(max_iters=60, faithful=True))
+    curve = plan.meta["ppo"]["curve"]
+    assert plan.predicted.feasible
+    assert curve[-1][4] < 0.8 * curve[0][3]
+
+
+def test_heterps_meets_the_floor_and_provisions_one_type():
+    graph, cluster, _ = _env(9)
+    fastest = make_plan(graph, cluster, "data-parallel").predicted.samples_per_s
+    options = PlanOptions(objective="cost", min_samples_per_s=fastest / 3, max_iters=10, faithful=True)
+    plan = make_plan(graph, cluster, "heterps", options)
+    assert plan.predicted.feasible
+    assert plan.predicted.samples_per_s >= options.min_samples_per_s * (1 - 1e-9)
+    for t in sorted({d.type for d in cluster.devices}):
+        one = all_one_type(graph, cluster, options, t)
+        if one is not None:
+            assert len(one.stages) == 1 and {cluster.device(d).type for d in one.stages[0].devices} == {t}
+            assert plan_problems(one, graph, cluster) == []
+
+
+def test_node2vec_embedding_is_the_same_in_every_process():
+    code = ("import json, sys; from hetplan.planners.randomized import random_problem; import numpy as np; "
+            "from hetplan.planners.rl.features import node2vec_embedding; "
+            "g, _ = random_problem(np.random.default_rng(1)); "
+            "print(json.dumps(node2vec_embedding(g, 4, seed=0).round(6).tolist()))")
+    outs = []
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        outs.append(json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                              text=True, check=True).stdout))
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("planner", ["reinforce", "ppo", "heterps"])
+def test_cli_plan_writes_the_learning_curve(tmp_path, planner, cli, profiles):
+    graph = tmp_path / "vgg16.json"
+    assert cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", graph).code == 0
+    extra = ["--objective", "cost", "--min-samples-per-s", "10"] if planner == "heterps" else []
+    res = cli("plan", graph, "--cluster", "hetero-4", "--planner", planner, "--max-iters", "4",
+              "--curve", tmp_path / "curve", "--json", *extra)
+    assert res.code == 0, res.err
+    assert res.json()["planner"] == planner
+    rows = (tmp_path / "curve.csv").read_text().splitlines()
+    assert rows[0].startswith("iteration,") and len(rows) == 5
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_cli_curve_of_a_planner_without_one_is_a_one_line_error(tmp_path, cli, profiles):
+    graph = tmp_path / "vgg16.json"
+    assert cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", graph).code == 0
+    res = cli("plan", graph, "--cluster", "hetero-4", "--planner", "uniform", "--curve", tmp_path / "c")
+    assert res.code == 2 and "only the RL planners" in res.err and len(res.err.strip().splitlines()) == 1
