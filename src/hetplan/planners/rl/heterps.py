@@ -48,7 +48,7 @@ from hetplan.planners import objectives
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.rl.env import unit_starts
 from hetplan.planners.rl.features import hierarchical_features
-from hetplan.planners.rl.loop import CURVE_POINTS, KEEP
+from hetplan.planners.rl.loop import KEEP, budget, seeded_torch, thin
 from hetplan.planners.scoring import Scorer
 from hetplan.sim.fast import fast_step_s
 
@@ -237,55 +237,45 @@ def heterps(graph: Graph, cluster: Cluster, options: PlanOptions,
             value, plan, ok = prov.provision(np.full(units, t))
             if ok and plan is not None:
                 best[Scorer.key(plan)] = (value, plan)
-    max_iters = options.max_iters
-    budget_s = options.budget_s or (FAITHFUL_BUDGET_S if options.faithful else DEFAULT_BUDGET_S)
-    if max_iters is not None and options.budget_s is None:
-        budget_s = math.inf
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng():
-            torch.manual_seed(options.seed)
-            gen = torch.Generator().manual_seed(options.seed)
-            policy = TypePolicy(feats.shape[1], len(prov.types))
-            opt = torch.optim.Adam(policy.parameters(), lr=3e-3)
-            began, it, baseline, v_ref = time.perf_counter(), 0, None, None
-            curve = []
-            while True:
-                elapsed = time.perf_counter() - began
-                frac = it / max_iters if max_iters is not None else elapsed / budget_s
-                if frac >= 1.0 or elapsed >= budget_s:
-                    break
-                scale = max(0.0, 1.0 - 2.0 * frac)
-                logits = (policy(feats) + scale * bias).masked_fill(~mask, float("-inf"))
-                logp_all = torch.log_softmax(logits, dim=-1)
-                with torch.no_grad():
-                    picks = torch.multinomial(logp_all.exp(), 8, replacement=True, generator=gen).T  # (8, U)
-                values = []
-                for row in picks.numpy():
-                    value, plan, ok = prov.provision(row)
-                    values.append(value)
-                    if ok and plan is not None:
-                        best[Scorer.key(plan)] = (value, plan)
-                values = np.array(values)
-                if v_ref is None:
-                    v_ref = prov.scale if prov.scale > 0 else 1.0
-                rewards = -np.log(np.maximum(values, 1e-30) / v_ref)
-                mean_r = float(rewards.mean())
-                baseline = mean_r if baseline is None else 0.9 * baseline + 0.1 * mean_r
-                logp = logp_all.gather(1, picks.T).sum(dim=0)  # (8,)
-                loss = -(torch.as_tensor(rewards - baseline, dtype=torch.float32) * logp).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                it += 1
-                found = min((v for v, _ in best.values()), default=math.inf)
-                curve.append((it, prov.evaluations, time.perf_counter() - began, float(values.mean()),
-                              found if math.isfinite(found) else None))
-                if progress is not None and it % 2 == 0:
-                    progress(min(1.0, frac))
-    finally:
-        torch.set_num_threads(threads)
+    max_iters, budget_s = budget(options, FAITHFUL_BUDGET_S if options.faithful else DEFAULT_BUDGET_S)
+    with seeded_torch(options.seed) as gen:
+        policy = TypePolicy(feats.shape[1], len(prov.types))
+        opt = torch.optim.Adam(policy.parameters(), lr=3e-3)
+        began, it, baseline, v_ref = time.perf_counter(), 0, None, None
+        curve = []
+        while True:
+            elapsed = time.perf_counter() - began
+            frac = it / max_iters if max_iters is not None else elapsed / budget_s
+            if frac >= 1.0 or elapsed >= budget_s:
+                break
+            scale = max(0.0, 1.0 - 2.0 * frac)
+            logits = (policy(feats) + scale * bias).masked_fill(~mask, float("-inf"))
+            logp_all = torch.log_softmax(logits, dim=-1)
+            with torch.no_grad():
+                picks = torch.multinomial(logp_all.exp(), 8, replacement=True, generator=gen).T  # (8, U)
+            values = []
+            for row in picks.numpy():
+                value, plan, ok = prov.provision(row)
+                values.append(value)
+                if ok and plan is not None:
+                    best[Scorer.key(plan)] = (value, plan)
+            values = np.array(values)
+            if v_ref is None:
+                v_ref = prov.scale if prov.scale > 0 else 1.0
+            rewards = -np.log(np.maximum(values, 1e-30) / v_ref)
+            mean_r = float(rewards.mean())
+            baseline = mean_r if baseline is None else 0.9 * baseline + 0.1 * mean_r
+            logp = logp_all.gather(1, picks.T).sum(dim=0)  # (8,)
+            loss = -(torch.as_tensor(rewards - baseline, dtype=torch.float32) * logp).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            it += 1
+            found = min((v for v, _ in best.values()), default=math.inf)
+            curve.append((it, prov.evaluations, time.perf_counter() - began, float(values.mean()),
+                          found if math.isfinite(found) else None))
+            if progress is not None and it % 2 == 0:
+                progress(min(1.0, frac))
     if progress is not None:
         progress(1.0)
     scorer = Scorer(graph, cluster, options)
@@ -295,9 +285,7 @@ def heterps(graph: Graph, cluster: Cluster, options: PlanOptions,
         raise InfeasibleError(f"heterps found no provisioned plan that fits and meets the objective in {it} "
                               "iterations: give it a larger --budget-s or --max-iters, or lower --min-samples-per-s")
     chosen = scorer.best(plans, "heterps")
-    if len(curve) > CURVE_POINTS:
-        keep = np.unique(np.linspace(0, len(curve) - 1, CURVE_POINTS).astype(int))
-        curve = [curve[k] for k in keep]
+    curve = thin(curve)
     found = min((scorer.value(p) for p in cands), default=math.inf)
     meta = {"iterations": it, "fast_evaluations": prov.evaluations, "event_simulations": scorer.simulations,
             "seconds": round(time.perf_counter() - began, 3), "faithful": options.faithful, "units": units,

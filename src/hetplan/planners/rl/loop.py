@@ -25,7 +25,8 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -71,24 +72,42 @@ class Learned:
     seconds: float
 
 
-def _budget(options: PlanOptions, default_s: float) -> tuple[int | None, float]:
+def budget(options: PlanOptions, default_s: float) -> tuple[int | None, float]:
+    """(iterations or None, seconds): `max_iters` alone runs that many iterations whatever the
+    time; otherwise the time budget (the planner's default when none is given)."""
     if options.max_iters is not None:
         return options.max_iters, math.inf if options.budget_s is None else options.budget_s
     return None, options.budget_s or default_s
 
 
-def learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, options: PlanOptions, default_budget_s: float,
-          progress: Callable[[float], None] | None = None) -> Learned:
-    max_iters, budget_s = _budget(options, default_budget_s)
+@contextmanager
+def seeded_torch(seed: int) -> Iterator[torch.Generator]:
+    """One torch thread (small networks: threads cost more than they give, and one thread keeps
+    results the same) and torch's global RNG seeded, both restored afterwards; yields a seeded
+    generator for sampling."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng():
-            torch.manual_seed(options.seed)
-            gen = torch.Generator().manual_seed(options.seed)
-            return _learn(env, policy, cfg, max_iters, budget_s, gen, progress)
+            torch.manual_seed(seed)
+            yield torch.Generator().manual_seed(seed)
     finally:
         torch.set_num_threads(threads)
+
+
+def thin(curve: list) -> list:
+    """At most CURVE_POINTS rows, evenly spread, the last kept: plan files stay small."""
+    if len(curve) <= CURVE_POINTS:
+        return curve
+    keep = np.unique(np.linspace(0, len(curve) - 1, CURVE_POINTS).astype(int))
+    return [curve[k] for k in keep]
+
+
+def learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, options: PlanOptions, default_budget_s: float,
+          progress: Callable[[float], None] | None = None) -> Learned:
+    max_iters, budget_s = budget(options, default_budget_s)
+    with seeded_torch(options.seed) as gen:
+        return _learn(env, policy, cfg, max_iters, budget_s, gen, progress)
 
 
 def _learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, max_iters: int | None, budget_s: float,
@@ -166,9 +185,7 @@ def _learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, max_iters: int | 
             progress(min(1.0, frac))
     if progress is not None:
         progress(1.0)
-    if len(curve) > CURVE_POINTS:  # keep the plan file small: thin evenly, keep the last point
-        keep = np.unique(np.linspace(0, len(curve) - 1, CURVE_POINTS).astype(int))
-        curve = [curve[k] for k in keep]
+    curve = thin(curve)
     cands = sorted(((-v, s, d, m) for v, _, s, d, m in best), key=lambda c: c[0])
     return Learned(tuple(cands), tuple(curve), it, env.evaluations, time.perf_counter() - began)
 
