@@ -208,3 +208,13 @@ def test_cli_curve_of_a_planner_without_one_is_a_one_line_error(tmp_path, cli, p
     assert cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", graph).code == 0
     res = cli("plan", graph, "--cluster", "hetero-4", "--planner", "uniform", "--curve", tmp_path / "c")
     assert res.code == 2 and "only the RL planners" in res.err and len(res.err.strip().splitlines()) == 1
+
+
+def test_cli_plan_says_what_the_search_did(tmp_path, cli, profiles):
+    graph = tmp_path / "vgg16.json"
+    assert cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", graph).code == 0
+    res = cli("plan", graph, "--cluster", "hetero-4", "--planner", "reinforce", "--max-iters", "5")
+    assert res.code == 0, res.err
+    assert "search: 5 iterations in" in res.out and "warm start from dp" in res.out
+    res = cli("plan", graph, "--cluster", "hetero-4", "--planner", "reinforce", "--max-iters", "5", "--faithful")
+    assert "paper's set-up (--faithful)" in res.out and "returned the warm start" not in res.out

@@ -92,6 +92,21 @@ def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster:
     console.print(table)
     if plan.predicted is not None:
         show_estimate(console, plan.predicted)
+    show_search(console, plan)
+
+
+def show_search(console: Console, plan: Plan) -> None:
+    """What an RL planner's run did, in one or two lines (nothing for other planners)."""
+    body = plan.meta.get(plan.planner) if plan.meta else None
+    if not body or "iterations" not in body:
+        return
+    mode = "paper's set-up (--faithful)" if body.get("faithful") else f"warm start from {body.get('warm_start')}"
+    console.print(f"search: {body['iterations']:,} iterations in {body['seconds']:.1f} s, "
+                  f"{body['fast_evaluations']:,} plans scored by the fast path, {body['event_simulations']} "
+                  f"simulated; {mode}")
+    if body.get("returned") == "warm start":
+        console.print(f"  returned the warm start: nothing {plan.planner} sampled was better "
+                      "(a larger --budget-s or --max-iters searches longer)")
 
 
 def show_estimate(console: Console, est: Estimate) -> None:
