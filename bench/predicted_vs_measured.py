@@ -51,6 +51,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=10, help="profiler repeats per node")
+    parser.add_argument("--profile-calibrate", action="store_true",
+                        help="profile with calibrate=True (node times scaled to the pieces run in sequence)")
     parser.add_argument("--cluster", default="local",
                         help="local, or the cluster `hetplan calibrate --cluster local -o F` wrote")
     parser.add_argument("-o", "--output", type=Path,
@@ -62,7 +64,8 @@ def main() -> None:
         for name, batch, seq, granularity in MODELS:
             zm = load_model(name, batch_size=batch, seq_len=seq)
             graph = profile_step(zm.step, zm.batch, name=name, devices=["cpu:1"], granularity=granularity,
-                                 block_classes=zm.block_classes or None, repeats=args.repeats).graph
+                                 block_classes=zm.block_classes or None, repeats=args.repeats,
+                                 calibrate=args.profile_calibrate).graph
             for label, plan in plans_for(graph, cluster):
                 predicted = simulate(graph, cluster, plan, timeline=False).estimate.step_s
                 spec = run_spec(plan, cluster, name, batch_size=batch, seq_len=seq, granularity=granularity,
@@ -78,7 +81,8 @@ def main() -> None:
                       f"{result.measured_step_s * 1e3:8.1f} ms, error {row['error']:+.0%}", flush=True)
     errors = [abs(r["error"]) for r in rows]
     summary = {"plans": len(rows), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
-               "cluster": cluster.name,
+               "cluster": cluster.name, "steps": args.steps, "profile_repeats": args.repeats,
+               "profile_calibrate": args.profile_calibrate,
                "action_overhead_s": max(d.action_overhead_s for d in cluster.devices),
                "step_overhead_s": max(d.step_overhead_s for d in cluster.devices)}
     print(json.dumps(summary))

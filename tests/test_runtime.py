@@ -237,3 +237,14 @@ def test_host_boundary_passes_values_and_gradients_through():
     assert out.device.type == "cpu" and torch.equal(out, ref)
     out.sum().backward()
     assert torch.equal(x.grad, gx) and torch.equal(inner[0].weight.grad, gw)
+
+
+def test_local_cpu_workers_get_their_own_cores(monkeypatch):
+    import os
+
+    from hetplan.runtime.launch import pin_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7, 8, 9, 10, 11})
+    assert pin_cores([1, 2, 4]) == [[4], [5, 6], [7, 8, 9, 10]]
+    assert pin_cores([4, 0, 4]) == [[4, 5, 6, 7], [], [8, 9, 10, 11]]  # a GPU worker takes no core
+    assert pin_cores([4, 4, 1]) == [[], [], []]  # more threads than cores: the OS decides

@@ -163,6 +163,22 @@ def _why(out_dir: Path, rank: int, spec: dict) -> str:
     return f"worker {rank} (stage {me['stage']}, device {me['device']}) exited: {tail[0] if tail else 'no output'}"
 
 
+def pin_cores(threads: list[int]) -> list[list[int]]:
+    """Cores for each local CPU worker: consecutive, its thread count each, when the workers'
+    threads fit in the cores this process may use; otherwise none (the OS schedules them).
+
+    Why: workers that stand for devices of different speed must not take each other's cores,
+    or a 1-thread worker runs at the speed the scheduler gives it, not at one core's."""
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not available or sum(threads) > len(available):
+        return [[] for _ in threads]
+    out, at = [], 0
+    for t in threads:
+        out.append(available[at:at + t])
+        at += t
+    return out
+
+
 def launch(spec: dict[str, Any], progress=None) -> RunResult:
     """Start the workers of a RUN.json spec, wait for them, and read the result."""
     out_dir = Path(spec["out_dir"])
@@ -174,11 +190,14 @@ def launch(spec: dict[str, Any], progress=None) -> RunResult:
         old.unlink()
     world = len(spec["ranks"])
     port = _free_port()
+    cores = pin_cores([me["threads"] if me["binding"] == "cpu" else 0 for me in spec["ranks"]])
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": str(spec["ranks"][rank]["threads"])}
+        if cores[rank]:
+            env["HETPLAN_CPUS"] = ",".join(map(str, cores[rank]))
         log = open(out_dir / f"worker.{rank}.log", "w")  # noqa: SIM115 - closed when the worker ends
         procs.append(subprocess.Popen([sys.executable, "-m", "hetplan.runtime.worker", str(spec_path)],
                                       env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))

@@ -85,6 +85,8 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
     me = spec["ranks"][rank]
     heartbeat = out_dir / f"heartbeat.{rank}"
     _write(heartbeat, {"rank": rank, "stage": me["stage"], "phase": "starting", "step": -1, "t": time.time()})
+    if os.environ.get("HETPLAN_CPUS"):  # the launcher's cores for this worker (see launch.pin_cores)
+        os.sched_setaffinity(0, [int(c) for c in os.environ["HETPLAN_CPUS"].split(",")])
     torch.set_num_threads(me["threads"])
     device = torch.device(me["binding"] if me["binding"].startswith("cuda") else "cpu")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=spec["timeout_s"]))
