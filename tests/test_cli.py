@@ -345,6 +345,7 @@ def test_plan_says_what_memory_is_missing(cli, tmp_path):
 def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
     g, p, out = tmp_path / "g.json", tmp_path / "p.json", tmp_path / "run"
     assert cli("profile", "gpt2-tiny", "--batch-size", "8", "--seq-len", "16", "--device", "cpu:1", "-o", g).code == 0
+    assert json.loads(g.read_text())["meta"]["seq_len"] == "16"  # what run rebuilds the model with
     assert cli("plan", g, "--cluster", "local", "--planner", "uniform", "--microbatches", "4", "-o", p).code == 0
     r = cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--steps", "3", "--warmup", "1", "--out", out, "--json")
     assert r.code == 0, r.err

@@ -218,8 +218,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if graph is not None:
         validate_plan(plan, graph, cluster)
     batch_size = args.batch_size or (graph.batch_size if graph is not None else None)
-    shapes = re.search(r"input_ids\[(\d+)x(\d+)\]", str(graph.meta.get("inputs", ""))) if graph is not None else None
-    seq_len = args.seq_len or (int(shapes[2]) if shapes else None)
+    seq_len = args.seq_len
+    if seq_len is None and graph is not None:
+        seq_len = int(graph.meta["seq_len"]) if "seq_len" in graph.meta else None
+        if seq_len is None:  # graphs profiled before meta.seq_len existed say it in their input shapes
+            shapes = re.search(r"input_ids\[(\d+)x(\d+)\]", str(graph.meta.get("inputs", "")))
+            seq_len = int(shapes[2]) if shapes else None
     from hetplan.zoo import ZOO
 
     if batch_size is None:

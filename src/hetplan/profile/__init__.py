@@ -326,6 +326,9 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
         profiled_on=devices[0].device_type,
         source=f"profile:{name}",
         meta={"granularity": granularity, "inputs": shapes, "torch": torch.__version__,
+              # the sequence length, so that `hetplan run` rebuilds the model at the profiled shape
+              **({"seq_len": str(batch["input_ids"].shape[1])}
+                 if isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].dim() == 2 else {}),
               "timing": "calibrated to the pieces run in sequence" if calibrated else "nodes timed in isolation"},
     )
 
