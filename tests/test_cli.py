@@ -358,3 +358,14 @@ def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
     assert r.code == 0 and "torchrun --nnodes 1 --node-rank 0 --nproc-per-node 2" in r.out
     r = cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--resume", "--out", out)
     assert r.code == 2 and "--resume needs --checkpoint-dir DIR" in r.err
+
+
+def test_run_refuses_text_data_for_a_model_that_is_not_a_language_model(cli, tmp_path):
+    from hetplan.io import serde
+    from hetplan.plan import Plan, Stage
+
+    plan = tmp_path / "p.json"
+    serde.dump(Plan((Stage(("input",), ("cpu0",)),), 1, "1f1b", "test", cluster="local"), plan)
+    r = cli("run", plan, "--model", "mlp", "--data", "text", "--batch-size", "8")
+    assert r.code == 2
+    assert r.err.strip() == "hetplan: error: --data text is for language models; mlp takes --data synthetic"

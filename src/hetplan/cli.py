@@ -231,7 +231,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if batch_size is None:
         raise HetplanError("give --batch-size N (or --graph G, whose batch size is used)")
     granularity = args.granularity or (graph.meta.get("granularity") if graph is not None else None) or "layer"
-    if args.data == "text" and args.model in ZOO and ZOO[args.model].builder not in ("gpt2", "bert", "llama_tiny"):
+    if args.data == "text" and args.model in ZOO and not ZOO[args.model].language_model:
         raise HetplanError(f"--data text is for language models; {args.model} takes --data synthetic")
     resume_step = 0
     if args.resume:

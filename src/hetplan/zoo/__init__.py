@@ -46,6 +46,11 @@ class ZooEntry:
     default_seq_len: int = 0  # 0: the model takes no sequence length
     kwargs: Mapping[str, Any] = field(default_factory=FrozenMap)
 
+    @property
+    def language_model(self) -> bool:
+        """Takes batches of token ids (so it has a sequence length, and can train on text)."""
+        return self.default_seq_len > 0
+
 
 ZOO: MappingProxyType[str, ZooEntry] = MappingProxyType({e.name: e for e in (
     ZooEntry("gpt2", "GPT-2 small, 124M parameters, 12 blocks", "gpt2", 8, 128,
