@@ -4,9 +4,9 @@
   feed-forward grouper and a sequence-to-sequence placer trained jointly with REINFORCE on reward
   -sqrt(runtime), with a moving-average baseline. TAPP (task allocation for pipelines) scores
   the same choices by the pipeline's step time, which is what hetplan's simulator gives.
-  Paper set-up (`faithful`): grouper with one hidden layer, Adam, lr 0.01 (the paper's
-  placer uses 512 hidden units for thousands of operations; graphs here are coarsened to at
-  most 64 units, so 64 hidden units), cold start.
+  `faithful`: cold start, no entropy bonus, Adam at lr 0.01; the paper's placer has 512 hidden
+  units for thousands of operations, graphs here are coarsened to at most 64 units, so 64 hidden
+  units (sizes and rates the papers leave open are ours).
 - `ppo`: Zeng et al., "Trinity" (2022): node features (Z-scored runtime, Node2vec embedding,
   operator vocabulary, output size), a partition MLP with hidden sizes 64 and 128 and 30%
   dropout, an LSTM encoder-decoder schedule network with attention and a trainable device
