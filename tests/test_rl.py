@@ -218,3 +218,31 @@ def test_cli_plan_says_what_the_search_did(tmp_path, cli, profiles):
     assert "search: 5 iterations in" in res.out and "warm start from dp" in res.out
     res = cli("plan", graph, "--cluster", "hetero-4", "--planner", "reinforce", "--max-iters", "5", "--faithful")
     assert "paper's set-up (--faithful)" in res.out and "returned the warm start" not in res.out
+
+
+def test_curve_goes_to_tensorboard_when_it_is_installed(tmp_path, monkeypatch):
+    """tensorboard is not installed here: a stand-in SummaryWriter records what write_curve sends."""
+    import types
+
+    from hetplan.plan import Plan, Stage
+    from hetplan.report.curve import write_curve
+
+    written = []
+
+    class Writer:
+        def __init__(self, logdir):
+            written.append(("dir", logdir))
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, value, step))
+
+        def close(self):
+            written.append(("closed",))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    plan = Plan((Stage(("a",), ("d0",)),), 1, "1f1b", "ppo",
+                meta={"ppo": {"curve": [[1, 8, 0.1, 3.0, None], [2, 16, 0.2, 2.0, 1.5]]}})
+    files = write_curve(plan, tmp_path / "c")
+    assert files[-1] == str(tmp_path / "c-tb")
+    assert written == [("dir", str(tmp_path / "c-tb")), ("objective/mean", 3.0, 1), ("objective/mean", 2.0, 2),
+                       ("objective/best", 1.5, 2), ("closed",)]
