@@ -6,7 +6,9 @@ Hierarchical Model for Device Placement", ICLR 2018) and Trinity (Zeng et al., 2
 1. **groups**: every *unit* gets a group label. Units are the graph's topological order cut into
    at most `max_units` contiguous runs of about equal time (all nodes when the graph is small),
    so that a policy for a 1,000-node graph has 64 decisions to make, not 1,000.
-2. **placement**: every group (after repair, a pipeline stage) gets one device.
+2. **placement**: every group (after repair, a pipeline stage) gets one device. There are at
+   most min(devices, units, `MAX_STAGES` = 8) groups; stages have no replicas here (the papers'
+   placers give a group one device), which `dp` and `heterps` do have.
 
 **Repair.** A policy that groups freely can put unit 3 in group A, unit 4 in group B and unit 5
 in group A again, which is no pipeline (a stage must be convex, and stages must form a chain). The
