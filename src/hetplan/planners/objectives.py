@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
 from hetplan.graph import Graph
@@ -53,10 +55,22 @@ def link_share(est: Estimate) -> float:
     return max(est.link_busy_s.values()) / est.step_s
 
 
+def mdpe_of(step_s, link: object, memory: object, options: PlanOptions, t_ref_s: float):
+    """mdpe from the step, the busiest link's share and the fullest memory share; numbers or
+    numpy arrays alike (the RL planners score batches of plans with it)."""
+    return (options.alpha * step_s / max(t_ref_s, 1e-30)
+            + options.beta * np.maximum(0.0, link / options.comm_tolerance - 1.0)
+            + options.gamma * np.maximum(0.0, memory / options.mem_tolerance - 1.0))
+
+
 def mdpe(est: Estimate, options: PlanOptions, cluster: Cluster, t_ref_s: float) -> float:
-    return (options.alpha * est.step_s / max(t_ref_s, 1e-30)
-            + options.beta * max(0.0, link_share(est) / options.comm_tolerance - 1.0)
-            + options.gamma * max(0.0, memory_share(est, cluster) / options.mem_tolerance - 1.0))
+    return float(mdpe_of(est.step_s, link_share(est), memory_share(est, cluster), options, t_ref_s))
+
+
+def penalised(base, over, short):
+    """`search_value` from an objective and how far a plan is from feasible (memory overflow as a
+    share of the device, shortfall as a share of the floor): numbers or numpy arrays alike."""
+    return np.where((over == 0.0) & (short == 0.0), base, (base + 1e-12) * (10.0 + 10.0 * (over + short)))
 
 
 def meets_floor(est: Estimate, options: PlanOptions) -> bool:
@@ -85,10 +99,7 @@ def search_value(est: Estimate, options: PlanOptions, cluster: Cluster, batch_si
     short = 0.0
     if options.objective == "cost" and options.min_samples_per_s:
         short = max(0.0, options.min_samples_per_s / max(est.samples_per_s, 1e-30) - 1.0)
-    base = _raw(est, options, cluster, batch_size, t_ref_s)
-    if over == 0.0 and short == 0.0:
-        return base
-    return (base + 1e-12) * (10.0 + 10.0 * (over + short))
+    return float(penalised(_raw(est, options, cluster, batch_size, t_ref_s), over, short))
 
 
 def describe(options: PlanOptions) -> str:

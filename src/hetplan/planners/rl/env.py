@@ -234,12 +234,8 @@ class PlanEnv:
             short = np.maximum(0.0, opts.min_samples_per_s / np.maximum(sc.samples_per_s, 1e-30) - 1.0)
         else:
             link = sc.link_busy_s / np.maximum(sc.step_s, 1e-30)
-            base = (opts.alpha * sc.step_s / max(self.t_ref_s, 1e-30)
-                    + opts.beta * np.maximum(0.0, link / opts.comm_tolerance - 1.0)
-                    + opts.gamma * np.maximum(0.0, mem_share / opts.mem_tolerance - 1.0))
-        ok = (over == 0.0) & (short == 0.0)
-        value = np.where(ok, base, (base + 1e-12) * (10.0 + 10.0 * (over + short)))
-        return value, ok
+            base = objectives.mdpe_of(sc.step_s, link, mem_share, opts, self.t_ref_s)
+        return objectives.penalised(base, over, short), (over == 0.0) & (short == 0.0)
 
     # -- plans ---------------------------------------------------------------------------------
     def to_plan(self, stages: np.ndarray, devices: np.ndarray, microbatches: int, planner: str) -> Plan:

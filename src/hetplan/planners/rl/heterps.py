@@ -33,14 +33,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 import torch
 from torch import nn
 
 from hetplan.cluster import Cluster
-from hetplan.cost import WEIGHT_COPIES, CostModel
+from hetplan.cost import WEIGHT_COPIES
 from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
@@ -48,7 +47,7 @@ from hetplan.planners import objectives
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.rl.env import unit_starts
 from hetplan.planners.rl.features import hierarchical_features
-from hetplan.planners.rl.loop import KEEP, budget, seeded_torch, thin
+from hetplan.planners.rl.loop import KEEP, budget, finish, seeded_torch, thin
 from hetplan.planners.scoring import Scorer
 from hetplan.sim.fast import fast_step_s
 
@@ -82,9 +81,9 @@ class Provisioner:
         # devices of a type in the order they are given out: the roomiest first
         self.pool = {t: [d.id for d in sorted(cluster.devices, key=lambda d: -d.mem_bytes) if d.type == t]
                      for t in self.types}
-        self.cost = CostModel(graph, cluster)
+        self.scorer = Scorer(graph, cluster, options)  # mdpe, and the final choice, by the event simulator
+        self.cost, self.t_ref_s = self.scorer.cost, self.scorer.t_ref_s
         self.m_choices = microbatch_choices(graph, options)
-        self.t_ref_s = objectives.reference_time_s(graph, cluster, self.cost)
         # the objective's scale: every device busy for the reference time (cost), or that time
         if options.objective == "cost":
             self.scale = self.cost.usd_per_step(cluster.ids, self.t_ref_s) / graph.batch_size
@@ -96,9 +95,13 @@ class Provisioner:
         self.evaluations = 0
 
     def _fast(self, plans: list[Plan]) -> list[tuple[float, bool, Plan]]:
-        """Objective value (finite; see PlanEnv) and feasibility of plans by the fast path."""
-        steps = fast_step_s(self.graph, self.cluster, plans)
+        """Objective value (finite; see PlanEnv) and feasibility of plans, by the fast path for time
+        and cost; mdpe needs the busiest link's share, which the fast path does not give for
+        replicated stages, so it is the event simulator's."""
+        if self.options.objective == "mdpe":  # counted in the scorer's simulations
+            return [(self.scorer.search_value(p), math.isfinite(self.scorer.value(p)), p) for p in plans]
         self.evaluations += len(plans)
+        steps = fast_step_s(self.graph, self.cluster, plans)
         out = []
         opts, batch = self.options, self.graph.batch_size
         for plan, step in zip(plans, steps, strict=True):
@@ -112,12 +115,9 @@ class Provisioner:
             if opts.objective == "cost":
                 base = self.cost.usd_per_step(devices, float(step)) / batch
                 short = max(0.0, opts.min_samples_per_s * float(step) / batch - 1.0)
-            elif opts.objective == "time":
-                base = float(step)
             else:
-                base = opts.alpha * float(step) / max(self.t_ref_s, 1e-30)
-            ok = over <= 0.0 and short <= 0.0
-            out.append((base if ok else (base + 1e-12) * (10.0 + 10.0 * (max(over, 0.0) + short)), ok, plan))
+                base = float(step)
+            out.append((float(objectives.penalised(base, over, short)), over == 0.0 and short == 0.0, plan))
         return out
 
     def runs(self, types: np.ndarray) -> list[tuple[int, int, int]]:
@@ -278,19 +278,9 @@ def heterps(graph: Graph, cluster: Cluster, options: PlanOptions,
                 progress(min(1.0, frac))
     if progress is not None:
         progress(1.0)
-    scorer = Scorer(graph, cluster, options)
-    cands = [p for _, p in sorted(best.values(), key=lambda x: x[0])[:KEEP]]
-    plans = cands + ([replace(warm, planner="heterps", predicted=None, meta={})] if warm is not None else [])
-    if not plans:
-        raise InfeasibleError(f"heterps found no provisioned plan that fits and meets the objective in {it} "
-                              "iterations: give it a larger --budget-s or --max-iters, or lower --min-samples-per-s")
-    chosen = scorer.best(plans, "heterps")
-    curve = thin(curve)
-    found = min((scorer.value(p) for p in cands), default=math.inf)
-    meta = {"iterations": it, "fast_evaluations": prov.evaluations, "event_simulations": scorer.simulations,
-            "seconds": round(time.perf_counter() - began, 3), "faithful": options.faithful, "units": units,
-            "types": prov.types, "learned_value": found if math.isfinite(found) else None,
-            "warm_start": warm.planner if warm is not None else None,
-            "returned": "warm start" if warm is not None and chosen is plans[-1] else "learned",
-            "curve": [list(r) for r in curve], "algorithm": "reinforce (types) + provisioning"}
-    return replace(chosen, planner="heterps", objective=options.objective, meta={"heterps": meta})
+    found = [p for _, p in sorted(best.values(), key=lambda x: x[0])[:KEEP]]
+    run = {"iterations": it, "fast_evaluations": prov.evaluations, "seconds": round(time.perf_counter() - began, 3),
+           "curve": thin(curve), "faithful": options.faithful, "units": units, "types": prov.types,
+           "algorithm": "reinforce (types) + provisioning"}
+    return finish(prov.scorer, "heterps", found, warm, run,
+                  "give it a larger --budget-s or --max-iters, or lower --min-samples-per-s")

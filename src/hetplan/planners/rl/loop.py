@@ -32,9 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from hetplan.cluster import Cluster
-from hetplan.errors import HetplanError, InfeasibleError
-from hetplan.graph import Graph
+from hetplan.errors import InfeasibleError
 from hetplan.plan import Plan
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.rl.env import PlanEnv
@@ -190,30 +188,23 @@ def _learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, max_iters: int | 
     return Learned(tuple(cands), tuple(curve), it, env.evaluations, time.perf_counter() - began)
 
 
-def finish(graph: Graph, cluster: Cluster, options: PlanOptions, env: PlanEnv, learned: Learned, planner: str,
-           warm: Plan | None, extra: dict) -> Plan:
-    """Re-score the candidates with the event simulator and return the best (the warm start
-    included when given), with what the run did in `meta[planner]`."""
-    scorer = Scorer(graph, cluster, options)
-    plans = [env.to_plan(np.array(s), np.array(d), m, planner) for _, s, d, m in learned.candidates]
-    if warm is not None:
-        plans.append(replace(warm, planner=planner, predicted=None, meta={}))
+def finish(scorer: Scorer, planner: str, found: list[Plan], warm: Plan | None, run: dict, hint: str) -> Plan:
+    """Re-score the plans a run found with the event simulator and return the best, the warm start
+    among them when given, with what the run did (`run`: iterations, counters, curve, settings) in
+    `meta[planner]`. `hint` says what to try when nothing fits."""
+    plans = [*found, *([replace(warm, planner=planner, predicted=None, meta={})] if warm is not None else [])]
     if not plans:
-        raise InfeasibleError(f"{planner} found no plan that fits in memory and meets the objective's limits in "
-                              f"{learned.iterations} iterations: give it a larger --budget-s or --max-iters")
-    try:
-        chosen = scorer.best(plans, planner)
-    except HetplanError:
-        raise
-    found = min((scorer.value(p) for p in plans[:len(learned.candidates)]), default=math.inf)
-    warm_v = scorer.value(plans[-1]) if warm is not None else None
+        raise InfeasibleError(f"{planner} found no plan that fits and meets the objective in {run['iterations']} "
+                              f"iterations: {hint}")
+    chosen = scorer.best(plans, planner)
+    learned_v = min((scorer.value(p) for p in found), default=math.inf)
+    warm_v = scorer.value(plans[-1]) if warm is not None else math.inf
     meta = {
-        "iterations": learned.iterations, "fast_evaluations": learned.evaluations,
-        "event_simulations": scorer.simulations, "seconds": round(learned.seconds, 3),
-        "learned_value": found if math.isfinite(found) else None,
+        **run, "event_simulations": scorer.simulations,
+        "learned_value": learned_v if math.isfinite(learned_v) else None,
         "warm_start": warm.planner if warm is not None else None,
-        "warm_value": warm_v if warm_v is not None and math.isfinite(warm_v) else None,
+        "warm_value": warm_v if math.isfinite(warm_v) else None,
         "returned": "warm start" if warm is not None and chosen is plans[-1] else "learned",
-        "curve": [list(row) for row in learned.curve], **extra,
+        "curve": [list(row) for row in run["curve"]],
     }
-    return replace(chosen, planner=planner, objective=options.objective, meta={planner: meta})
+    return replace(chosen, planner=planner, objective=scorer.options.objective, meta={planner: meta})

@@ -22,7 +22,9 @@ final candidates, so the result is never worse than dp's (both scored by the eve
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
+import numpy as np
 import torch
 
 from hetplan.cluster import Cluster
@@ -34,6 +36,7 @@ from hetplan.planners.rl.env import PlanEnv
 from hetplan.planners.rl.features import device_features, hierarchical_features, trinity_features
 from hetplan.planners.rl.loop import LearnConfig, finish, learn
 from hetplan.planners.rl.policy import PlanPolicy, Squash
+from hetplan.planners.scoring import Scorer
 
 WARM_NATS = 3.0
 DEFAULT_BUDGET_S = 20.0
@@ -60,11 +63,15 @@ def _run(graph: Graph, cluster: Cluster, options: PlanOptions, planner: str, pol
         stages, devices = env.from_plan(warm)
         policy.warm(stages, devices, cfg.warm_nats)
     else:
-        cfg = LearnConfig(**{**cfg.__dict__, "warm_nats": 0.0})
+        cfg = replace(cfg, warm_nats=0.0)
     learned = learn(env, policy, cfg, options, FAITHFUL_BUDGET_S if options.faithful else DEFAULT_BUDGET_S,
                     progress)
-    return finish(graph, cluster, options, env, learned, planner, warm,
-                  {"faithful": options.faithful, "units": env.units, "algorithm": cfg.algorithm})
+    found = [env.to_plan(np.array(s), np.array(d), m, planner) for _, s, d, m in learned.candidates]
+    run = {"iterations": learned.iterations, "fast_evaluations": learned.evaluations,
+           "seconds": round(learned.seconds, 3), "curve": learned.curve, "faithful": options.faithful,
+           "units": env.units, "algorithm": cfg.algorithm}
+    return finish(Scorer(graph, cluster, options), planner, found, warm, run,
+                  "give it a larger --budget-s or --max-iters")
 
 
 def reinforce(graph: Graph, cluster: Cluster, options: PlanOptions,

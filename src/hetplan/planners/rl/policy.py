@@ -132,6 +132,15 @@ class PlanPolicy(nn.Module):
         mean = torch.einsum("pug,uf->pgf", onehot, self.x) / count.clamp(min=1).unsqueeze(-1)
         return mean, count > 0
 
+    def _decoder_start(self, stages: np.ndarray):
+        """The placer's encoder outputs and mask over stages, the device keys, a zero decoder state
+        and the start token, for a batch of repaired stagings."""
+        enc_in, enc_mask = self.stage_inputs(stages)
+        enc = self.placer.encode(enc_in)
+        h = torch.zeros(stages.shape[0], enc.shape[2])
+        prev = torch.full((stages.shape[0],), self.env.devices, dtype=torch.long)
+        return enc, enc_mask, self.placer.keys(), (h, torch.zeros_like(h)), prev
+
     @torch.no_grad()
     def sample(self, p: int, gen: torch.Generator, bias_scale: float = 0.0, noise_std: float = 0.0) -> Sample:
         env = self.env
@@ -143,12 +152,7 @@ class PlanPolicy(nn.Module):
         stages = repair(labels, env.groups)
         n = stages.max(axis=1) + 1
         need = env.stage_need_bytes(stages, n)
-        enc_in, enc_mask = self.stage_inputs(stages)
-        enc = self.placer.encode(enc_in)
-        keys = self.placer.keys()
-        h = torch.zeros(p, enc.shape[2])
-        state = (h, torch.zeros_like(h))
-        prev = torch.full((p,), env.devices, dtype=torch.long)
+        enc, enc_mask, keys, state, prev = self._decoder_start(stages)
         used = np.zeros((p, env.devices), dtype=bool)
         devices = np.full((p, env.groups), -1, dtype=int)
         masks = np.zeros((p, env.groups, env.devices), dtype=bool)
@@ -178,12 +182,7 @@ class PlanPolicy(nn.Module):
         labels = torch.as_tensor(sample.labels)
         logp = logp_all.gather(2, labels.unsqueeze(-1)).squeeze(-1).sum(dim=1)
         entropy = -(logp_all.exp() * logp_all).sum(dim=-1).mean()
-        enc_in, enc_mask = self.stage_inputs(sample.stages)
-        enc = self.placer.encode(enc_in)
-        keys = self.placer.keys()
-        h = torch.zeros(p, enc.shape[2])
-        state = (h, torch.zeros_like(h))
-        prev = torch.full((p,), env.devices, dtype=torch.long)
+        enc, enc_mask, keys, state, prev = self._decoder_start(sample.stages)
         for s in range(int(sample.n.max())):
             dl, state = self.placer.step(enc, enc_mask, state, prev, keys)
             dl = self._out(dl + bias_scale * self.device_bias[s])
