@@ -92,7 +92,7 @@ def run_demo(out_dir: Path, steps: int = 12, budget_s: float = 3.0,
         spec = run_spec(plan, cluster, MODEL, batch_size=BATCH, seq_len=SEQ, granularity="layer", steps=steps,
                         warmup=min(3, steps - 1), data="text", out_dir=out_dir / f"run-{i}")
         result = launch(spec)
-        predicted = simulate(graph, cluster, plan, timeline=False).estimate.step_s
+        predicted = plan.predicted.step_s  # make_plan's event simulation of this plan on this cluster
         runs.append(DemoRun(label, plan.planner, len(plan.stages), len(plan.devices), plan.microbatches, predicted,
                             result.measured_step_s, result.losses[-1] if result.losses else None))
     say("4/4 writing the report")
@@ -119,7 +119,8 @@ def run_demo(out_dir: Path, steps: int = 12, budget_s: float = 3.0,
               "measured step | error | last loss |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r.label} | {r.stages} | {r.devices} | {r.microbatches} | {fmt_seconds(r.predicted_step_s)} "
-                     f"| {fmt_seconds(r.measured_step_s)} | {r.error:+.0%} | {r.loss_last:.3f} |")
+                     f"| {fmt_seconds(r.measured_step_s)} | {r.error:+.0%} | "
+                     f"{'-' if r.loss_last is None else format(r.loss_last, '.3f')} |")
     lines += ["", f"Measured speed-up of the chosen plan over the faster baseline it was not equal to: {speedup:.2f}x "
               "(this 2-vCPU machine's timings vary by 10-25% between runs; see BENCHMARKS.md).", "",
               "![the chosen plan's simulated step](chosen-plan.png)", ""]

@@ -129,11 +129,11 @@ def calibrate_link(repeats: int = 10) -> tuple[float, float, dict]:
     import subprocess
     import sys
 
-    from hetplan.runtime.launch import _free_port
+    from hetplan.runtime.launch import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "link.json"
-        port = _free_port()
+        port = free_port()
         code = ("import sys; from pathlib import Path; from hetplan.runtime.calibrate import _link_probe; "
                 f"_link_probe(int(sys.argv[1]), 2, {LINK_SIZES_BYTES!r}, {repeats}, Path(sys.argv[2]))")
         procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(out)],

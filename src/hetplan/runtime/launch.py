@@ -134,7 +134,8 @@ def torchrun_commands(path: Path, spec: dict[str, Any], master_addr: str = "127.
             f"-m hetplan.runtime.worker {path}" for i, h in enumerate(hosts)]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback nobody listens on now, for a process group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -189,7 +190,7 @@ def launch(spec: dict[str, Any], progress=None) -> RunResult:
     for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json")]:
         old.unlink()
     world = len(spec["ranks"])
-    port = _free_port()
+    port = free_port()
     cores = pin_cores([me["threads"] if me["binding"] == "cpu" else 0 for me in spec["ranks"]])
     procs = []
     for rank in range(world):
