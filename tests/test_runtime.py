@@ -9,13 +9,17 @@ from torch import nn
 
 from hetplan.cluster import cluster_from_spec
 from hetplan.errors import HetplanError
+from hetplan.graph import Edge, Graph, Node
 from hetplan.plan import Plan, Stage
 from hetplan.profile.split import split_step
+from hetplan.rows import step_rows
 from hetplan.runtime.checkpoint import checkpoint_step
 from hetplan.runtime.launch import WorkerFailure, launch, run_spec
-from hetplan.runtime.stages import stage_modules, stage_specs
+from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
+from hetplan.sim.schedules import schedule_order
 from hetplan.zoo import load_model
+from test_executor import chain_plan, reference_step
 
 THREE_CPUS = cluster_from_spec({"name": "three", "devices": [
     {"id": f"c{i}", "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for i in range(3)]}, "three")
@@ -36,57 +40,62 @@ def three_stage_plan(split, m, schedule, cuts=None):
                  Stage(tuple(names[b:]), ("c2",))), m, schedule, "test")
 
 
-def reference_step(zm, batch, m, lr):
-    """Single process: the same micro-batches one after the other (batch norm sees micro-batches,
-    as in the pipeline), mean of their losses, one SGD step."""
-    opt = torch.optim.SGD(zm.step.parameters(), lr=lr)
-    opt.zero_grad()
-    chunks = {k: v.tensor_split(m) for k, v in batch.items()}
-    for i in range(m):
-        (zm.step(**{k: c[i] for k, c in chunks.items()}) / m).backward()
-    opt.step()
+def graph_of(split, batch_size, device_type="cpu-1t"):
+    """A graph of the split's pieces with equal times on one CPU type (others are projected)."""
+    nodes = [Node(p.name, p.op, {device_type: 1e-3}, {device_type: 2e-3}, flops=1e6) for p in split.pieces]
+    made = {v: p.name for p in split.pieces for v in p.outputs}
+    edges = {(made[v], p.name) for p in split.pieces for v in p.inputs if v in made and made[v] != p.name}
+    return Graph("g", tuple(nodes), tuple(Edge(a, b, 1) for a, b in sorted(edges)), batch_size, device_type)
 
 
-@pytest.mark.parametrize("name,schedule,granularity", [
-    ("gpt2-tiny", "gpipe", "layer"), ("gpt2-tiny", "1f1b", "layer"), ("inception-tiny", "1f1b", "layer"),
-])
-def test_pipelined_step_equals_single_process(tmp_path, name, schedule, granularity):
-    batch_size, m, lr = 8, 4, 0.1
+def run_and_compare(tmp_path, name, replicas, threads, m, schedule, batch_size=10, cuts=None):
+    """Launch worker processes (gloo) for one SGD step and compare every rank's weights with
+    single-process training; returns the spec and the result."""
     zm = model(name, batch_size)
-    split = split_step(zm.step, {k: v[:batch_size // m] for k, v in zm.batch.items()}, granularity=granularity)
-    plan = three_stage_plan(split, m, schedule)
-    specs = stage_specs(split, plan)
-    if name == "inception-tiny":  # branches cross the boundaries: several tensors are relayed
-        assert max(len(s.outputs) for s in specs[:-1]) >= 2
-    spec = run_spec(plan, THREE_CPUS, name, batch_size=batch_size, seq_len=16, granularity=granularity, steps=1,
-                    warmup=0, optimizer="sgd", lr=lr, out_dir=tmp_path, no_dropout=True, return_weights=True)
-    result = launch(spec)
-    assert result.steps == 1 and len(result.losses) == 1
-    batch = _batches(spec, zm, 0)
-    modules = stage_modules(split, plan)  # share the model's parameters
-    before = {id(p): p.detach().clone() for p in zm.step.parameters()}
-    reference_step(zm, batch, m, lr)
-    worst, moved = 0.0, 0.0
-    for k, module in enumerate(modules):
-        trained = torch.load(tmp_path / f"weights.{k}.pt")
-        for pname, p in module.named_parameters():
-            worst = max(worst, (trained[pname] - p.detach()).abs().max().item())
-            moved = max(moved, (p.detach() - before[id(p)]).abs().max().item())
-    assert moved > 1e-4  # the step changed the weights...
-    assert worst <= 1e-5  # ...exactly as single-process training does
-
-
-def test_runtime_refuses_what_it_cannot_run(tmp_path):
-    zm = model("gpt2-tiny")
-    split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
-    plan = three_stage_plan(split, 3, "1f1b")
-    with pytest.raises(HetplanError, match=r"batch \(8\) to be a multiple of micro-batches x replicas \(3 x 1\)"):
-        run_spec(plan, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer", out_dir=tmp_path)
+    split = split_step(zm.step, zm.batch)
     names = [p.name for p in split.pieces]
-    replicated = Plan((Stage(tuple(names[:20]), ("c0", "c1")), Stage(tuple(names[20:]), ("c2",))), 2, "1f1b", "test")
-    with pytest.raises(HetplanError, match="only when every stage has the same number of replicas"):
-        run_spec(replicated, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer",
-                 out_dir=tmp_path)
+    plan = chain_plan(names, replicas, m, schedule, cuts=cuts)
+    devices = [{"id": f"c{i}", "type": "cpu", "threads": t, "binding": "cpu", "host": "here"}
+               for i, t in enumerate(threads)]
+    cluster = cluster_from_spec({"name": "mixed", "devices": devices}, "mixed")
+    spec = run_spec(plan, cluster, name, batch_size=batch_size, seq_len=16, granularity="layer", steps=1, warmup=0,
+                    optimizer="sgd", lr=0.1, out_dir=tmp_path, no_dropout=True, return_weights=True,
+                    graph=graph_of(split, batch_size))
+    result = launch(spec)
+    ref_loss = reference_step(zm, _batches(spec, zm, 0), m, 0.1)
+    assert result.losses[0] == pytest.approx(ref_loss, rel=1e-5)
+    modules = stage_modules(split, plan)
+    for rank, me in enumerate(spec["ranks"]):
+        trained = torch.load(tmp_path / f"weights.{rank}.pt")
+        worst = max(((trained[n] - p.detach()).abs().max().item() for n, p in modules[me["stage"]].named_parameters()),
+                    default=0.0)  # a stage without parameters has none to compare
+        assert worst <= 1e-5, (rank, worst)
+    return spec, result
+
+
+@pytest.mark.parametrize("replicas,threads,schedule", [
+    ([3, 1], [1, 2, 1, 1], "gpipe"),  # 3 + 1: replicas of 1, 2 and 1 threads, then one worker
+    ([1, 2, 1], [1, 1, 2, 1], "1f1b"),
+])
+def test_uneven_replicas_of_different_thread_counts_equal_single_process(tmp_path, replicas, threads, schedule):
+    spec, result = run_and_compare(tmp_path, "gpt2-tiny", replicas, threads, 3, schedule)
+    weights = spec["replica_weights"][0 if replicas[0] > 1 else 1]
+    assert weights[1] > weights[0]  # the 2-thread replica is faster: it gets more rows
+    rows = step_rows(10, 3, spec["replica_weights"])
+    orders = schedule_order(schedule, len(replicas), 3)
+    for r in result.ranks:  # each worker ran the simulator's order (less slices with no row)
+        assert r["actions"] == [str(a) for a in orders[r["stage"]] if rows.rows(r["stage"], a.microbatch,
+                                                                                 r["replica"]) > 0]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_without_parameters_passes_integers_across_two_boundaries(tmp_path, schedule):
+    """gpt2-tiny in three worker processes, the middle stage a lone dropout (no parameters, no
+    optimizer), so token ids and labels (int64) cross two boundaries, on torch >= 2.11."""
+    names = [p.name for p in split_step(model("gpt2-tiny").step, model("gpt2-tiny").batch).pieces]
+    middle = names.index("transformer.drop")
+    run_and_compare(tmp_path, "gpt2-tiny", [1, 1, 1], [1, 1, 1], 4, schedule, batch_size=8,
+                    cuts=[middle, middle + 1])
 
 
 def test_a_dead_worker_stops_every_worker_with_its_name(tmp_path):
@@ -167,33 +176,6 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
     assert [r["device"] for r in result["ranks"]] == ["a", "b"] and len(result["ranks"][1]["losses"]) == 2
 
 
-def test_replicated_stages_equal_single_process(tmp_path):
-    """Two pipelines of two stages side by side (each stage replicated on two workers), each on
-    half the batch: after one step the weights equal those of single-process training."""
-    four = cluster_from_spec({"name": "four", "devices": [
-        {"id": f"c{i}", "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for i in range(4)]}, "four")
-    batch_size, m, lr = 8, 2, 0.1
-    zm = model("gpt2-tiny", batch_size)
-    split = split_step(zm.step, {k: v[:batch_size // (2 * m)] for k, v in zm.batch.items()})
-    names = [p.name for p in split.pieces]
-    plan = Plan((Stage(tuple(names[:20]), ("c0", "c2")), Stage(tuple(names[20:]), ("c1", "c3"))), m, "1f1b", "test")
-    spec = run_spec(plan, four, "gpt2-tiny", batch_size=batch_size, seq_len=16, granularity="layer", steps=1,
-                    warmup=0, optimizer="sgd", lr=lr, out_dir=tmp_path, no_dropout=True, return_weights=True)
-    assert [(r["stage"], r["pipeline"], r["device"]) for r in spec["ranks"]] == [
-        (0, 0, "c0"), (1, 0, "c1"), (0, 1, "c2"), (1, 1, "c3")]
-    launch(spec)
-    batch = _batches(spec, zm, 0)
-    modules = stage_modules(split, plan)
-    opt = torch.optim.SGD(zm.step.parameters(), lr=lr)
-    opt.zero_grad()
-    zm.step(**batch).backward()  # the whole batch at once: gpt2 has no batch norm
-    opt.step()
-    for rank, k in ((0, 0), (1, 1), (2, 0), (3, 1)):
-        trained = torch.load(tmp_path / f"weights.{rank}.pt")
-        worst = max((trained[n] - p.detach()).abs().max().item() for n, p in modules[k].named_parameters())
-        assert worst <= 1e-5, (rank, worst)
-
-
 def test_runtime_runs_only_bound_cpu_devices(tmp_path):
     from hetplan.cluster import load_cluster
 
@@ -210,33 +192,6 @@ def test_runtime_runs_only_bound_cpu_devices(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(HetplanError, match="bound to cuda:0, but this machine has no CUDA GPUs: bind it to cpu"):
             launch(spec)
-
-
-def test_runtime_refuses_1f1b_with_fewer_microbatches_than_stages(tmp_path):
-    zm = model("gpt2-tiny")
-    split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
-    plan = three_stage_plan(split, 2, "1f1b")
-    with pytest.raises(HetplanError, match="needs at least as many micro-batches as stages .* --microbatches 3"):
-        run_spec(plan, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16,
-                 granularity="layer", out_dir=tmp_path)
-
-
-def test_host_boundary_passes_values_and_gradients_through():
-    """What a GPU stage does around its module, checked on the CPU: same outputs, same input and
-    weight gradients, CPU tensors out (the move to a GPU itself needs a GPU machine)."""
-    from hetplan.runtime.stages import HostBoundary
-
-    torch.manual_seed(0)
-    inner = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
-    x = torch.randn(5, 4, requires_grad=True)
-    ref = inner(x)
-    ref.sum().backward()
-    gx, gw = x.grad.clone(), inner[0].weight.grad.clone()
-    x.grad, inner[0].weight.grad = None, None
-    out = HostBoundary(inner, torch.device("cpu"))(x)
-    assert out.device.type == "cpu" and torch.equal(out, ref)
-    out.sum().backward()
-    assert torch.equal(x.grad, gx) and torch.equal(inner[0].weight.grad, gw)
 
 
 def test_local_cpu_workers_get_their_own_cores(monkeypatch):

@@ -93,13 +93,18 @@ def test_two_replicas_of_different_speeds_finish_together():
     plan = Plan((Stage(("n0",), ("v0",)), Stage(("n1",), ("a0", "t0"))), 4, "1f1b", "test")
     sim = simulate(g, cluster, plan)
     est = sim.estimate
-    assert est.busy_s["a0"] == pytest.approx(est.busy_s["t0"])
     cm = CostModel(g, cluster)
+    # each replica's rows of every micro-batch of 16: in proportion to speed, in whole rows
+    speed = {d: 1 / cm.device_stage_s(("n1",), d) for d in ("a0", "t0")}
+    rows = {d: 16 * speed[d] / (speed["a0"] + speed["t0"]) for d in speed}
+    whole = {d: round(r) for d, r in rows.items()}
+    assert sum(whole.values()) == 16 and all(abs(whole[d] - rows[d]) < 0.5 for d in whole)
+    for d in ("a0", "t0"):  # busy for its 4 x whole[d] of the 64 samples
+        assert est.busy_s[d] == pytest.approx(cm.device_stage_s(("n1",), d) * 4 * whole[d] / 64)
     together = 1 / (1 / cm.device_stage_s(("n1",), "a0") + 1 / cm.device_stage_s(("n1",), "t0"))
-    assert est.busy_s["a0"] == pytest.approx(together)  # the batch split in proportion to speed
+    # they finish together but for the rounding of one row
+    assert abs(est.busy_s["a0"] - together) <= max(cm.device_stage_s(("n1",), d) for d in speed) * 4 / 64
     last_b = {d: max(s.end_s for s in sim.timeline.spans if s.resource == d and s.kind == "B") for d in ("a0", "t0")}
-    # both replicas get their inputs at the same moments, so they end their last backward together
-    assert last_b["a0"] == pytest.approx(last_b["t0"], rel=1e-9)
     ar = [s for s in sim.timeline.spans if s.kind == ALLREDUCE]
     assert {s.resource for s in ar} == {"a0", "t0"}
     allreduce = cm.allreduce_s(10**8, ("a0", "t0"))
@@ -116,10 +121,12 @@ def test_one_replicated_stage_is_data_parallelism():
     cluster = load_cluster("hetero-4")
     cm = CostModel(g, cluster)
     est = simulate(g, cluster, Plan((Stage(("n0",), ("a0", "t0")),), 1, "gpipe", "test")).estimate
-    speed = 1 / cm.device_stage_s(("n0",), "a0") + 1 / cm.device_stage_s(("n0",), "t0")
-    assert est.busy_s["a0"] == pytest.approx(1 / speed)
+    t = {d: cm.device_stage_s(("n0",), d) for d in ("a0", "t0")}
+    a0_rows = round(64 * (1 / t["a0"]) / (1 / t["a0"] + 1 / t["t0"]))  # the batch of 64 split by speed
+    busy = {"a0": t["a0"] * a0_rows / 64, "t0": t["t0"] * (64 - a0_rows) / 64}
+    assert est.busy_s == pytest.approx(busy)
     opt = max(cm.optimizer_s(10**8, cluster.device(d).type) for d in ("a0", "t0"))
-    assert est.step_s == pytest.approx(1 / speed + cm.allreduce_s(10**8, ("a0", "t0")) + opt)
+    assert est.step_s == pytest.approx(max(busy.values()) + cm.allreduce_s(10**8, ("a0", "t0")) + opt)
 
 
 def diamond():
@@ -240,7 +247,7 @@ def check_timeline(graph, plan, routing):
     transfers = {(s.resource, s.kind, s.stage, s.to_stage, s.microbatch): s for s in spans if "->" in s.resource}
     lower_bound = {}
     for msg in model.messages:
-        for i in range(m):
+        for i in (i for i in range(m) if msg.bytes_mb[i] is not None):  # slices that share rows
             for kind, src, dst, s_from, s_to in (("F", msg.src, msg.dst, msg.src_stage, msg.dst_stage),
                                                  ("B", msg.dst, msg.src, msg.dst_stage, msg.src_stage)):
                 made, used = compute[(s_from, src, kind, i)], compute[(s_to, dst, kind, i)]
@@ -259,7 +266,7 @@ def check_timeline(graph, plan, routing):
         feeds[(s_to, dst, kind, i)].append(((s_from, src, kind, i), dt))
     for msg in model.messages:
         if msg.src == msg.dst or msg.bytes_per_batch == 0:
-            for i in range(m):
+            for i in (i for i in range(m) if msg.bytes_mb[i] is not None):
                 feeds[(msg.dst_stage, msg.dst, "F", i)].append(((msg.src_stage, msg.src, "F", i), 0.0))
                 feeds[(msg.src_stage, msg.src, "B", i)].append(((msg.dst_stage, msg.dst, "B", i), 0.0))
     memo = {}

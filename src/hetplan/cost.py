@@ -26,6 +26,7 @@ from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
 from hetplan.projection import project_s
+from hetplan.rows import StepRows, microbatch_rows, step_rows
 
 OPTIMIZER_STATE_COPIES = 2  # Adam: first and second moments, fp32, each the size of the weights
 WEIGHT_COPIES = 1 + 1 + OPTIMIZER_STATE_COPIES  # weights + gradients + optimizer state
@@ -37,8 +38,7 @@ OPTIMIZER_PASSES = 7
 def microbatch_fractions(batch_size: int, microbatches: int) -> tuple[float, ...]:
     """Each micro-batch's share of the batch, split as torch.tensor_split splits it: sizes
     differ by at most one, the larger ones first."""
-    base, extra = divmod(batch_size, microbatches)
-    return tuple((base + (1 if i < extra else 0)) / batch_size for i in range(microbatches))
+    return tuple(n / batch_size for n in microbatch_rows(batch_size, microbatches))
 
 
 def inflight_microbatches(schedule: str, stages: int, stage_index: int, microbatches: int) -> int:
@@ -145,10 +145,19 @@ class CostModel:
 
     def replica_shares(self, nodes: Sequence[str], devices: Sequence[str]) -> dict[str, float]:
         """Share of each micro-batch given to each replica: in proportion to its speed, so that
-        all replicas finish together."""
+        all replicas finish together (the weights of `hetplan.rows.split_rows`)."""
         speed = {d: 1.0 / max(self.device_stage_s(nodes, d), 1e-30) for d in devices}
         total = math.fsum(speed.values())
         return {d: s / total for d, s in speed.items()}
+
+    def replica_weights(self, plan: Plan) -> tuple[tuple[float, ...], ...]:
+        """Per stage, its replicas' weights in device order (1.0 for a stage on one device)."""
+        return tuple(tuple(self.replica_shares(s.nodes, s.devices)[d] for d in s.devices)
+                     if len(s.devices) > 1 else (1.0,) for s in plan.stages)
+
+    def plan_rows(self, plan: Plan) -> StepRows:
+        """The rows of every stage replica and micro-batch of the plan (`hetplan.rows`)."""
+        return step_rows(self.graph.batch_size, plan.microbatches, self.replica_weights(plan))
 
     def stage_memory_bytes(self, plan: Plan, stage_index: int, device_id: str) -> int:
         """Peak memory of one replica of a stage under the plan's schedule: at its peak a stage
@@ -156,10 +165,11 @@ class CostModel:
         stage = plan.stages[stage_index]
         params = sum(self.graph.by_id[n].param_bytes for n in stage.nodes)
         acts = sum(self.graph.by_id[n].act_bytes for n in stage.nodes)
-        share = self.replica_shares(stage.nodes, stage.devices)[device_id]
+        rows = self.plan_rows(plan)
+        p = stage.devices.index(device_id)
         held = inflight_microbatches(plan.schedule, len(plan.stages), stage_index, plan.microbatches)
-        stashed = math.fsum(microbatch_fractions(self.graph.batch_size, plan.microbatches)[:held])
-        return WEIGHT_COPIES * params + math.ceil(acts * share * stashed)
+        stashed = sum(rows.rows(stage_index, j, p) for j in range(held)) / self.graph.batch_size
+        return WEIGHT_COPIES * params + math.ceil(acts * stashed)
 
     def usd_per_step(self, devices: Sequence[str], step_s: float) -> float:
         return math.fsum(self.cluster.device(d).usd_per_hour for d in devices) * step_s / 3600.0

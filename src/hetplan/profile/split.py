@@ -35,6 +35,7 @@ from torch import fx, nn
 
 from hetplan.errors import HetplanError
 from hetplan.graph import GRANULARITIES
+from hetplan.profile.portable import portable
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -222,7 +223,8 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node], produced_outside: set[fx.
         env[n].meta = copy.copy(n.meta)
     outputs = [n for n in nodes if n in needed_outside]
     graph.output(tuple(env[n] for n in outputs))
-    return fx.GraphModule(root, graph, class_name="Piece"), inputs, outputs
+    # device-neutral, so that a piece traced here runs on any device (`hetplan.profile.portable`)
+    return portable(fx.GraphModule(root, graph, class_name="Piece")), inputs, outputs
 
 
 def split_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: str = "layer",

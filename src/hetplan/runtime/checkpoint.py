@@ -14,19 +14,22 @@ def stage_path(directory: Path, stage: int) -> Path:
     return directory / f"stage{stage}.pt"
 
 
-def save_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+def save_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+               step: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     path = stage_path(directory, stage)
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({"step": step, "model": module.state_dict(), "optimizer": optimizer.state_dict(),
+    torch.save({"step": step, "model": module.state_dict(),
+                "optimizer": optimizer.state_dict() if optimizer is not None else None,
                 "rng": torch.get_rng_state()}, tmp)
     os.replace(tmp, path)
 
 
-def load_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def load_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     state = torch.load(stage_path(directory, stage), weights_only=False, map_location="cpu")
     module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    if optimizer is not None:  # a stage without parameters has none
+        optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
     return int(state["step"])
 

@@ -15,6 +15,7 @@ Several machines: run the same worker under torchrun on each, with RUN.json copi
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -27,9 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from hetplan.cluster import Cluster
+from hetplan.cost import CostModel
 from hetplan.errors import HetplanError
+from hetplan.graph import Graph
 from hetplan.io.serde import atomic_write_text, to_dict
 from hetplan.plan import Plan
+from hetplan.runtime.support import runtime_refusal
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -66,42 +70,43 @@ def _check_cuda(device_id: str, binding: str) -> None:
                            "bind it to cpu or run on a GPU machine")
 
 
+def replica_weights(plan: Plan, cluster: Cluster, graph: Graph | None) -> tuple[tuple[float, ...], ...]:
+    """Per stage, its replicas' weights (speeds on the stage), from the cost model the simulator
+    uses, so that the runtime gives each replica the rows the prediction gave it. Without a
+    graph, replicas of one device type share equally."""
+    if graph is not None:
+        return CostModel(graph, cluster).replica_weights(plan)
+    for stage in plan.stages:
+        types = {cluster.device(d).type for d in stage.devices}
+        if len(types) > 1:
+            raise HetplanError(f"stage {plan.stages.index(stage)} has replicas of different types "
+                               f"({', '.join(sorted(types))}); pass --graph G so that each gets the rows its speed "
+                               "is worth")
+    return tuple((1.0,) * len(s.devices) for s in plan.stages)
+
+
 def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_len: int | None, granularity: str,
              block_classes: tuple[str, ...] = (), steps: int = 10, warmup: int = 2, seed: int = 0,
              optimizer: str = "adam", lr: float = 1e-3, data: str = "synthetic", out_dir: Path,
              timeout_s: float = DEFAULT_TIMEOUT_S, no_dropout: bool = False, return_weights: bool = False,
-             checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume_step: int = 0) -> dict[str, Any]:
-    """The RUN.json of a plan: the settings and, per rank, its stage, pipeline and device.
-
-    Replicated stages run as r whole pipelines side by side (replica p of every stage forms
-    pipeline p), each on an equal slice of the batch, with every stage's gradients all-reduced
-    over its replicas; so every stage must have the same number of replicas."""
-    replicas = {len(s.devices) for s in plan.stages}
-    if len(replicas) > 1:
-        raise HetplanError("the runtime runs replicated stages only when every stage has the same number of "
-                           f"replicas (this plan has {', '.join(str(len(s.devices)) for s in plan.stages)}); "
-                           "simulate this plan, or plan for the runtime without replicas")
-    r = replicas.pop()
-    if plan.schedule == "1f1b" and plan.microbatches < len(plan.stages):
-        raise HetplanError(f"torch's 1F1B schedule needs at least as many micro-batches as stages (this plan has "
-                           f"{plan.microbatches} for {len(plan.stages)} stages): plan with --microbatches "
-                           f"{len(plan.stages)} or more, or with --schedule gpipe")
-    if batch_size % (plan.microbatches * r):
-        raise HetplanError(f"the runtime needs the batch ({batch_size}) to be a multiple of micro-batches x "
-                           f"replicas ({plan.microbatches} x {r}); plan with --microbatches that divides it")
-    for d in plan.devices:
-        device = cluster.device(d)
-        if device.binding is None:
-            raise HetplanError(f"device {d} of cluster {cluster.name!r} has no binding, so it can only be simulated; "
-                               "run on a cluster whose devices say where they run (binding: cpu, with threads), "
-                               "such as the preset local")
+             checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume_step: int = 0,
+             graph: Graph | None = None) -> dict[str, Any]:
+    """The RUN.json of a plan: the settings, the replicas' weights and, per rank (stage by
+    stage, replica by replica), its stage, replica and device. What the runtime can run is
+    `hetplan.runtime.support`; the batch is split by `hetplan.rows`."""
+    why = runtime_refusal(plan, cluster)
+    if why:
+        raise HetplanError(why)
+    if plan.microbatches > batch_size:
+        raise HetplanError(f"the plan has {plan.microbatches} micro-batches but the batch only {batch_size} samples: "
+                           f"plan with --microbatches {batch_size} or fewer")
     ranks = []
-    for p in range(r):
-        for k, stage in enumerate(plan.stages):
-            device = cluster.device(stage.devices[p])
+    for k, stage in enumerate(plan.stages):
+        for p, d in enumerate(stage.devices):
+            device = cluster.device(d)
             binding = device.binding or "cpu"
             threads = 1 if binding.startswith("cuda") else device.threads or 1
-            ranks.append({"stage": k, "pipeline": p, "device": device.id, "host": device.host, "binding": binding,
+            ranks.append({"stage": k, "replica": p, "device": device.id, "host": device.host, "binding": binding,
                           "threads": threads})
     return {
         "plan": to_dict(plan), "model": model, "batch_size": batch_size, "seq_len": seq_len,
@@ -109,7 +114,8 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
         "seed": seed, "optimizer": optimizer, "lr": lr, "data": data, "out_dir": str(out_dir),
         "timeout_s": timeout_s, "no_dropout": no_dropout, "return_weights": return_weights,
         "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None, "checkpoint_every": checkpoint_every,
-        "resume_step": resume_step, "ranks": ranks,
+        "resume_step": resume_step, "replica_weights": [list(w) for w in replica_weights(plan, cluster, graph)],
+        "ranks": ranks,
     }
 
 
@@ -191,7 +197,12 @@ def launch(spec: dict[str, Any], progress=None) -> RunResult:
         old.unlink()
     world = len(spec["ranks"])
     port = free_port()
-    cores = pin_cores([me["threads"] if me["binding"] == "cpu" else 0 for me in spec["ranks"]])
+    # one set of cores per device: workers of stages that share a device share its cores
+    devices = list(dict.fromkeys(me["device"] for me in spec["ranks"]))
+    first = {d: next(me for me in spec["ranks"] if me["device"] == d) for d in devices}
+    per_device = dict(zip(devices, pin_cores([first[d]["threads"] if first[d]["binding"] == "cpu" else 0
+                                              for d in devices]), strict=True))
+    cores = [per_device[me["device"]] for me in spec["ranks"]]
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
@@ -242,8 +253,10 @@ def launch(spec: dict[str, Any], progress=None) -> RunResult:
     ranks = sorted(data["ranks"], key=lambda r: r["rank"])
     steps = len(ranks[0]["times_s"])
     times = tuple(max(r["times_s"][i] for r in ranks) for i in range(steps))
-    with_loss = [r["losses"] for r in ranks if r["losses"]]  # the last stage of each pipeline
-    losses = tuple(statistics.fmean(values) for values in zip(*with_loss, strict=True)) if with_loss else ()
+    # the last stage's replicas each hold their rows' share of the batch's mean loss
+    last = max(r["stage"] for r in ranks)
+    with_loss = [r["losses"] for r in ranks if r["stage"] == last]
+    losses = tuple(math.fsum(values) for values in zip(*with_loss, strict=True)) if with_loss else ()
     return RunResult(steps=steps, warmup=min(spec["warmup"], max(0, steps - 1)), step_times_s=times, losses=losses,
                      peak_mem_bytes={r["device"]: int(r["peak_mem_bytes"]) for r in ranks}, out_dir=str(out_dir),
                      ranks=tuple(ranks))

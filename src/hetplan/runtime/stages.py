@@ -2,8 +2,8 @@
 
 The profiler cut the step into pieces, one per graph node (`hetplan.profile.split`); the same
 cut, made again here from the same model and batch shapes, gives pieces with the same names. A
-stage runs its pieces in topological order. `torch.distributed.pipelining` connects only
-neighbouring stages, so every value that crosses boundary k (made at or before stage k, used
+stage runs its pieces in topological order. The runtime connects only neighbouring stages
+(`hetplan.runtime.support.ROUTING`), so every value that crosses boundary k (made at or before stage k, used
 after it: activations, skip connections, the batch's labels on their way to the loss) is an
 output of stage k and an input of stage k + 1, in a fixed order; a stage passes on the values it
 does not use itself. The first stage takes the batch's tensors in the order of the step's
@@ -86,9 +86,13 @@ class StageModule(nn.Module):
         self.spec = spec
         self.pieces = nn.ModuleList([p.module for p in pieces])
         self._io = [(p.inputs, p.outputs) for p in pieces]
+        self._mutated = frozenset(v for p in pieces for v in changed_in_place(p)) & set(spec.inputs)
 
     def forward(self, *values: torch.Tensor):
-        env = dict(zip(self.spec.inputs, values, strict=True))
+        # a received value that a piece changes in place (ResNet's ReLU(inplace=True)) is copied
+        # first: autograd forbids changing a leaf that asks for its gradient
+        env = {v: x.clone() if v in self._mutated and x.requires_grad else x
+               for v, x in zip(self.spec.inputs, values, strict=True)}
         for module, (ins, outs) in zip(self.pieces, self._io, strict=True):
             results = module(*(env[v] for v in ins))
             env.update(zip(outs, results, strict=True))
@@ -99,25 +103,22 @@ class StageModule(nn.Module):
         return out[0] if len(out) == 1 else out
 
 
+def changed_in_place(piece: Piece) -> set[str]:
+    """Names of the piece's inputs that one of its operators writes to (an in-place op)."""
+    out = set()
+    placeholders = [n for n in piece.module.graph.nodes if n.op == "placeholder"]  # in the order of inputs
+    for name, ph in zip(piece.inputs, placeholders, strict=True):
+        for user in ph.users:
+            schema = getattr(user.target, "_schema", None)
+            if schema is None:
+                continue
+            for i, arg in enumerate(schema.arguments):
+                value = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+                if value is ph and arg.alias_info is not None and arg.alias_info.is_write:
+                    out.add(name)
+    return out
+
+
 def stage_modules(split: SplitStep, plan: Plan) -> list[StageModule]:
     by_name = {p.name: p for p in split.pieces}
     return [StageModule(spec, [by_name[name] for name in spec.pieces]) for spec in stage_specs(split, plan)]
-
-
-class HostBoundary(nn.Module):
-    """A stage on a GPU that takes and returns CPU tensors.
-
-    Workers talk over gloo, which sends CPU tensors only; so a GPU stage moves what it receives
-    to its GPU and what it sends back to the CPU. Autograd records both moves, so the gradients
-    that come back from the next stage (on the CPU) reach the GPU, and the input gradients go out
-    on the CPU. Integer inputs (token ids, labels) move the same way."""
-
-    def __init__(self, inner: nn.Module, device: torch.device) -> None:
-        super().__init__()
-        self.inner, self.device = inner, device
-
-    def forward(self, *args: torch.Tensor):
-        out = self.inner(*(a.to(self.device) for a in args))
-        if isinstance(out, tuple):
-            return tuple(o.to("cpu") for o in out)
-        return out.to("cpu")

@@ -5,17 +5,16 @@ MASTER_ADDR and MASTER_PORT:
 
     python -m hetplan.runtime.worker RUN.json
 
-RUN.json (`hetplan.runtime.launch.RunSpec`) names the plan, the model and the run's settings, and
-for each rank its stage and device binding. Every rank builds the same model from the same seed
-(so the weights agree without sending them), cuts the training step into the same pieces as the
-profiler, keeps the module of its own stage, and runs it with `torch.distributed.pipelining`'s
-ScheduleGPipe or Schedule1F1B over gloo; torch scales the gradients by 1 / micro-batches, so a
-step's gradients equal those of the whole batch at once, and the gradients of parameters that
-several stages use (tied embeddings) are summed over those stages. After every pipeline step each stage
-takes an optimizer step. Workers write a heartbeat file per step (the launcher's watchdog reads
-it) and rank 0 writes the result: per-step wall times (between two barriers), the last stage's
-losses, and each worker's peak memory. HETPLAN_FAULT=hang:RANK:STEP or die:RANK:STEP makes a
-worker hang or exit at a step, to test the launcher's handling of faults.
+RUN.json (`hetplan.runtime.launch.run_spec`) names the plan, the model and the run's settings, the
+replicas' weights (their speed, from the cost model) and for each rank its stage, replica and
+device binding. Every rank builds the same model from the same seed, cuts the step into the
+profiler's pieces and keeps its own stage (`hetplan.runtime.rank`), then runs the schedule's
+actions for its stage over gloo (`hetplan.runtime.executor`), sums gradients over replicas and
+over stages that share a parameter, and takes an optimizer step. Workers write a heartbeat file
+per step (the launcher's watchdog reads it) and rank 0 writes the result: per-step wall times
+(between two barriers), the last stage's share of the losses, each worker's peak memory and the
+actions it ran. HETPLAN_FAULT=hang:RANK:STEP or die:RANK:STEP makes a worker hang or exit at a
+step, to test the launcher's handling of faults.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import resource
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,167 +55,117 @@ def _batches(spec: dict, zoo_model, step: int):
     return out
 
 
-def _all_reduce(tensor, group) -> None:
-    """Sum a tensor over a process group in place; a GPU tensor goes through the CPU, because
-    gloo's collectives are for CPU tensors."""
-    import torch.distributed as dist
-
-    if tensor.device.type == "cpu":
-        dist.all_reduce(tensor, group=group)
-        return
-    host = tensor.cpu()
-    dist.all_reduce(host, group=group)
-    tensor.copy_(host)
-
-
-def run_worker(spec: dict, rank: int, world: int) -> None:
+def _optimizer(spec: dict, params: list):
     import torch
-    import torch.distributed as dist
+
+    if not params:  # a stage without parameters (a lone GELU, a reshape) has nothing to update
+        return None
+    if spec["optimizer"] == "sgd":
+        return torch.optim.SGD(params, lr=spec["lr"])
+    return torch.optim.Adam(params, lr=spec["lr"])
+
+
+def build_rank(spec: dict, rank: int):
+    """The rank's model, traces, stage and optimizer (`hetplan.runtime.rank`)."""
+    import torch
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from hetplan.io.serde import from_dict
-    from hetplan.profile.split import split_step
-    from hetplan.runtime.stages import HostBoundary, stage_modules
+    from hetplan.runtime.rank import prepare
     from hetplan.zoo import load_model
 
-    out_dir = Path(spec["out_dir"])
     me = spec["ranks"][rank]
-    heartbeat = out_dir / f"heartbeat.{rank}"
-    _write(heartbeat, {"rank": rank, "stage": me["stage"], "phase": "starting", "step": -1, "t": time.time()})
-    if os.environ.get("HETPLAN_CPUS"):  # the launcher's cores for this worker (see launch.pin_cores)
-        os.sched_setaffinity(0, [int(c) for c in os.environ["HETPLAN_CPUS"].split(",")])
-    torch.set_num_threads(me["threads"])
-    device = torch.device(me["binding"] if me["binding"].startswith("cuda") else "cpu")
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=spec["timeout_s"]))
     plan = from_dict(spec["plan"])
     zoo_model = load_model(spec["model"], batch_size=spec["batch_size"], seq_len=spec["seq_len"], seed=spec["seed"])
     if spec.get("no_dropout"):
         for mod in zoo_model.step.modules():
             if isinstance(mod, nn.Dropout):
                 mod.p = 0.0
-    m = plan.microbatches
-    n = len(plan.stages)
-    r = len(plan.stages[0].devices)  # pipelines side by side, one per replica
-    pipe, share = me.get("pipeline", 0), spec["batch_size"] // r  # this pipeline's slice of the batch
-    micro = {k: v[: share // m] for k, v in zoo_model.batch.items()}
-    split = split_step(zoo_model.step, micro, granularity=spec["granularity"],
-                       block_classes=spec.get("block_classes") or zoo_model.block_classes or None)
-    modules = stage_modules(split, plan)
-    module = own = modules[me["stage"]].to(device)  # `own`: the stage itself, for weights and checkpoints
-    if device.type == "cuda":
-        # gloo sends CPU tensors only: the stage takes and gives CPU tensors, and moves them to
-        # and from its GPU itself (autograd carries the gradients across the moves)
-        module = HostBoundary(module, device)
-    # Process groups, created by every rank in the same order: one per pipeline (its stages talk
-    # to each other), one per stage over its replicas (gradients are averaged), and one per set of
-    # stages that share a parameter within a pipeline (see below).
-    pipe_groups = [dist.new_group([p * n + k for k in range(n)]) for p in range(r)]
-    replica_groups = [dist.new_group([p * n + k for p in range(r)]) for k in range(n)] if r > 1 else []
-    # Give the stage its example inputs and outputs: torch would otherwise infer them by running
-    # the stage on uninitialised tensors, which breaks on integer inputs such as labels (a loss
-    # reading garbage class ids). Every rank holds the whole model, so it runs the stages before
-    # its own on an example micro-batch, without gradients, to get them.
-    with torch.no_grad():
-        values = tuple(micro[k] for k in split.input_keys)
-        for k in range(me["stage"]):
-            out = modules[k](*values)
-            values = out if isinstance(out, tuple) else (out,)
-    # inputs from an earlier stage carry gradients back, and outputs that depend on weights or on
-    # such inputs want gradients: the examples must say so, or torch sends no gradients
-    example_in = tuple(v.requires_grad_(me["stage"] > 0 and v.is_floating_point()) for v in values)
-    out = module(*example_in)
-    example_out = tuple(o.detach().requires_grad_(o.requires_grad) for o in (out if isinstance(out, tuple) else (out,)))
-    module.zero_grad(set_to_none=True)
-    stage = PipelineStage(module, me["stage"], n, torch.device("cpu"), input_args=example_in, output_args=example_out,
-                          group=pipe_groups[pipe])
-    schedule_cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
-    schedule = schedule_cls(stage, n_microbatches=m, loss_fn=lambda out, target: out)
-    # Parameters used by several stages (GPT-2 ties its embedding to its output layer) live on each
-    # of them; their gradients are summed over those stages after every backward pass, so that the
-    # copies get the same update, as the one tensor does in single-process training. Every rank
-    # creates every group, in the same order, as torch.distributed requires.
-    holders: dict[int, set[int]] = {}
-    for k, mod in enumerate(modules):
-        for p in mod.parameters():
-            holders.setdefault(id(p), set()).add(k)
-    sharing = sorted({tuple(sorted(h)) for h in holders.values() if len(h) > 1})
-    groups = {(q, stages): dist.new_group([q * n + k for k in stages]) for q in range(r) for stages in sharing}
-    tied = [(p, groups[(pipe, tuple(sorted(holders[id(p)])))]) for p in module.parameters()
-            if len(holders[id(p)]) > 1]
-    params = [p for p in module.parameters() if p.requires_grad]
-    if spec["optimizer"] == "sgd":
-        opt = torch.optim.SGD(params, lr=spec["lr"])
-    else:
-        opt = torch.optim.Adam(params, lr=spec["lr"])
-    first, last = me["stage"] == 0, me["stage"] == n - 1
-    times, losses = [], []
+    device = torch.device(me["binding"] if me["binding"].startswith("cuda") else "cpu")
+    prepared = prepare(spec, rank, zoo_model, plan, device)
+    return zoo_model, prepared, _optimizer(spec, prepared.parameters())
+
+
+def train(spec: dict, rank: int, zoo_model, prepared, opt, transport, heartbeat=None) -> dict:
+    """The rank's steps: each between two barriers, its actions, the gradient sums, the optimizer."""
+    import torch
+
+    from hetplan.runtime.executor import StageRunner, reduce_gradients
+
+    role = prepared.role
+    runner = StageRunner(role, prepared.order, prepared.module_for, prepared.layouts_in, prepared.layouts_out,
+                         transport, prepared.device)
     if spec.get("resume_step"):
         from hetplan.runtime.checkpoint import load_stage
 
-        load_stage(Path(spec["checkpoint_dir"]), me["stage"], own, opt)
-    start_step = spec.get("resume_step") or 0
+        load_stage(Path(spec["checkpoint_dir"]), role.stage, prepared.own, opt)
+    times, losses = [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
-    for step in range(start_step, spec["steps"]):
-        _write(heartbeat, {"rank": rank, "stage": me["stage"], "phase": "step", "step": step, "t": time.time()})
+    params = prepared.parameters()
+    for step in range(spec.get("resume_step") or 0, spec["steps"]):
+        if heartbeat is not None:
+            heartbeat("step", step)
         if len(fault) == 3 and int(fault[1]) == rank and int(fault[2]) == step:
             if fault[0] == "hang":
                 time.sleep(10**6)
             os._exit(3)
-        batch = _batches(spec, zoo_model, step)
-        args = tuple(batch[k][pipe * share:(pipe + 1) * share] for k in split.input_keys) if first else ()
-        target = torch.zeros(share) if last else None
-        step_losses: list = [] if last else None
-        dist.barrier()
+        batch = _batches(spec, zoo_model, step) if role.first else {}
+        values = tuple(batch[k] for k in prepared.traces.input_keys) if role.first else ()
+        transport.barrier()
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        if last:
-            schedule.step(*args, target=target, losses=step_losses, return_outputs=False)
-        else:
-            schedule.step(*args)
-        for p, group in tied:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            _all_reduce(p.grad, group)
-        if r > 1:  # equal slices: the batch's gradient is the mean of the replicas'
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            # one all-reduce of all gradients in one flat buffer: gloo pays its latency once, not
-            # once per tensor
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            _all_reduce(flat, replica_groups[me["stage"]])
-            flat /= r
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-        opt.step()
-        dist.barrier()
+        for prm in params:
+            prm.grad = None
+        loss = runner.step(values)
+        reduce_gradients(prepared.my_groups, transport)
+        if opt is not None:
+            opt.step()
+        if prepared.device.type == "cuda":
+            torch.cuda.synchronize(prepared.device)
+        transport.barrier()
         times.append(time.perf_counter() - t0)
-        if last:
-            losses.append(float(sum(x.detach().float().item() for x in step_losses) / m))
+        if role.last:
+            losses.append(loss)
         every = spec.get("checkpoint_every") or 0
-        if every and (step + 1) % every == 0 and pipe == 0:  # replicas hold the same weights
+        if every and (step + 1) % every == 0 and role.replica == 0:  # replicas hold the same weights
             from hetplan.runtime.checkpoint import save_stage
 
-            save_stage(Path(spec["checkpoint_dir"]), me["stage"], own, opt, step + 1)
+            save_stage(Path(spec["checkpoint_dir"]), role.stage, prepared.own, opt, step + 1)
+    return {"times_s": times, "losses": losses, "actions": runner.executed}
+
+
+def run_worker(spec: dict, rank: int, world: int) -> None:
+    import torch
+
+    from hetplan.runtime.transport import GlooTransport
+
+    out_dir = Path(spec["out_dir"])
+    me = spec["ranks"][rank]
+    heartbeat_path = out_dir / f"heartbeat.{rank}"
+
+    def heartbeat(phase: str, step: int) -> None:
+        _write(heartbeat_path, {"rank": rank, "stage": me["stage"], "phase": phase, "step": step, "t": time.time()})
+
+    heartbeat("starting", -1)
+    if os.environ.get("HETPLAN_CPUS"):  # the launcher's cores for this worker (see launch.pin_cores)
+        os.sched_setaffinity(0, [int(c) for c in os.environ["HETPLAN_CPUS"].split(",")])
+    torch.set_num_threads(me["threads"])
+    zoo_model, prepared, opt = build_rank(spec, rank)
+    transport = GlooTransport(rank, world, [ranks for ranks, _ in prepared.groups if len(ranks) > 1],
+                              spec["timeout_s"])
+    mine = train(spec, rank, zoo_model, prepared, opt, transport, heartbeat)
+    device = prepared.device
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-    weights = None
+    mine.update(rank=rank, stage=me["stage"], replica=me["replica"], device=me["device"], peak_mem_bytes=peak)
+    gathered = transport.gather_objects(mine, world)
     if spec.get("return_weights"):
-        weights = {name: p.detach().cpu() for name, p in own.named_parameters()}
-    mine = {"rank": rank, "stage": me["stage"], "device": me["device"], "times_s": times, "losses": losses,
-            "peak_mem_bytes": peak}
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine)
-    if spec.get("return_weights"):
-        torch.save(weights, out_dir / f"weights.{rank}.pt")
+        torch.save({name: p.detach().cpu() for name, p in prepared.own.named_parameters()},
+                   out_dir / f"weights.{rank}.pt")
     if rank == 0:
         _write(out_dir / "result.json", {"ranks": gathered})
-    _write(heartbeat, {"rank": rank, "stage": me["stage"], "phase": "done", "step": spec["steps"], "t": time.time()})
-    dist.destroy_process_group()
+    heartbeat("done", spec["steps"])
+    transport.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,9 +116,8 @@ def run_events(model: StepModel, cluster: Cluster, record: bool = True) -> Event
             task_base[(st.index, rep.device)] = base
             size = len(order)
             c_dev.extend([dev] * size)
-            c_dur.extend([(rep.fwd_fixed_s + rep.fwd_s * fractions[i]) if f
-                          else (rep.bwd_fixed_s + rep.bwd_s * fractions[i]) for f, i in zip(is_fwd, mbs, strict=True)])
-            c_act.extend([rep.act_bytes * fractions[i] for i in mbs])
+            c_dur.extend([rep.fwd_mb_s[i] if f else rep.bwd_mb_s[i] for f, i in zip(is_fwd, mbs, strict=True)])
+            c_act.extend([rep.act_mb_bytes[i] for i in mbs])
             c_fwd.extend(is_fwd)
             c_stage.extend([st.index] * size)
             c_mb.extend(mbs)
@@ -149,8 +148,9 @@ def run_events(model: StepModel, cluster: Cluster, record: bool = True) -> Event
             link = cluster.link(src, dst) if src != dst and msg.bytes_per_batch > 0 else None
             p_base, p_place = task_base[(s_from, src)], position[s_from][kind]
             c_base, c_place = task_base[(s_to, dst)], position[s_to][kind]
+            sent = [i for i in range(m) if msg.bytes_mb[i] is not None]  # slices that share rows
             if link is None:
-                for i in range(m):
+                for i in sent:
                     consumer = c_base + c_place[i]
                     c_wait[consumer] += 1
                     c_succ_c[p_base + p_place[i]].append(consumer)
@@ -160,19 +160,19 @@ def run_events(model: StepModel, cluster: Cluster, record: bool = True) -> Event
                 links.append(f"{src}->{dst}")
             lid = link_index[(src, dst)]
             latency, bandwidth = link.latency_s, link.bandwidth_Bps
-            for i in range(m):
+            for i in sent:
                 consumer = c_base + c_place[i]
                 c_wait[consumer] += 1
-                nbytes = msg.bytes_per_batch * fractions[i]
+                nbytes = msg.bytes_mb[i]
                 c_succ_x[p_base + p_place[i]].append(len(x_link))
                 x_link.append(lid)
                 x_dur.append(latency + nbytes / bandwidth)  # Link.transfer_s, inlined: nbytes > 0 here
                 x_bytes.append(nbytes)
                 x_dst.append(consumer)
-            x_fwd.extend([kind == FORWARD] * m)
-            x_stage.extend([s_from] * m)
-            x_to.extend([s_to] * m)
-            x_mb.extend(range(m))
+            x_fwd.extend([kind == FORWARD] * len(sent))
+            x_stage.extend([s_from] * len(sent))
+            x_to.extend([s_to] * len(sent))
+            x_mb.extend(sent)
 
     # the event loop
     nd = len(devices)

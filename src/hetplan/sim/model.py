@@ -6,9 +6,10 @@ between them, built once from a graph, a cluster and a plan by the cost model.
   operators costs whatever the size, when the profiler measured it) plus the rest of its batch
   time scaled by the micro-batch's share of the samples.
 - Replicas of a stage take contiguous slices of every micro-batch, sized in proportion to their
-  speed (`CostModel.replica_shares`), so that they finish together. A replica receives from each
-  replica of a producer stage the part of the tensor whose samples the two slices share, and
-  sends gradients back the same way.
+  speed (`CostModel.replica_shares`) in whole rows (`hetplan.rows`, the split the runtime makes),
+  so that they finish together. A replica receives from each replica of a producer stage the part
+  of the tensor whose samples the two slices share, and sends gradients back the same way; a
+  replica with no row of a micro-batch does nothing for it.
 - Routing: `direct` sends a tensor from the stage that makes it to every stage that uses it, so
   stages form a DAG and independent branches run in parallel. `relay` models a runtime that only
   connects neighbouring stages (torch.distributed.pipelining): a tensor that skips stages is
@@ -24,6 +25,7 @@ from hetplan.cost import WEIGHT_COPIES, CostModel, microbatch_fractions
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
+from hetplan.rows import StepRows
 
 ROUTINGS = ("direct", "relay")
 
@@ -53,17 +55,20 @@ def stage_pair_bytes(graph: Graph, plan: Plan, routing: str) -> dict[tuple[int, 
 
 @dataclass(frozen=True)
 class Replica:
-    """One device's part of a stage, for the whole batch."""
+    """One device's part of a stage, for the whole batch; the per-micro-batch tuples hold what
+    its slice of each micro-batch costs (`hetplan.rows`: a slice with no row costs nothing)."""
 
     device: str
-    share: float  # of every micro-batch's samples
-    lo: float  # its slice of the samples: [lo, lo + share)
-    fwd_s: float  # share x the part of the stage's forward time that scales with the samples
+    share: float  # of the batch's samples (its rows over all micro-batches / batch size)
+    fwd_s: float  # the part of its forward time that scales with the samples, whole batch
     bwd_s: float
-    act_bytes: float  # share x the stage's stashed activations, for the whole batch
+    act_bytes: float  # its stashed activations, whole batch
     fwd_fixed_s: float = 0.0  # per forward action, whatever its size (calling the operators)
     bwd_fixed_s: float = 0.0
     optimizer_s: float = 0.0  # the optimizer step on this replica's weights, and the runtime's per-step cost
+    fwd_mb_s: tuple[float, ...] = ()  # per micro-batch: its forward action
+    bwd_mb_s: tuple[float, ...] = ()
+    act_mb_bytes: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,13 +81,18 @@ class StageWork:
 
 @dataclass(frozen=True)
 class Message:
-    """Part of a stage-to-stage tensor between two replicas, as a share of a whole batch's bytes."""
+    """Part of a stage-to-stage tensor between two replicas: per micro-batch, the bytes of the
+    rows their slices share, or None where they share none (then nothing is sent)."""
 
     src_stage: int
     dst_stage: int
     src: str
     dst: str
-    bytes_per_batch: float
+    bytes_mb: tuple[float | None, ...]
+
+    @property
+    def bytes_per_batch(self) -> float:
+        return sum(b for b in self.bytes_mb if b is not None)
 
 
 @dataclass(frozen=True)
@@ -101,8 +111,20 @@ class StepModel:
         return len(self.fractions)
 
 
-def _overlap(a_lo: float, a_share: float, b_lo: float, b_share: float) -> float:
-    return max(0.0, min(a_lo + a_share, b_lo + b_share) - max(a_lo, b_lo))
+def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: int, acts: int,
+             params: int) -> Replica:
+    d = stage.devices[p]
+    dtype = cluster.device(d).type
+    fwd, bwd = cm.stage_times_s(stage.nodes, dtype)
+    ffix, bfix = cm.stage_fixed_s(stage.nodes, dtype) if dtype in cm.graph.device_types else (0.0, 0.0)
+    extra = cluster.device(d).action_overhead_s  # the runtime's own cost per action
+    frac = [rows.rows(k, j, p) / rows.batch_size for j in range(len(rows.micro))]
+    share = sum(frac)
+    return Replica(d, share, share * (fwd - ffix), share * (bwd - bfix), share * acts, ffix + extra, bfix + extra,
+                   cm.optimizer_s(params, dtype) + cluster.device(d).step_overhead_s,
+                   tuple(ffix + extra + (fwd - ffix) * f if f > 0 else 0.0 for f in frac),
+                   tuple(bfix + extra + (bwd - bfix) * f if f > 0 else 0.0 for f in frac),
+                   tuple(acts * f for f in frac))
 
 
 def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direct",
@@ -110,30 +132,20 @@ def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = 
     """The work and messages of one training step of a (valid) plan."""
     cm = cost or CostModel(graph, cluster)
     by_id = graph.by_id
+    rows = cm.plan_rows(plan)
     stages = []
-    for i, stage in enumerate(plan.stages):
-        shares = cm.replica_shares(stage.nodes, stage.devices) if len(stage.devices) > 1 else {stage.devices[0]: 1.0}
+    for k, stage in enumerate(plan.stages):
         acts = sum(by_id[n].act_bytes for n in stage.nodes)
         params = sum(by_id[n].param_bytes for n in stage.nodes)
-        replicas, lo = [], 0.0
-        for d in stage.devices:
-            dtype = cluster.device(d).type
-            fwd, bwd = cm.stage_times_s(stage.nodes, dtype)
-            ffix, bfix = cm.stage_fixed_s(stage.nodes, dtype) if dtype in graph.device_types else (0.0, 0.0)
-            share = shares[d]
-            extra = cluster.device(d).action_overhead_s  # the runtime's own cost per action
-            replicas.append(Replica(d, share, lo, share * (fwd - ffix), share * (bwd - bfix), share * acts,
-                                    ffix + extra, bfix + extra,
-                                    cm.optimizer_s(params, dtype) + cluster.device(d).step_overhead_s))
-            lo += share
-        stages.append(StageWork(i, tuple(replicas), WEIGHT_COPIES * params, cm.allreduce_s(params, stage.devices)))
+        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, params) for p in range(len(stage.devices)))
+        stages.append(StageWork(k, replicas, WEIGHT_COPIES * params, cm.allreduce_s(params, stage.devices)))
     messages = []
-    for (p, s), nbytes in sorted(stage_pair_bytes(graph, plan, routing).items()):
-        for a in stages[p].replicas:
-            for b in stages[s].replicas:
-                part = _overlap(a.lo, a.share, b.lo, b.share)
-                if part > 1e-12:
-                    messages.append(Message(p, s, a.device, b.device, nbytes * part))
+    for (a, b), nbytes in sorted(stage_pair_bytes(graph, plan, routing).items()):
+        for p, src in enumerate(plan.stages[a].devices):
+            for q, dst in enumerate(plan.stages[b].devices):
+                shared = [rows.shared_rows(a, j, p, b, q) for j in range(plan.microbatches)]
+                per_mb = tuple(nbytes * (hi - lo) / graph.batch_size if hi > lo else None for lo, hi in shared)
+                if any(x is not None for x in per_mb):
+                    messages.append(Message(a, b, src, dst, per_mb))
     return StepModel(tuple(stages), tuple(messages), microbatch_fractions(graph.batch_size, plan.microbatches),
                      plan.schedule, routing, graph.batch_size)
-

@@ -1,0 +1,234 @@
+"""One stage replica's part of a training step: the schedule's actions, run over point-to-point
+messages, as PipeDream's and DeepSpeed's pipeline runtimes do (DeepSpeed's `PipeSchedule`
+documents each instruction by the code it runs; so does this module).
+
+The action order is `hetplan.sim.schedules.schedule_order`, the one the simulator simulates, and
+the rows of every replica are `hetplan.rows`, the split the simulator charges; so a run does what
+its prediction assumed, action by action. Every plan that `hetplan.plan.validate_plan` accepts
+runs: any number of replicas per stage (3 + 1, 1 + 2 + 1, ...), stages without parameters, more
+or fewer micro-batches than stages, GPipe or 1F1B.
+
+For replica p of stage k, micro-batch j, with rows [lo, hi) of it (`StepRows.slices`):
+
+    F j:  stage 0: x = rows [lo, hi) of micro-batch j of the batch
+          else:    x = the rows each replica of stage k-1 shares with mine, joined in order
+                   (a value without batch dimension: whole, from the replica holding my first row)
+          y = stage(x); keep (x, y) for B j
+          last stage: loss_j = y;  else: send each replica of stage k+1 the rows of y we share
+    B j:  last stage: backward(loss_j * (hi - lo) / batch)   # the batch's mean loss, by samples
+          else:       g = the gradients of y from stage k+1's replicas, joined; backward(y, g)
+          send each replica of stage k-1 the rows of x.grad we share (not from stage 0)
+
+A replica with no row of micro-batch j skips F j and B j, and nobody sends to it. Only floating
+values that carry a gradient (`boundary.ValueLayout.grad`) travel back. Sends are asynchronous and
+waited for at the end of the step; receives block, which the schedules allow (they are deadlock
+free with asynchronous sends; the simulator checks the same order). Gradients of replicas and of
+parameters that several stages share are summed afterwards (`reduce_gradients`): since each slice's
+loss is weighted by its share of the batch, the sums are the whole batch's gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hetplan.errors import HetplanError
+from hetplan.rows import StepRows
+from hetplan.runtime.boundary import ValueLayout, pack, packed_bytes, unpack
+from hetplan.runtime.transport import Transport
+from hetplan.sim.schedules import FORWARD, Action
+
+
+@dataclass(frozen=True)
+class Role:
+    """Who a rank is: replica `replica` of stage `stage`; `ranks[k][p]` is the rank of replica p of stage k."""
+
+    stage: int
+    replica: int
+    ranks: tuple[tuple[int, ...], ...]
+    rows: StepRows
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == len(self.ranks) - 1
+
+
+def _tag(microbatch: int, kind: str) -> int:
+    return 2 * microbatch + (0 if kind == FORWARD else 1)
+
+
+@dataclass(frozen=True)
+class Peer:
+    replica: int
+    rank: int
+    first: int  # the rows shared with it, within the micro-batch
+    end: int
+
+
+class StageRunner:
+    """Runs the actions of one stage replica; `step(batch)` runs one training step's actions."""
+
+    def __init__(self, role: Role, order: Sequence[Action], module_for: Callable[[int], nn.Module],
+                 layouts_in: Sequence[ValueLayout], layouts_out: Sequence[ValueLayout], transport: Transport,
+                 device: torch.device) -> None:
+        self.role, self.order, self.module_for = role, tuple(order), module_for
+        self.layouts_in, self.layouts_out = tuple(layouts_in), tuple(layouts_out)
+        self.transport, self.device = transport, device
+        self.executed: list[str] = []  # the actions of the last step, as run (tests compare it with the simulator)
+
+    # --- who shares rows with whom -------------------------------------------------------
+    def _mine(self, j: int) -> tuple[int, int]:
+        return self.role.rows.slices[self.role.stage][j][self.role.replica]
+
+    def _peers(self, j: int, stage: int) -> list[Peer]:
+        rows, me = self.role.rows, self.role
+        out = []
+        for q in range(rows.replicas(stage)):
+            lo, hi = rows.shared_rows(me.stage, j, me.replica, stage, q)
+            if hi > lo:
+                out.append(Peer(q, me.ranks[stage][q], lo, hi))
+        return out
+
+    def _holds_first_row(self, j: int, stage: int, replica: int, of_stage: int, of_replica: int) -> bool:
+        """Whether (stage, replica) holds the first row of (of_stage, of_replica)'s slice of j."""
+        lo, hi = self.role.rows.slices[stage][j][replica]
+        first = self.role.rows.slices[of_stage][j][of_replica][0]
+        return lo <= first < hi
+
+    def _carried(self, layouts: Sequence[ValueLayout], whole: bool, grads: bool) -> list[int]:
+        """Indices of the values a message carries: every value with a batch dimension, and the
+        others only when `whole` (the receiver takes them from this sender); gradients: only
+        values that carry one."""
+        return [i for i, lay in enumerate(layouts)
+                if (not grads or lay.grad) and (lay.batch_dim is not None or whole)]
+
+    # --- messages --------------------------------------------------------------------------
+    def _send(self, values: list[torch.Tensor], dst: int, tag: int, pending: list) -> None:
+        buf = pack(values)
+        pending.append((self.transport.isend(buf, dst, tag), buf))
+
+    def _recv(self, metas: list[tuple[torch.dtype, tuple[int, ...]]], src: int, tag: int) -> list[torch.Tensor]:
+        buf = torch.empty(packed_bytes(metas), dtype=torch.uint8)
+        self.transport.recv(buf, src, tag)
+        return unpack(buf.to(self.device), metas)
+
+    def _gather(self, j: int, layouts: Sequence[ValueLayout], stage: int, kind: str, grads: bool,
+                sender_whole: Callable[[Peer], bool]) -> list[list[torch.Tensor]]:
+        """Per value, the parts received from each peer of `stage`, in row order."""
+        parts: list[list[torch.Tensor]] = [[] for _ in layouts]
+        for peer in self._peers(j, stage):
+            idx = self._carried(layouts, sender_whole(peer), grads)
+            metas = [(layouts[i].dtype, layouts[i].shape_for(peer.end - peer.first)) for i in idx]
+            for i, value in zip(idx, self._recv(metas, peer.rank, _tag(j, kind)), strict=True):
+                parts[i].append(value)
+        return parts
+
+    # --- actions ---------------------------------------------------------------------------
+    def _forward(self, j: int, batch: Sequence[torch.Tensor], saved: dict, pending: list) -> None:
+        k, p = self.role.stage, self.role.replica
+        lo, hi = self._mine(j)
+        if self.role.first:
+            start = self.role.rows.start[j]
+            inputs = [v[start + lo:start + hi].to(self.device) for v in batch]
+        else:
+            parts = self._gather(j, self.layouts_in, k - 1, FORWARD, False,
+                                 lambda peer: self._holds_first_row(j, k - 1, peer.replica, k, p))
+            inputs = []
+            for lay, got in zip(self.layouts_in, parts, strict=True):
+                value = lay.join(got) if lay.batch_dim is not None else got[0]
+                inputs.append(value.requires_grad_(True) if lay.grad else value)
+        out = self.module_for(hi - lo)(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        saved[j] = (inputs, outs)
+        if self.role.last:
+            return
+        for peer in self._peers(j, k + 1):
+            whole = self._holds_first_row(j, k, p, k + 1, peer.replica)
+            idx = self._carried(self.layouts_out, whole, False)
+            values = [self.layouts_out[i].take(outs[i], peer.first - lo, peer.end - lo) for i in idx]
+            self._check(values, idx, peer)
+            self._send(values, peer.rank, _tag(j, FORWARD), pending)
+
+    def _check(self, values: list[torch.Tensor], idx: list[int], peer: Peer) -> None:
+        for v, i in zip(values, idx, strict=True):
+            lay = self.layouts_out[i]
+            if tuple(v.shape) != lay.shape_for(peer.end - peer.first) or v.dtype != lay.dtype:
+                raise HetplanError(f"stage {self.role.stage} made {lay.name!r} as {v.dtype} {tuple(v.shape)}, but "
+                                   f"{lay.dtype} {lay.shape_for(peer.end - peer.first)} was expected for "
+                                   f"{peer.end - peer.first} rows: the model's shapes change between micro-batches")
+
+    def _backward(self, j: int, saved: dict, pending: list) -> float:
+        k, p = self.role.stage, self.role.replica
+        lo, hi = self._mine(j)
+        inputs, outs = saved.pop(j)
+        loss = 0.0
+        if self.role.last:
+            weight = (hi - lo) / self.role.rows.batch_size
+            (outs[0] * weight).backward()
+            loss = float(outs[0].detach().float().item()) * weight
+        else:
+            parts = self._gather(j, self.layouts_out, k + 1, "B", True,
+                                 lambda peer: self._holds_first_row(j, k, p, k + 1, peer.replica))
+            tensors, grads = [], []
+            for lay, out, got in zip(self.layouts_out, outs, parts, strict=True):
+                if lay.grad and got and out.requires_grad:
+                    tensors.append(out)
+                    grads.append(lay.join(got) if lay.batch_dim is not None else torch.stack(got).sum(0))
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        if not self.role.first:
+            for peer in self._peers(j, k - 1):
+                whole = self._holds_first_row(j, k - 1, peer.replica, k, p)
+                idx = self._carried(self.layouts_in, whole, True)
+                values = []
+                for i in idx:
+                    x = inputs[i]
+                    g = x.grad if x.grad is not None else torch.zeros_like(x)
+                    values.append(self.layouts_in[i].take(g, peer.first - lo, peer.end - lo))
+                self._send(values, peer.rank, _tag(j, "B"), pending)
+        return loss
+
+    def step(self, batch: Sequence[torch.Tensor] = ()) -> float:
+        """Run the step's actions; returns this replica's share of the batch's mean loss (last
+        stage; 0 elsewhere). `batch`: the whole batch's input values (stage 0 only)."""
+        saved: dict = {}
+        pending: list = []
+        loss = 0.0
+        self.executed = []
+        for action in self.order:
+            lo, hi = self._mine(action.microbatch)
+            if hi == lo:
+                continue
+            self.executed.append(str(action))
+            if action.kind == FORWARD:
+                self._forward(action.microbatch, batch, saved, pending)
+            else:
+                loss += self._backward(action.microbatch, saved, pending)
+        for handle, _ in pending:
+            handle.wait()
+        return loss
+
+
+def reduce_gradients(groups: Sequence[tuple[tuple[int, ...], Sequence[nn.Parameter]]], transport: Transport) -> None:
+    """Sum each group's gradients over its ranks, one flat buffer per group (gloo pays its
+    latency once, not once per tensor); GPU gradients go through the CPU. Every rank calls its
+    groups in the same global order (see `gradient_groups`)."""
+    for ranks, params in groups:
+        if len(ranks) < 2 or not params:
+            continue
+        for prm in params:
+            if prm.grad is None:
+                prm.grad = torch.zeros_like(prm)
+        flat = torch.cat([prm.grad.reshape(-1) for prm in params]).cpu()
+        transport.all_reduce(flat, tuple(ranks))
+        offset = 0
+        for prm in params:
+            prm.grad.copy_(flat[offset:offset + prm.numel()].view_as(prm.grad))
+            offset += prm.numel()

@@ -1,0 +1,177 @@
+"""Everything one rank builds before its first step, the same way on every rank.
+
+Every rank builds the whole model from the same seed (so the weights agree without sending them)
+and cuts the training step into the profiler's pieces (`hetplan.profile.split`). `torch.export`
+records shapes as numbers, so a piece traced for 4 rows runs on 4 rows only: a rank traces the
+step once per slice size it will run (`hetplan.rows`: its rows of each micro-batch), and all
+traces share the model's parameters. Two small extra traces (2 and 3 rows) show which dimension
+of every value crossing a boundary follows the batch (`boundary.layouts`); every rank makes the
+same two, so all agree. The rank then places its own stage on its device (`profile.portable`:
+no device of the tracing machine survives in it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetplan.errors import HetplanError
+from hetplan.plan import Plan
+from hetplan.profile.portable import place
+from hetplan.profile.split import split_step
+from hetplan.rows import StepRows, step_rows
+from hetplan.runtime.boundary import ValueLayout, layouts
+from hetplan.runtime.executor import Role
+from hetplan.runtime.stages import StageModule, stage_modules
+from hetplan.sim.schedules import schedule_order
+
+
+def rank_table(spec: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:
+    """`table[k][p]`: the rank of replica p of stage k (RUN.json lists ranks stage by stage)."""
+    n = len(spec["plan"]["stages"])
+    table: list[dict[int, int]] = [{} for _ in range(n)]
+    for rank, me in enumerate(spec["ranks"]):
+        table[me["stage"]][me["replica"]] = rank
+    return tuple(tuple(t[p] for p in range(len(t))) for t in table)
+
+
+def spec_rows(spec: Mapping[str, Any], plan: Plan) -> StepRows:
+    return step_rows(spec["batch_size"], plan.microbatches, spec["replica_weights"])
+
+
+@dataclass
+class Traces:
+    """The step cut into stage modules for each number of rows traced (they share parameters)."""
+
+    step: nn.Module
+    batch: Mapping[str, torch.Tensor]
+    plan: Plan
+    granularity: str
+    block_classes: tuple[str, ...] | None
+    by_rows: dict[int, list[StageModule]]
+    input_keys: tuple[str, ...] = ()
+
+    def stages(self, rows: int) -> list[StageModule]:
+        if rows not in self.by_rows:
+            if rows > next(iter(self.batch.values())).shape[0]:
+                raise HetplanError(f"cannot trace {rows} rows from an example batch of fewer")
+            split = split_step(self.step, {k: v[:rows] for k, v in self.batch.items()},
+                               granularity=self.granularity, block_classes=self.block_classes)
+            mods = stage_modules(split, self.plan)
+            if self.by_rows:
+                _same_cut(next(iter(self.by_rows.values())), mods, rows)
+            self.by_rows[rows], self.input_keys = mods, split.input_keys
+        return self.by_rows[rows]
+
+
+def _same_cut(a: list[StageModule], b: list[StageModule], rows: int) -> None:
+    for x, y in zip(a, b, strict=True):
+        if x.spec.pieces != y.spec.pieces or len(x.spec.outputs) != len(y.spec.outputs):
+            raise HetplanError(f"the model cuts differently at {rows} rows (stage {x.spec.index}): its code "
+                               "depends on the batch size in a way the runtime cannot follow")
+
+
+def boundary_layouts(traces: Traces) -> list[tuple[ValueLayout, ...]]:
+    """Per boundary k (stage k to k + 1), the layouts of the values it carries."""
+    batch_rows = next(iter(traces.batch.values())).shape[0]
+    a, b = (2, 3) if batch_rows >= 3 else (1, batch_rows)
+    runs = [_example_boundaries(traces, r) for r in (a, b)]
+    return [layouts(traces.by_rows[a][k].spec.outputs, va, a, vb, b)
+            for k, (va, vb) in enumerate(zip(runs[0], runs[1], strict=True))]
+
+
+def _example_boundaries(traces: Traces, rows: int) -> list[tuple[torch.Tensor, ...]]:
+    """The values crossing each boundary for an example of `rows` rows, with their gradient flags
+    as a real step has them; the model's random state and buffers (batch-norm statistics) are
+    left as they were."""
+    mods = traces.stages(rows)
+    buffers = {name: b.clone() for name, b in traces.step.named_buffers()}
+    out: list[tuple[torch.Tensor, ...]] = []
+    with torch.random.fork_rng(devices=[]):
+        values: tuple[torch.Tensor, ...] = tuple(traces.batch[k][:rows] for k in traces.input_keys)
+        for k, mod in enumerate(mods[:-1]):
+            if k > 0:  # received floating values that carry gradients ask for them, as in a run
+                values = tuple(v.detach().requires_grad_(v.requires_grad and v.is_floating_point())
+                               for v in values)
+            res = mod(*values)
+            values = res if isinstance(res, tuple) else (res,)
+            out.append(values)
+    with torch.no_grad():
+        for name, b in traces.step.named_buffers():
+            b.copy_(buffers[name])
+    return out
+
+
+def gradient_groups(traces: Traces, table: tuple[tuple[int, ...], ...],
+                    names: Mapping[int, str]) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
+    """Every set of ranks whose gradients are summed, with its parameters in one order: the
+    replicas of a stage, and, for a parameter several stages use (GPT-2's tied embedding and
+    output layer), the replicas of all those stages. In one global order, the same on every rank."""
+    mods = next(iter(traces.by_rows.values()))
+    holders: dict[int, set[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for k, mod in enumerate(mods):
+        for prm in mod.parameters():
+            if prm.requires_grad:
+                holders.setdefault(id(prm), set()).add(k)
+                params[id(prm)] = prm
+    groups: dict[tuple[int, ...], list[nn.Parameter]] = {}
+    for pid, stages in holders.items():
+        ranks = tuple(sorted(r for s in stages for r in table[s]))
+        groups.setdefault(ranks, []).append(params[pid])
+    return [(ranks, sorted(ps, key=lambda prm: names[id(prm)])) for ranks, ps in sorted(groups.items())]
+
+
+@dataclass
+class Prepared:
+    """A rank ready to train: its role, its stage's modules and what it sums with whom."""
+
+    role: Role
+    order: tuple
+    traces: Traces
+    layouts_in: tuple[ValueLayout, ...]
+    layouts_out: tuple[ValueLayout, ...]
+    groups: list[tuple[tuple[int, ...], list[nn.Parameter]]]  # all of them, mine or not
+    device: torch.device
+
+    @property
+    def own(self) -> StageModule:
+        """The stage's module (any trace: they hold the same parameters), for weights and checkpoints."""
+        return self.module_for(max(self.sizes))
+
+    @property
+    def sizes(self) -> set[int]:
+        rows, role = self.role.rows, self.role
+        return {rows.rows(role.stage, j, role.replica) for j in range(len(rows.micro))} - {0} or {1}
+
+    def module_for(self, rows: int) -> StageModule:
+        return self.traces.stages(rows)[self.role.stage]
+
+    @property
+    def my_groups(self) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
+        me = self.role.ranks[self.role.stage][self.role.replica]
+        return [(ranks, ps) for ranks, ps in self.groups if me in ranks]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [prm for prm in dict.fromkeys(self.own.parameters()) if prm.requires_grad]
+
+
+def prepare(spec: Mapping[str, Any], rank: int, zoo_model: Any, plan: Plan, device: torch.device) -> Prepared:
+    table = rank_table(spec)
+    me = spec["ranks"][rank]
+    role = Role(me["stage"], me["replica"], table, spec_rows(spec, plan))
+    traces = Traces(zoo_model.step, zoo_model.batch, plan, spec["granularity"],
+                    tuple(spec.get("block_classes") or zoo_model.block_classes or ()) or None, {})
+    bounds = boundary_layouts(traces) if len(plan.stages) > 1 else []
+    names = {id(prm): name for name, prm in zoo_model.step.named_parameters()}
+    groups = gradient_groups(traces, table, names)
+    k = role.stage
+    prepared = Prepared(role, schedule_order(plan.schedule, len(plan.stages), plan.microbatches)[k], traces,
+                        bounds[k - 1] if k > 0 else (), bounds[k] if k < len(bounds) else (), groups, device)
+    for rows in sorted(prepared.sizes):
+        place(prepared.module_for(rows), device)
+    return prepared

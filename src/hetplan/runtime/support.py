@@ -1,0 +1,39 @@
+"""What hetplan's runtime can execute, in one place. Pure Python (no torch): the planners, the
+launcher and the CLI read it.
+
+The runtime (`hetplan.runtime.executor`) runs the schedule's own per-device action order over
+point-to-point messages, so it runs every plan that `hetplan.plan.validate_plan` accepts: any
+chain of stages in pipeline order, each on one device or on replicas of any number and speed
+(each micro-batch split by `hetplan.rows`), stages without parameters, GPipe or 1F1B with any
+number of micro-batches up to the batch's rows, several stages on one device (`shared_devices`:
+one worker per stage). What it needs beyond a valid plan is about the cluster: every device of
+the plan must say where it runs (`binding: cpu` with `threads`, or `binding: cuda:K`).
+
+It passes tensors only between neighbouring stages (`ROUTING`): a value that skips stages is
+relayed through the ones between, which is how the simulator scores plans by default.
+"""
+
+from __future__ import annotations
+
+from hetplan.cluster import Cluster
+from hetplan.plan import Plan
+from hetplan.sim.schedules import SCHEDULE_ORDERS
+
+ROUTING = "relay"
+SCHEDULES = tuple(SCHEDULE_ORDERS)
+BINDINGS = ("cpu", "cuda")
+
+
+def runtime_refusal(plan: Plan, cluster: Cluster) -> str | None:
+    """Why the runtime cannot run this (valid) plan on this cluster, in one line; None if it can."""
+    if plan.schedule not in SCHEDULES:
+        return f"the runtime runs the schedules {', '.join(SCHEDULES)}, not {plan.schedule!r}"
+    for d in plan.devices:
+        binding = cluster.device(d).binding
+        if binding is None:
+            return (f"device {d} of cluster {cluster.name!r} has no binding, so it can only be simulated; run on a "
+                    "cluster whose devices say where they run (binding: cpu, with threads, or cuda:K), such as the "
+                    "preset local")
+        if binding.split(":", 1)[0] not in BINDINGS:
+            return f"device {d} is bound to {binding!r}; the runtime runs on {', '.join(BINDINGS)}"
+    return None

@@ -1,0 +1,129 @@
+"""How workers talk: point-to-point messages and sums over groups of ranks.
+
+`GlooTransport` is torch.distributed over gloo, between processes (and machines under torchrun).
+`LocalHub` runs the same protocol between threads of one process, so that the tests can run a
+pipeline of many stages quickly and check it against single-process training; the executor
+cannot tell the two apart.
+
+Messages are CPU tensors (gloo sends CPU tensors only; a GPU stage packs on its GPU and copies
+once). Every message carries a tag (micro-batch and direction), so that messages between two
+ranks pair up by tag and never by arrival order alone.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+
+
+class Sent(Protocol):
+    def wait(self) -> object: ...
+
+
+class Transport(Protocol):
+    rank: int
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Sent: ...
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None: ...
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None: ...
+
+    def barrier(self) -> None: ...
+
+
+class GlooTransport:
+    """torch.distributed (gloo). Every rank creates the same groups, in the same order, as
+    torch.distributed requires; `groups` are all the rank sets that will sum together."""
+
+    def __init__(self, rank: int, world: int, groups: Sequence[tuple[int, ...]], timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank = rank
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        self._groups = {g: dist.new_group(list(g)) for g in groups}
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Sent:
+        return self._dist.isend(tensor, dst, tag=tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
+        self._dist.recv(tensor, src, tag=tag)
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        self._dist.all_reduce(tensor, group=self._groups[ranks])
+
+    def barrier(self) -> None:
+        self._dist.barrier()
+
+    def gather_objects(self, obj: object, world: int) -> list:
+        out: list = [None] * world
+        self._dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        self._dist.destroy_process_group()
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class LocalHub:
+    """The meeting point of `world` ranks running as threads of one process."""
+
+    def __init__(self, world: int, timeout_s: float = 60.0) -> None:
+        self.world, self.timeout_s = world, timeout_s
+        self._boxes: dict[tuple[int, int, int], queue.Queue] = {}
+        self._lock = threading.Lock()
+        self._sums: dict[tuple[tuple[int, ...], int], dict] = {}
+        self._cond = threading.Condition()
+        self._barrier = threading.Barrier(world, timeout=timeout_s)
+
+    def box(self, src: int, dst: int, tag: int) -> queue.Queue:
+        with self._lock:
+            return self._boxes.setdefault((src, dst, tag), queue.Queue())
+
+    def transport(self, rank: int) -> LocalTransport:
+        return LocalTransport(self, rank)
+
+
+class LocalTransport:
+    def __init__(self, hub: LocalHub, rank: int) -> None:
+        self.hub, self.rank = hub, rank
+        self._rounds: dict[tuple[int, ...], int] = {}
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Sent:
+        self.hub.box(self.rank, dst, tag).put(tensor.clone())
+        return _Done()
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
+        got = self.hub.box(src, self.rank, tag).get(timeout=self.hub.timeout_s)
+        tensor.copy_(got)
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        n = self._rounds[ranks] = self._rounds.get(ranks, 0) + 1
+        key = (ranks, n)
+        hub = self.hub
+        with hub._cond:
+            entry = hub._sums.setdefault(key, {"parts": [], "sum": None, "read": 0})
+            entry["parts"].append((self.rank, tensor.clone()))
+            if len(entry["parts"]) == len(ranks):  # summed in rank order: the same result every run
+                entry["sum"] = torch.stack([t for _, t in sorted(entry["parts"], key=lambda x: x[0])]).sum(0)
+                hub._cond.notify_all()
+            if not hub._cond.wait_for(lambda: entry["sum"] is not None, timeout=hub.timeout_s):
+                raise TimeoutError(f"rank {self.rank}: all-reduce over {ranks} timed out")
+            tensor.copy_(entry["sum"])
+            entry["read"] += 1
+            if entry["read"] == len(ranks):
+                del hub._sums[key]
+
+    def barrier(self) -> None:
+        self.hub._barrier.wait()
