@@ -246,7 +246,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     steps=args.steps, warmup=args.warmup, seed=args.seed, optimizer=args.optimizer, lr=args.lr,
                     data=args.data, out_dir=args.out, timeout_s=args.timeout_s,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                    resume_step=resume_step)
+                    resume_step=resume_step, graph=graph)
     if args.dry_run:
         from hetplan.runtime.launch import torchrun_commands, write_spec
 
@@ -531,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph", required=True, metavar="G", help="the graph JSON the plan was made for")
     p.add_argument("--cluster", required=True, metavar="C", help="a cluster file or preset")
     p.add_argument("--routing", default="relay", choices=ROUTINGS,
-                   help="relay: only neighbouring stages talk, as in torch.distributed.pipelining (default); "
+                   help="relay: only neighbouring stages talk, as in hetplan's runtime (default); "
                         "direct: each tensor goes straight to the stages that use it, branches run in parallel")
     p.add_argument("--gantt", type=Path, metavar="OUT.png", help="write a Gantt chart of the step (.png/.svg/.pdf)")
     p.add_argument("--trace", type=Path, metavar="OUT.json",
@@ -539,8 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("run", parents=[common], help="train with a plan on workers; measured against predicted",
-                       description="Run a plan for real: one worker process per device, "
-                                   "torch.distributed.pipelining over gloo.")
+                       description="Run a plan for real: one worker process per stage replica, each "
+                                   "running its stage's scheduled actions over gloo.")
     p.add_argument("plan", metavar="PLAN", help="a plan JSON file")
     p.add_argument("--model", required=True, help=f"the profiled model: a zoo model ({', '.join(zoo_names())}) "
                                                   "or module.path:factory")

@@ -18,6 +18,7 @@ from hetplan.graph import Graph
 from hetplan.plan import Plan, validate_plan
 from hetplan.planners import baselines
 from hetplan.planners.options import PlanOptions
+from hetplan.runtime.support import runtime_refusal
 from hetplan.sim import simulate
 
 PlannerFn = Callable[[Graph, Cluster, PlanOptions], Plan]
@@ -112,7 +113,9 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
         graph=graph.name,
         cluster=cluster.name,
         predicted=simulate(graph, cluster, plan, routing=options.routing, timeline=False).estimate,
-        meta={**plan.meta, "planning_s": round(planning_s, 6), "seed": options.seed, "routing": options.routing},
+        meta={**plan.meta, "planning_s": round(planning_s, 6), "seed": options.seed, "routing": options.routing,
+              # what hetplan run would say of this plan on this cluster (None: it runs)
+              "runtime_refusal": runtime_refusal(plan, cluster)},
     )
 
 

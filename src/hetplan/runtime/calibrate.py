@@ -1,13 +1,16 @@
 """Measuring the runtime's own cost per pipeline action on a cluster's workers.
 
 Besides the model's operators, every forward or backward action of a pipeline costs the runtime
-something (the schedule's bookkeeping in Python, a gloo send and receive, waking up the next
+something (the executor's bookkeeping in Python, a gloo send and receive, waking up the next
 worker). The profiler cannot see it. `calibrate_action_overhead` runs one probe model as a
-two-stage pipeline on two of the cluster's workers with few and with many micro-batches, and
-divides the extra time the simulator did not predict by the extra actions on the critical path:
+pipeline over all of the cluster's workers (one stage each, any mix of thread counts and GPUs)
+with few and with many micro-batches, and divides the extra time the simulator did not predict
+by the extra actions on the critical path:
 
     overhead = (excess(m_hi) - excess(m_lo)) / (actions(m_hi) - actions(m_lo)),
     excess = measured - predicted, actions = 2 (m + stages - 1)
+
+The result is one cost per action and per step for every worker of the cluster.
 
 The difference cancels what does not grow with the micro-batches; what is left of the excess
 with few micro-batches, less their actions' share, is the runtime's cost per step (barriers,
@@ -44,43 +47,50 @@ def probe_model(batch_size: int = PROBE_BATCH, seq_len: int | None = None):
     return ZooModel("probe", TrainStep(MLP((256,) * 12 + (10,)), _classifier_loss), batch, ("Linear",))
 
 
+def _profile_spec(device) -> str:
+    """How the profiler names the device a worker runs on: `cpu:THREADS` or its CUDA binding."""
+    binding = device.binding or "cpu"
+    return binding if binding.startswith("cuda") else f"cpu:{device.threads or 1}"
+
+
 def calibrate_action_overhead(cluster: Cluster, steps: int = 10, m_lo: int = 2, m_hi: int = 8,
                               say=lambda msg: None) -> tuple[float, float, dict]:
     """Seconds per action, seconds per step (what is left of the excess with few micro-batches),
-    and the measurements they come from."""
+    and the measurements they come from. The probe runs as a pipeline over every bound worker of
+    the cluster (one stage each, in cluster order), CPU or CUDA, of any thread counts: it is
+    profiled on each of their types first, so that the prediction it is compared with knows each
+    worker's speed."""
     from hetplan.plan import Plan, Stage
     from hetplan.profile import profile_step
     from hetplan.runtime.launch import launch, run_spec
     from hetplan.sim import simulate
     from hetplan.zoo import load_model
 
-    workers = [d for d in cluster.devices if (d.binding or "").startswith("cpu")]
-    if len(workers) < 2:
-        raise HetplanError(f"cluster {cluster.name!r} needs two CPU workers (binding: cpu) to calibrate on")
-    a, b = workers[0], workers[1]
-    if a.type != b.type:
-        raise HetplanError(f"calibrating needs two workers of one type; {a.id} is {a.type}, {b.id} is {b.type}")
-    threads = a.threads or 1
-    say(f"profiling the probe ({PROBE}) on cpu:{threads}, the workers' type")
+    workers = [d for d in cluster.devices if d.binding is not None]
+    if not workers:
+        raise HetplanError(f"cluster {cluster.name!r} has no worker to calibrate: give its devices a binding "
+                           "(binding: cpu, with threads, or cuda:K)")
+    specs = list(dict.fromkeys(_profile_spec(d) for d in workers))
+    say(f"profiling the probe ({PROBE}) on {', '.join(specs)}, the workers' types")
     zoo_model = load_model(PROBE, batch_size=PROBE_BATCH, seq_len=PROBE_SEQ)
-    graph = profile_step(zoo_model.step, zoo_model.batch, name=PROBE, devices=[f"cpu:{threads}"],
-                         repeats=10).graph
-    if graph.profiled_on != a.type:
-        raise HetplanError(f"the workers are {a.type} but the probe was profiled as {graph.profiled_on}")
+    graph = profile_step(zoo_model.step, zoo_model.batch, name=PROBE, devices=specs, repeats=10).graph
     order = graph.topo_order
-    half = len(order) // 2
+    n = min(len(workers), len(order))
+    workers = workers[:n]
+    cuts = [len(order) * k // n for k in range(n + 1)]
     bare = replace(cluster, devices=tuple(replace(d, action_overhead_s=0.0, step_overhead_s=0.0)
                                           for d in cluster.devices))
     points = {}
     with tempfile.TemporaryDirectory() as tmp:
         for m in (m_lo, m_hi):
-            plan = Plan((Stage(order[:half], (a.id,)), Stage(order[half:], (b.id,))), m, "1f1b", "calibrate")
-            say(f"running the probe as 2 stages with {m} micro-batches")
+            plan = Plan(tuple(Stage(tuple(order[cuts[k]:cuts[k + 1]]), (workers[k].id,)) for k in range(n)), m,
+                        "1f1b", "calibrate")
+            say(f"running the probe as {n} stage{'s' if n > 1 else ''} with {m} micro-batches")
             spec = run_spec(plan, bare, PROBE, batch_size=PROBE_BATCH, seq_len=PROBE_SEQ, granularity="layer",
-                            steps=steps, warmup=3, out_dir=Path(tmp) / f"m{m}")
+                            steps=steps, warmup=3, out_dir=Path(tmp) / f"m{m}", graph=graph)
             measured = launch(spec).measured_step_s
             predicted = simulate(graph, bare, plan, timeline=False).estimate.step_s
-            points[m] = {"measured_step_s": measured, "predicted_step_s": predicted, "actions": 2 * (m + 1)}
+            points[m] = {"measured_step_s": measured, "predicted_step_s": predicted, "actions": 2 * (m + n - 1)}
     lo, hi = points[m_lo], points[m_hi]
     slope = ((hi["measured_step_s"] - hi["predicted_step_s"]) - (lo["measured_step_s"] - lo["predicted_step_s"])) / (
         hi["actions"] - lo["actions"])
@@ -164,7 +174,7 @@ def calibrate_cluster(cluster: Cluster, steps: int = 10, say=lambda msg: None) -
     each CPU worker's cost per action and per step on top of it. Returns it and the figures."""
     from hetplan.cluster import Link
 
-    hosts = {d.host for d in cluster.devices if (d.binding or "").startswith("cpu")}
+    hosts = {d.host for d in cluster.devices if d.binding is not None}
     report: dict = {}
     if len(hosts) == 1:
         say("timing gloo all-reduces between two local processes")
@@ -174,6 +184,6 @@ def calibrate_cluster(cluster: Cluster, steps: int = 10, say=lambda msg: None) -
     overhead, per_step, points = calibrate_action_overhead(cluster, steps=steps, say=say)
     report.update(action_overhead_s=overhead, step_overhead_s=per_step, runs=points)
     calibrated = replace(cluster, name=f"{cluster.name}-calibrated", devices=tuple(
-        replace(d, action_overhead_s=overhead, step_overhead_s=per_step) if (d.binding or "").startswith("cpu")
+        replace(d, action_overhead_s=overhead, step_overhead_s=per_step) if d.binding is not None
         else d for d in cluster.devices))
     return calibrated, report

@@ -43,9 +43,9 @@ def simulate(graph: Graph, cluster: Cluster, plan: Plan, *, routing: str = "rela
              cost: CostModel | None = None) -> Simulation:
     """Simulate one training step of a valid plan (see `hetplan.plan.validate_plan`).
 
-    routing: `relay` (default: only neighbouring stages talk, as in torch.distributed.pipelining,
-    which hetplan's runtime uses) or `direct` (stages form a DAG; each tensor goes straight to
-    the stages that use it, and independent branches run in parallel); see `hetplan.sim.model`.
+    routing: `relay` (default: only neighbouring stages talk, as in hetplan's runtime) or
+    `direct` (stages form a DAG; each tensor goes straight to the stages that use it, and
+    independent branches run in parallel); see `hetplan.sim.model`.
     timeline: keep every action (off when only the estimate is wanted)."""
     cm = cost or CostModel(graph, cluster)
     model = build_step_model(graph, cluster, plan, routing, cm)

@@ -12,7 +12,7 @@ between them, built once from a graph, a cluster and a plan by the cost model.
   replica with no row of a micro-batch does nothing for it.
 - Routing: `direct` sends a tensor from the stage that makes it to every stage that uses it, so
   stages form a DAG and independent branches run in parallel. `relay` models a runtime that only
-  connects neighbouring stages (torch.distributed.pipelining): a tensor that skips stages is
+  connects neighbouring stages (hetplan's runtime): a tensor that skips stages is
   passed through each stage in between, and each stage waits for the one before it.
 """
 

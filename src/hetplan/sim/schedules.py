@@ -8,8 +8,9 @@ forward and one backward (steady state), then runs the remaining backward passes
 so it never holds the activations of more than n - r micro-batches.
 
 The orders are exactly those torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B
-execute (`_step_microbatches`), so that a simulated step and a real one can be compared action
-by action. Tests also hold them against torch's printable `_get_pipeline_order` (idle slots and
+execute (`_step_microbatches`). hetplan's runtime (`hetplan.runtime.executor`) runs these very
+orders and the simulator simulates them, so a simulated step and a real one compare action by
+action. Tests also hold them against torch's printable `_get_pipeline_order` (idle slots and
 gradient reductions left out), which agrees everywhere except on 1F1B's last stage, where it
 numbers the forward passes from 1. An action prints as
 torch prints it: "1F0" is stage 1's forward pass of micro-batch 0, "0B3" stage 0's backward of
