@@ -266,7 +266,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = launch(spec)
     else:
         with bar:
-            task = bar.add_task(f"running {len(plan.stages)} workers", total=args.steps)
+            task = bar.add_task(f"running {len(spec['ranks'])} workers", total=args.steps)
             result = launch(spec, progress=lambda done, total: bar.update(task, completed=done))
     predicted = None
     if graph is not None:

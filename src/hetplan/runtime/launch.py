@@ -1,7 +1,7 @@
 """Launching a plan's workers on this machine, watching them, and measuring the step.
 
-`run_plan` writes RUN.json, starts one `python -m hetplan.runtime.worker RUN.json` process per
-device of the plan (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT in their
+`launch` writes RUN.json, starts one `python -m hetplan.runtime.worker RUN.json` process per
+stage replica of the plan (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT in their
 environment, as torchrun would set them) and watches them: when a worker exits with an error,
 or no worker's heartbeat moves for `timeout_s`, every worker is stopped (SIGTERM, then SIGKILL)
 and the error names the worker and its stage. Gloo's own timeout is the same, so a worker waiting

@@ -30,7 +30,7 @@ def run_threads(spec: dict[str, Any], timeout_s: float = 120.0) -> list[dict[str
             results[rank] = out
         except BaseException as exc:  # noqa: BLE001 - re-raised below, with the rank
             results[rank] = exc
-            hub._barrier.abort()
+            hub.abort()
 
     threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(world)]
     for t in threads:

@@ -43,9 +43,10 @@ def spec_rows(spec: Mapping[str, Any], plan: Plan) -> StepRows:
     return step_rows(spec["batch_size"], plan.microbatches, spec["replica_weights"])
 
 
-@dataclass
+@dataclass(frozen=True)
 class Traces:
-    """The step cut into stage modules for each number of rows traced (they share parameters)."""
+    """The step cut into stage modules for each number of rows traced (they share parameters);
+    `by_rows` fills as sizes are asked for."""
 
     step: nn.Module
     batch: Mapping[str, torch.Tensor]
@@ -53,7 +54,10 @@ class Traces:
     granularity: str
     block_classes: tuple[str, ...] | None
     by_rows: dict[int, list[StageModule]]
-    input_keys: tuple[str, ...] = ()
+
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        return tuple(self.batch)  # the step's inputs, in the batch's order (`SplitStep.input_keys`)
 
     def stages(self, rows: int) -> list[StageModule]:
         if rows not in self.by_rows:
@@ -64,7 +68,7 @@ class Traces:
             mods = stage_modules(split, self.plan)
             if self.by_rows:
                 _same_cut(next(iter(self.by_rows.values())), mods, rows)
-            self.by_rows[rows], self.input_keys = mods, split.input_keys
+            self.by_rows[rows] = mods
         return self.by_rows[rows]
 
 
@@ -126,7 +130,7 @@ def gradient_groups(traces: Traces, table: tuple[tuple[int, ...], ...],
     return [(ranks, sorted(ps, key=lambda prm: names[id(prm)])) for ranks, ps in sorted(groups.items())]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
     """A rank ready to train: its role, its stage's modules and what it sums with whom."""
 

@@ -94,6 +94,10 @@ class LocalHub:
     def transport(self, rank: int) -> LocalTransport:
         return LocalTransport(self, rank)
 
+    def abort(self) -> None:
+        """Wake the ranks waiting at a barrier (one rank failed)."""
+        self._barrier.abort()
+
 
 class LocalTransport:
     def __init__(self, hub: LocalHub, rank: int) -> None:
