@@ -123,6 +123,11 @@ def test_uneven_replicas_split_by_speed_equal_single_process(schedule, replicas,
         assert res["actions"] == [str(a) for a in orders[k] if rows.rows(k, a.microbatch, p) > 0]
 
 
+@pytest.mark.parametrize("replicas,weights", [([1], [[1.0]]), ([3], [[1.0, 2.0, 3.0]])])
+def test_one_stage_alone_or_data_parallel_over_replicas_of_three_speeds(replicas, weights):
+    check(*pipelined_vs_single("gpt2-tiny", replicas, 2, "1f1b", batch=8, weights=weights))
+
+
 def test_a_replica_with_no_row_of_a_microbatch_skips_it():
     """A micro-batch of 2 rows over 3 replicas: one of them gets none and does nothing for it."""
     result = pipelined_vs_single("gpt2-tiny", [1, 3], 2, "1f1b", weights=[[1.0], [1.0, 1.0, 1.0]])

@@ -115,7 +115,7 @@ def gradient_groups(traces: Traces, table: tuple[tuple[int, ...], ...],
     """Every set of ranks whose gradients are summed, with its parameters in one order: the
     replicas of a stage, and, for a parameter several stages use (GPT-2's tied embedding and
     output layer), the replicas of all those stages. In one global order, the same on every rank."""
-    mods = next(iter(traces.by_rows.values()))
+    mods = traces.stages(min(traces.by_rows, default=next(iter(traces.batch.values())).shape[0]))
     holders: dict[int, set[int]] = {}
     params: dict[int, nn.Parameter] = {}
     for k, mod in enumerate(mods):
@@ -128,6 +128,12 @@ def gradient_groups(traces: Traces, table: tuple[tuple[int, ...], ...],
         ranks = tuple(sorted(r for s in stages for r in table[s]))
         groups.setdefault(ranks, []).append(params[pid])
     return [(ranks, sorted(ps, key=lambda prm: names[id(prm)])) for ranks, ps in sorted(groups.items())]
+
+
+def slice_sizes(role: Role) -> set[int]:
+    """The numbers of rows a rank runs its stage on (one per distinct slice of a micro-batch)."""
+    rows = role.rows
+    return {rows.rows(role.stage, j, role.replica) for j in range(len(rows.micro))} - {0} or {1}
 
 
 @dataclass(frozen=True)
@@ -149,8 +155,7 @@ class Prepared:
 
     @property
     def sizes(self) -> set[int]:
-        rows, role = self.role.rows, self.role
-        return {rows.rows(role.stage, j, role.replica) for j in range(len(rows.micro))} - {0} or {1}
+        return slice_sizes(self.role)
 
     def module_for(self, rows: int) -> StageModule:
         return self.traces.stages(rows)[self.role.stage]
@@ -170,6 +175,8 @@ def prepare(spec: Mapping[str, Any], rank: int, zoo_model: Any, plan: Plan, devi
     role = Role(me["stage"], me["replica"], table, spec_rows(spec, plan))
     traces = Traces(zoo_model.step, zoo_model.batch, plan, spec["granularity"],
                     tuple(spec.get("block_classes") or zoo_model.block_classes or ()) or None, {})
+    for rows in sorted(slice_sizes(role)):
+        traces.stages(rows)
     bounds = boundary_layouts(traces) if len(plan.stages) > 1 else []
     names = {id(prm): name for name, prm in zoo_model.step.named_parameters()}
     groups = gradient_groups(traces, table, names)
