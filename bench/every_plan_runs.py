@@ -121,7 +121,10 @@ def main(argv=None) -> int:
     ap.add_argument("--problems", type=int, default=20)
     ap.add_argument("--threads", action="store_true", help="run ranks as threads (LocalHub) instead of processes")
     ap.add_argument("--out", type=Path, default=Path("out/bench/every-plan"))
+    ap.add_argument("--table", type=Path, help="only print the table of an earlier results.json")
     args = ap.parse_args(argv)
+    if args.table:
+        return write_table(json.loads(args.table.read_text()), args.table.parent)
     args.out.mkdir(parents=True, exist_ok=True)
     rows, seen = [], {}
     for i in range(args.problems):
@@ -140,7 +143,8 @@ def main(argv=None) -> int:
                        stages_without_params=sum(1 for s in plan.stages
                                                  if sum(graph.by_id[n].param_bytes for n in s.nodes) == 0))
             if key in seen:
-                rows.append({**row, **seen[key], "same_as": seen[key]["planner"]})
+                rows.append({**row, **{k: v for k, v in seen[key].items() if k != "planner"},
+                             "same_as": seen[key]["planner"]})
                 continue
             try:
                 result = check_run(name, plan, cluster, graph, args.out / f"run-{i}-{planner}", args.threads)
@@ -153,6 +157,10 @@ def main(argv=None) -> int:
             print(f"[{i}] {name} {row['workers']} {planner}: {row['plan']}: {result['status']} "
                   f"{result.get('max_weight_diff', '')} {result.get('why', '')}", flush=True)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+    return write_table(rows, args.out)
+
+
+def write_table(rows: list[dict], out: Path) -> int:
     lines = ["| planner | plans | ran, weights match | failed | wrong weights | no plan | uneven replicas | "
              "stages without parameters | max weight diff |", "|---|---|---|---|---|---|---|---|---|"]
     for planner in PLANNERS:
@@ -170,7 +178,10 @@ def main(argv=None) -> int:
     lines += ["", "Not run or not equal:"] + [f"- problem {r['problem']} ({r['model']}, workers {r['workers']}), "
                                               f"{r['planner']}: {r['status']}: {r.get('why', r.get('max_weight_diff'))}"
                                               for r in bad]
-    (args.out / "RESULTS.md").write_text("\n".join(lines) + "\n")
+    runs = len({(r["problem"], r.get("plan")) for r in rows if "plan" in r})
+    lines += ["", f"{len(rows)} plans from {len(PLANNERS)} planners on {len({r['problem'] for r in rows})} problems; "
+              f"{runs} distinct plans run (a plan that several planners return runs once)."]
+    (out / "RESULTS.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if not any(r["status"] in ("failed", "wrong weights") for r in rows) else 1
 

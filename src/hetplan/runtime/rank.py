@@ -12,7 +12,7 @@ no device of the tracing machine survives in it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,7 @@ class Traces:
     granularity: str
     block_classes: tuple[str, ...] | None
     by_rows: dict[int, list[StageModule]]
+    on_trace: Callable[[int], None] | None = None  # told before each trace (the launcher's heartbeat)
 
     @property
     def input_keys(self) -> tuple[str, ...]:
@@ -63,6 +64,8 @@ class Traces:
         if rows not in self.by_rows:
             if rows > next(iter(self.batch.values())).shape[0]:
                 raise HetplanError(f"cannot trace {rows} rows from an example batch of fewer")
+            if self.on_trace is not None:
+                self.on_trace(rows)
             split = split_step(self.step, {k: v[:rows] for k, v in self.batch.items()},
                                granularity=self.granularity, block_classes=self.block_classes)
             mods = stage_modules(split, self.plan)
@@ -169,12 +172,13 @@ class Prepared:
         return [prm for prm in dict.fromkeys(self.own.parameters()) if prm.requires_grad]
 
 
-def prepare(spec: Mapping[str, Any], rank: int, zoo_model: Any, plan: Plan, device: torch.device) -> Prepared:
+def prepare(spec: Mapping[str, Any], rank: int, zoo_model: Any, plan: Plan, device: torch.device,
+            on_trace: Callable[[int], None] | None = None) -> Prepared:
     table = rank_table(spec)
     me = spec["ranks"][rank]
     role = Role(me["stage"], me["replica"], table, spec_rows(spec, plan))
     traces = Traces(zoo_model.step, zoo_model.batch, plan, spec["granularity"],
-                    tuple(spec.get("block_classes") or zoo_model.block_classes or ()) or None, {})
+                    tuple(spec.get("block_classes") or zoo_model.block_classes or ()) or None, {}, on_trace)
     for rows in sorted(slice_sizes(role)):
         traces.stages(rows)
     bounds = boundary_layouts(traces) if len(plan.stages) > 1 else []

@@ -65,7 +65,7 @@ def _optimizer(spec: dict, params: list):
     return torch.optim.Adam(params, lr=spec["lr"])
 
 
-def build_rank(spec: dict, rank: int):
+def build_rank(spec: dict, rank: int, heartbeat=None):
     """The rank's model, traces, stage and optimizer (`hetplan.runtime.rank`)."""
     import torch
     from torch import nn
@@ -82,7 +82,8 @@ def build_rank(spec: dict, rank: int):
             if isinstance(mod, nn.Dropout):
                 mod.p = 0.0
     device = torch.device(me["binding"] if me["binding"].startswith("cuda") else "cpu")
-    prepared = prepare(spec, rank, zoo_model, plan, device)
+    on_trace = (lambda rows: heartbeat(f"tracing {rows} rows", -1)) if heartbeat is not None else None
+    prepared = prepare(spec, rank, zoo_model, plan, device, on_trace)
     return zoo_model, prepared, _optimizer(spec, prepared.parameters())
 
 
@@ -149,7 +150,7 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
     if os.environ.get("HETPLAN_CPUS"):  # the launcher's cores for this worker (see launch.pin_cores)
         os.sched_setaffinity(0, [int(c) for c in os.environ["HETPLAN_CPUS"].split(",")])
     torch.set_num_threads(me["threads"])
-    zoo_model, prepared, opt = build_rank(spec, rank)
+    zoo_model, prepared, opt = build_rank(spec, rank, heartbeat)  # each trace moves the heartbeat
     transport = GlooTransport(rank, world, [ranks for ranks, _ in prepared.groups if len(ranks) > 1],
                               spec["timeout_s"])
     mine = train(spec, rank, zoo_model, prepared, opt, transport, heartbeat)
