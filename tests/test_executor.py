@@ -158,6 +158,24 @@ def test_a_stage_without_parameters_and_integers_across_two_boundaries():
         assert ints == [(0, 16, False), (None, 0, False)]
 
 
+def test_two_stages_on_one_device_run_as_two_workers():
+    """A plan with `shared_devices`: stages 0 and 2 on the same device (one worker each)."""
+    zm = no_dropout(load_model("gpt2-tiny", batch_size=4, seq_len=16, seed=0))
+    names = [p.name for p in split_step(zm.step, zm.batch).pieces]
+    a, b = len(names) // 3, 2 * len(names) // 3
+    plan = Plan((Stage(tuple(names[:a]), ("c0",)), Stage(tuple(names[a:b]), ("c1",)), Stage(tuple(names[b:]), ("c0",))),
+                2, "1f1b", "test", shared_devices=True)
+    spec = run_spec(plan, cpus(2), "gpt2-tiny", batch_size=4, seq_len=16, granularity="layer", steps=1, warmup=0,
+                    optimizer="sgd", lr=0.1, out_dir="unused", no_dropout=True)
+    assert [(r["stage"], r["device"]) for r in spec["ranks"]] == [(0, "c0"), (1, "c1"), (2, "c0")]
+    results = run_threads(spec)
+    ref_loss = reference_step(zm, _batches(spec, zm, 0), 2, 0.1)
+    assert results[2]["losses"][0] == pytest.approx(ref_loss, rel=1e-5)
+    for rank, module in enumerate(stage_modules(split_step(zm.step, zm.batch), plan)):
+        for name, p in module.named_parameters():
+            assert (results[rank]["weights"][name] - p.detach()).abs().max().item() <= 1e-5
+
+
 def test_inception_branches_cross_boundaries():
     """Four parallel branches cut across stages: several values per boundary, batch norm inside."""
     result = pipelined_vs_single("inception-tiny", [1, 1, 1], 2, "1f1b", batch=4)
