@@ -347,7 +347,9 @@ def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
     assert cli("profile", "gpt2-tiny", "--batch-size", "8", "--seq-len", "16", "--device", "cpu:1", "-o", g).code == 0
     assert json.loads(g.read_text())["meta"]["seq_len"] == "16"  # what run rebuilds the model with
     assert cli("plan", g, "--cluster", "local", "--planner", "uniform", "--microbatches", "4", "-o", p).code == 0
-    r = cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--steps", "3", "--warmup", "1", "--out", out, "--json")
+    ckpt = tmp_path / "ckpt"
+    r = cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--steps", "3", "--warmup", "1", "--out", out, "--json",
+            "--checkpoint-dir", ckpt, "--checkpoint-every", "3")
     assert r.code == 0, r.err
     s = r.json()
     for key in ("measured_step_s", "predicted_step_s", "steps", "loss_first", "loss_last", "relative_error"):
@@ -358,6 +360,10 @@ def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
     assert r.code == 0 and "torchrun --nnodes 1 --node-rank 0 --nproc-per-node 2" in r.out
     r = cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--resume", "--out", out)
     assert r.code == 2 and "--resume needs --checkpoint-dir DIR" in r.err
+    bad(cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--steps", "3", "--out", out, "--checkpoint-dir", ckpt,
+            "--resume"), "the checkpoint is at step 3 already; ask for more steps (--steps 6)")
+    for steps in ("0", "-1"):  # used to end in statistics.StatisticsError (issue 13)
+        bad(cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--steps", steps, "--out", out), "run at least 1 step")
 
 
 def test_run_refuses_text_data_for_a_model_that_is_not_a_language_model(cli, tmp_path):

@@ -209,6 +209,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from hetplan.runtime.checkpoint import checkpoint_step
     from hetplan.runtime.launch import launch, run_spec
 
+    if args.steps < 1 or args.warmup < 0:
+        raise HetplanError(f"--steps {args.steps} --warmup {args.warmup}: run at least 1 step, with 0 or more "
+                           "warm-up steps")
     plan = serde.load(args.plan, expect="plan")
     graph = load_graph(args.graph) if args.graph else None
     cluster_ref = args.cluster or plan.cluster
@@ -242,6 +245,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise HetplanError(f"{args.checkpoint_dir}: no complete checkpoint of all {len(plan.stages)} stages "
                                "to resume from")
         resume_step = found
+        if resume_step >= args.steps:
+            raise HetplanError(f"{args.checkpoint_dir}: the checkpoint is at step {resume_step} already; ask for "
+                               f"more steps (--steps {resume_step + args.steps}) to go on")
     spec = run_spec(plan, cluster, args.model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
                     steps=args.steps, warmup=args.warmup, seed=args.seed, optimizer=args.optimizer, lr=args.lr,
                     data=args.data, out_dir=args.out, timeout_s=args.timeout_s,
