@@ -143,6 +143,7 @@ def test_loss_falls_on_text_and_resume_continues_the_same_run(tmp_path):
     assert checkpoint_step(ckpt, 2) == 6
     resumed = launch(two_stage(tmp_path / "b", 20, data="text", lr=3e-3, checkpoint_dir=ckpt, resume_step=6))
     assert resumed.losses == pytest.approx(full.losses[6:], abs=1e-5)
+    assert checkpoint_step(ckpt, 2) == 20  # without --checkpoint-every, the last step is saved (issue 13)
 
 
 def test_torchrun_two_nodes_on_loopback(tmp_path):

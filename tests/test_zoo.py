@@ -49,7 +49,7 @@ def test_bad_names_and_sizes():
         load_model("gpt2-tiny", seq_len=4096)
     with pytest.raises(HetplanError, match="--batch-size 0"):
         load_model("mlp", batch_size=0)
-    with pytest.raises(HetplanError, match="cannot import module 'no_such_module'"):
+    with pytest.raises(HetplanError, match="no module 'no_such_module' in the current folder"):
         load_model("no_such_module:make")
     with pytest.raises(HetplanError, match="has no callable 'nothing'"):
         load_model("user_models:nothing")
@@ -59,3 +59,17 @@ def test_user_model_from_a_factory():
     zm = load_model("user_models:make", batch_size=3)
     assert zm.batch["x"].shape == (3, 8)
     assert zm.step(**zm.batch).dim() == 0
+
+
+def test_a_users_module_is_found_in_the_current_folder_as_python_m_finds_it(tmp_path, monkeypatch):
+    """`hetplan profile mymodels:make` in the module's folder (issue 13: `No module named 'mymodels'`)."""
+    import sys
+
+    (tmp_path / "mymodels_i13.py").write_text(
+        "import torch\n\ndef make(batch_size=2, seq_len=None):\n"
+        "    return torch.nn.Linear(3, 1), {'input': torch.randn(batch_size, 3)}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert load_model("mymodels_i13:make", batch_size=2).batch["input"].shape == (2, 3)
+    with pytest.raises(HetplanError, match=r"no module 'nowhere_i13' in the current folder \(.*\) or on the Python"):
+        load_model("nowhere_i13:make")

@@ -127,7 +127,9 @@ def train(spec: dict, rank: int, zoo_model, prepared, opt, transport, heartbeat=
         if role.last:
             losses.append(loss)
         every = spec.get("checkpoint_every") or 0
-        if every and (step + 1) % every == 0 and role.replica == 0:  # replicas hold the same weights
+        # with a checkpoint folder, the last step is always saved (a resumed run too, issue 13)
+        due = (every and (step + 1) % every == 0) or step + 1 == spec["steps"]
+        if spec.get("checkpoint_dir") and due and role.replica == 0:  # replicas hold the same weights
             from hetplan.runtime.checkpoint import save_stage
 
             save_stage(Path(spec["checkpoint_dir"]), role.stage, prepared.own, opt, step + 1)

@@ -183,14 +183,10 @@ def _check_seq(seq_len: int, limit: int) -> None:
 
 def user_model(ref: str, batch_size: int | None, seq_len: int | None) -> ZooModel:
     """`module.path:factory`: the factory returns a ZooModel or a (model, batch dict) pair."""
-    import importlib
     from collections.abc import Mapping
 
     module_name, _, attr = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise HetplanError(f"{ref}: cannot import module {module_name!r} ({exc})") from None
+    module = _import_user_module(ref, module_name)
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise HetplanError(f"{ref}: module {module_name!r} has no callable {attr!r}")
@@ -202,6 +198,27 @@ def user_model(ref: str, batch_size: int | None, seq_len: int | None) -> ZooMode
         model, batch = made
         return ZooModel(ref, TrainStep(model, _output_loss), dict(batch), ())
     raise HetplanError(f"{ref}: the factory must return a hetplan.zoo.ZooModel or a (model, batch dict) pair")
+
+
+def _import_user_module(ref: str, module_name: str):
+    """Import a user's module the way `python -m` finds it: the current folder first, then the
+    Python path (the `hetplan` command, unlike `python -m`, does not put the current folder there)."""
+    import importlib
+    import sys
+
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise HetplanError(f"{ref}: no module {module_name!r} in the current folder ({here}) or on the Python "
+                               "path; run hetplan from the folder that holds it, or add that folder to PYTHONPATH"
+                               ) from None
+        raise HetplanError(f"{ref}: importing {module_name!r} failed: {exc}") from None
+    except ImportError as exc:
+        raise HetplanError(f"{ref}: importing {module_name!r} failed: {exc}") from None
 
 
 def output_loss(out: Any) -> torch.Tensor:
