@@ -246,3 +246,28 @@ def test_curve_goes_to_tensorboard_when_it_is_installed(tmp_path, monkeypatch):
     assert files[-1] == str(tmp_path / "c-tb")
     assert written == [("dir", str(tmp_path / "c-tb")), ("objective/mean", 3.0, 1), ("objective/mean", 2.0, 2),
                        ("objective/best", 1.5, 2), ("closed",)]
+
+
+def test_ppo_on_resnet50_no_longer_crashes_with_a_nan_probability(profiles):
+    """The README's PPO command on resnet50 / hetero-4 ended in `probability tensor contains
+    either inf, nan or element < 0` (issue 13; --max-iters 299 makes it the same run every time):
+    the PPO ratio overflowed. Now it runs, and no update had to be skipped."""
+    from hetplan.io.pipedream import import_pipedream
+
+    graph = import_pipedream(profiles / "resnet50" / "graph.txt")
+    plan = make_plan(graph, load_cluster("hetero-4"), "ppo", PlanOptions(max_iters=299))
+    assert plan.meta["ppo"]["iterations"] == 299 and plan.meta["ppo"]["skipped_updates"] == 0
+
+
+def test_a_non_finite_loss_or_gradient_skips_the_update_and_lowers_the_step():
+    import torch
+
+    from hetplan.planners.rl.loop import guarded_update
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    assert not guarded_update(opt, w.sum() * float("nan"))
+    assert not guarded_update(opt, torch.sqrt(w - 1).sum())  # a finite loss (0) with infinite gradients
+    assert torch.equal(w.detach(), torch.ones(3)) and opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert guarded_update(opt, (2 * w).sum())  # a finite one updates
+    assert torch.allclose(w.detach(), torch.full((3,), 1 - 0.025 * 2))

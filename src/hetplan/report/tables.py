@@ -104,6 +104,9 @@ def show_search(console: Console, plan: Plan) -> None:
     console.print(f"search: {body['iterations']:,} iterations in {body['seconds']:.1f} s, "
                   f"{body['fast_evaluations']:,} plans scored by the fast path, {body['event_simulations']} "
                   f"simulated; {mode}")
+    if body.get("skipped_updates"):
+        console.print(f"  {body['skipped_updates']} policy updates skipped: their loss or gradients were not finite "
+                      "(the learning rate was halved each time)")
     if body.get("returned") == "warm start":
         console.print(f"  returned the warm start: nothing {plan.planner} sampled was better "
                       "(a larger --budget-s or --max-iters searches longer)")

@@ -47,7 +47,7 @@ from hetplan.planners import objectives
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.rl.env import unit_starts
 from hetplan.planners.rl.features import hierarchical_features
-from hetplan.planners.rl.loop import KEEP, budget, finish, seeded_torch, thin
+from hetplan.planners.rl.loop import KEEP, budget, finish, guarded_update, seeded_torch, thin
 from hetplan.planners.scoring import Scorer
 from hetplan.sim.fast import fast_step_s
 
@@ -241,7 +241,7 @@ def heterps(graph: Graph, cluster: Cluster, options: PlanOptions,
     with seeded_torch(options.seed) as gen:
         policy = TypePolicy(feats.shape[1], len(prov.types))
         opt = torch.optim.Adam(policy.parameters(), lr=3e-3)
-        began, it, baseline, v_ref = time.perf_counter(), 0, None, None
+        began, it, baseline, v_ref, skipped = time.perf_counter(), 0, None, None, 0
         curve = []
         while True:
             elapsed = time.perf_counter() - began
@@ -267,9 +267,7 @@ def heterps(graph: Graph, cluster: Cluster, options: PlanOptions,
             baseline = mean_r if baseline is None else 0.9 * baseline + 0.1 * mean_r
             logp = logp_all.gather(1, picks.T).sum(dim=0)  # (8,)
             loss = -(torch.as_tensor(rewards - baseline, dtype=torch.float32) * logp).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            skipped += not guarded_update(opt, loss)
             it += 1
             found = min((v for v, _ in best.values()), default=math.inf)
             curve.append((it, prov.evaluations, time.perf_counter() - began, float(values.mean()),
@@ -279,7 +277,8 @@ def heterps(graph: Graph, cluster: Cluster, options: PlanOptions,
     if progress is not None:
         progress(1.0)
     found = [p for _, p in sorted(best.values(), key=lambda x: x[0])[:KEEP]]
-    run = {"iterations": it, "fast_evaluations": prov.evaluations, "seconds": round(time.perf_counter() - began, 3),
+    run = {"iterations": it, "skipped_updates": skipped, "fast_evaluations": prov.evaluations,
+           "seconds": round(time.perf_counter() - began, 3),
            "curve": thin(curve), "faithful": options.faithful, "units": units, "types": prov.types,
            "algorithm": "reinforce (types) + provisioning"}
     return finish(prov.scorer, "heterps", found, warm, run,

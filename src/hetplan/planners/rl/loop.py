@@ -40,6 +40,7 @@ from hetplan.planners.rl.policy import PlanPolicy
 from hetplan.planners.scoring import Scorer
 
 KEEP = 8  # plans re-scored by the event simulator at the end
+LOG_RATIO_LIMIT = 20.0  # PPO: |log pi/pi_old| beyond this is clamped (exp(20) = 5e8 is still finite)
 CURVE_POINTS = 400
 
 
@@ -59,6 +60,29 @@ class LearnConfig:
     reward: str = "neg"  # "neg_sqrt": -sqrt(v / v_ref), "neg": -v / v_ref
 
 
+def guarded_update(opt: torch.optim.Optimizer, loss: torch.Tensor, grad_clip: float | None = None) -> bool:
+    """One optimizer update, unless the loss or a gradient is not finite (rewards of plans the
+    simulator scores as infinite, a log-probability of -inf): then the update is skipped and the
+    learning rate halved, so that no NaN reaches the policy's weights (issue 13: PPO on resnet50
+    crashed at update 597 with 'probability tensor contains either inf, nan'). Returns whether it
+    updated; callers count the skipped ones in the run's record."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    opt.zero_grad()
+    finite = bool(torch.isfinite(loss))
+    if finite:
+        loss.backward()
+        finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+    if not finite:
+        opt.zero_grad()
+        for group in opt.param_groups:
+            group["lr"] *= 0.5
+        return False
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+    return True
+
+
 @dataclass(frozen=True)
 class Learned:
     """What a run found: the best fast-path candidates, the learning curve and counters."""
@@ -68,6 +92,7 @@ class Learned:
     iterations: int
     evaluations: int
     seconds: float
+    skipped_updates: int = 0  # updates skipped for a non-finite loss or gradient (`guarded_update`)
 
 
 def budget(options: PlanOptions, default_s: float) -> tuple[int | None, float]:
@@ -117,7 +142,7 @@ def _learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, max_iters: int | 
     curve = []
     baseline = None
     v_ref = None
-    it = 0
+    it = skipped = 0
     best_v = math.inf
     while True:
         elapsed = time.perf_counter() - began
@@ -156,11 +181,7 @@ def _learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, max_iters: int | 
         if cfg.algorithm == "reinforce":
             logp, ent = policy.log_prob(sample, scale)
             loss = -(adv * logp).mean() - cfg.entropy * ent
-            opt.zero_grad()
-            loss.backward()
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-            opt.step()
+            skipped += not guarded_update(opt, loss, cfg.grad_clip)
         else:
             if adv.std() > 0:
                 adv = adv / (adv.std() + 1e-8)
@@ -168,14 +189,14 @@ def _learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, max_iters: int | 
                 old, _ = policy.log_prob(sample, scale)
             for _ in range(cfg.epochs):
                 logp, ent = policy.log_prob(sample, scale)
-                ratio = torch.exp(logp - old)
+                # The partition network's dropout (Trinity's 30%) differs between `old` and this pass,
+                # and a plan's log-probability sums 64 units' choices: the log-ratio reached 140 on
+                # resnet50 and exp() overflowed to inf (issue 13). Clamped, it stays finite; the
+                # PPO clip and the gradient-norm clip bound the update as before.
+                ratio = torch.exp((logp - old).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
                 surrogate = torch.min(ratio * adv, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * adv)
                 loss = -surrogate.mean() - cfg.entropy * ent
-                opt.zero_grad()
-                loss.backward()
-                if cfg.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-                opt.step()
+                skipped += not guarded_update(opt, loss, cfg.grad_clip)
         it += 1
         curve.append((it, env.evaluations, time.perf_counter() - began, float(values.mean()),
                       best_v if math.isfinite(best_v) else None))
@@ -185,7 +206,7 @@ def _learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, max_iters: int | 
         progress(1.0)
     curve = thin(curve)
     cands = sorted(((-v, s, d, m) for v, _, s, d, m in best), key=lambda c: c[0])
-    return Learned(tuple(cands), tuple(curve), it, env.evaluations, time.perf_counter() - began)
+    return Learned(tuple(cands), tuple(curve), it, env.evaluations, time.perf_counter() - began, skipped)
 
 
 def finish(scorer: Scorer, planner: str, found: list[Plan], warm: Plan | None, run: dict, hint: str) -> Plan:

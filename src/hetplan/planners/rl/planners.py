@@ -67,7 +67,8 @@ def _run(graph: Graph, cluster: Cluster, options: PlanOptions, planner: str, pol
     learned = learn(env, policy, cfg, options, FAITHFUL_BUDGET_S if options.faithful else DEFAULT_BUDGET_S,
                     progress)
     found = [env.to_plan(np.array(s), np.array(d), m, planner) for _, s, d, m in learned.candidates]
-    run = {"iterations": learned.iterations, "fast_evaluations": learned.evaluations,
+    run = {"iterations": learned.iterations, "skipped_updates": learned.skipped_updates,
+           "fast_evaluations": learned.evaluations,
            "seconds": round(learned.seconds, 3), "curve": learned.curve, "faithful": options.faithful,
            "units": env.units, "algorithm": cfg.algorithm}
     return finish(Scorer(graph, cluster, options), planner, found, warm, run,
