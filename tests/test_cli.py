@@ -375,3 +375,31 @@ def test_run_refuses_text_data_for_a_model_that_is_not_a_language_model(cli, tmp
     r = cli("run", plan, "--model", "mlp", "--data", "text", "--batch-size", "8")
     assert r.code == 2
     assert r.err.strip() == "hetplan: error: --data text is for language models; mlp takes --data synthetic"
+
+
+def test_outputs_never_replace_devices_fifos_directories_links_or_inputs(cli, tmp_path, profiles):
+    """Issue 13: run as root, `-o /dev/null` replaced the device with a regular file; FIFOs and
+    symbolic links were replaced too, and `-o` equal to the input graph overwrote it with exit 0."""
+    import os
+    import stat
+
+    graph = tmp_path / "g.json"
+    assert cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", graph).code == 0
+    before = graph.read_bytes()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "elsewhere.json")
+    device = tmp_path / "null"  # a device of the test's own: a regression must not clobber /dev/null
+    try:
+        os.mknod(device, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:  # not root: the system's, which an unprivileged run cannot replace
+        device = "/dev/null"
+    for out, why in ((device, "not a regular file"), (fifo, "not a regular file"), (tmp_path, "a directory"),
+                     (link, "symbolic link"), (graph, "also an input of this command")):
+        bad(cli("plan", graph, "--cluster", "hetero-4", "--planner", "single", "-o", out), why)
+    bad(cli("simulate", tmp_path / "nope.json", "--graph", graph, "--cluster", "hetero-4", "--gantt", graph),
+        "also an input of this command")
+    assert stat.S_ISCHR(os.lstat(device).st_mode) and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert link.is_symlink() and not (tmp_path / "elsewhere.json").exists() and graph.read_bytes() == before
+    assert cli("plan", graph, "--cluster", "hetero-4", "--planner", "single", "-o", tmp_path / "p.json").code == 0

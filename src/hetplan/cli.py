@@ -614,10 +614,25 @@ def _version() -> str:
     return __version__
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every file a command will write is a regular file or a new path, and none of its inputs,
+    checked before any work (`serde.check_output`), so that a refused command changes nothing."""
+    inputs = [getattr(args, k, None) for k in ("path", "plan", "graph", "cluster", "target")]
+    inputs = [i for i in inputs if isinstance(i, str | Path) and Path(i).exists()]  # a preset is a name
+    outputs = [getattr(args, k, None) for k in ("output", "gantt", "trace")]
+    curve = getattr(args, "curve", None)
+    if curve:
+        outputs += [f"{curve}.csv", f"{curve}.png"]
+    for out in outputs:
+        if out:
+            serde.check_output(out, inputs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_outputs(args)
         return args.func(args)
     except HetplanError as exc:
         print(f"hetplan: error: {exc}", file=sys.stderr)

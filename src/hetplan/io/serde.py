@@ -12,7 +12,8 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+import stat
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -59,8 +60,32 @@ def dump(obj: Any, path: str | os.PathLike) -> None:
     atomic_write_text(Path(path), dumps(obj) + "\n")
 
 
+def check_output(path: str | os.PathLike, inputs: Sequence[str | os.PathLike | None] = ()) -> Path:
+    """Refuse an output path that is not a regular file or a new path (a device such as
+    /dev/null, a FIFO, a directory, a symbolic link), or that is an input of the same command:
+    writing there would replace what the user did not mean to lose (issue 13)."""
+    out = Path(path)
+    try:
+        mode = os.lstat(out).st_mode
+    except FileNotFoundError:
+        return out
+    except OSError as exc:
+        raise InputError(f"{out}: cannot check the output path ({exc.strerror})") from None
+    if stat.S_ISLNK(mode):
+        raise InputError(f"{out}: is a symbolic link; hetplan does not write through or over links: give the file it "
+                         "points to, or another path")
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device or a FIFO)"
+        raise InputError(f"{out}: is {kind}; give a file path to write")
+    for given in inputs:
+        if given is not None and Path(given).exists() and os.path.samefile(given, out):
+            raise InputError(f"{out}: is also an input of this command; write the result to another file")
+    return out
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary file, then rename, so a reader never sees half a file."""
+    check_output(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
