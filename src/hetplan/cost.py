@@ -150,10 +150,16 @@ class CostModel:
         total = math.fsum(speed.values())
         return {d: s / total for d, s in speed.items()}
 
+    def stage_weights(self, nodes: Sequence[str], devices: Sequence[str]) -> tuple[float, ...]:
+        """A stage's replicas' weights in device order (1.0 for a stage on one device)."""
+        if len(devices) < 2:
+            return (1.0,)
+        shares = self.replica_shares(nodes, devices)
+        return tuple(shares[d] for d in devices)
+
     def replica_weights(self, plan: Plan) -> tuple[tuple[float, ...], ...]:
-        """Per stage, its replicas' weights in device order (1.0 for a stage on one device)."""
-        return tuple(tuple(self.replica_shares(s.nodes, s.devices)[d] for d in s.devices)
-                     if len(s.devices) > 1 else (1.0,) for s in plan.stages)
+        """Per stage, its replicas' weights (`stage_weights`)."""
+        return tuple(self.stage_weights(s.nodes, s.devices) for s in plan.stages)
 
     def plan_rows(self, plan: Plan) -> StepRows:
         """The rows of every stage replica and micro-batch of the plan (`hetplan.rows`)."""
@@ -165,10 +171,11 @@ class CostModel:
         stage = plan.stages[stage_index]
         params = sum(self.graph.by_id[n].param_bytes for n in stage.nodes)
         acts = sum(self.graph.by_id[n].act_bytes for n in stage.nodes)
-        rows = self.plan_rows(plan)
+        # this stage's split only: planners ask this per stage and device, in loops
+        rows = step_rows(self.graph.batch_size, plan.microbatches, [self.stage_weights(stage.nodes, stage.devices)])
         p = stage.devices.index(device_id)
         held = inflight_microbatches(plan.schedule, len(plan.stages), stage_index, plan.microbatches)
-        stashed = sum(rows.rows(stage_index, j, p) for j in range(held)) / self.graph.batch_size
+        stashed = sum(rows.rows(0, j, p) for j in range(held)) / self.graph.batch_size
         return WEIGHT_COPIES * params + math.ceil(acts * stashed)
 
     def usd_per_step(self, devices: Sequence[str], step_s: float) -> float:

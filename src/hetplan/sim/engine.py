@@ -5,9 +5,9 @@ first-in-first-out queue of tensors to send; a device runs one action at a time,
 one transfer at a time in each direction, and communication overlaps computation.
 
 The work of each stage replica is the schedule's action order (`hetplan.sim.schedules`), run in
-that order as hetplan's runtime runs it (`hetplan.runtime.executor`): an action starts when the one before it on
-the same stage is done and its inputs (activations for a forward pass, gradients for a backward
-pass) have arrived. A device that holds several stages (plans with `shared_devices`) runs, of
+that order as hetplan's runtime runs it (`hetplan.runtime.executor`): an action starts when the
+one before it on the same stage is done and its inputs (activations for a forward pass,
+gradients for a backward pass) have arrived. A device that holds several stages (plans with `shared_devices`) runs, of
 the actions at the heads of its stages' orders, the one whose inputs arrived first (ties: the
 lower stage). After its last backward pass, a replicated stage all-reduces its gradients (ring
 all-reduce, `CostModel.allreduce_s`), which uses the network, not the device's compute; then every
