@@ -64,10 +64,11 @@ def cluster_file(name: str, cuda: bool, out: Path) -> tuple[Path, str]:
     return path, "stand-in: GPU bound to the CPU"
 
 
-def run_row(python: str, label: str, plan: str, model: str, graph: str, cluster: Path, steps: int,
-            out: Path) -> dict:
+def run_row(python: str, label: str, plan: str | Path, model: str, graph: str, cluster: Path, steps: int,
+            out: Path, warmup: int = 1) -> dict:
+    """One `hetplan run` as a user types it; plan and graph relative to the evidence folder."""
     cmd = [python, "-m", "hetplan.cli", "run", str(EVIDENCE / plan), "--model", model, "--graph", str(EVIDENCE / graph),
-           "--cluster", str(cluster), "--steps", str(steps), "--warmup", "1", "--out", str(out), "--json",
+           "--cluster", str(cluster), "--steps", str(steps), "--warmup", str(warmup), "--out", str(out), "--json",
            "--timeout-s", "300"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EVIDENCE), os.environ.get("PYTHONPATH", "")]),
            "HF_HUB_OFFLINE": "1"}
