@@ -403,3 +403,27 @@ def test_outputs_never_replace_devices_fifos_directories_links_or_inputs(cli, tm
     assert stat.S_ISCHR(os.lstat(device).st_mode) and stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert link.is_symlink() and not (tmp_path / "elsewhere.json").exists() and graph.read_bytes() == before
     assert cli("plan", graph, "--cluster", "hetero-4", "--planner", "single", "-o", tmp_path / "p.json").code == 0
+
+
+def test_catalog_lists_the_zoo_and_help_says_run(cli):
+    r = cli("catalog")
+    assert r.code == 0 and "models (the zoo" in r.out and "gpt2-tiny" in r.out and "inception-tiny" in r.out
+    assert "(later)" not in cli("--help").out and "hetplan run plan.json" in cli("--help").out
+
+
+def test_planning_on_a_type_that_was_not_profiled_says_so(cli, tmp_path):
+    """A graph profiled on cpu-2t planned on `local` (cpu-1t workers) was projected silently (issue 13)."""
+    from hetplan.graph import Edge, Graph, Node
+
+    g = tmp_path / "g.json"
+    nodes = tuple(Node(f"n{i}", "linear", {"cpu-2t": 1e-3}, {"cpu-2t": 2e-3}, flops=1e6) for i in range(3))
+    serde.dump(Graph("two-threads", nodes, (Edge("n0", "n1", 64), Edge("n1", "n2", 64)), 8, "cpu-2t"), g)
+    r = cli("plan", g, "--cluster", "local", "-o", tmp_path / "p.json")
+    assert r.code == 0
+    assert ("hetplan: note: graph 'two-threads' has no times measured on cpu-1t (from cpu-2t): they are projected "
+            "by the roofline model") in r.err
+    two = tmp_path / "two.yaml"
+    two.write_text("devices: [{id: c, type: cpu, threads: 2}]\n")
+    r = cli("plan", g, "--cluster", two, "-o", tmp_path / "q.json")
+    assert r.code == 0, r.err
+    assert "note" not in r.err

@@ -6,7 +6,7 @@ from torch import nn
 
 from hetplan.errors import HetplanError
 from hetplan.profile import profile, profile_step
-from hetplan.profile.devices import cuda_type_name, parse_device
+from hetplan.profile.devices import cuda_type_name, parse_device, usable_cores
 from hetplan.profile.split import find_block_classes, split_step
 from hetplan.zoo import load_model
 
@@ -136,7 +136,11 @@ def test_block_classes_are_found():
 
 
 def test_device_specs():
-    assert parse_device("cpu:3").device_type == "cpu-3t"
+    n = usable_cores()
+    assert parse_device(f"cpu:{n}").device_type == f"cpu-{n}t"
+    with pytest.raises(HetplanError, match=f"999 threads, but this process may use {n} cores; profile with at most "
+                                           f"cpu:{n}"):
+        parse_device("cpu:999")  # used to be accepted, and timed 999 threads on this machine's cores (issue 13)
     assert parse_device("cpu").device_type == f"cpu-{torch.get_num_threads()}t"
     assert cuda_type_name("NVIDIA H100 80GB HBM3", 80 * 2**30) == "h100-80gb"
     assert cuda_type_name("NVIDIA A100-SXM4-40GB", 40 * 2**30) == "a100-40gb"

@@ -18,6 +18,7 @@ from rich.console import Console
 
 from hetplan import catalog
 from hetplan.cluster import Cluster, cluster_from_data, load_cluster, presets
+from hetplan.cost import CostModel
 from hetplan.errors import HetplanError, InputError
 from hetplan.graph import GRANULARITIES, Graph
 from hetplan.io import serde
@@ -28,11 +29,11 @@ from hetplan.report import tables
 from hetplan.report.summary import cluster_summary, graph_summary, plan_summary
 from hetplan.sim.model import ROUTINGS
 from hetplan.units import fmt_bytes, fmt_flops, fmt_seconds
-from hetplan.zoo import zoo_names
+from hetplan.zoo import ZOO, zoo_names
 
 DESCRIPTION = """\
 hetplan plans how to split the training of a PyTorch model across a mixed set of devices,
-predicts how fast and how expensive each plan is, and (later) runs it.
+predicts how fast and how expensive each plan is, and runs it.
 
 workflow:
   1. a graph of the model:  hetplan profile gpt2-tiny --device cpu:1 --device cpu:2 -o g.json
@@ -42,6 +43,8 @@ workflow:
                             hetplan compare r50.json --cluster hetero-4              (all planners)
   4. its predicted step:    hetplan simulate plan.json --graph r50.json --cluster hetero-4 --gantt step.png
   5. a look at any of them: hetplan info r50.json | hetplan info hetero-4 | hetplan info plan.json
+  6. a real run:            hetplan run plan.json --model gpt2-tiny --graph g.json   (a plan for local CPU
+                            workers or a cluster file with bindings; predicted against measured)
 
 Every command takes --json and then prints one JSON object."""
 
@@ -145,9 +148,21 @@ def _progress_bar():
                     transient=True)
 
 
+def _note_projections(args: argparse.Namespace, graph: Graph, cluster: Cluster) -> None:
+    """Which device types' times are projected, not measured (a graph profiled on cpu-2t and
+    planned on cpu-1t workers is otherwise silently a guess): one line, said after the command
+    has succeeded (`main`), so that an error stays the only line."""
+    projected = CostModel(graph, cluster).projected_types()
+    if projected:
+        pairs = ", ".join(f"{target} (from {source})" for target, source in projected.items())
+        args.notes.append(f"graph '{graph.name}' has no times measured on {pairs}: they are projected by the "
+                          "roofline model; profile on those devices to measure them")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     graph = load_graph(args.graph)
     cluster = load_cluster(args.cluster)
+    _note_projections(args, graph, cluster)
     options = _options(args)
     bar = _progress_bar()
     if bar is None:
@@ -182,6 +197,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     graph = load_graph(args.graph)
     cluster = load_cluster(args.cluster)
+    _note_projections(args, graph, cluster)
     options = _options(args)
     names = ([n.strip() for n in args.planners.split(",") if n.strip()] if args.planners
              else [n for n in PLANNERS if n not in RL_PLANNERS])
@@ -220,6 +236,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cluster = load_cluster(cluster_ref)
     if graph is not None:
         validate_plan(plan, graph, cluster)
+        _note_projections(args, graph, cluster)
     batch_size = args.batch_size or (graph.batch_size if graph is not None else None)
     seq_len = args.seq_len
     if seq_len is None and graph is not None:
@@ -353,6 +370,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     plan = serde.load(args.plan, expect="plan")
     graph = load_graph(args.graph)
     cluster = load_cluster(args.cluster)
+    _note_projections(args, graph, cluster)
     validate_plan(plan, graph, cluster)
     sim = simulate(graph, cluster, plan, routing=args.routing, timeline=bool(args.gantt or args.trace))
     est = sim.estimate
@@ -431,6 +449,7 @@ def cmd_catalog(args: argparse.Namespace) -> int:
             "device_types": [serde.plain(t) for t in types],
             "presets": list(presets()),
             "planners": {name: spec.summary for name, spec in PLANNERS.items()},
+            "models": {name: entry.summary for name, entry in ZOO.items()},
         })
         return 0
     from rich.table import Table
@@ -447,6 +466,8 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     console.print(table)
     console.print("cluster presets: " + ", ".join(presets()))
     console.print("planners: " + "; ".join(f"{n} ({s.summary})" for n, s in PLANNERS.items()))
+    console.print("models (the zoo; or module.path:factory for your own): "
+                  + "; ".join(f"{n} ({e.summary})" for n, e in ZOO.items()))
     return 0
 
 
@@ -631,14 +652,18 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.notes = []
     try:
         _check_outputs(args)
-        return args.func(args)
+        code = args.func(args)
+        for note in args.notes:
+            print(f"hetplan: note: {note}", file=sys.stderr)
+        return code
     except HetplanError as exc:
         print(f"hetplan: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("hetplan: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP during a run (runtime.supervise.Stopped)
+        print(f"hetplan: {exc or 'interrupted'}", file=sys.stderr)
         return 130
 
 

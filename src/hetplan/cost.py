@@ -75,6 +75,17 @@ class CostModel:
         same_kind = [t for t in self._measured_types if t.kind == target.kind]
         return (same_kind or list(self._measured_types))[0]
 
+    def projected_types(self) -> dict[str, str]:
+        """The cluster's device types the graph has no times for, each with the measured type
+        its times are projected from (roofline model, `hetplan.projection`)."""
+        measured = set(self.graph.device_types)
+        out = {}
+        for dev in self.cluster.devices:
+            target = self._type(dev.type)
+            if dev.type not in measured and target is not None:
+                out[dev.type] = self._source_type(target).name
+        return out
+
     @cached_property
     def _traffic_bytes(self) -> dict[str, int]:
         """Bytes a node reads and writes once: its parameters, inputs and outputs."""

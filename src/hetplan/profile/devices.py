@@ -6,6 +6,7 @@ memory (`h100-80gb`, `a100-40gb`, ...), or `gpu-<name>` for a GPU the catalog do
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -43,6 +44,11 @@ def cuda_type_name(name: str, mem_bytes: int) -> str:
     return "gpu-" + re.sub(r"[^a-z0-9]+", "-", low).strip("-")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as a container or taskset limits it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def parse_device(spec: str) -> ProfileDevice:
     match = _SPEC.match(spec.strip())
     if not match:
@@ -52,6 +58,9 @@ def parse_device(spec: str) -> ProfileDevice:
         threads = int(num) if num else torch.get_num_threads()
         if threads < 1:
             raise HetplanError(f"--device {spec!r}: a CPU needs at least 1 thread")
+        if threads > usable_cores():  # threads sharing cores would time a slower type than its name says
+            raise HetplanError(f"--device {spec}: {threads} threads, but this process may use {usable_cores()} "
+                               f"cores; profile with at most cpu:{usable_cores()}, or on a machine with more cores")
         return ProfileDevice(spec, "cpu", f"cpu-{threads}t", threads)
     if not torch.cuda.is_available():
         raise HetplanError(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -163,45 +166,102 @@ def show_simulation(console: Console, plan: Plan, cluster: Cluster, est: Estimat
     show_estimate(console, est)
 
 
-def show_comparison(console: Console, result, graph: Graph, cluster: Cluster) -> None:
-    """One row per planner; the best by the objective marked."""
-    import math
+# Columns of `hetplan compare` that a narrow terminal goes without, least useful first.
+OPTIONAL_COMPARE_COLUMNS = ("planning", "memory", "vs baselines", "stages/devices", "m")
+_TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
+_PRICE_UNITS = (("1k", "thousand", 1e3), ("1M", "million", 1e6), ("1G", "billion", 1e9))
 
+
+def show_comparison(console: Console, result, graph: Graph, cluster: Cluster) -> None:
+    """One row per planner; the best by the objective marked. Narrow terminals get a compact
+    table without the least useful columns rather than cells cut short."""
     from hetplan.planners import BASELINES, objectives
 
-    best = result.best
-    table = Table(title=f"{graph.name} on {cluster.name}: {objectives.describe(result.options)}, "
-                        f"{result.options.schedule}", title_justify="left")
-    for col, justify in (("", "left"), ("planner", "left"), ("stages/devices", "right"), ("m", "right"),
-                         ("step", "right"), ("samples/s", "right"), ("$/1k", "right"), ("memory", "right"),
-                         ("feasible", "left"), ("planning", "right"), ("vs baselines", "right")):
-        table.add_column(col, justify=justify, no_wrap=True)
-    failed = []
-    for r in result.rows:
-        mark = "*" if best is not None and r is best else ""
-        if r.plan is None or r.plan.predicted is None:
-            table.add_row(mark, r.planner, "-", "-", "-", "-", "-", "-", "[red]no plan[/]", "-", "-")
-            failed.append(r)
-            continue
-        est = r.plan.predicted
-        gain = result.gain_over_baselines(r)
-        feasible = "yes" if math.isfinite(r.value) else (
-            "[red]no: memory[/]" if not est.feasible else "[red]no: too slow[/]")
-        cells = [mark, r.planner, f"{len(r.plan.stages)} / {len(r.plan.devices)}", str(r.plan.microbatches),
-                 fmt_seconds(est.step_s), f"{est.samples_per_s:,.1f}", f"{est.usd_per_1k_samples:.3g}",
-                 f"{r.plan.meta.get('peak_mem_share', 0.0):.0%}", feasible, fmt_seconds(r.planning_s or 0.0),
-                 "-" if gain is None else f"{gain:+.1%}"]
-        if mark:
-            cells = [f"[bold]{c}[/]" for c in cells]
-        table.add_row(*cells)
+    ests = [r.plan.predicted for r in result.rows if r.plan is not None and r.plan.predicted is not None]
+    step_unit = _time_unit(max((e.step_s for e in ests), default=1.0))
+    price_unit = _price_unit(max((e.usd_per_1k_samples / 1e3 for e in ests), default=0.0))
+    columns = _comparison_columns(step_unit[0], price_unit[0])
+    rows = [_comparison_row(result, r, step_unit[1], price_unit[2]) for r in result.rows]
+    title = f"{graph.name} on {cluster.name}: {objectives.describe(result.options)}, {result.options.schedule}"
+    table, hidden = _fit_table(console, title, columns, rows)
     console.print(table)
-    for r in failed:
-        console.print(r.error if r.error and r.error.startswith(f"{r.planner}:") else f"{r.planner}: {r.error}")
-    if best is not None:
-        console.print(f"best: {best.planner} (*); memory: the fullest device's share; vs baselines: how much "
-                      f"lower the objective is than the best of {', '.join(BASELINES)}")
-    else:
+    for r in result.rows:
+        if r.plan is None or r.plan.predicted is None:
+            console.print(r.error if r.error and r.error.startswith(f"{r.planner}:") else f"{r.planner}: {r.error}")
+    if result.best is None:
         console.print("[bold red]no planner found a feasible plan[/]")
+    else:
+        notes = [f"best: {result.best.planner} (*)", f"$/{price_unit[0]}: dollars per {price_unit[1]} samples"]
+        notes += [note for col, note in (("m", "m: micro-batches"), ("memory", "memory: the fullest device's share"),
+                                         ("vs baselines", "vs baselines: how much lower the objective is than the "
+                                                          f"best of {', '.join(BASELINES)}")) if col not in hidden]
+        console.print("; ".join(notes))
+    if hidden:
+        console.print(f"left out at this width: {', '.join(hidden)} (a wider terminal or --json shows them)")
+
+
+def _time_unit(seconds: float) -> tuple[str, float]:
+    """The unit of the longest time, for a column that shows its unit once, in the header."""
+    return next((u for u in _TIME_UNITS if seconds >= u[1]), _TIME_UNITS[-1])
+
+
+def _price_unit(usd_per_sample: float) -> tuple[str, str, float]:
+    """Price per 1k, 1M or 1G samples: the fewest samples that bring the dearest plan to a cent,
+    so that small models' prices are not a row of zeros after the point (free clusters: per 1k)."""
+    return next((u for u in _PRICE_UNITS if usd_per_sample * u[2] >= 0.01 or usd_per_sample == 0), _PRICE_UNITS[-1])
+
+
+def _num(x: float) -> str:
+    """Three significant digits, trailing zeros kept so that 0.100 does not look rounder than 0.104;
+    from 100 up every digit of the integer part, where .3g would switch to an exponent at 1,000."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:#.3g}"
+
+
+def _comparison_columns(step_unit: str, price_unit: str) -> list[tuple[str, str, str]]:
+    """(name, header, justify) per column; units sit in the header, which keeps the cells narrow."""
+    return [("planner", "planner", "left"), ("stages/devices", "stages/\ndevices", "right"), ("m", "m", "right"),
+            ("step", f"step\n{step_unit}", "right"), ("samples/s", "samples\nper s", "right"),
+            ("price", f"$/{price_unit}", "right"), ("memory", "memory", "right"), ("feasible", "feasible", "left"),
+            ("planning", "planning", "right"), ("vs baselines", "vs\nbaselines", "right")]
+
+
+def _comparison_row(result, r, step_scale: float, samples_per_usd: float) -> dict[str, str]:
+    mark = "*" if r is result.best else " "
+    if r.plan is None or r.plan.predicted is None:
+        return {"planner": f"{mark} {r.planner}", "feasible": "[red]no plan[/]"}
+    est = r.plan.predicted
+    gain = result.gain_over_baselines(r)
+    feasible = "yes" if math.isfinite(r.value) else "[red]no: memory[/]" if not est.feasible else "[red]no: slow[/]"
+    cells = {"planner": f"{mark} {r.planner}", "stages/devices": f"{len(r.plan.stages)} / {len(r.plan.devices)}",
+             "m": str(r.plan.microbatches), "step": _num(est.step_s / step_scale),
+             "samples/s": _num(est.samples_per_s), "price": _num(est.usd_per_1k_samples / 1e3 * samples_per_usd),
+             "memory": f"{r.plan.meta.get('peak_mem_share', 0.0):.0%}", "feasible": feasible,
+             "planning": fmt_seconds(r.planning_s or 0.0), "vs baselines": "-" if gain is None else f"{gain:+.1%}"}
+    return {k: f"[bold]{v}[/]" for k, v in cells.items()} if mark == "*" else cells
+
+
+def _fit_table(console: Console, title: str, columns: list[tuple[str, str, str]],
+               rows: list[dict[str, str]]) -> tuple[Table, tuple[str, ...]]:
+    """The fullest table that fits the console: the usual boxed one, else a compact one without
+    borders, which then leaves out optional columns one by one. Past the narrowest, rich folds
+    cells onto a second line, which keeps every digit, where its default would cut them."""
+    tries = [(False, ())] + [(True, OPTIONAL_COMPARE_COLUMNS[:k]) for k in range(len(OPTIONAL_COMPARE_COLUMNS) + 1)]
+    for compact, hidden in tries:
+        table = _table(title, compact, [c for c in columns if c[0] not in hidden], rows)
+        # measured as if the console were unbounded: rich clamps a measurement to the console
+        if console.measure(table, options=console.options.update_width(10_000)).maximum <= console.width:
+            break
+    return table, hidden
+
+
+def _table(title: str, compact: bool, columns: list[tuple[str, str, str]], rows: list[dict[str, str]]) -> Table:
+    style = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False, "collapse_padding": True} if compact else {}
+    table = Table(title=title, title_justify="left", **style)
+    for _, header, justify in columns:
+        table.add_column(header, justify=justify, vertical="bottom", overflow="fold")
+    for row in rows:
+        table.add_row(*(row.get(name, "-") for name, _, _ in columns))
+    return table
 
 
 def show_run(console: Console, s: dict, plan: Plan) -> None:

@@ -33,6 +33,7 @@ from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.io.serde import atomic_write_text, to_dict
 from hetplan.plan import Plan
+from hetplan.runtime.supervise import LAUNCHER_PID, run_folder_lock, stop_on_terminate
 from hetplan.runtime.support import runtime_refusal
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -186,15 +187,8 @@ def pin_cores(threads: list[int]) -> list[list[int]]:
     return out
 
 
-def launch(spec: dict[str, Any], progress=None) -> RunResult:
-    """Start the workers of a RUN.json spec, wait for them, and read the result."""
+def _start_workers(spec: dict[str, Any], spec_path: Path) -> list[subprocess.Popen]:
     out_dir = Path(spec["out_dir"])
-    for me in spec["ranks"]:  # every worker runs here: its GPU must be here
-        if me["binding"].startswith("cuda"):
-            _check_cuda(me["device"], me["binding"])
-    spec_path = write_spec(spec)
-    for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json")]:
-        old.unlink()
     world = len(spec["ranks"])
     port = free_port()
     # one set of cores per device: workers of stages that share a device share its cores
@@ -202,53 +196,80 @@ def launch(spec: dict[str, Any], progress=None) -> RunResult:
     first = {d: next(me for me in spec["ranks"] if me["device"] == d) for d in devices}
     per_device = dict(zip(devices, pin_cores([first[d]["threads"] if first[d]["binding"] == "cpu" else 0
                                               for d in devices]), strict=True))
-    cores = [per_device[me["device"]] for me in spec["ranks"]]
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), LAUNCHER_PID: str(os.getpid()),
                "OMP_NUM_THREADS": str(spec["ranks"][rank]["threads"])}
-        if cores[rank]:
-            env["HETPLAN_CPUS"] = ",".join(map(str, cores[rank]))
+        cores = per_device[spec["ranks"][rank]["device"]]
+        if cores:
+            env["HETPLAN_CPUS"] = ",".join(map(str, cores))
         log = open(out_dir / f"worker.{rank}.log", "w")  # noqa: SIM115 - closed when the worker ends
+        # a session of its own: a terminal's Ctrl-C reaches the launcher only, which stops the workers
         procs.append(subprocess.Popen([sys.executable, "-m", "hetplan.runtime.worker", str(spec_path)],
                                       env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         log.close()
-    timeout = float(spec["timeout_s"])
+    return procs
+
+
+def _heartbeats(out_dir: Path, world: int) -> list[dict | None]:
+    beats = []
+    for rank in range(world):
+        try:
+            beats.append(json.loads((out_dir / f"heartbeat.{rank}").read_text()))
+        except (OSError, ValueError):
+            beats.append(None)
+    return beats
+
+
+def _wait(procs: list[subprocess.Popen], spec: dict[str, Any], progress) -> None:
+    """Until every worker has ended well; a failed or silent worker stops them all."""
+    out_dir, world, timeout = Path(spec["out_dir"]), len(procs), float(spec["timeout_s"])
     last_move, last_seen = time.time(), None
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                _stop(procs)
-                raise WorkerFailure(_why(out_dir, failed[0], spec) + "; every worker was stopped")
-            if all(c == 0 for c in codes):
-                break
-            beats = []
-            for rank in range(world):
-                try:
-                    beats.append(json.loads((out_dir / f"heartbeat.{rank}").read_text()))
-                except (OSError, ValueError):
-                    beats.append(None)
-            seen = tuple((b or {}).get("step", -2) for b in beats) + tuple((b or {}).get("phase", "") for b in beats)
-            if seen != last_seen:
-                last_seen, last_move = seen, time.time()
-                if progress is not None:
-                    progress(min((b or {}).get("step", -1) for b in beats) + 1, spec["steps"])
-            elif time.time() - last_move > timeout:
-                # a hung worker and the ones waiting for it look alike from outside: name all that
-                # have not finished, with the step each is in
-                stuck = [f"worker {r} (stage {spec['ranks'][r]['stage']}, device {spec['ranks'][r]['device']}) "
-                         f"at step {(beats[r] or {}).get('step', 'start')}"
-                         for r in range(world) if codes[r] is None]
-                _stop(procs)
-                raise WorkerFailure(f"no worker made progress for {timeout:.0f} s: {'; '.join(stuck)}; "
-                                    "every worker was stopped")
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        _stop(procs)
-        raise
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            raise WorkerFailure(_why(out_dir, failed[0], spec) + "; every worker was stopped")
+        if all(c == 0 for c in codes):
+            return
+        beats = _heartbeats(out_dir, world)
+        seen = tuple((b or {}).get("step", -2) for b in beats) + tuple((b or {}).get("phase", "") for b in beats)
+        if seen != last_seen:
+            last_seen, last_move = seen, time.time()
+            if progress is not None:
+                progress(min((b or {}).get("step", -1) for b in beats) + 1, spec["steps"])
+        elif time.time() - last_move > timeout:
+            # a hung worker and the ones waiting for it look alike from outside: name all that
+            # have not finished, with the step each is in
+            stuck = [f"worker {r} (stage {spec['ranks'][r]['stage']}, device {spec['ranks'][r]['device']}) "
+                     f"at step {(beats[r] or {}).get('step', 'start')}"
+                     for r in range(world) if codes[r] is None]
+            raise WorkerFailure(f"no worker made progress for {timeout:.0f} s: {'; '.join(stuck)}; "
+                                "every worker was stopped")
+        time.sleep(0.2)
+
+
+def launch(spec: dict[str, Any], progress=None) -> RunResult:
+    """Start the workers of a RUN.json spec, wait for them, and read the result. The run folder
+    is locked while they run; however the wait ends, no worker outlives it."""
+    out_dir = Path(spec["out_dir"])
+    for me in spec["ranks"]:  # every worker runs here: its GPU must be here
+        if me["binding"].startswith("cuda"):
+            _check_cuda(me["device"], me["binding"])
+    with run_folder_lock(out_dir), stop_on_terminate():
+        spec_path = write_spec(spec)
+        for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json")]:
+            old.unlink()
+        procs = _start_workers(spec, spec_path)
+        try:
+            _wait(procs, spec, progress)
+        finally:
+            _stop(procs)  # nothing to stop after a clean end; everything after a failure or a signal
+        return _result(out_dir, spec)
+
+
+def _result(out_dir: Path, spec: dict[str, Any]) -> RunResult:
     data = json.loads((out_dir / "result.json").read_text())
     ranks = sorted(data["ranks"], key=lambda r: r["rank"])
     steps = len(ranks[0]["times_s"])

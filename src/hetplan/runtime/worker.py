@@ -28,6 +28,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from hetplan.runtime.supervise import end_with_launcher
+
 
 def _write(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
@@ -36,23 +38,13 @@ def _write(path: Path, obj: Any) -> None:
 
 
 def _batches(spec: dict, zoo_model, step: int):
-    """The batch of a step: the profiled batch's shapes, fresh random values (synthetic), or a
-    window of the text corpus (language models)."""
-    import torch
-
-    from hetplan.runtime.data import text_batch
+    """The batch of a step: synthetic (shaped like the profiled batch, following a hidden rule a
+    model can learn) or a window of the text corpus (language models); `hetplan.runtime.data`."""
+    from hetplan.runtime.data import synthetic_batch, text_batch
 
     if spec.get("data") == "text":
         return text_batch(zoo_model.batch, step, seed=spec["seed"])
-    gen = torch.Generator().manual_seed(spec["seed"] * 100_003 + step)
-    out = {}
-    for key, value in zoo_model.batch.items():
-        if value.is_floating_point():
-            out[key] = torch.randn(value.shape, generator=gen, dtype=value.dtype)
-        else:
-            high = int(value.max().item()) + 1
-            out[key] = torch.randint(0, max(high, 2), value.shape, generator=gen, dtype=value.dtype)
-    return out
+    return synthetic_batch(zoo_model.batch, step, seed=spec["seed"])
 
 
 def _optimizer(spec: dict, params: list):
@@ -173,6 +165,7 @@ def run_worker(spec: dict, rank: int, world: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    end_with_launcher()
     if len(argv) != 1:
         print("usage: python -m hetplan.runtime.worker RUN.json (under hetplan run or torchrun)", file=sys.stderr)
         return 2

@@ -1,0 +1,101 @@
+"""Supervision both ways between `hetplan run` and its workers.
+
+The launcher stops its workers when it fails or is interrupted (launch.py); this module covers the
+other ways it can end. Workers start in sessions of their own (so that a terminal's Ctrl-C reaches
+the launcher only, which then stops them in order), so when the launcher is killed (SIGKILL, an
+out-of-memory kill) nothing else would stop them: each worker asks the kernel for SIGKILL when its
+parent dies (Linux's PR_SET_PDEATHSIG) and, where that is unavailable, watches its parent's pid.
+SIGTERM and SIGHUP to the launcher become the same clean stop as Ctrl-C.
+
+A run folder holds one run's heartbeats, results and logs; two runs writing one folder delete
+each other's files, so the launcher holds an exclusive lock on the folder while it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from hetplan.errors import HetplanError
+
+LAUNCHER_PID = "HETPLAN_LAUNCHER_PID"  # set by the launcher in each worker's environment
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _kernel_kills_orphans() -> bool:
+    """Ask Linux to SIGKILL this process when its parent thread ends; False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent: int, every_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(3)  # orphaned: nobody will read what this worker does
+
+
+def end_with_launcher(every_s: float = 0.5) -> None:
+    """In a worker started by `hetplan run`: end when the launcher ends, however it ends. A worker
+    started by torchrun (no launcher pid) is torchrun's to supervise."""
+    parent = os.environ.get(LAUNCHER_PID)
+    if not parent:
+        return
+    _kernel_kills_orphans()
+    if os.getppid() != int(parent):  # the launcher died before the kernel was asked
+        os._exit(3)
+    threading.Thread(target=_watch_parent, args=(int(parent), every_s), daemon=True, name="launcher-watch").start()
+
+
+class Stopped(KeyboardInterrupt):
+    """The launcher got SIGTERM or SIGHUP: stop as on Ctrl-C."""
+
+
+def _stop_on_signal(signum, _frame) -> None:
+    raise Stopped(f"stopped by {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def stop_on_terminate() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise `Stopped` (a KeyboardInterrupt) in the main thread while inside."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def run_folder_lock(out_dir: Path) -> Iterator[None]:
+    """Hold `out_dir` for one run; another run asking for it is refused in one line."""
+    import fcntl
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise HetplanError(f"{out_dir} is in use by another hetplan run (pid {holder}); wait for it to end or "
+                               "give this run another --out folder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

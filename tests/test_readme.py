@@ -1,0 +1,35 @@
+"""The README's commands (issue 13, item 2): each parses, none reads a file that no earlier
+command wrote or a plan made for another cluster (the Planners section used to overwrite
+plan.json with a plan for a100+v100-8, so the Simulating section's command failed), and the quick
+start runs. The whole walk is `bench/readme_walk.py` (minutes; its output is in the issue's note)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import readme_walk  # noqa: E402
+
+
+def test_every_readme_command_parses_and_reads_only_what_an_earlier_one_wrote():
+    assert readme_walk.check(readme_walk.blocks(REPO / "README.md")) == []
+
+
+def test_the_walk_finds_a_plan_used_with_another_cluster(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("```\nhetplan plan g.json --cluster hetero-4 -o plan.json\n```\n"
+                      "```\nhetplan import pipedream ../shared/x.txt -o g.json\n"
+                      "hetplan plan g.json --cluster a100+v100-8 -o plan.json\n"
+                      "hetplan simulate plan.json --graph g.json --cluster hetero-4\n```\n")
+    assert readme_walk.check(readme_walk.blocks(readme)) == [
+        "README line 2: reads g.json, which no earlier command wrote",
+        "README line 7: plan.json was planned for a100+v100-8, used with hetero-4"]
+
+
+def test_the_quick_start_runs():
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "readme_walk.py"), "--quick"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 problems in the README's commands, 0 commands failed" in proc.stdout
