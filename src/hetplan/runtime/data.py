@@ -38,8 +38,16 @@ def corpus() -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).to(torch.long)
 
 
-def text_batch(example: dict[str, torch.Tensor], step: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A batch shaped like `example` (input_ids, and labels equal to them) from the corpus."""
+def input_vocab(module: torch.nn.Module) -> int | None:
+    """The rows of the model's first embedding table (its vocabulary), if it has one."""
+    return next((m.num_embeddings for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
+
+
+def text_batch(example: dict[str, torch.Tensor], step: int, seed: int = 0,
+               vocab: int | None = None) -> dict[str, torch.Tensor]:
+    """A batch shaped like `example` (input_ids, and labels equal to them) from the corpus. A
+    vocabulary smaller than a byte's 256 values gets the bytes modulo its size: the corpus is
+    mostly ASCII, but its few UTF-8 bytes above 127 would index past a 128-row table."""
     if "input_ids" not in example:
         raise ValueError("--data text is for language models (a batch with input_ids)")
     batch, seq = example["input_ids"].shape
@@ -47,6 +55,8 @@ def text_batch(example: dict[str, torch.Tensor], step: int, seed: int = 0) -> di
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
     ids = torch.stack([data[s:s + seq] for s in starts.tolist()])
+    if vocab is not None and vocab < 256:
+        ids = ids % vocab
     out = {k: v.clone() for k, v in example.items()}
     out["input_ids"] = ids
     if "labels" in out:

@@ -40,10 +40,10 @@ def _write(path: Path, obj: Any) -> None:
 def _batches(spec: dict, zoo_model, step: int):
     """The batch of a step: synthetic (shaped like the profiled batch, following a hidden rule a
     model can learn) or a window of the text corpus (language models); `hetplan.runtime.data`."""
-    from hetplan.runtime.data import synthetic_batch, text_batch
+    from hetplan.runtime.data import input_vocab, synthetic_batch, text_batch
 
     if spec.get("data") == "text":
-        return text_batch(zoo_model.batch, step, seed=spec["seed"])
+        return text_batch(zoo_model.batch, step, seed=spec["seed"], vocab=input_vocab(zoo_model.step))
     return synthetic_batch(zoo_model.batch, step, seed=spec["seed"])
 
 
