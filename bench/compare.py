@@ -21,8 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hetplan.cluster import load_cluster
 from hetplan.io import serde
+from hetplan.io.clusters import load_cluster
 from hetplan.io.pipedream import import_pipedream
 from hetplan.planners import BASELINES, PlanOptions
 from hetplan.planners.compare import compare

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetplan.cluster import load_cluster
+from hetplan.io.clusters import load_cluster
 from hetplan.io.pipedream import import_pipedream
 from hetplan.planners import best_baseline, make_plan
 from hetplan.planners.randomized import synthetic_cluster, synthetic_graph

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from hetplan.cluster import load_cluster
 from hetplan.cost import CostModel
+from hetplan.io.clusters import load_cluster
 from hetplan.io.pipedream import import_pipedream
 from hetplan.planners.randomized import random_plan
 from hetplan.sim import simulate

@@ -21,7 +21,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from hetplan.cluster import load_cluster
+from hetplan.io.clusters import load_cluster
 from hetplan.plan import Plan, Stage
 from hetplan.planners import PlanOptions, make_plan
 from hetplan.profile import profile_step

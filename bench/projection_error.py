@@ -16,9 +16,9 @@ import statistics
 from pathlib import Path
 
 from hetplan import catalog
-from hetplan.cluster import load_cluster
 from hetplan.cost import CostModel
 from hetplan.graph import Graph
+from hetplan.io.clusters import load_cluster
 from hetplan.profile import profile_step
 from hetplan.zoo import load_model
 

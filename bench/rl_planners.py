@@ -32,9 +32,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from hetplan.cluster import load_cluster
 from hetplan.errors import HetplanError
 from hetplan.io import serde
+from hetplan.io.clusters import load_cluster
 from hetplan.io.pipedream import import_pipedream
 from hetplan.planners import PlanOptions, best_baseline, make_plan
 from hetplan.planners.rl import all_one_type

@@ -14,8 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from hetplan.cluster import load_cluster
 from hetplan.io import serde
+from hetplan.io.clusters import load_cluster
 from hetplan.io.pipedream import import_pipedream
 from hetplan.planners import PlanOptions, make_plan
 from hetplan.planners.scoring import Scorer

@@ -30,8 +30,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from hetplan.cluster import cluster_from_spec  # noqa: E402
 from hetplan.cost import CostModel  # noqa: E402
+from hetplan.io.clusters import cluster_from_spec  # noqa: E402
 from hetplan.io.pipedream import import_pipedream  # noqa: E402
 from hetplan.planners.randomized import random_plan  # noqa: E402
 from hetplan.sim import simulate  # noqa: E402

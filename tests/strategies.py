@@ -3,8 +3,8 @@
 from hypothesis import strategies as st
 
 from hetplan import catalog
-from hetplan.cluster import cluster_from_spec
 from hetplan.graph import Edge, Graph, Node
+from hetplan.io.clusters import cluster_from_spec
 from hetplan.plan import Estimate, Plan, Stage
 
 OPS = ("Linear", "Conv2d", "ReLU", "Add", "GPT2Block", "LayerNorm")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from hetplan.cluster import cluster_from_spec
 from hetplan.errors import HetplanError
+from hetplan.io.clusters import cluster_from_spec
 from hetplan.sim import simulate
 from hetplan.sim.fast import fast_step_s
 from strategies import V, chain, one_per_stage

@@ -5,8 +5,8 @@ import yaml
 from hypothesis import given
 
 from hetplan import catalog
-from hetplan.cluster import cluster_from_spec, load_cluster, local_spec, presets
 from hetplan.errors import HetplanError, InputError
+from hetplan.io.clusters import cluster_from_spec, load_cluster, local_spec, presets
 from strategies import cluster_specs
 
 GiB = 2**30

@@ -7,7 +7,7 @@ import re
 import pytest
 from rich.console import Console
 
-from hetplan.cluster import load_cluster
+from hetplan.io.clusters import load_cluster
 from hetplan.planners import PLANNERS, RL_PLANNERS, PlanOptions
 from hetplan.planners.compare import compare
 from hetplan.report import tables

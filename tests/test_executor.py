@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetplan.cluster import cluster_from_spec
+from hetplan.io.clusters import cluster_from_spec
 from hetplan.plan import Plan, Stage
 from hetplan.profile.split import split_step
 from hetplan.rows import step_rows

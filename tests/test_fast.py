@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
-from hetplan.cluster import load_cluster
+from hetplan.io.clusters import load_cluster
 from hetplan.io.pipedream import import_pipedream
 from hetplan.plan import Plan, Stage
 from hetplan.planners.randomized import random_plan

@@ -2,9 +2,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetplan.cluster import load_cluster
 from hetplan.errors import PlanError
 from hetplan.graph import Edge, Graph, Node
+from hetplan.io.clusters import load_cluster
 from hetplan.plan import Plan, Stage, plan_problems, validate_plan
 from strategies import clusters, graphs, plans_for
 

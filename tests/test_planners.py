@@ -2,9 +2,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetplan.cluster import cluster_from_spec, load_cluster
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.graph import Edge, Graph, Node
+from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import plan_problems
 from hetplan.planners import PLANNERS, PlanOptions, get_planner, make_plan
 from hetplan.planners.baselines import chunk_sizes, default_microbatches
@@ -88,3 +88,18 @@ def test_options_are_checked():
         PlanOptions(schedule="zigzag")
     with pytest.raises(HetplanError, match="--microbatches: 0"):
         PlanOptions(microbatches=0)
+
+
+def test_dp_orders_sixteen_identical_cpus_at_once():
+    """16 identical devices have one distinct order; dp used to list all 16! permutations to find
+    it (over 100 s before planning a 2-node graph, found by issue 13's size checks)."""
+    import itertools
+    import time
+
+    from hetplan.planners.dp import device_orders, distinct_permutations
+
+    assert [tuple(p) for p in distinct_permutations(sorted("aabbc"))] == sorted(set(itertools.permutations("aabbc")))
+    cluster = cluster_from_spec({"devices": [{"id": "c", "type": "cpu", "threads": 1, "count": 16}]}, "sixteen")
+    start = time.perf_counter()
+    assert device_orders(cluster, {"cpu-1t": 1.0}, "time") == [tuple(f"c{i}" for i in range(16))]
+    assert time.perf_counter() - start < 1

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetplan.cluster import load_cluster
 from hetplan.errors import InfeasibleError
+from hetplan.io.clusters import load_cluster
 from hetplan.plan import plan_problems
 from hetplan.planners import PlanOptions, make_plan
 from hetplan.planners.randomized import random_problem

@@ -8,10 +8,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetplan.cluster import cluster_from_spec
 from hetplan.cost import CostModel
 from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node
+from hetplan.io.clusters import cluster_from_spec
 from hetplan.plan import Plan, Stage
 from hetplan.rows import microbatch_rows, split_rows, step_rows
 from hetplan.runtime.launch import run_spec

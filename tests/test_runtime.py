@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from hetplan.cluster import cluster_from_spec
 from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node
+from hetplan.io.clusters import cluster_from_spec
 from hetplan.plan import Plan, Stage
 from hetplan.profile.split import split_step
 from hetplan.rows import step_rows
@@ -178,7 +178,7 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
 
 
 def test_runtime_runs_only_bound_cpu_devices(tmp_path):
-    from hetplan.cluster import load_cluster
+    from hetplan.io.clusters import load_cluster
 
     zm = model("gpt2-tiny")
     split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})

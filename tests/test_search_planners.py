@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetplan.cluster import cluster_from_spec, load_cluster
 from hetplan.cost import CostModel
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.graph import Edge, Graph, Node
+from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import Estimate, Plan, Stage, plan_problems
 from hetplan.planners import PlanOptions, make_plan, objectives
 from hetplan.planners.baselines import block_partition, min_max_sizes

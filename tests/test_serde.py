@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetplan.cluster import load_cluster
 from hetplan.errors import InputError
 from hetplan.io import serde
+from hetplan.io.clusters import load_cluster
 from hetplan.plan import Plan
 from strategies import clusters, estimates, graphs, plans_for
 

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetplan.cluster import cluster_from_spec, load_cluster
 from hetplan.cost import CostModel
 from hetplan.errors import GraphError
 from hetplan.graph import Edge, Graph, Node
+from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import Estimate, Plan, Stage, validate_plan
 from hetplan.sim import simulate
 from hetplan.sim.engine import ALLREDUCE, OPTIMIZER

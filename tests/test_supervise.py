@@ -73,8 +73,7 @@ def test_workers_end_when_the_launcher_is_killed_or_terminated(tmp_path, how):
 
 
 def test_a_run_folder_is_free_again_after_its_run(tmp_path):
-    with run_folder_lock(tmp_path), pytest.raises(HetplanError, match="in use"):
-        with run_folder_lock(tmp_path):
-            pass
+    with run_folder_lock(tmp_path), pytest.raises(HetplanError, match="in use"), run_folder_lock(tmp_path):
+        pass
     with run_folder_lock(tmp_path):  # released
         assert (tmp_path / ".lock").read_text() == str(os.getpid())

@@ -1,6 +1,6 @@
 """What the runtime can run (`hetplan.runtime.support`), as the planners and the launcher read it."""
 
-from hetplan.cluster import cluster_from_spec, load_cluster
+from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import Plan, Stage
 from hetplan.planners import make_plan
 from hetplan.runtime.support import runtime_refusal

@@ -7,9 +7,10 @@ devices there are, a planner turns both into a `Plan`, and a cost model or simul
 """
 
 from hetplan.catalog import CATALOG, DeviceType
-from hetplan.cluster import Cluster, Device, Link, LinkOverride, load_cluster, presets
+from hetplan.cluster import Cluster, Device, Link, LinkOverride
 from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node
+from hetplan.io.clusters import load_cluster, presets
 from hetplan.plan import Estimate, Plan, Stage, validate_plan
 
 __version__ = "0.1.0"

@@ -17,11 +17,12 @@ from typing import Any
 from rich.console import Console
 
 from hetplan import catalog
-from hetplan.cluster import Cluster, cluster_from_data, load_cluster, presets
+from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
 from hetplan.errors import HetplanError, InputError
 from hetplan.graph import GRANULARITIES, Graph
 from hetplan.io import serde
+from hetplan.io.clusters import cluster_from_data, load_cluster, presets
 from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, import_pipedream
 from hetplan.plan import OBJECTIVES, SCHEDULES, Plan, validate_plan
 from hetplan.planners import PLANNERS, RL_PLANNERS, PlanOptions, get_planner, make_plan

@@ -16,33 +16,48 @@ A cluster is written by hand in YAML (or JSON) with human units:
 
 Two devices on the same host talk over `intra_host`, on different hosts over `inter_host`,
 unless a `links` entry names the pair (both directions). Built-in presets (`v100x4`,
-`hetero-4`, `cloud-mix`, `local`, ...) can be used wherever a cluster file can.
+`hetero-4`, `cloud-mix`, `local`, ...) can be used wherever a cluster file can. A cluster has at
+most `MAX_DEVICES` (1024) devices, counts included.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from importlib import resources
-from pathlib import Path
-from typing import Any
 
-import yaml
-
-from hetplan import catalog
 from hetplan._frozen import FrozenMap
 from hetplan.catalog import DeviceType
-from hetplan.errors import ClusterError, HetplanError, InputError
-from hetplan.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
+from hetplan.errors import ClusterError, listing, shown
 
-__all__ = ["Cluster", "Device", "DeviceType", "Link", "LinkOverride", "load_cluster", "presets"]
+__all__ = ["MAX_DEVICES", "Cluster", "Device", "DeviceType", "Link", "LinkOverride"]
+
+# The most devices a cluster may have. Loading is linear in the devices, but what users do next is
+# not: `hetplan info` lists the link of every pair (about 3 s and 0.7 GB at 1024 devices, 110 s and
+# 10 GB at 4096) and the planners search over orders of devices. The pipelines hetplan plans use
+# tens to hundreds of devices; a mistyped `count: 100000` is refused at once instead of running on.
+MAX_DEVICES = 1024
+# A CPU worker's thread count beyond any real machine is a typo, and would overflow its FLOP rate.
+MAX_THREADS = 4096
+
+
+def is_finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
 
 # Used when a cluster file gives no network section: PCIe 3.0 x16 inside a host, 10 GbE between.
 DEFAULT_INTRA_HOST = {"bandwidth": "12GB/s", "latency": "10us"}
 DEFAULT_INTER_HOST = {"bandwidth": "10Gbit/s", "latency": "50us"}
+
+
+
+def too_many_devices(count: int, where: str = "") -> str:
+    return (f"{where}{count} devices, more than the {MAX_DEVICES} a cluster may have (hetplan.cluster.MAX_DEVICES); "
+            "describe fewer devices or lower the counts")
 
 
 @dataclass(frozen=True)
@@ -107,14 +122,17 @@ class Device:
             raise ClusterError("a device needs a non-empty id")
         if not self.host:
             raise ClusterError(f"device {self.id!r} needs a host")
-        if self.mem_bytes <= 0:
-            raise ClusterError(f"device {self.id!r}: mem_bytes is {self.mem_bytes!r}; it must be > 0")
-        if not math.isfinite(self.usd_per_hour) or self.usd_per_hour < 0:
-            raise ClusterError(f"device {self.id!r}: usd_per_hour is {self.usd_per_hour!r}; it must be >= 0")
-        if self.binding is not None and not (
+        if not is_finite(self.mem_bytes) or self.mem_bytes <= 0:
+            raise ClusterError(f"device {self.id!r}: mem_bytes is {shown(self.mem_bytes)}; it must be finite and > 0")
+        if self.threads is not None and (isinstance(self.threads, bool) or not 1 <= self.threads <= MAX_THREADS):
+            raise ClusterError(f"device {self.id!r}: threads is {shown(self.threads)}; it must be from 1 to "
+                               f"{MAX_THREADS}")
+        if not is_finite(self.usd_per_hour) or self.usd_per_hour < 0:
+            raise ClusterError(f"device {self.id!r}: usd_per_hour is {shown(self.usd_per_hour)}; it must be >= 0")
+        if self.binding is not None and not (isinstance(self.binding, str) and (
             self.binding == "cpu" or self.binding == "cuda" or self.binding.startswith("cuda:")
-        ):
-            raise ClusterError(f"device {self.id!r}: binding {self.binding!r}; allowed: cpu, cuda, cuda:N")
+        )):
+            raise ClusterError(f"device {self.id!r}: binding {shown(self.binding)}; allowed: cpu, cuda, cuda:N")
         for name in ("action_overhead_s", "step_overhead_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -138,6 +156,8 @@ class Cluster:
         object.__setattr__(self, "types", FrozenMap(self.types))
         if not self.devices:
             raise ClusterError(f"cluster {self.name!r} has no devices")
+        if len(self.devices) > MAX_DEVICES:
+            raise ClusterError(too_many_devices(len(self.devices)))
         for key, dtype in self.types.items():
             if key != dtype.name:
                 raise ClusterError(f"cluster {self.name!r}: type entry {key!r} holds type {dtype.name!r}")
@@ -149,7 +169,7 @@ class Cluster:
             if dev.type not in self.types:
                 raise ClusterError(
                     f"cluster {self.name!r}: device {dev.id!r} has type {dev.type!r}, which the "
-                    f"cluster does not define (defined: {', '.join(self.types)})"
+                    f"cluster does not define (defined: {listing(self.types)})"
                 )
         pairs: set[frozenset[str]] = set()
         for link in self.links:
@@ -185,7 +205,7 @@ class Cluster:
             return self.by_id[device_id]
         except KeyError:
             raise ClusterError(
-                f"cluster {self.name!r} has no device {device_id!r} (devices: {', '.join(self.ids)})"
+                f"cluster {self.name!r} has no device {shown(device_id)} (devices: {listing(self.ids)})"
             ) from None
 
     def device_type(self, device_id: str) -> DeviceType:
@@ -203,222 +223,3 @@ class Cluster:
 
 
 # ---- loading ---------------------------------------------------------------------------------
-
-_TOP_KEYS = {"name", "types", "devices", "network"}
-_DEVICE_KEYS = {"id", "type", "host", "threads", "memory", "usd_per_hour", "binding", "count", "action_overhead",
-                "step_overhead"}
-_TYPE_KEYS = {"base", "kind", "peak_flops", "peak_flops_fp16", "memory", "memory_bandwidth",
-              "usd_per_hour", "threads", "description"}
-_NETWORK_KEYS = {"intra_host", "inter_host", "links"}
-_LINK_KEYS = {"bandwidth", "latency"}
-
-
-def _check_keys(obj: object, allowed: set[str], where: str, required: tuple[str, ...] = ()) -> dict:
-    if not isinstance(obj, Mapping):
-        raise ClusterError(f"{where}: expected a mapping of fields, got {obj!r}")
-    unknown = sorted(set(obj) - allowed)
-    if unknown:
-        raise ClusterError(f"{where}: unknown field {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
-    for key in required:
-        if key not in obj:
-            raise ClusterError(f"{where}: missing field {key!r}")
-    return dict(obj)
-
-
-def _price(value: object, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ClusterError(f"{where}: {value!r} is not a price; write US dollars per hour as a number >= 0")
-    return float(value)
-
-
-def _parse_type(name: str, spec: object, where: str) -> DeviceType:
-    spec = _check_keys(spec, _TYPE_KEYS, where)
-    base = catalog.lookup(spec["base"], spec.get("threads")) if "base" in spec else None
-    fields: dict[str, Any] = {} if base is None else {
-        "kind": base.kind, "peak_flops": base.peak_flops, "peak_flops_fp16": base.peak_flops_fp16,
-        "mem_bytes": base.mem_bytes, "mem_bw_Bps": base.mem_bw_Bps,
-        "usd_per_hour": base.usd_per_hour, "threads": base.threads, "description": base.description,
-    }
-    if "kind" in spec:
-        fields["kind"] = spec["kind"]
-    if "peak_flops" in spec:
-        fields["peak_flops"] = parse_flops(spec["peak_flops"], f"{where}.peak_flops")
-    if "peak_flops_fp16" in spec:
-        fields["peak_flops_fp16"] = parse_flops(spec["peak_flops_fp16"], f"{where}.peak_flops_fp16")
-    if "memory" in spec:
-        fields["mem_bytes"] = parse_bytes(spec["memory"], f"{where}.memory")
-    if "memory_bandwidth" in spec:
-        fields["mem_bw_Bps"] = parse_bandwidth(spec["memory_bandwidth"], f"{where}.memory_bandwidth")
-    if "usd_per_hour" in spec:
-        fields["usd_per_hour"] = _price(spec["usd_per_hour"], f"{where}.usd_per_hour")
-    if "threads" in spec:
-        fields["threads"] = spec["threads"]
-    if "description" in spec:
-        fields["description"] = str(spec["description"])
-    fields.setdefault("peak_flops_fp16", fields.get("peak_flops"))
-    missing = [k for k in ("kind", "peak_flops", "mem_bytes", "mem_bw_Bps") if k not in fields]
-    if missing:
-        names = {"mem_bytes": "memory", "mem_bw_Bps": "memory_bandwidth"}
-        raise ClusterError(
-            f"{where}: missing {', '.join(names.get(m, m) for m in missing)} "
-            f"(or give 'base: <catalog type>' to start from one)"
-        )
-    fields.setdefault("usd_per_hour", 0.0)
-    try:
-        return DeviceType(name=name, **fields)
-    except ClusterError as exc:
-        raise ClusterError(f"{where}: {exc}") from None
-
-
-def _parse_link(spec: object, where: str, default: Link | None) -> Link:
-    spec = _check_keys(spec, _LINK_KEYS, where, () if default else ("bandwidth",))
-    bw = parse_bandwidth(spec["bandwidth"], f"{where}.bandwidth") if "bandwidth" in spec else default.bandwidth_Bps
-    lat = parse_duration(spec["latency"], f"{where}.latency") if "latency" in spec else (
-        default.latency_s if default else 0.0)
-    if bw <= 0:
-        raise ClusterError(f"{where}.bandwidth: must be > 0")
-    return Link(bw, lat)
-
-
-def cluster_from_spec(spec: object, source: str = "<cluster>") -> Cluster:
-    """Build a `Cluster` from a parsed YAML/JSON description (see the module docstring)."""
-    spec = _check_keys(spec, _TOP_KEYS, source, ("devices",))
-    name = str(spec.get("name") or Path(source).stem)
-
-    custom: dict[str, DeviceType] = {}
-    types_spec = spec.get("types") or {}
-    if not isinstance(types_spec, Mapping):
-        raise ClusterError(f"{source}: types: expected a mapping from type name to its fields")
-    for tname, tspec in types_spec.items():
-        custom[str(tname)] = _parse_type(str(tname), tspec, f"{source}: types.{tname}")
-
-    devices: list[Device] = []
-    used: dict[str, DeviceType] = {}
-    dev_specs = spec["devices"]
-    if not isinstance(dev_specs, list) or not dev_specs:
-        raise ClusterError(f"{source}: devices: expected a non-empty list of devices")
-    for i, raw in enumerate(dev_specs):
-        where = f"{source}: devices[{i}]"
-        d = _check_keys(raw, _DEVICE_KEYS, where, ("id", "type"))
-        tname = str(d["type"])
-        threads = d.get("threads")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ClusterError(f"{where}.threads: {threads!r} is not a whole number >= 1")
-        try:
-            dtype = custom[tname] if tname in custom else catalog.lookup(tname, threads)
-        except ClusterError as exc:
-            known = ", ".join([*custom, *catalog.catalog_names()])
-            raise ClusterError(f"{where}.type: unknown device type {tname!r} (known: {known})") from exc
-        if threads is not None and dtype.kind != "cpu":
-            raise ClusterError(f"{where}.threads: only cpu devices take a thread count ({tname} is a {dtype.kind})")
-        if dtype.name in used and used[dtype.name] != dtype:
-            raise ClusterError(f"{where}.type: two different types are named {dtype.name!r}")
-        used[dtype.name] = dtype
-        mem = parse_bytes(d["memory"], f"{where}.memory") if "memory" in d else dtype.mem_bytes
-        if mem <= 0:
-            raise ClusterError(f"{where}.memory: must be > 0")
-        price = _price(d["usd_per_hour"], f"{where}.usd_per_hour") if "usd_per_hour" in d else dtype.usd_per_hour
-        overhead = parse_duration(d["action_overhead"], f"{where}.action_overhead") if "action_overhead" in d else 0.0
-        per_step = parse_duration(d["step_overhead"], f"{where}.step_overhead") if "step_overhead" in d else 0.0
-        count = d.get("count", None)
-        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
-            raise ClusterError(f"{where}.count: {count!r} is not a whole number >= 1")
-        ids = [f"{d['id']}{k}" for k in range(count)] if count else [str(d["id"])]
-        for dev_id in ids:
-            try:
-                devices.append(Device(
-                    id=dev_id, type=dtype.name, host=str(d.get("host", "host0")), mem_bytes=mem,
-                    usd_per_hour=price, threads=dtype.threads, binding=d.get("binding"),
-                    action_overhead_s=overhead, step_overhead_s=per_step,
-                ))
-            except ClusterError as exc:
-                raise ClusterError(f"{where}: {exc}") from None
-
-    net = _check_keys(spec.get("network") or {}, _NETWORK_KEYS, f"{source}: network")
-    intra = _parse_link(net.get("intra_host", DEFAULT_INTRA_HOST), f"{source}: network.intra_host", None)
-    inter = _parse_link(net.get("inter_host", DEFAULT_INTER_HOST), f"{source}: network.inter_host", None)
-    overrides: list[LinkOverride] = []
-    hosts = {dev.id: dev.host for dev in devices}
-    links_spec = net.get("links") or []
-    if not isinstance(links_spec, list):
-        raise ClusterError(f"{source}: network.links: expected a list of links")
-    for i, raw in enumerate(links_spec):
-        where = f"{source}: network.links[{i}]"
-        lk = _check_keys(raw, _LINK_KEYS | {"between"}, where, ("between",))
-        between = lk.pop("between")
-        if not isinstance(between, list | tuple) or len(between) != 2:
-            raise ClusterError(f"{where}.between: expected two device ids, got {between!r}")
-        for end in between:
-            if end not in hosts:
-                raise ClusterError(f"{where}.between: no device {end!r} (devices: {', '.join(hosts)})")
-        a, b = str(between[0]), str(between[1])
-        default = intra if hosts[a] == hosts[b] else inter
-        link = _parse_link(lk, where, default)
-        overrides.append(LinkOverride((a, b), link.bandwidth_Bps, link.latency_s))
-    try:
-        return Cluster(name, tuple(devices), used, intra, inter, tuple(overrides))
-    except ClusterError as exc:
-        raise ClusterError(f"{source}: {exc}") from None
-
-
-def presets() -> tuple[str, ...]:
-    """Names of the built-in clusters."""
-    files = resources.files("hetplan").joinpath("presets")
-    names = sorted(p.name.removesuffix(".yaml") for p in files.iterdir() if p.name.endswith(".yaml"))
-    return (*names, "local")
-
-
-def local_spec(cpu_count: int | None = None) -> dict:
-    """This machine's CPU as worker processes: one single-threaded worker per core (at most 8)."""
-    cores = cpu_count or os.cpu_count() or 1
-    return {
-        "name": "local",
-        "devices": [{"id": f"cpu{i}", "type": "cpu", "threads": 1, "host": "localhost", "binding": "cpu"}
-                    for i in range(min(cores, 8))],
-        # Workers on one machine exchange tensors through gloo over loopback.
-        "network": {"intra_host": {"bandwidth": "2GB/s", "latency": "50us"}},
-    }
-
-
-def preset_spec(name: str) -> dict:
-    if name == "local":
-        return local_spec()
-    path = resources.files("hetplan").joinpath("presets").joinpath(f"{name}.yaml")
-    if not path.is_file():
-        raise ClusterError(f"no cluster preset {name!r} (presets: {', '.join(presets())})")
-    return yaml.safe_load(path.read_text())
-
-
-def _read_yaml(path: Path) -> object:
-    try:
-        return yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read the file ({exc})") from None
-    except yaml.YAMLError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise InputError(f"{path}: not valid YAML: {first}") from None
-
-
-def cluster_from_data(data: object, source: str) -> Cluster:
-    """A cluster from parsed file contents: a saved cluster (`kind: cluster`) or a description."""
-    from hetplan.io import serde  # serde imports this module
-
-    if serde.is_hetplan_file(data):
-        return serde.from_dict(data, source=source, expect="cluster")
-    return cluster_from_spec(data, source)
-
-
-def load_cluster(ref: str | os.PathLike) -> Cluster:
-    """A cluster from a YAML/JSON description, a saved cluster JSON, or a preset name."""
-    path = Path(ref)
-    if path.is_file():
-        if path.suffix == ".json":
-            from hetplan.io.serde import read_json
-
-            return cluster_from_data(read_json(path), str(path))
-        return cluster_from_data(_read_yaml(path), str(path))
-    if str(ref) in presets():
-        return cluster_from_spec(preset_spec(str(ref)), str(ref))
-    if path.suffix in (".yaml", ".yml", ".json") or os.sep in str(ref):
-        raise InputError(f"{ref}: no such file")
-    raise HetplanError(f"{ref!r} is neither a cluster file nor a preset (presets: {', '.join(presets())})")

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetplan.cluster import load_cluster
 from hetplan.errors import HetplanError
 from hetplan.io import serde
+from hetplan.io.clusters import load_cluster
 from hetplan.planners import BASELINES, PlanOptions, make_plan
 from hetplan.planners.compare import compare
 from hetplan.sim import simulate

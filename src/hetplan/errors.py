@@ -10,6 +10,9 @@ the checks done in the dataclasses' `__post_init__` together with the location o
 
 from __future__ import annotations
 
+import reprlib
+from collections.abc import Iterable
+
 
 class HetplanError(ValueError):
     """Bad input: the message tells the user what is wrong and what to do."""
@@ -33,3 +36,27 @@ class InputError(HetplanError):
 
 class InfeasibleError(HetplanError):
     """A problem with no valid answer: the model fits nowhere, a floor cannot be met."""
+
+
+# Bounds on how much of a value an error message quotes: a message is one line, and the value may
+# be a megabyte of text or a YAML alias bomb whose full repr would take hours to build.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 60
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 3
+_SHOWN.maxlevel = 2
+
+
+def shown(value: object) -> str:
+    """A short repr of a user's value for an error message (`reprlib`, cut at about 60 characters)."""
+    try:
+        return _SHOWN.repr(value)
+    except ValueError:  # an int with more digits than Python converts to text
+        return f"a {type(value).__name__} too long to show"
+
+
+def listing(names: Iterable[object], limit: int = 8) -> str:
+    """`a, b, c` for a message; past `limit` names, the first ones and how many there are in all."""
+    names = [str(n) for n in names]
+    if len(names) <= limit:
+        return ", ".join(names)
+    return f"{', '.join(names[:limit])}, ... ({len(names)} in all)"

@@ -18,17 +18,23 @@ from functools import cached_property
 import networkx as nx
 
 from hetplan._frozen import FrozenMap
-from hetplan.errors import GraphError
+from hetplan.errors import GraphError, shown
 
 # How a profiled graph was cut: one node per leaf module, or per repeated block (recorded in
 # Graph.meta["granularity"] by the profiler).
 GRANULARITIES = ("layer", "block")
+# The simulator splits the batch into micro-batches in floating point, exact up to 2**53.
+MAX_BATCH_SIZE = 2**53
 
 
 def _check_number(value: float, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise GraphError(f"{what} must be a number, got {value!r}")
-    if not math.isfinite(value) or value < 0:
+        raise GraphError(f"{what} must be a number, got {shown(value)}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond the largest float: every sum and rate of it would fail
+        raise GraphError(f"{what} is {shown(value)}, too large; it must be finite and >= 0") from None
+    if not finite or value < 0:
         raise GraphError(f"{what} is {value!r}; it must be finite and >= 0")
 
 
@@ -124,8 +130,10 @@ class Graph:
         object.__setattr__(self, "meta", FrozenMap(self.meta))
         if not self.nodes:
             raise GraphError(f"graph {self.name!r} has no nodes")
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise GraphError(f"graph {self.name!r}: batch_size is {self.batch_size!r}; it must be an integer >= 1")
+        batch = self.batch_size
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH_SIZE:
+            raise GraphError(f"graph {self.name!r}: batch_size is {shown(batch)}; it must be an integer from 1 to "
+                             f"2**53")
         seen: set[str] = set()
         for node in self.nodes:
             if node.id in seen:

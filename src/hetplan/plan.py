@@ -19,7 +19,7 @@ from typing import Any
 
 from hetplan._frozen import FrozenMap, freeze
 from hetplan.cluster import Cluster
-from hetplan.errors import PlanError
+from hetplan.errors import PlanError, listing
 from hetplan.graph import Graph
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -159,7 +159,7 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
         for d in dict.fromkeys(stage.devices):
             if d not in cluster.by_id:
                 problems.append(f"stage {i} uses device {d!r}, which cluster {cluster.name!r} does not have "
-                                f"(devices: {', '.join(cluster.ids)})")
+                                f"(devices: {listing(cluster.ids)})")
             elif d in holder and not plan.shared_devices:
                 problems.append(f"device {d!r} holds stage {holder[d]} and stage {i}; "
                                 "set shared_devices to allow it")

@@ -21,11 +21,15 @@ from typing import Any
 import pydantic
 
 from hetplan.cluster import Cluster
-from hetplan.errors import HetplanError, InputError
+from hetplan.errors import HetplanError, InputError, shown
 from hetplan.graph import Graph
 from hetplan.plan import Estimate, Plan
 
 SCHEMA_VERSION = 1
+# hetplan's own files nest a handful of levels (a plan's estimate, a node's times); anything deeper is
+# not one of them, and refusing it here keeps the recursive code after parsing (pydantic, `freeze`,
+# `plain`) clear of Python's recursion limit.
+MAX_DEPTH = 64
 KINDS: Mapping[str, type] = {"graph": Graph, "cluster": Cluster, "plan": Plan, "estimate": Estimate}
 _KIND_OF = {cls: kind for kind, cls in KINDS.items()}
 
@@ -112,13 +116,13 @@ def from_dict(data: Any, *, source: str = "<json>", expect: str | None = None) -
     if not isinstance(data, Mapping):
         raise InputError(f"{source}: expected a JSON object, got {type(data).__name__}")
     kind = data.get("kind")
-    if kind not in KINDS:
-        raise InputError(f"{source}: kind is {kind!r}; a hetplan file has kind one of {', '.join(KINDS)}")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise InputError(f"{source}: kind is {shown(kind)}; a hetplan file has kind one of {', '.join(KINDS)}")
     if expect is not None and kind != expect:
         raise InputError(f"{source}: this is a {kind} file, but a {expect} is needed here")
     version = data.get("schema_version")
     if isinstance(version, bool) or not isinstance(version, int):
-        raise InputError(f"{source}: schema_version is {version!r}; expected a whole number")
+        raise InputError(f"{source}: schema_version is {shown(version)}; expected a whole number")
     if version > SCHEMA_VERSION:
         raise InputError(
             f"{source}: written with schema_version {version}, but this hetplan reads up to "
@@ -136,14 +140,47 @@ def from_dict(data: Any, *, source: str = "<json>", expect: str | None = None) -
         loc = _loc(err["loc"])
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise InputError(f"{source}: {loc + ': ' if loc else ''}{msg}{more}") from None
+    except OverflowError:  # a check in a __post_init__ on an int beyond the largest float
+        raise InputError(f"{source}: a number is too large to compute with; hetplan's numbers fit in a "
+                         "float (below 1.8e308)") from None
 
 
 def loads(text: str, *, source: str = "<json>", expect: str | None = None) -> Any:
+    return from_dict(parse_json(text, source), source=source, expect=expect)
+
+
+def parse_json(text: str, source: str) -> Any:
+    """Parsed JSON; text that is not JSON, or that hetplan could not walk safely, is an `InputError`."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{source}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
-    return from_dict(data, source=source, expect=expect)
+    except RecursionError:
+        raise InputError(f"{source}: not valid JSON: nested more than Python can parse; hetplan files nest "
+                         f"at most {MAX_DEPTH} levels") from None
+    except ValueError:  # Python converts at most 4300 digits of an integer
+        raise InputError(f"{source}: not valid JSON: a number has more digits than Python reads; write "
+                         "numbers of a usual size") from None
+    check_depth(data, source)
+    return data
+
+
+def check_depth(data: Any, source: str) -> None:
+    """Refuse data nested deeper than `MAX_DEPTH`, or that contains itself (YAML aliases can).
+
+    Iterative, and a list or mapping reached again through an alias is walked again only when
+    reached deeper, so an alias bomb costs no more than its text."""
+    deepest: dict[int, int] = {}
+    stack = [(data, 1)]
+    while stack:
+        obj, depth = stack.pop()
+        if not isinstance(obj, list | dict) or deepest.get(id(obj), 0) >= depth:
+            continue
+        if depth > MAX_DEPTH:
+            raise InputError(f"{source}: nested more than {MAX_DEPTH} levels deep (or an alias refers to "
+                             "itself); hetplan files nest a few levels")
+        deepest[id(obj)] = depth
+        stack.extend((child, depth + 1) for child in (obj.values() if isinstance(obj, dict) else obj))
 
 
 def is_hetplan_file(data: Any) -> bool:
@@ -158,12 +195,15 @@ def read_json(path: str | os.PathLike) -> Any:
         text = path.read_text()
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read the file ({exc})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(not_utf8(path, exc)) from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the file ({exc.strerror or exc})") from None
+    return parse_json(text, str(path))
+
+
+def not_utf8(path: str | os.PathLike, exc: UnicodeDecodeError) -> str:
+    return f"{path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); save it as UTF-8 JSON or YAML"
 
 
 def load(path: str | os.PathLike, expect: str | None = None) -> Any:

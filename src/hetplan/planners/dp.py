@@ -66,6 +66,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -111,6 +112,25 @@ def device_classes(cluster: Cluster) -> list[list[str]]:
     return list(classes.values())
 
 
+def distinct_permutations(items: list) -> Iterator[list]:
+    """The distinct orders of a sorted multiset, in lexicographic order (the classic next-
+    permutation step), each made in O(n): 16 identical devices have one order, not 16! tuples
+    to deduplicate."""
+    seq = list(items)
+    while True:
+        yield list(seq)
+        i = len(seq) - 2
+        while i >= 0 and seq[i] >= seq[i + 1]:
+            i -= 1
+        if i < 0:
+            return
+        j = len(seq) - 1
+        while seq[j] <= seq[i]:
+            j -= 1
+        seq[i], seq[j] = seq[j], seq[i]
+        seq[i + 1:] = reversed(seq[i + 1:])
+
+
 def device_orders(cluster: Cluster, speed: dict[str, float], objective: str,
                   limit: int = MAX_ORDERS) -> list[tuple[str, ...]]:
     """Sequences of all devices: every distinct order of device classes (`device_classes`) when
@@ -131,8 +151,7 @@ def device_orders(cluster: Cluster, speed: dict[str, float], objective: str,
         return tuple(out)
 
     if n_orders <= limit:
-        seqs = sorted(set(itertools.permutations([c for c, k in counts.items() for _ in range(k)])))
-        return [realise(list(s)) for s in seqs]
+        return [realise(s) for s in distinct_permutations(sorted(c for c, k in counts.items() for _ in range(k)))]
     types = sorted({c[0] for c in classes}, key=lambda t: (-speed[t], t))
     type_orders = list(itertools.permutations(types)) if len(types) <= 3 else [tuple(types), tuple(reversed(types))]
     orders = []

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hetplan.cluster import Cluster, cluster_from_spec
+from hetplan.cluster import Cluster
 from hetplan.graph import Edge, Graph, Node
+from hetplan.io.clusters import cluster_from_spec
 from hetplan.plan import SCHEDULES, Plan, Stage
 
 

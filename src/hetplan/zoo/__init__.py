@@ -23,16 +23,7 @@ from typing import Any
 
 from hetplan._frozen import FrozenMap
 from hetplan.errors import HetplanError
-
-
-@dataclass(frozen=True)
-class ZooModel:
-    """A model ready to profile or train: `step(**batch)` returns the scalar loss."""
-
-    name: str
-    step: Any  # torch.nn.Module
-    batch: Mapping[str, Any]  # str -> torch.Tensor
-    block_classes: tuple[str, ...] = ()
+from hetplan.zoo.model import ZooModel
 
 
 @dataclass(frozen=True)

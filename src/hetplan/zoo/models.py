@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 
 from hetplan.errors import HetplanError
-from hetplan.zoo import ZooModel
+from hetplan.zoo.model import ZooModel
 
 
 class TrainStep(nn.Module):

@@ -1,0 +1,66 @@
+"""The package's modules import each other without a cycle (issue 14, item 5: `cluster.py` was
+both the data model and the file loader, and `cluster <-> io.serde` went round through imports
+inside functions). Every import counts, at the top or inside a function, except those under
+`if TYPE_CHECKING:`, which never run."""
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under `if TYPE_CHECKING:`."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(path: Path) -> set[str]:
+    """Modules a module imports: `from pkg import sub` imports the module pkg.sub (and pkg itself
+    only for a name that is not a module of it)."""
+    modules = {module_name(p) for p in SRC.rglob("*.py")}
+    found = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = {f"{node.module}.{alias.name}" for alias in node.names}
+            found |= subs & modules
+            if subs - modules:
+                found.add(node.module)
+    return {name for name in found if name.startswith("hetplan")}
+
+
+def import_graph() -> nx.DiGraph:
+    modules = {module_name(p): p for p in SRC.rglob("*.py")}
+    graph = nx.DiGraph()
+    for name, path in modules.items():
+        graph.add_node(name)
+        for target in imports_of(path):
+            if target in modules and target != name:
+                graph.add_edge(name, target)
+    return graph
+
+
+def test_no_import_cycle_among_modules():
+    graph = import_graph()
+    cycles = [c for c in nx.simple_cycles(graph) if len(c) > 1]
+    assert cycles == [], cycles[:5]
+
+
+def test_the_cluster_model_reads_no_files():
+    imports = imports_of(SRC / "hetplan" / "cluster.py")
+    assert not any(name.startswith("hetplan.io") for name in imports)
