@@ -91,7 +91,8 @@ def test_simulate_prints_the_estimate_and_draws_the_step(cli, profiles, tmp_path
 
 
 @pytest.mark.parametrize("extra,message", [
-    (("--cluster", "v100x4"), "invalid plan: stage 0 uses device 'a0', which cluster 'v100x4' does not have"),
+    (("--cluster", "v100x4"), "plan.json: invalid plan: stage 0 uses device 'a0', which cluster 'v100x4' does not "
+                              "have"),  # the message names the file (issue 13)
     (("--cluster", "hetero-4", "--gantt", "x.jpg"), "x.jpg: the chart is written as .png, .svg or .pdf"),
     (("--cluster", "hetero-4", "--routing", "psychic"), "invalid choice: 'psychic'"),
 ])

@@ -19,7 +19,7 @@ from rich.console import Console
 from hetplan import catalog
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
-from hetplan.errors import HetplanError, InputError
+from hetplan.errors import HetplanError, InputError, PlanError
 from hetplan.graph import GRANULARITIES, Graph
 from hetplan.io import serde
 from hetplan.io.clusters import cluster_from_data, load_cluster, presets
@@ -160,6 +160,14 @@ def _note_projections(args: argparse.Namespace, graph: Graph, cluster: Cluster) 
                           "roofline model; profile on those devices to measure them")
 
 
+def _validate(path: Path, plan: Plan, graph: Graph, cluster: Cluster) -> None:
+    """`validate_plan`, its message naming the plan file the user gave."""
+    try:
+        validate_plan(plan, graph, cluster)
+    except PlanError as exc:
+        raise PlanError(f"{path}: {exc}") from None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     graph = load_graph(args.graph)
     cluster = load_cluster(args.cluster)
@@ -236,7 +244,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise HetplanError("the plan does not name its cluster; pass --cluster C")
     cluster = load_cluster(cluster_ref)
     if graph is not None:
-        validate_plan(plan, graph, cluster)
+        _validate(args.plan, plan, graph, cluster)
         _note_projections(args, graph, cluster)
     batch_size = args.batch_size or (graph.batch_size if graph is not None else None)
     seq_len = args.seq_len
@@ -372,7 +380,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     graph = load_graph(args.graph)
     cluster = load_cluster(args.cluster)
     _note_projections(args, graph, cluster)
-    validate_plan(plan, graph, cluster)
+    _validate(args.plan, plan, graph, cluster)
     sim = simulate(graph, cluster, plan, routing=args.routing, timeline=bool(args.gantt or args.trace))
     est = sim.estimate
     if args.gantt:
