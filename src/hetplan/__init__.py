@@ -11,11 +11,12 @@ from hetplan.cluster import Cluster, Device, Link, LinkOverride
 from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import load_cluster, presets
+from hetplan.io.graphs import load_graph
 from hetplan.plan import Estimate, Plan, Stage, validate_plan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CATALOG", "Cluster", "Device", "DeviceType", "Edge", "Estimate", "Graph", "HetplanError",
-    "Link", "LinkOverride", "Node", "Plan", "Stage", "load_cluster", "presets", "validate_plan",
+    "Link", "LinkOverride", "Node", "Plan", "Stage", "load_cluster", "load_graph", "presets", "validate_plan",
 ]

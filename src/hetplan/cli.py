@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from hetplan.errors import HetplanError, InputError, PlanError
 from hetplan.graph import GRANULARITIES, Graph
 from hetplan.io import serde
 from hetplan.io.clusters import cluster_from_data, load_cluster, presets
+from hetplan.io.graphs import load_graph, refuse_pipedream_text
 from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, import_pipedream
 from hetplan.plan import OBJECTIVES, SCHEDULES, Plan, validate_plan
 from hetplan.planners import PLANNERS, RL_PLANNERS, PlanOptions, get_planner, make_plan
@@ -61,19 +61,13 @@ def _emit_json(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj, indent=1, allow_nan=False) + "\n")
 
 
-def _refuse_pipedream_text(path: Path) -> None:
-    if path.suffix == ".txt" and path.is_file():
-        raise InputError(f"{path}: looks like a PipeDream profile; import it first with "
-                         f"'hetplan import pipedream {path} -o graph.json'")
-
-
 def load_any(ref: str) -> Graph | Cluster | Plan:
     """A graph, cluster or plan file, a cluster description, or a preset name."""
     path = Path(ref)
     if path.is_file():
         if path.suffix in (".yaml", ".yml"):
             return load_cluster(path)
-        _refuse_pipedream_text(path)
+        refuse_pipedream_text(path)
         data = serde.read_json(path)
         if not serde.is_hetplan_file(data) and isinstance(data, dict) and "devices" in data:
             return cluster_from_data(data, str(path))
@@ -83,12 +77,6 @@ def load_any(ref: str) -> Graph | Cluster | Plan:
     if path.suffix or "/" in ref:
         raise InputError(f"{ref}: no such file")
     raise HetplanError(f"{ref!r} is neither a file nor a cluster preset (presets: {', '.join(presets())})")
-
-
-def load_graph(ref: str) -> Graph:
-    path = Path(ref)
-    _refuse_pipedream_text(path)
-    return serde.load(path, expect="graph")
 
 
 # ---- commands ---------------------------------------------------------------------------------
@@ -231,12 +219,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hetplan.runtime.checkpoint import checkpoint_step
-    from hetplan.runtime.launch import launch, run_spec
+    from hetplan.runtime.run import RunSettings, prepare_run, run_plan
 
-    if args.steps < 1 or args.warmup < 0:
-        raise HetplanError(f"--steps {args.steps} --warmup {args.warmup}: run at least 1 step, with 0 or more "
-                           "warm-up steps")
     plan = serde.load(args.plan, expect="plan")
     graph = load_graph(args.graph) if args.graph else None
     cluster_ref = args.cluster or plan.cluster
@@ -246,83 +230,42 @@ def cmd_run(args: argparse.Namespace) -> int:
     if graph is not None:
         _validate(args.plan, plan, graph, cluster)
         _note_projections(args, graph, cluster)
-    batch_size = args.batch_size or (graph.batch_size if graph is not None else None)
-    seq_len = args.seq_len
-    if seq_len is None and graph is not None:
-        seq_len = int(graph.meta["seq_len"]) if "seq_len" in graph.meta else None
-        if seq_len is None:  # graphs profiled before meta.seq_len existed say it in their input shapes
-            shapes = re.search(r"input_ids\[(\d+)x(\d+)\]", str(graph.meta.get("inputs", "")))
-            seq_len = int(shapes[2]) if shapes else None
-    from hetplan.zoo import ZOO
-
-    if batch_size is None:
-        batch_size = ZOO[args.model].default_batch_size if args.model in ZOO else None
-    if batch_size is None:
-        raise HetplanError("give --batch-size N (or --graph G, whose batch size is used)")
-    granularity = args.granularity or (graph.meta.get("granularity") if graph is not None else None) or "layer"
-    if args.data == "text" and args.model in ZOO and not ZOO[args.model].language_model:
-        raise HetplanError(f"--data text is for language models; {args.model} takes --data synthetic")
-    resume_step = 0
-    if args.resume:
-        if not args.checkpoint_dir:
-            raise HetplanError("--resume needs --checkpoint-dir DIR")
-        found = checkpoint_step(args.checkpoint_dir, len(plan.stages))
-        if found is None:
-            raise HetplanError(f"{args.checkpoint_dir}: no complete checkpoint of all {len(plan.stages)} stages "
-                               "to resume from")
-        resume_step = found
-        if resume_step >= args.steps:
-            raise HetplanError(f"{args.checkpoint_dir}: the checkpoint is at step {resume_step} already; ask for "
-                               f"more steps (--steps {resume_step + args.steps}) to go on")
-    spec = run_spec(plan, cluster, args.model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
-                    steps=args.steps, warmup=args.warmup, seed=args.seed, optimizer=args.optimizer, lr=args.lr,
-                    data=args.data, out_dir=args.out, timeout_s=args.timeout_s,
-                    checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                    resume_step=resume_step, graph=graph)
+    settings = RunSettings(
+        steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
+        granularity=args.granularity, seed=args.seed, optimizer=args.optimizer, lr=args.lr, data=args.data,
+        out_dir=args.out, timeout_s=args.timeout_s, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume)
     if args.dry_run:
-        from hetplan.runtime.launch import torchrun_commands, write_spec
-
-        path = write_spec(spec)
-        commands = torchrun_commands(path, spec)
-        if args.json:
-            _emit_json({"kind": "run", "dry_run": True, "run_json": str(path), "torchrun": commands})
-        else:
-            console = _console()
-            console.print(f"wrote {path}; copy it to the same path on every machine, then run, one per machine "
-                          "(set --master-addr to the first machine's address):")
-            for cmd in commands:
-                console.print(f"  {cmd}", soft_wrap=True)
-        return 0
+        return _dry_run(args, prepare_run(plan, cluster, args.model, graph, settings)[0])
     bar = _progress_bar()
     if bar is None:
-        result = launch(spec)
+        report = run_plan(plan, cluster, args.model, graph, settings)
     else:
         with bar:
-            task = bar.add_task(f"running {len(spec['ranks'])} workers", total=args.steps)
-            result = launch(spec, progress=lambda done, total: bar.update(task, completed=done))
-    predicted = None
-    if graph is not None:
-        from hetplan.sim import simulate
-
-        predicted = simulate(graph, cluster, plan, timeline=False).estimate
-    measured = result.measured_step_s
-    summary = {
-        "kind": "run", "plan": str(args.plan), "model": args.model, "workers": len(result.ranks),
-        "steps": result.steps, "first_step": resume_step, "warmup": result.warmup, "measured_step_s": measured,
-        "measured_samples_per_s": batch_size / measured if measured > 0 else None,
-        "predicted_step_s": predicted.step_s if predicted else None,
-        "relative_error": (measured / predicted.step_s - 1) if predicted else None,
-        "step_times_s": list(result.step_times_s), "losses": list(result.losses),
-        "loss_first": result.losses[0] if result.losses else None,
-        "loss_last": result.losses[-1] if result.losses else None,
-        "peak_mem_bytes": {f"{r['rank']}:{r['device']}": r["peak_mem_bytes"] for r in result.ranks},
-        "predicted_peak_mem_bytes": dict(predicted.peak_mem_bytes) if predicted else None,
-        "out_dir": result.out_dir,
-    }
+            task = bar.add_task(f"running {sum(len(st.devices) for st in plan.stages)} workers", total=args.steps)
+            report = run_plan(plan, cluster, args.model, graph, settings,
+                              progress=lambda done, total: bar.update(task, completed=done))
+    summary = report.summary(str(args.plan))
     if args.json:
         _emit_json(summary)
         return 0
     tables.show_run(_console(), summary, plan)
+    return 0
+
+
+def _dry_run(args: argparse.Namespace, spec: dict[str, Any]) -> int:
+    from hetplan.runtime.launch import torchrun_commands, write_spec
+
+    path = write_spec(spec)
+    commands = torchrun_commands(path, spec)
+    if args.json:
+        _emit_json({"kind": "run", "dry_run": True, "run_json": str(path), "torchrun": commands})
+        return 0
+    console = _console()
+    console.print(f"wrote {path}; copy it to the same path on every machine, then run, one per machine "
+                  "(set --master-addr to the first machine's address):")
+    for cmd in commands:
+        console.print(f"  {cmd}", soft_wrap=True)
     return 0
 
 

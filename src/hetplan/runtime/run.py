@@ -1,0 +1,155 @@
+"""Running a plan from the library: what `hetplan run` does, as one call a user can make.
+
+`run_plan` works out the settings a run needs from the graph (batch size, sequence length,
+granularity) and the checkpoint folder (the step to resume from), launches the workers
+(`hetplan.runtime.launch`), and returns a `RunReport`: the measured step as an `Estimate` with
+`method="measured"` beside the simulator's prediction for the same plan. `prepare_run` stops
+before launching (for `--dry-run` and torchrun).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hetplan.cluster import Cluster
+from hetplan.cost import CostModel
+from hetplan.errors import HetplanError
+from hetplan.graph import Graph
+from hetplan.plan import Estimate, Plan, validate_plan
+from hetplan.runtime.launch import RunResult, launch, run_spec
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How to train: the CLI's `hetplan run` flags, with its defaults. None: from the graph."""
+
+    steps: int = 10
+    warmup: int = 2
+    batch_size: int | None = None
+    seq_len: int | None = None
+    granularity: str | None = None
+    seed: int = 0
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    data: str = "synthetic"
+    out_dir: Path = Path("out/run")
+    timeout_s: float = 60.0
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """A run's result, what was measured as an `Estimate`, and what the simulator predicted."""
+
+    plan: Plan
+    model: str
+    result: RunResult
+    measured: Estimate
+    predicted: Estimate | None
+    first_step: int
+
+    @property
+    def relative_error(self) -> float | None:
+        """measured / predicted - 1 of the step time; None without a prediction."""
+        return self.measured.step_s / self.predicted.step_s - 1 if self.predicted else None
+
+    def summary(self, plan_path: str = "") -> dict[str, Any]:
+        """The JSON object `hetplan run --json` prints."""
+        r, m, p = self.result, self.measured, self.predicted
+        return {
+            "kind": "run", "plan": plan_path, "model": self.model, "workers": len(r.ranks), "steps": r.steps,
+            "first_step": self.first_step, "warmup": r.warmup, "measured_step_s": m.step_s,
+            "measured_samples_per_s": m.samples_per_s if m.step_s > 0 else None,
+            "predicted_step_s": p.step_s if p else None, "relative_error": self.relative_error,
+            "step_times_s": list(r.step_times_s), "losses": list(r.losses),
+            "loss_first": r.losses[0] if r.losses else None, "loss_last": r.losses[-1] if r.losses else None,
+            "peak_mem_bytes": {f"{x['rank']}:{x['device']}": x["peak_mem_bytes"] for x in r.ranks},
+            "predicted_peak_mem_bytes": dict(p.peak_mem_bytes) if p else None, "out_dir": r.out_dir,
+        }
+
+
+def _sizes(graph: Graph | None, model: str, s: RunSettings) -> tuple[int, int | None, str]:
+    """Batch size, sequence length and granularity: given, else the graph's, else the zoo's."""
+    from hetplan.zoo import ZOO
+
+    batch_size = s.batch_size or (graph.batch_size if graph is not None else None)
+    if batch_size is None:
+        batch_size = ZOO[model].default_batch_size if model in ZOO else None
+    if batch_size is None:
+        raise HetplanError("give --batch-size N (or --graph G, whose batch size is used)")
+    seq_len = s.seq_len
+    if seq_len is None and graph is not None:
+        seq_len = int(graph.meta["seq_len"]) if "seq_len" in graph.meta else None
+        if seq_len is None:  # graphs profiled before meta.seq_len existed say it in their input shapes
+            shapes = re.search(r"input_ids\[(\d+)x(\d+)\]", str(graph.meta.get("inputs", "")))
+            seq_len = int(shapes[2]) if shapes else None
+    granularity = s.granularity or (graph.meta.get("granularity") if graph is not None else None) or "layer"
+    if s.data == "text" and model in ZOO and not ZOO[model].language_model:
+        raise HetplanError(f"--data text is for language models; {model} takes --data synthetic")
+    return batch_size, seq_len, granularity
+
+
+def _resume_step(plan: Plan, s: RunSettings) -> int:
+    from hetplan.runtime.checkpoint import checkpoint_step
+
+    if not s.resume:
+        return 0
+    if not s.checkpoint_dir:
+        raise HetplanError("--resume needs --checkpoint-dir DIR")
+    found = checkpoint_step(s.checkpoint_dir, len(plan.stages))
+    if found is None:
+        raise HetplanError(f"{s.checkpoint_dir}: no complete checkpoint of all {len(plan.stages)} stages "
+                           "to resume from")
+    if found >= s.steps:
+        raise HetplanError(f"{s.checkpoint_dir}: the checkpoint is at step {found} already; ask for more steps "
+                           f"(--steps {found + s.steps}) to go on")
+    return found
+
+
+def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = None,
+                settings: RunSettings = RunSettings()) -> tuple[dict[str, Any], int]:
+    """The workers' spec (RUN.json) and the step the run starts at; checks everything first."""
+    s = settings
+    if s.steps < 1 or s.warmup < 0:
+        raise HetplanError(f"--steps {s.steps} --warmup {s.warmup}: run at least 1 step, with 0 or more "
+                           "warm-up steps")
+    if graph is not None:
+        validate_plan(plan, graph, cluster)
+    batch_size, seq_len, granularity = _sizes(graph, model, s)
+    first = _resume_step(plan, s)
+    spec = run_spec(plan, cluster, model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
+                    steps=s.steps, warmup=s.warmup, seed=s.seed, optimizer=s.optimizer, lr=s.lr, data=s.data,
+                    out_dir=s.out_dir, timeout_s=s.timeout_s, checkpoint_dir=s.checkpoint_dir,
+                    checkpoint_every=s.checkpoint_every, resume_step=first, graph=graph)
+    return spec, first
+
+
+def measured_estimate(result: RunResult, plan: Plan, cluster: Cluster, graph: Graph | None,
+                      batch_size: int) -> Estimate:
+    """What a run measured, as an Estimate: step time, samples per second, peak memory per device
+    and the price of the step. Busy times and link traffic are not measured (left empty), nor the
+    bubble (0.0 here means "not measured", not "none")."""
+    step = result.measured_step_s
+    usd = CostModel(graph, cluster).usd_per_step(plan.devices, step) if graph is not None else 0.0
+    return Estimate(step_s=step, samples_per_s=batch_size / step if step > 0 else 0.0, busy_s={},
+                    peak_mem_bytes=result.peak_mem_bytes, bubble_fraction=0.0, link_bytes={}, usd_per_step=usd,
+                    feasible=True, method="measured")
+
+
+def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = None,
+             settings: RunSettings = RunSettings(), progress=None) -> RunReport:
+    """Train `model` under `plan` on `cluster`'s bound devices and compare with the prediction."""
+    spec, first = prepare_run(plan, cluster, model, graph, settings)
+    result = launch(spec, progress=progress)
+    predicted = None
+    if graph is not None:
+        from hetplan.sim import simulate
+
+        predicted = simulate(graph, cluster, plan, timeline=False).estimate
+    measured = measured_estimate(result, plan, cluster, graph, spec["batch_size"])
+    return RunReport(plan=plan, model=model, result=result, measured=measured, predicted=predicted, first_step=first)
