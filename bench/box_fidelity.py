@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from evidence_rerun import EVIDENCE, calibrate_row, cluster_file, run_row
+from evidence_rerun import EVIDENCE, calibrate_row, cluster_file, has_cuda, run_row
 
 DEEP = ("deep_mlp_model:deep_mlp", "deep-mlp/graph.json")
 TINY = ("gpt2-tiny", "gpt2-tiny-hetcpu/graph.json")
@@ -89,7 +89,6 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="only plan files whose path contains this text")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    from evidence_rerun import has_cuda
 
     paths = clusters(args.python, has_cuda(args.python), args.calibrate, args.out)
     rows = [row for row in ROWS if args.only in row[3]]

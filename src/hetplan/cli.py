@@ -18,7 +18,7 @@ from rich.console import Console
 from hetplan import catalog
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
-from hetplan.errors import HetplanError, InputError, PlanError
+from hetplan.errors import HetplanError, InputError
 from hetplan.graph import GRANULARITIES, Graph
 from hetplan.io import serde
 from hetplan.io.clusters import cluster_from_data, load_cluster, presets
@@ -148,14 +148,6 @@ def _note_projections(args: argparse.Namespace, graph: Graph, cluster: Cluster) 
                           "roofline model; profile on those devices to measure them")
 
 
-def _validate(path: Path, plan: Plan, graph: Graph, cluster: Cluster) -> None:
-    """`validate_plan`, its message naming the plan file the user gave."""
-    try:
-        validate_plan(plan, graph, cluster)
-    except PlanError as exc:
-        raise PlanError(f"{path}: {exc}") from None
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     graph = load_graph(args.graph)
     cluster = load_cluster(args.cluster)
@@ -228,22 +220,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise HetplanError("the plan does not name its cluster; pass --cluster C")
     cluster = load_cluster(cluster_ref)
     if graph is not None:
-        _validate(args.plan, plan, graph, cluster)
-        _note_projections(args, graph, cluster)
+        _note_projections(args, graph, cluster)  # said only if the run succeeds
     settings = RunSettings(
         steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
         granularity=args.granularity, seed=args.seed, optimizer=args.optimizer, lr=args.lr, data=args.data,
         out_dir=args.out, timeout_s=args.timeout_s, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume)
     if args.dry_run:
-        return _dry_run(args, prepare_run(plan, cluster, args.model, graph, settings)[0])
+        return _dry_run(args, prepare_run(plan, cluster, args.model, graph, settings, source=str(args.plan))[0])
     bar = _progress_bar()
     if bar is None:
-        report = run_plan(plan, cluster, args.model, graph, settings)
+        report = run_plan(plan, cluster, args.model, graph, settings, source=str(args.plan))
     else:
         with bar:
             task = bar.add_task(f"running {sum(len(st.devices) for st in plan.stages)} workers", total=args.steps)
-            report = run_plan(plan, cluster, args.model, graph, settings,
+            report = run_plan(plan, cluster, args.model, graph, settings, source=str(args.plan),
                               progress=lambda done, total: bar.update(task, completed=done))
     summary = report.summary(str(args.plan))
     if args.json:
@@ -323,7 +314,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     graph = load_graph(args.graph)
     cluster = load_cluster(args.cluster)
     _note_projections(args, graph, cluster)
-    _validate(args.plan, plan, graph, cluster)
+    validate_plan(plan, graph, cluster, source=str(args.plan))
     sim = simulate(graph, cluster, plan, routing=args.routing, timeline=bool(args.gantt or args.trace))
     est = sim.estimate
     if args.gantt:

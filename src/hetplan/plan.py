@@ -170,9 +170,10 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
     return problems
 
 
-def validate_plan(plan: Plan, graph: Graph, cluster: Cluster) -> None:
-    """Raise `PlanError` naming the first problem (and how many more there are)."""
+def validate_plan(plan: Plan, graph: Graph, cluster: Cluster, source: str | None = None) -> None:
+    """Raise `PlanError` naming the first problem (and how many more there are), and the plan's
+    file when `source` gives it."""
     problems = plan_problems(plan, graph, cluster)
     if problems:
         more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
-        raise PlanError(f"invalid plan: {problems[0]}{more}")
+        raise PlanError(f"{source + ': ' if source else ''}invalid plan: {problems[0]}{more}")

@@ -30,6 +30,7 @@ from hetplan.cluster import (
 )
 from hetplan.errors import ClusterError, HetplanError, InputError, listing, shown
 from hetplan.io import serde
+from hetplan.machine import usable_cores
 from hetplan.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
 
 __all__ = ["cluster_from_data", "cluster_from_spec", "load_cluster", "local_spec", "preset_spec", "presets"]
@@ -270,7 +271,7 @@ def presets() -> tuple[str, ...]:
 
 def local_spec(cpu_count: int | None = None) -> dict:
     """This machine's CPU as worker processes: one single-threaded worker per core (at most 8)."""
-    cores = cpu_count or os.cpu_count() or 1
+    cores = cpu_count or usable_cores()
     return {
         "name": "local",
         "devices": [{"id": f"cpu{i}", "type": "cpu", "threads": 1, "host": "localhost", "binding": "cpu"}

@@ -6,13 +6,13 @@ memory (`h100-80gb`, `a100-40gb`, ...), or `gpu-<name>` for a GPU the catalog do
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
 import torch
 
 from hetplan.errors import HetplanError
+from hetplan.machine import usable_cores
 
 _SPEC = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 GiB = 2**30
@@ -42,11 +42,6 @@ def cuda_type_name(name: str, mem_bytes: int) -> str:
     if "v100" in low:
         return "v100-32gb" if mem_bytes > 20 * GiB else "v100-16gb"
     return "gpu-" + re.sub(r"[^a-z0-9]+", "-", low).strip("-")
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity, as a container or taskset limits it)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def parse_device(spec: str) -> ProfileDevice:

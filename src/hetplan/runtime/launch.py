@@ -32,6 +32,7 @@ from hetplan.cost import CostModel
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.io.serde import atomic_write_text, to_dict
+from hetplan.machine import core_ids
 from hetplan.plan import Plan
 from hetplan.runtime.supervise import LAUNCHER_PID, run_folder_lock, stop_on_terminate
 from hetplan.runtime.support import runtime_refusal
@@ -177,7 +178,7 @@ def pin_cores(threads: list[int]) -> list[list[int]]:
 
     Why: workers that stand for devices of different speed must not take each other's cores,
     or a 1-thread worker runs at the speed the scheduler gives it, not at one core's."""
-    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    available = core_ids() if hasattr(os, "sched_setaffinity") else []  # no pinning where the OS has none
     if not available or sum(threads) > len(available):
         return [[] for _ in threads]
     out, at = [], 0

@@ -112,14 +112,15 @@ def _resume_step(plan: Plan, s: RunSettings) -> int:
 
 
 def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = None,
-                settings: RunSettings = RunSettings()) -> tuple[dict[str, Any], int]:
-    """The workers' spec (RUN.json) and the step the run starts at; checks everything first."""
+                settings: RunSettings = RunSettings(), source: str | None = None) -> tuple[dict[str, Any], int]:
+    """The workers' spec (RUN.json) and the step the run starts at; checks everything first
+    (`source`: the plan's file, named in an invalid plan's message)."""
     s = settings
     if s.steps < 1 or s.warmup < 0:
         raise HetplanError(f"--steps {s.steps} --warmup {s.warmup}: run at least 1 step, with 0 or more "
                            "warm-up steps")
     if graph is not None:
-        validate_plan(plan, graph, cluster)
+        validate_plan(plan, graph, cluster, source=source)
     batch_size, seq_len, granularity = _sizes(graph, model, s)
     first = _resume_step(plan, s)
     spec = run_spec(plan, cluster, model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
@@ -142,9 +143,9 @@ def measured_estimate(result: RunResult, plan: Plan, cluster: Cluster, graph: Gr
 
 
 def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = None,
-             settings: RunSettings = RunSettings(), progress=None) -> RunReport:
+             settings: RunSettings = RunSettings(), progress=None, source: str | None = None) -> RunReport:
     """Train `model` under `plan` on `cluster`'s bound devices and compare with the prediction."""
-    spec, first = prepare_run(plan, cluster, model, graph, settings)
+    spec, first = prepare_run(plan, cluster, model, graph, settings, source)
     result = launch(spec, progress=progress)
     predicted = None
     if graph is not None:
