@@ -1,7 +1,7 @@
 """How far the roofline projection is from a measurement (issue 3).
 
 Profiles each model on 1 and 2 CPU threads in one run, then projects every node's time from
-cpu-1t to cpu-2t with `hetplan.projection` (the cost model's rule for a device type a graph was
+cpu-1t to cpu-2t with `hetplan.cost.projection` (the cost model's rule for a device type a graph was
 not profiled on) and compares with the times measured on cpu-2t: per node (median absolute
 relative error, weighted by time) and for the whole model (sum of nodes).
 

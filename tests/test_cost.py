@@ -2,9 +2,9 @@ import pytest
 
 from hetplan import catalog
 from hetplan.cost import CostModel, inflight_microbatches, microbatch_fractions
+from hetplan.cost.projection import project_s
 from hetplan.graph import Graph, Node
 from hetplan.io.clusters import load_cluster
-from hetplan.projection import project_s
 from strategies import V, chain, one_per_stage
 
 

@@ -16,7 +16,7 @@ from hetplan.runtime.local import run_threads
 from hetplan.runtime.rank import Traces, boundary_layouts
 from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
-from hetplan.sim.schedules import schedule_order
+from hetplan.schedule import schedule_order
 from hetplan.zoo import ZOO, load_model
 from hf_families import FAMILIES
 

@@ -17,7 +17,7 @@ from hetplan.runtime.checkpoint import checkpoint_step
 from hetplan.runtime.launch import WorkerFailure, launch, run_spec
 from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
-from hetplan.sim.schedules import schedule_order
+from hetplan.schedule import schedule_order
 from hetplan.zoo import load_model
 from test_executor import chain_plan, reference_step
 

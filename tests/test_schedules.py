@@ -4,9 +4,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetplan.cost import inflight_microbatches
 from hetplan.errors import HetplanError
-from hetplan.sim.schedules import Action, gpipe, one_f_one_b, peak_in_flight, schedule_order
+from hetplan.schedule import (
+    SCHEDULES,
+    Action,
+    gpipe,
+    inflight_microbatches,
+    one_f_one_b,
+    peak_in_flight,
+    schedule_order,
+)
 
 
 def torch_order(cls, stages, microbatches):
@@ -16,13 +23,24 @@ def torch_order(cls, stages, microbatches):
                  for r in range(stages))
 
 
+def torch_class(name):
+    """The torch.distributed.pipelining class hetplan.schedule says runs the same order."""
+    from torch.distributed.pipelining import schedules
+
+    return getattr(schedules, SCHEDULES[name].torch_class)
+
+
+def test_every_schedule_names_a_torch_class_and_its_own_order():
+    for name, kind in SCHEDULES.items():
+        assert kind.name == name and torch_class(name).__name__ == kind.torch_class
+        assert schedule_order(name, 3, 4) == kind.order(3, 4)
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("microbatches", [1, 2, 4, 5, 8, 12])
 def test_gpipe_matches_torch(stages, microbatches):
-    from torch.distributed.pipelining.schedules import ScheduleGPipe
-
     ours = tuple(tuple(str(a) for a in stage) for stage in gpipe(stages, microbatches))
-    assert ours == torch_order(ScheduleGPipe, stages, microbatches)
+    assert ours == torch_order(torch_class("gpipe"), stages, microbatches)
 
 
 def executed_1f1b(stages, microbatches, r):
@@ -45,15 +63,13 @@ def executed_1f1b(stages, microbatches, r):
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("microbatches", [1, 2, 4, 5, 8, 12])
 def test_1f1b_matches_torch(stages, microbatches):
-    from torch.distributed.pipelining.schedules import Schedule1F1B
-
     ours = tuple(tuple(str(a) for a in stage) for stage in one_f_one_b(stages, microbatches))
     assert ours == tuple(executed_1f1b(stages, microbatches, r) for r in range(stages))
     if microbatches >= stages:
         # torch's printable order (_get_pipeline_order) agrees on every stage but the last, where
         # it numbers the forward passes from 1 (1F1 .. 1Fm): an off-by-one in that description
         # only, since the executed order above starts at F0.
-        assert ours[:-1] == torch_order(Schedule1F1B, stages, microbatches)[:-1]
+        assert ours[:-1] == torch_order(torch_class("1f1b"), stages, microbatches)[:-1]
 
 
 def test_a_known_1f1b_order():

@@ -16,7 +16,7 @@ from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import Estimate, Plan, Stage, plan_problems
 from hetplan.planners import PlanOptions, make_plan, objectives
 from hetplan.planners.baselines import block_partition, min_max_sizes
-from hetplan.planners.dp import microbatch_choices
+from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.randomized import random_problem
 from hetplan.planners.search import local_search
 from hetplan.planners.states import coarsen, cut_states

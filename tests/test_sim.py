@@ -12,10 +12,10 @@ from hetplan.errors import GraphError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import Estimate, Plan, Stage, validate_plan
+from hetplan.schedule import schedule_order
 from hetplan.sim import simulate
 from hetplan.sim.engine import ALLREDUCE, OPTIMIZER
 from hetplan.sim.model import build_step_model
-from hetplan.sim.schedules import schedule_order
 from strategies import MIXED as CLUSTER
 from strategies import V, chain, graphs, one_per_stage
 

@@ -62,7 +62,7 @@ def too_many_devices(count: int, where: str = "") -> str:
 
 @dataclass(frozen=True)
 class Link:
-    """A point-to-point link: a transfer of b bytes takes `latency_s + b / bandwidth_Bps`."""
+    """A point-to-point link (what a transfer over it costs: `hetplan.cost.formulas.transfer_s`)."""
 
     bandwidth_Bps: float
     latency_s: float
@@ -72,11 +72,6 @@ class Link:
             raise ClusterError(f"link bandwidth is {self.bandwidth_Bps!r}; it must be > 0")
         if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
             raise ClusterError(f"link latency is {self.latency_s!r}; it must be finite and >= 0")
-
-    def transfer_s(self, nbytes: float) -> float:
-        if nbytes <= 0:
-            return 0.0
-        return self.latency_s + nbytes / self.bandwidth_Bps
 
 
 LOCAL_LINK = Link(math.inf, 0.0)  # a device to itself: no transfer

@@ -21,8 +21,9 @@ from hetplan._frozen import FrozenMap, freeze
 from hetplan.cluster import Cluster
 from hetplan.errors import PlanError, listing
 from hetplan.graph import Graph
+from hetplan.schedule import SCHEDULE_NAMES
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = SCHEDULE_NAMES  # hetplan.schedule owns what each means
 OBJECTIVES = ("time", "cost", "mdpe")
 
 

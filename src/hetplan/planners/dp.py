@@ -73,16 +73,16 @@ import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import WEIGHT_COPIES
-from hetplan.errors import HetplanError
+from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
 from hetplan.planners import baselines
+from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.scoring import Scorer
 from hetplan.planners.states import coarsen, cut_states
 from hetplan.sim.fast import fast_step_s
 
-MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 MAX_STATES = 160
 MAX_LABELS = 6
 EPSILON = 0.002  # labels closer than this in sum, max and all-reduce are merged
@@ -93,12 +93,6 @@ POOL = 256  # candidates the fast path re-ranks before the event simulator score
 MAX_ORDERS = 24
 SMALL_CLUSTER = 8  # up to this many devices a stage may take any number of them as replicas
 BIG_CLUSTER_REPLICAS = 4  # on bigger clusters, at most this many
-
-
-def microbatch_choices(graph: Graph, options: PlanOptions) -> tuple[int, ...]:
-    if options.microbatches:
-        return (options.microbatches,)
-    return tuple(m for m in MICROBATCH_CHOICES if m <= graph.batch_size) or (1,)
 
 
 def device_classes(cluster: Cluster) -> list[list[str]]:
@@ -438,3 +432,12 @@ def dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
         raise scorer.infeasible(fastest, "dp")
     best = scorer.best(plans, "dp")
     return replace(best, meta={**best.meta, "dp": meta})
+
+
+def warm_start(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan | None:
+    """dp's plan, where the searching planners start (so that they never return a worse one), or
+    None when dp finds nothing feasible."""
+    try:
+        return dp(graph, cluster, options)
+    except InfeasibleError:
+        return None

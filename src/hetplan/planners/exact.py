@@ -28,7 +28,8 @@ from hetplan.cost import microbatch_fractions
 from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
-from hetplan.planners.dp import device_classes, microbatch_choices
+from hetplan.planners.dp import device_classes
+from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.scoring import Scorer
 from hetplan.planners.states import cut_states

@@ -35,7 +35,7 @@ from hetplan.cluster import Cluster
 from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage, plan_problems
-from hetplan.planners.dp import microbatch_choices
+from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.scoring import Scorer
 

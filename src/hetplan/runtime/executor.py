@@ -2,7 +2,7 @@
 messages, as PipeDream's and DeepSpeed's pipeline runtimes do (DeepSpeed's `PipeSchedule`
 documents each instruction by the code it runs; so does this module).
 
-The action order is `hetplan.sim.schedules.schedule_order`, the one the simulator simulates, and
+The action order is `hetplan.schedule.schedule_order`, the one the simulator simulates, and
 the rows of every replica are `hetplan.rows`, the split the simulator charges; so a run does what
 its prediction assumed, action by action. Every plan that `hetplan.plan.validate_plan` accepts
 runs: any number of replicas per stage (3 + 1, 1 + 2 + 1, ...), stages without parameters, more
@@ -39,7 +39,7 @@ from hetplan.errors import HetplanError
 from hetplan.rows import StepRows
 from hetplan.runtime.boundary import ValueLayout, pack, packed_bytes, unpack
 from hetplan.runtime.transport import Transport
-from hetplan.sim.schedules import FORWARD, Action
+from hetplan.schedule import FORWARD, Action
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from hetplan.rows import StepRows, step_rows
 from hetplan.runtime.boundary import ValueLayout, layouts
 from hetplan.runtime.executor import Role
 from hetplan.runtime.stages import StageModule, stage_modules
-from hetplan.sim.schedules import schedule_order
+from hetplan.schedule import schedule_order
 
 
 def rank_table(spec: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from hetplan.cluster import Cluster
 from hetplan.plan import Plan
-from hetplan.sim.schedules import SCHEDULE_ORDERS
+from hetplan.schedule import SCHEDULE_NAMES
 
 ROUTING = "relay"
-SCHEDULES = tuple(SCHEDULE_ORDERS)
+SCHEDULES = SCHEDULE_NAMES
 BINDINGS = ("cpu", "cuda")
 
 

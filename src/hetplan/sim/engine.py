@@ -4,7 +4,7 @@ Learning", 2022): every device has a run queue of compute work and every directe
 first-in-first-out queue of tensors to send; a device runs one action at a time, a link carries
 one transfer at a time in each direction, and communication overlaps computation.
 
-The work of each stage replica is the schedule's action order (`hetplan.sim.schedules`), run in
+The work of each stage replica is the schedule's action order (`hetplan.schedule`), run in
 that order as hetplan's runtime runs it (`hetplan.runtime.executor`): an action starts when the
 one before it on the same stage is done and its inputs (activations for a forward pass,
 gradients for a backward pass) have arrived. A device that holds several stages (plans with `shared_devices`) runs, of
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
 from hetplan.errors import HetplanError
+from hetplan.schedule import FORWARD, schedule_order
 from hetplan.sim.model import StepModel
-from hetplan.sim.schedules import FORWARD, schedule_order
 
 ALLREDUCE = "AR"
 OPTIMIZER = "OPT"

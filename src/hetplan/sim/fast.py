@@ -35,8 +35,8 @@ from hetplan.cost import WEIGHT_COPIES, CostModel, inflight_microbatches, microb
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
+from hetplan.schedule import FORWARD, schedule_order
 from hetplan.sim.model import build_step_model
-from hetplan.sim.schedules import FORWARD, schedule_order
 
 
 @dataclass(frozen=True)

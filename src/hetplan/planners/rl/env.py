@@ -46,7 +46,7 @@ from hetplan.cost import WEIGHT_COPIES, CostModel, inflight_microbatches, microb
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
 from hetplan.planners import objectives
-from hetplan.planners.dp import microbatch_choices
+from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
 from hetplan.sim.fast import ChainScorer
 

@@ -73,7 +73,7 @@ class Provisioner:
     """Turns a type per unit into a provisioned plan and scores it (memoised by the type runs)."""
 
     def __init__(self, graph: Graph, cluster: Cluster, options: PlanOptions, starts: np.ndarray) -> None:
-        from hetplan.planners.dp import microbatch_choices
+        from hetplan.planners.kit import microbatch_choices
 
         self.graph, self.cluster, self.options, self.starts = graph, cluster, options, starts
         self.order = graph.topo_order

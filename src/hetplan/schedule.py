@@ -1,4 +1,7 @@
-"""Pipeline schedules as pure generators of per-stage action orders.
+"""What a pipeline schedule means, in one place: per-stage action orders, micro-batches in
+flight, and the torch class that runs the same order. Pure Python; the cost model, the
+simulators, the planners and the runtime all read it (adding a schedule touches this module, the
+runtime's mapping in `hetplan.runtime.executor` and the tests).
 
 GPipe (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
 Parallelism", 2019): every stage runs the forward pass of all m micro-batches, then all the
@@ -20,6 +23,7 @@ micro-batch 3.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hetplan.errors import HetplanError
@@ -83,15 +87,44 @@ def one_f_one_b(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...
     return tuple(orders)
 
 
-SCHEDULE_ORDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule: its per-stage action orders, how many micro-batches' activations stage
+    `index` of `stages` holds at its peak (a closed form; tests hold it against
+    `peak_in_flight` of the order), and the torch.distributed.pipelining class whose
+    `_step_microbatches` runs the same order."""
+
+    name: str
+    order: Callable[[int, int], tuple[tuple[Action, ...], ...]]
+    in_flight: Callable[[int, int, int], int]  # (stages, stage index, micro-batches) -> held
+    bounded: bool  # in flight bounded by the stages after it (1F1B), not by the micro-batches (GPipe)
+    torch_class: str
+    summary: str
+
+
+SCHEDULES: dict[str, Schedule] = {
+    "gpipe": Schedule("gpipe", gpipe, lambda stages, index, m: m, False, "ScheduleGPipe",
+                      "all forward passes, then all backward passes; every micro-batch in flight"),
+    "1f1b": Schedule("1f1b", one_f_one_b, lambda stages, index, m: min(m, stages - index), True, "Schedule1F1B",
+                     "warm-up, one forward one backward, cool-down; at most stages - index in flight"),
+}
+SCHEDULE_NAMES = tuple(SCHEDULES)
+
+
+def get_schedule(name: str) -> Schedule:
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise HetplanError(f"schedule {name!r} is unknown (allowed: {', '.join(SCHEDULES)})") from None
 
 
 def schedule_order(schedule: str, stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
-    try:
-        make = SCHEDULE_ORDERS[schedule]
-    except KeyError:
-        raise HetplanError(f"schedule {schedule!r} is unknown (allowed: {', '.join(SCHEDULE_ORDERS)})") from None
-    return make(stages, microbatches)
+    return get_schedule(schedule).order(stages, microbatches)
+
+
+def inflight_microbatches(schedule: str, stages: int, stage_index: int, microbatches: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak."""
+    return get_schedule(schedule).in_flight(stages, stage_index, microbatches)
 
 
 def peak_in_flight(actions: tuple[Action, ...]) -> int:

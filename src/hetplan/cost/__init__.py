@@ -1,13 +1,17 @@
 """Cost model: node times on device types, transfers, all-reduce, memory and price.
 
 Node time on a device type is the measured time when the graph carries that type. Otherwise it
-is projected from a measured type with the roofline model of `hetplan.projection` (calibrated
+is projected from a measured type with the roofline model of `hetplan.cost.projection` (calibrated
 per node by the time measured on the source type; see there how far off it can be). A measured
 type of the same kind (GPU or CPU) as the target is preferred as the source.
 
 Memory on a device under a schedule (DESIGN.md): parameters + gradients + Adam's two fp32
-moments (4x the parameter bytes) + the activations stashed for the micro-batches in flight:
-GPipe keeps all m of them, 1F1B at most `stages - stage_index` (and never more than m).
+moments (4x the parameter bytes) + the activations stashed for the micro-batches in flight
+(`hetplan.schedule`: GPipe keeps all m of them, 1F1B at most `stages - stage_index`).
+
+Every formula (transfer, all-reduce, memory, optimizer step, price) is written once, in
+`hetplan.cost.formulas`, in a scalar and an array form; this class applies them to a graph and
+a cluster.
 
 The simulators (`hetplan.sim`) put these costs together into the timeline of a training step.
 """
@@ -22,17 +26,14 @@ from functools import cached_property
 from hetplan import catalog
 from hetplan.catalog import DeviceType
 from hetplan.cluster import Cluster
+from hetplan.cost import formulas
+from hetplan.cost.formulas import WEIGHT_COPIES, weight_bytes
+from hetplan.cost.projection import project_s
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
-from hetplan.projection import project_s
 from hetplan.rows import StepRows, microbatch_rows, step_rows
-
-OPTIMIZER_STATE_COPIES = 2  # Adam: first and second moments, fp32, each the size of the weights
-WEIGHT_COPIES = 1 + 1 + OPTIMIZER_STATE_COPIES  # weights + gradients + optimizer state
-# An Adam step reads weights, gradients and both moments and writes weights and both moments:
-# seven passes over the weights' bytes, bound by memory bandwidth.
-OPTIMIZER_PASSES = 7
+from hetplan.schedule import inflight_microbatches
 
 
 def microbatch_fractions(batch_size: int, microbatches: int) -> tuple[float, ...]:
@@ -41,13 +42,15 @@ def microbatch_fractions(batch_size: int, microbatches: int) -> tuple[float, ...
     return tuple(n / batch_size for n in microbatch_rows(batch_size, microbatches))
 
 
-def inflight_microbatches(schedule: str, stages: int, stage_index: int, microbatches: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak."""
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(microbatches, stages - stage_index)
-    raise HetplanError(f"unknown schedule {schedule!r}")
+def in_flight_share(schedule: str, stages: int, stage_index: int, batch_size: int, microbatches: int) -> float:
+    """The share of the batch whose activations a stage on one device holds at its peak: its
+    first micro-batches in flight, the largest ones."""
+    held = inflight_microbatches(schedule, stages, stage_index, microbatches)
+    return math.fsum(microbatch_fractions(batch_size, microbatches)[:held])
+
+
+__all__ = ["WEIGHT_COPIES", "CostModel", "formulas", "in_flight_share", "inflight_microbatches",
+           "microbatch_fractions", "weight_bytes"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class CostModel:
 
     def projected_types(self) -> dict[str, str]:
         """The cluster's device types the graph has no times for, each with the measured type
-        its times are projected from (roofline model, `hetplan.projection`)."""
+        its times are projected from (roofline model, `hetplan.cost.projection`)."""
         measured = set(self.graph.device_types)
         out = {}
         for dev in self.cluster.devices:
@@ -139,20 +142,27 @@ class CostModel:
         """Time of the optimizer step over `param_bytes` of weights on a device type (Adam,
         memory-bound)."""
         t = self._type(device_type)
-        return OPTIMIZER_PASSES * param_bytes / t.mem_bw_Bps if t is not None and t.mem_bw_Bps > 0 else 0.0
+        return formulas.optimizer_s(param_bytes, t.mem_bw_Bps) if t is not None else 0.0
 
     def transfer_s(self, nbytes: float, src: str, dst: str) -> float:
-        return self.cluster.link(src, dst).transfer_s(nbytes)
+        link = self.cluster.link(src, dst)
+        return formulas.transfer_s(nbytes, link.bandwidth_Bps, link.latency_s)
+
+    def ring_link(self, devices: Sequence[str]) -> tuple[float, float]:
+        """(slowest bandwidth, largest latency) of the ring through `devices` in order."""
+        r = len(devices)
+        ring = [self.cluster.link(devices[i], devices[(i + 1) % r]) for i in range(r)]
+        return min(link.bandwidth_Bps for link in ring), max(link.latency_s for link in ring)
 
     def allreduce_s(self, nbytes: float, devices: Sequence[str]) -> float:
-        """Ring all-reduce: 2(r-1) steps of nbytes/r each over the ring's slowest link."""
-        r = len(devices)
-        if r < 2 or nbytes <= 0:
+        """Ring all-reduce of `nbytes` over `devices` (`formulas.allreduce_s`)."""
+        if len(devices) < 2 or nbytes <= 0:
             return 0.0
-        ring = [self.cluster.link(devices[i], devices[(i + 1) % r]) for i in range(r)]
-        slowest = min(link.bandwidth_Bps for link in ring)
-        latency = max(link.latency_s for link in ring)
-        return 2 * (r - 1) * (latency + nbytes / r / slowest)
+        return formulas.allreduce_s(nbytes, len(devices), *self.ring_link(devices))
+
+    def weight_bytes(self, nodes: Sequence[str]) -> int:
+        """Weights, gradients and optimizer state of a set of nodes."""
+        return weight_bytes(sum(self.graph.by_id[n].param_bytes for n in nodes))
 
     def replica_shares(self, nodes: Sequence[str], devices: Sequence[str]) -> dict[str, float]:
         """Share of each micro-batch given to each replica: in proportion to its speed, so that
@@ -187,8 +197,8 @@ class CostModel:
         p = stage.devices.index(device_id)
         held = inflight_microbatches(plan.schedule, len(plan.stages), stage_index, plan.microbatches)
         stashed = sum(rows.rows(0, j, p) for j in range(held)) / self.graph.batch_size
-        return WEIGHT_COPIES * params + math.ceil(acts * stashed)
+        return formulas.stage_memory_bytes(params, acts, stashed)
 
     def usd_per_step(self, devices: Sequence[str], step_s: float) -> float:
-        return math.fsum(self.cluster.device(d).usd_per_hour for d in devices) * step_s / 3600.0
+        return formulas.usd_per_step(math.fsum(self.cluster.device(d).usd_per_hour for d in devices), step_s)
 

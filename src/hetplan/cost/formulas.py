@@ -1,0 +1,105 @@
+"""Every cost formula of hetplan, each once, in a scalar form and an array form.
+
+The event simulator, the fast path, dp, exact, local search, the RL environment, heterps and
+scoring all call these; no other module turns bytes into seconds or works out a stage's memory
+(a test over `src/` checks it). The array forms take numpy arrays of any broadcastable shape and
+agree with the scalar forms element by element (`tests/test_cost_formulas.py`).
+
+- Transfer (point to point): `latency + bytes / bandwidth`, nothing for no bytes.
+- All-reduce (ring, Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+  workstations", 2009): 2 (r - 1) steps, each moving bytes / r over the ring's slowest link and
+  paying its largest latency; nothing for one replica or no bytes.
+- Memory of a stage replica (DESIGN.md): `WEIGHT_COPIES` times its parameter bytes (weights,
+  gradients, Adam's two fp32 moments) plus the activations it stashes at its peak: its
+  activation bytes for the whole batch times the share of the batch in flight
+  (`hetplan.schedule` says how many micro-batches a schedule holds).
+- Optimizer step (Adam): `OPTIMIZER_PASSES` passes over the weights' bytes at the device's
+  memory bandwidth.
+- Price: the devices' dollars per hour for the step's duration.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+OPTIMIZER_STATE_COPIES = 2  # Adam: first and second moments, fp32, each the size of the weights
+WEIGHT_COPIES = 1 + 1 + OPTIMIZER_STATE_COPIES  # weights + gradients + optimizer state
+# An Adam step reads weights, gradients and both moments and writes weights and both moments:
+# seven passes over the weights' bytes, bound by memory bandwidth.
+OPTIMIZER_PASSES = 7
+SECONDS_PER_HOUR = 3600.0
+
+
+# -- communication ---------------------------------------------------------------------------
+def wire_s(nbytes, bandwidth_Bps):
+    """Time on the wire of `nbytes` at `bandwidth_Bps`, without latency (numbers or arrays)."""
+    return nbytes / bandwidth_Bps
+
+
+def transfer_s(nbytes: float, bandwidth_Bps: float, latency_s: float) -> float:
+    """One point-to-point transfer; nothing for no bytes."""
+    if nbytes <= 0:
+        return 0.0
+    return latency_s + nbytes / bandwidth_Bps
+
+
+def transfer_s_array(nbytes, bandwidth_Bps, latency_s) -> np.ndarray:
+    """`transfer_s` element by element."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(nbytes > 0, latency_s + wire_s(nbytes, bandwidth_Bps), 0.0)
+
+
+def allreduce_s(nbytes: float, replicas: int, bandwidth_Bps: float, latency_s: float) -> float:
+    """Ring all-reduce of `nbytes` over `replicas` devices, the ring's slowest link's bandwidth
+    and largest latency given."""
+    if replicas < 2 or nbytes <= 0:
+        return 0.0
+    return 2 * (replicas - 1) * (latency_s + nbytes / replicas / bandwidth_Bps)
+
+
+def allreduce_s_array(nbytes, replicas, bandwidth_Bps, latency_s) -> np.ndarray:
+    """`allreduce_s` element by element."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    r = np.asarray(replicas, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ring = 2 * (r - 1) * (latency_s + nbytes / r / bandwidth_Bps)
+    return np.where((r >= 2) & (nbytes > 0), ring, 0.0)
+
+
+# -- memory ----------------------------------------------------------------------------------
+def weight_bytes(param_bytes):
+    """Weights, gradients and optimizer state of `param_bytes` of parameters (numbers or arrays)."""
+    return WEIGHT_COPIES * param_bytes
+
+
+def stage_memory_bytes(param_bytes: float, act_bytes: float, in_flight_share: float) -> int:
+    """Peak memory of a stage replica: its weight copies plus its activations for the whole
+    batch times the share of the batch it holds in flight at its peak."""
+    return int(weight_bytes(param_bytes) + math.ceil(act_bytes * in_flight_share))
+
+
+def stage_memory_bytes_array(param_bytes, act_bytes, in_flight_share) -> np.ndarray:
+    """`stage_memory_bytes` element by element (as floats)."""
+    return weight_bytes(np.asarray(param_bytes, dtype=float)) + np.ceil(np.asarray(act_bytes, dtype=float)
+                                                                        * in_flight_share)
+
+
+def activation_room_bytes(mem_bytes, param_bytes):
+    """What a device has left for activations once a stage's weight copies are in (numbers or
+    arrays; negative when they do not fit)."""
+    return mem_bytes - weight_bytes(param_bytes)
+
+
+# -- compute and price -----------------------------------------------------------------------
+def optimizer_s(param_bytes, mem_bw_Bps: float):
+    """The optimizer step over `param_bytes` of weights on a device of `mem_bw_Bps` (numbers or
+    arrays; 0 where the bandwidth is unknown)."""
+    return OPTIMIZER_PASSES * param_bytes / mem_bw_Bps if mem_bw_Bps > 0 else 0.0 * param_bytes
+
+
+def usd_per_step(usd_per_hour, step_s):
+    """Price of a step of `step_s` on devices costing `usd_per_hour` in all (numbers or arrays)."""
+    return usd_per_hour * step_s / SECONDS_PER_HOUR
