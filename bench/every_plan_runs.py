@@ -36,6 +36,7 @@ from hetplan.profile import profile_step  # noqa: E402
 from hetplan.profile.split import split_step  # noqa: E402
 from hetplan.runtime.launch import launch, run_spec  # noqa: E402
 from hetplan.runtime.local import run_threads  # noqa: E402
+from hetplan.runtime.spec import RunSpec  # noqa: E402
 from hetplan.runtime.stages import stage_modules  # noqa: E402
 from hetplan.runtime.worker import _batches  # noqa: E402
 from hetplan.zoo import load_model  # noqa: E402
@@ -75,10 +76,10 @@ def options(planner: str, i: int, schedule: str) -> PlanOptions:
     return PlanOptions(seed=i, schedule=schedule)
 
 
-def reference(name: str, spec: dict) -> dict[str, torch.Tensor]:
+def reference(name: str, spec: RunSpec) -> dict[str, torch.Tensor]:
     """Single-process SGD on the same batches; parameters by id."""
     batch, seq = MODELS[name]
-    zm = load_model(name, batch_size=batch, seq_len=seq, seed=spec["seed"])
+    zm = load_model(name, batch_size=batch, seq_len=seq, seed=spec.seed)
     for mod in zm.step.modules():
         if isinstance(mod, nn.Dropout):
             mod.p = 0.0
@@ -100,14 +101,14 @@ def check_run(name: str, plan, cluster, graph, out: Path, threads: bool) -> dict
         weights = [r["weights"] for r in run_threads(spec)]
     else:
         launch(spec)
-        weights = [torch.load(out / f"weights.{rank}.pt") for rank in range(len(spec["ranks"]))]
+        weights = [torch.load(out / f"weights.{rank}.pt") for rank in range(spec.world)]
     wall = time.perf_counter() - t0
     zm = reference(name, spec)
     split = split_step(zm.step, {k: v[:1] for k, v in zm.batch.items()})
     modules = stage_modules(split, plan)
     worst = 0.0
-    for rank, me in enumerate(spec["ranks"]):
-        for pname, p in modules[me["stage"]].named_parameters():
+    for rank, me in enumerate(spec.ranks):
+        for pname, p in modules[me.stage].named_parameters():
             worst = max(worst, (weights[rank][pname] - p.detach()).abs().max().item())
     return {"max_weight_diff": worst, "wall_s": wall, "ok": worst <= 1e-4}
 

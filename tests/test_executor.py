@@ -3,6 +3,8 @@ equals single-process training for every zoo model and the transformers families
 with replicas of different speeds, stages without parameters and integer values crossing
 boundaries; each rank runs exactly the actions the simulator simulates."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -75,7 +77,7 @@ def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=Non
     spec = run_spec(plan, cpus(sum(replicas), bindings), ref, batch_size=batch, seq_len=seq, granularity="layer",
                     steps=1, warmup=0, optimizer="sgd", lr=lr, out_dir="unused", no_dropout=True)
     if weights:
-        spec["replica_weights"] = weights
+        spec = replace(spec, replica_weights=weights)
     results = run_threads(spec)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     zm.step.to(ref_device)  # in place: the stage modules below share these parameters
@@ -83,11 +85,11 @@ def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=Non
     modules = stage_modules(split, plan)
     worst = moved = 0.0
     for rank, res in enumerate(results):
-        for name, p in modules[spec["ranks"][rank]["stage"]].named_parameters():
+        for name, p in modules[spec.ranks[rank].stage].named_parameters():
             worst = max(worst, (res["weights"][name] - p.detach().cpu()).abs().max().item())
             moved = max(moved, (p.detach().cpu() - before[id(p)]).abs().max().item())
     last = len(replicas) - 1
-    loss = sum(res["losses"][0] for rank, res in enumerate(results) if spec["ranks"][rank]["stage"] == last)
+    loss = sum(res["losses"][0] for rank, res in enumerate(results) if spec.ranks[rank].stage == last)
     return worst, moved, loss, ref_loss, plan, spec, results
 
 
@@ -125,7 +127,7 @@ def test_uneven_replicas_split_by_speed_equal_single_process(schedule, replicas,
     rows = step_rows(10, 3, weights)
     orders = schedule_order(schedule, len(replicas), 3)
     for rank, res in enumerate(results):  # exactly the simulator's actions, skipping slices with no row
-        k, p = spec["ranks"][rank]["stage"], spec["ranks"][rank]["replica"]
+        k, p = spec.ranks[rank].stage, spec.ranks[rank].replica
         assert res["actions"] == [str(a) for a in orders[k] if rows.rows(k, a.microbatch, p) > 0]
 
 
@@ -173,7 +175,7 @@ def test_two_stages_on_one_device_run_as_two_workers():
                 2, "1f1b", "test", shared_devices=True)
     spec = run_spec(plan, cpus(2), "gpt2-tiny", batch_size=4, seq_len=16, granularity="layer", steps=1, warmup=0,
                     optimizer="sgd", lr=0.1, out_dir="unused", no_dropout=True)
-    assert [(r["stage"], r["device"]) for r in spec["ranks"]] == [(0, "c0"), (1, "c1"), (2, "c0")]
+    assert [(r.stage, r.device) for r in spec.ranks] == [(0, "c0"), (1, "c1"), (2, "c0")]
     results = run_threads(spec)
     ref_loss = reference_step(zm, _batches(spec, zm, 0), 2, 0.1)
     assert results[2]["losses"][0] == pytest.approx(ref_loss, rel=1e-5)

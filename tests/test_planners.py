@@ -96,7 +96,7 @@ def test_dp_orders_sixteen_identical_cpus_at_once():
     import itertools
     import time
 
-    from hetplan.planners.dp import device_orders, distinct_permutations
+    from hetplan.planners.devices import device_orders, distinct_permutations
 
     assert [tuple(p) for p in distinct_permutations(sorted("aabbc"))] == sorted(set(itertools.permutations("aabbc")))
     cluster = cluster_from_spec({"devices": [{"id": "c", "type": "cpu", "threads": 1, "count": 16}]}, "sixteen")

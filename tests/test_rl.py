@@ -259,6 +259,21 @@ def test_ppo_on_resnet50_no_longer_crashes_with_a_nan_probability(profiles):
     assert plan.meta["ppo"]["iterations"] == 299 and plan.meta["ppo"]["skipped_updates"] == 0
 
 
+def test_rewards_of_each_kind_and_their_baseline():
+    from hetplan.planners.rl.loop import Advantages, LearnConfig, rewards
+
+    v = np.array([1.0, 2.0, 4.0])
+    assert rewards(v, 2.0, "neg").tolist() == [-0.5, -1.0, -2.0]
+    assert np.allclose(rewards(v, 2.0, "neg_sqrt"), -np.sqrt([0.5, 1.0, 2.0]))
+    assert np.allclose(rewards(v, 2.0, "neg_log"), -np.log([0.5, 1.0, 2.0]))  # heterps's
+    adv = Advantages(LearnConfig("reinforce", baseline_decay=0.5))
+    first = adv(v)  # v_ref: the first batch's median, 2; the baseline: its mean reward
+    assert adv.v_ref == 2.0 and adv.baseline == -3.5 / 3
+    assert np.allclose(first.numpy(), np.array([-0.5, -1.0, -2.0]) + 3.5 / 3)
+    adv(2 * v)
+    assert adv.baseline == pytest.approx(0.5 * (-3.5 / 3) + 0.5 * (-7.0 / 3))
+
+
 def test_a_non_finite_loss_or_gradient_skips_the_update_and_lowers_the_step():
     import torch
 

@@ -2,6 +2,7 @@
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -65,9 +66,9 @@ def run_and_compare(tmp_path, name, replicas, threads, m, schedule, batch_size=1
     ref_loss = reference_step(zm, _batches(spec, zm, 0), m, 0.1)
     assert result.losses[0] == pytest.approx(ref_loss, rel=1e-5)
     modules = stage_modules(split, plan)
-    for rank, me in enumerate(spec["ranks"]):
+    for rank, me in enumerate(spec.ranks):
         trained = torch.load(tmp_path / f"weights.{rank}.pt")
-        worst = max(((trained[n] - p.detach()).abs().max().item() for n, p in modules[me["stage"]].named_parameters()),
+        worst = max(((trained[n] - p.detach()).abs().max().item() for n, p in modules[me.stage].named_parameters()),
                     default=0.0)  # a stage without parameters has none to compare
         assert worst <= 1e-5, (rank, worst)
     return spec, result
@@ -79,9 +80,9 @@ def run_and_compare(tmp_path, name, replicas, threads, m, schedule, batch_size=1
 ])
 def test_uneven_replicas_of_different_thread_counts_equal_single_process(tmp_path, replicas, threads, schedule):
     spec, result = run_and_compare(tmp_path, "gpt2-tiny", replicas, threads, 3, schedule)
-    weights = spec["replica_weights"][0 if replicas[0] > 1 else 1]
+    weights = spec.replica_weights[0 if replicas[0] > 1 else 1]
     assert weights[1] > weights[0]  # the 2-thread replica is faster: it gets more rows
-    rows = step_rows(10, 3, spec["replica_weights"])
+    rows = step_rows(10, 3, spec.replica_weights)
     orders = schedule_order(schedule, len(replicas), 3)
     for r in result.ranks:  # each worker ran the simulator's order (less slices with no row)
         assert r["actions"] == [str(a) for a in orders[r["stage"]] if rows.rows(r["stage"], a.microbatch,
@@ -104,7 +105,7 @@ def test_a_dead_worker_stops_every_worker_with_its_name(tmp_path):
     plan = three_stage_plan(split, 4, "1f1b")
     spec = run_spec(plan, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer", steps=2,
                     out_dir=tmp_path, timeout_s=30)
-    spec["model"] = "no-such-model"  # every worker fails while building its stage
+    spec = replace(spec, model="no-such-model")  # every worker fails while building its stage
     with pytest.raises(WorkerFailure, match=r"worker \d \(stage \d, device c\d\): HetplanError: unknown model"):
         launch(spec)
     assert json.loads((tmp_path / "run.json").read_text())["model"] == "no-such-model"
@@ -189,7 +190,7 @@ def test_runtime_runs_only_bound_cpu_devices(tmp_path):
     gpu = cluster_from_spec({"devices": [{"id": "g", "type": "a100-40gb", "binding": "cuda:0"}]}, "gpu")
     spec = run_spec(Plan((Stage(names, ("g",)),), 4, "1f1b", "test"), gpu, "gpt2-tiny",
                     batch_size=8, seq_len=16, granularity="layer", out_dir=tmp_path)
-    assert spec["ranks"][0]["binding"] == "cuda:0"  # a spec for torchrun on a GPU machine is fine
+    assert spec.ranks[0].binding == "cuda:0"  # a spec for torchrun on a GPU machine is fine
     if not torch.cuda.is_available():
         with pytest.raises(HetplanError, match="bound to cuda:0, but this machine has no CUDA GPUs: bind it to cpu"):
             launch(spec)

@@ -16,7 +16,7 @@ from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import Estimate, Plan, Stage, plan_problems
 from hetplan.planners import PlanOptions, make_plan, objectives
 from hetplan.planners.baselines import block_partition, min_max_sizes
-from hetplan.planners.kit import microbatch_choices
+from hetplan.planners.kit import Budget, microbatch_choices
 from hetplan.planners.randomized import random_problem
 from hetplan.planners.search import local_search
 from hetplan.planners.states import coarsen, cut_states
@@ -215,6 +215,26 @@ def test_local_search_improves_a_bad_start_and_is_reproducible():
     step = simulate(g, cluster, a, timeline=False).estimate.step_s
     assert step < 0.8 * start.predicted.step_s
     assert a.meta["local_search"]["gain_over_start"] > 0.2 and plan_problems(a, g, cluster) == []
+
+
+def test_budget_counts_iterations_or_time():
+    counted = Budget.of(PlanOptions(max_iters=4), 10.0)
+    assert [counted.fraction(i) for i in range(5)] == [0.0, 0.25, 0.5, 0.75, None]
+    timed = Budget.of(PlanOptions(budget_s=2.0), 10.0)
+    assert timed.max_iters is None and timed.seconds == 2.0 and Budget.of(PlanOptions(), 10.0).seconds == 10.0
+    assert Budget.of(PlanOptions(), 10.0, max_iters=3).max_iters == 3
+
+
+def test_local_search_stops_at_its_iterations_or_its_time_whichever_comes_first():
+    """Given both, `max_iters` and `budget_s` both bind (`hetplan.planners.kit.Budget`)."""
+    nodes = tuple(Node(f"n{i}", "Linear", {V: t}, {V: 2 * t}) for i, t in enumerate([0.01] * 6 + [0.2, 0.2]))
+    g = Graph("skewed", nodes, tuple(Edge(f"n{i}", f"n{i + 1}", 2**20) for i in range(7)), 32, V)
+    cluster = load_cluster("v100x4")
+    start = make_plan(g, cluster, "uniform", PlanOptions(seed=3))
+    few = local_search(g, cluster, PlanOptions(seed=3, budget_s=60.0), start=start, max_iters=30)
+    assert few.meta["local_search"]["iterations"] == 30
+    timed = local_search(g, cluster, PlanOptions(seed=3, budget_s=0.2), start=start, max_iters=10**9)
+    assert 0 < timed.meta["local_search"]["iterations"] < 10**9
 
 
 @settings(max_examples=15, deadline=None)

@@ -215,10 +215,19 @@ def check_timeline(graph, plan, routing):
     sim = simulate(graph, CLUSTER, plan, routing=routing)
     spans, est = sim.timeline.spans, sim.estimate
     model = build_step_model(graph, CLUSTER, plan, routing)
-    m = plan.microbatches
     eps = 1e-9 * max(est.step_s, 1.0)
+    compute = _check_every_action_once(spans, model, plan.microbatches)
+    _check_one_at_a_time(spans, eps)
+    lower_bound = _check_dependencies(spans, compute, model, plan, eps)
+    _check_critical_path(est, compute, lower_bound, model, plan.microbatches, eps)
+    _check_memory(est, model)
+    assert 0 <= est.bubble_fraction <= 1
+    return sim
 
-    # every action of every stage replica runs exactly once
+
+def _check_every_action_once(spans, model, m):
+    """Every action of every stage replica runs exactly once; returns them by (stage, device,
+    kind, micro-batch)."""
     compute = {(s.stage, s.resource, s.kind, s.microbatch): s for s in spans if s.resource in CLUSTER.by_id
                and s.kind not in (ALLREDUCE, OPTIMIZER)}
     expected = {(st_.index, r.device, kind, i) for st_ in model.stages for r in st_.replicas
@@ -226,8 +235,11 @@ def check_timeline(graph, plan, routing):
     assert set(compute) == expected
     assert len([s for s in spans if s.resource in CLUSTER.by_id and s.kind not in (ALLREDUCE, OPTIMIZER)]) == len(
         expected)
+    return compute
 
-    # a device computes one action at a time; a link sends one tensor at a time, in FIFO order
+
+def _check_one_at_a_time(spans, eps):
+    """A device computes one action at a time; a link sends one tensor at a time, in FIFO order."""
     rows = defaultdict(list)
     for s in spans:
         if s.kind not in (ALLREDUCE, OPTIMIZER):
@@ -237,7 +249,11 @@ def check_timeline(graph, plan, routing):
         for a, b in zip(row, row[1:], strict=False):
             assert b.start_s >= a.end_s - eps
 
-    # dependencies: a stage's actions in schedule order; inputs arrive before they are used
+
+def _check_dependencies(spans, compute, model, plan, eps):
+    """A stage's actions run in schedule order; inputs arrive before they are used. Returns each
+    transfer's duration by (producer, consumer, kind, micro-batch)."""
+    m = plan.microbatches
     orders = schedule_order(plan.schedule, len(plan.stages), m)
     for st_ in model.stages:
         for r in st_.replicas:
@@ -257,8 +273,11 @@ def check_timeline(graph, plan, routing):
                 x = transfers[(f"{src}->{dst}", kind, s_from, s_to, i)]
                 assert x.start_s >= made.end_s - eps and used.start_s >= x.end_s - eps
                 lower_bound[(s_from, src, s_to, dst, kind, i)] = x.end_s - x.start_s
+    return lower_bound
 
-    # the step is never shorter than the busiest device nor than the critical path
+
+def _check_critical_path(est, compute, lower_bound, model, m, eps):
+    """The step is never shorter than the busiest device nor than the critical path."""
     assert est.step_s >= max(est.busy_s.values()) - eps
     duration = {k: s.end_s - s.start_s for k, s in compute.items()}
     feeds = defaultdict(list)
@@ -280,13 +299,14 @@ def check_timeline(graph, plan, routing):
         return memo[key]
 
     assert est.step_s >= max(finish(k) for k in compute) - eps
-    # memory: weights of every stage a device holds plus at most all of its activations
+
+
+def _check_memory(est, model):
+    """Weights of every stage a device holds plus at most all of its activations."""
     for d, peak in est.peak_mem_bytes.items():
         weights = sum(st_.weight_bytes for st_ in model.stages for r in st_.replicas if r.device == d)
         acts = sum(r.act_bytes for st_ in model.stages for r in st_.replicas if r.device == d)
         assert weights <= peak <= weights + math.ceil(acts) + 1
-    assert 0 <= est.bubble_fraction <= 1
-    return sim
 
 
 @settings(max_examples=60, deadline=None)

@@ -18,7 +18,8 @@ from hetplan.runtime.launch import launch
 from hetplan.runtime.supervise import run_folder_lock
 from test_runtime import two_stage
 
-LAUNCHER = "import json, sys; from hetplan.runtime.launch import launch; launch(json.load(open(sys.argv[1])))"
+LAUNCHER = ("import sys; from pathlib import Path; from hetplan.runtime.launch import launch; "
+            "from hetplan.runtime.spec import RunSpec; launch(RunSpec.from_json(Path(sys.argv[1]).read_text()))")
 
 
 def workers_of(out_dir: Path) -> list[int]:
@@ -50,7 +51,7 @@ def start_launcher(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     out = tmp_path / "run"
     spec = two_stage(out, 100_000, timeout_s=60)
     path = tmp_path / "spec.json"
-    path.write_text(json.dumps(spec, default=str))
+    path.write_text(spec.to_json())
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(path)], stderr=subprocess.PIPE, text=True)
     until(lambda: all((out / f"heartbeat.{r}").exists() and json.loads((out / f"heartbeat.{r}").read_text())
                       .get("step", -1) >= 1 for r in range(2)), 120, "the workers did not start training")

@@ -129,6 +129,17 @@ class Plan:
 
 def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
     """Every reason the plan is not valid for this graph and cluster (empty when it is)."""
+    problems, where = _node_problems(plan, graph)
+    problems += _order_problems(plan, graph, where)
+    problems += _device_problems(plan, cluster)
+    if plan.microbatches > graph.batch_size:
+        problems.append(f"{plan.microbatches} micro-batches for a batch of {graph.batch_size} samples; "
+                        f"use at most {graph.batch_size}")
+    return problems
+
+
+def _node_problems(plan: Plan, graph: Graph) -> tuple[list[str], dict[str, int]]:
+    """Nodes the graph lacks, nodes in two stages and nodes in none; with each node's stage."""
     problems: list[str] = []
     where: dict[str, int] = {}
     for i, stage in enumerate(plan.stages):
@@ -143,6 +154,12 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         problems.append(f"no stage holds node{'s' if len(missing) > 1 else ''} {', '.join(missing[:3])}{more}")
+    return problems, where
+
+
+def _order_problems(plan: Plan, graph: Graph, where: Mapping[str, int]) -> list[str]:
+    """Stages that are not convex and edges that go from a later stage to an earlier one."""
+    problems: list[str] = []
     for i, stage in enumerate(plan.stages):
         known = [n for n in stage.nodes if n in graph.by_id]
         witness = graph.convexity_witness(known)
@@ -153,6 +170,12 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
             problems.append(
                 f"edge {e.src} -> {e.dst} goes backwards, from stage {where[e.src]} to stage {where[e.dst]}"
             )
+    return problems
+
+
+def _device_problems(plan: Plan, cluster: Cluster) -> list[str]:
+    """Devices listed twice in a stage, unknown to the cluster, or holding two stages unshared."""
+    problems: list[str] = []
     holder: dict[str, int] = {}
     for i, stage in enumerate(plan.stages):
         if len(set(stage.devices)) != len(stage.devices):
@@ -165,9 +188,6 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
                 problems.append(f"device {d!r} holds stage {holder[d]} and stage {i}; "
                                 "set shared_devices to allow it")
             holder.setdefault(d, i)
-    if plan.microbatches > graph.batch_size:
-        problems.append(f"{plan.microbatches} micro-batches for a batch of {graph.batch_size} samples; "
-                        f"use at most {graph.batch_size}")
     return problems
 
 

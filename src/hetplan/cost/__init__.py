@@ -122,9 +122,18 @@ class CostModel:
         self._node_times[device_type] = times
         return times
 
+    def node_fixed_s(self, device_type: str) -> dict[str, tuple[float, float]]:
+        """The parts of every node's forward and backward passes that do not shrink with the
+        micro-batch, on a device type: measured by the profiler there, 0 where it was not (a
+        projected type has none: the roofline projection covers the whole time)."""
+        measured = device_type in self.graph.device_types
+        return {n.id: (n.fwd_fixed_s.get(device_type, 0.0) if measured else 0.0,
+                       n.bwd_fixed_s.get(device_type, 0.0) if measured else 0.0) for n in self.graph.nodes}
+
     def stage_fixed_s(self, nodes: Sequence[str], device_type: str) -> tuple[float, float]:
-        """The parts of a stage's forward and backward passes that do not shrink with the
-        micro-batch (measured by the profiler on that device type; 0 where it was not)."""
+        """`node_fixed_s` summed over a stage's nodes."""
+        if device_type not in self.graph.device_types:
+            return 0.0, 0.0
         by_id = self.graph.by_id
         return (math.fsum(by_id[n].fwd_fixed_s.get(device_type, 0.0) for n in nodes),
                 math.fsum(by_id[n].bwd_fixed_s.get(device_type, 0.0) for n in nodes))
@@ -133,6 +142,14 @@ class CostModel:
         """Forward and backward time of a set of nodes on a device type, for the whole batch."""
         times = self.node_times_s(device_type)
         return math.fsum(times[n][0] for n in nodes), math.fsum(times[n][1] for n in nodes)
+
+    def whole_graph_s(self, device_type: str) -> float:
+        """Forward + backward time of the whole graph on one device of a type, for the batch."""
+        return math.fsum(self.stage_times_s(self.graph.topo_order, device_type))
+
+    def fastest_type(self) -> str:
+        """The cluster's device type that runs the whole graph fastest (ties: by name)."""
+        return min(sorted({d.type for d in self.cluster.devices}), key=self.whole_graph_s)
 
     def device_stage_s(self, nodes: Sequence[str], device_id: str) -> float:
         fwd, bwd = self.stage_times_s(nodes, self.cluster.device(device_id).type)

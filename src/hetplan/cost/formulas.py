@@ -13,6 +13,8 @@ agree with the scalar forms element by element (`tests/test_cost_formulas.py`).
   gradients, Adam's two fp32 moments) plus the activations it stashes at its peak: its
   activation bytes for the whole batch times the share of the batch in flight
   (`hetplan.schedule` says how many micro-batches a schedule holds).
+- Compute: an action on a share of the batch costs its fixed part plus the rest of the batch's
+  time scaled by the share (`action_s`).
 - Optimizer step (Adam): `OPTIMIZER_PASSES` passes over the weights' bytes at the device's
   memory bandwidth.
 - Price: the devices' dollars per hour for the step's duration.
@@ -94,6 +96,13 @@ def activation_room_bytes(mem_bytes, param_bytes):
 
 
 # -- compute and price -----------------------------------------------------------------------
+def action_s(fixed_s, scaled_s, share):
+    """One forward or backward action on a share of the batch: its fixed part (calling the
+    operators, whatever the size) plus the part that scales with the samples, `scaled_s` being
+    that part for the whole batch (numbers or arrays)."""
+    return fixed_s + scaled_s * share
+
+
 def optimizer_s(param_bytes, mem_bw_Bps: float):
     """The optimizer step over `param_bytes` of weights on a device of `mem_bw_Bps` (numbers or
     arrays; 0 where the bandwidth is unknown)."""

@@ -74,6 +74,27 @@ def parse_pipedream(
     batch_size: int | None = None,
 ) -> Graph:
     """Parse the text of a PipeDream `graph.txt` into a `Graph` (times in seconds)."""
+    nodes, edges = _read_lines(text, source, device_type)
+    if not nodes:
+        raise InputError(f"{source}: no node lines; is this a PipeDream graph.txt?")
+    graph_edges = _graph_edges(edges, nodes, source)
+    if batch_size is None:
+        batch_size = _batch_size(nodes, source)
+    try:
+        return Graph(
+            name=name or "pipedream",
+            nodes=tuple(sorted(nodes, key=_natural)),
+            edges=tuple(graph_edges),
+            batch_size=batch_size,
+            profiled_on=device_type,
+            source=f"pipedream:{source}",
+        )
+    except GraphError as exc:
+        raise InputError(f"{source}: {exc}") from None
+
+
+def _read_lines(text: str, source: str, device_type: str) -> tuple[list[Node], list[tuple[int, str, str]]]:
+    """The nodes of the file, and its edges as (line number, source node, destination node)."""
     nodes: list[Node] = []
     lines_of: dict[str, int] = {}
     edges: list[tuple[int, str, str]] = []
@@ -95,26 +116,34 @@ def parse_pipedream(
         if node["id"] in lines_of:
             raise InputError(f"{where}: node {node['id']!r} is already defined on line {lines_of[node['id']]}")
         lines_of[node["id"]] = lineno
-        values = _attrs(node["attrs"], where)
-        desc = node["desc"].strip()
-        op_match = _OP.match(desc)
-        op = op_match[0] if op_match else desc
-        is_input = re.fullmatch(r"Input\d*", op) is not None
-        try:
-            nodes.append(Node(
-                id=node["id"],
-                op="Input" if is_input else op,
-                fwd_s={device_type: values["forward_compute_time"] / 1e3},
-                bwd_s={device_type: values["backward_compute_time"] / 1e3},
-                param_bytes=int(values["parameter_size"]),
-                out_bytes=int(values["activation_size"]),
-                act_bytes=int(values["activation_size"]),
-                is_input=is_input,
-            ))
-        except GraphError as exc:
-            raise InputError(f"{where}: {exc}") from None
-    if not nodes:
-        raise InputError(f"{source}: no node lines; is this a PipeDream graph.txt?")
+        nodes.append(_node(node, where, device_type))
+    return nodes, edges
+
+
+def _node(node: re.Match[str], where: str, device_type: str) -> Node:
+    """The node of a matched node line."""
+    values = _attrs(node["attrs"], where)
+    desc = node["desc"].strip()
+    op_match = _OP.match(desc)
+    op = op_match[0] if op_match else desc
+    is_input = re.fullmatch(r"Input\d*", op) is not None
+    try:
+        return Node(
+            id=node["id"],
+            op="Input" if is_input else op,
+            fwd_s={device_type: values["forward_compute_time"] / 1e3},
+            bwd_s={device_type: values["backward_compute_time"] / 1e3},
+            param_bytes=int(values["parameter_size"]),
+            out_bytes=int(values["activation_size"]),
+            act_bytes=int(values["activation_size"]),
+            is_input=is_input,
+        )
+    except GraphError as exc:
+        raise InputError(f"{where}: {exc}") from None
+
+
+def _graph_edges(edges: list[tuple[int, str, str]], nodes: list[Node], source: str) -> list[Edge]:
+    """The edges, each carrying its source node's output; refuses unknown nodes and repeats."""
     out_bytes = {n.id: n.out_bytes for n in nodes}
     seen: dict[tuple[str, str], int] = {}
     graph_edges: list[Edge] = []
@@ -128,35 +157,27 @@ def parse_pipedream(
             raise InputError(f"{source}:{lineno}: edge {src} -- {dst} repeats line {seen[(src, dst)]}")
         seen[(src, dst)] = lineno
         graph_edges.append(Edge(src, dst, out_bytes[src]))
+    return graph_edges
 
-    if batch_size is None:
-        inputs = [n for n in nodes if n.is_input]
-        guesses = {infer_batch_size(n.out_bytes) for n in inputs}
-        if len(guesses) == 1 and None not in guesses:
-            batch_size = guesses.pop()
-        else:
-            raise InputError(
-                f"{source}: cannot tell the batch size (the input is not an ImageNet-sized image "
-                f"batch); pass it with --batch-size N"
-            )
-    # PipeDream lists nodes in no particular order; sort them by their number (node1, node2,
-    # ..., node10) so that `Graph.topo_order`, which keeps the listed order where it can,
-    # follows the model from input to output.
-    def natural(node: Node) -> tuple[int, str]:
-        digits = re.sub(r"\D", "", node.id)
-        return (int(digits) if digits else 0, node.id)
 
-    try:
-        return Graph(
-            name=name or "pipedream",
-            nodes=tuple(sorted(nodes, key=natural)),
-            edges=tuple(graph_edges),
-            batch_size=batch_size,
-            profiled_on=device_type,
-            source=f"pipedream:{source}",
-        )
-    except GraphError as exc:
-        raise InputError(f"{source}: {exc}") from None
+def _batch_size(nodes: list[Node], source: str) -> int:
+    """The batch size read off the input nodes (ImageNet-sized image batches only)."""
+    inputs = [n for n in nodes if n.is_input]
+    guesses = {infer_batch_size(n.out_bytes) for n in inputs}
+    if len(guesses) == 1 and None not in guesses:
+        return guesses.pop()
+    raise InputError(
+        f"{source}: cannot tell the batch size (the input is not an ImageNet-sized image "
+        f"batch); pass it with --batch-size N"
+    )
+
+
+def _natural(node: Node) -> tuple[int, str]:
+    """PipeDream lists nodes in no particular order; sort them by their number (node1, node2,
+    ..., node10) so that `Graph.topo_order`, which keeps the listed order where it can,
+    follows the model from input to output."""
+    digits = re.sub(r"\D", "", node.id)
+    return (int(digits) if digits else 0, node.id)
 
 
 def import_pipedream(

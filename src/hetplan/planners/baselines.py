@@ -24,7 +24,8 @@ import math
 from typing import TYPE_CHECKING
 
 from hetplan.cluster import Cluster
-from hetplan.cost import WEIGHT_COPIES, CostModel
+from hetplan.cost import CostModel
+from hetplan.cost.formulas import stage_memory_bytes
 from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
@@ -167,7 +168,7 @@ def data_parallel(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
         if not short:
             return plan
         devices.remove(max(short, key=lambda d: (cm.device_stage_s(nodes, d), d)))
-    need = min(WEIGHT_COPIES * graph.param_bytes_total + sum(n.act_bytes for n in graph.nodes) // m, 2**63)
+    need = min(stage_memory_bytes(graph.param_bytes_total, graph.act_bytes_total, 1 / m), 2**63)
     biggest = max(cluster.devices, key=lambda d: d.mem_bytes)
     raise InfeasibleError(
         f"data parallelism needs the whole model on every device it uses, at least {fmt_bytes(need)} "

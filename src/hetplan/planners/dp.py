@@ -63,24 +63,24 @@ the plans it sees, not for the ones the program discarded.
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections import Counter
-from collections.abc import Iterator
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.cost import WEIGHT_COPIES
+from hetplan.cost.formulas import activation_room_bytes, allreduce_s_array, stage_memory_bytes, usd_per_step, wire_s
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
 from hetplan.planners import baselines
+from hetplan.planners.devices import device_orders
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.scoring import Scorer
 from hetplan.planners.states import coarsen, cut_states
+from hetplan.schedule import get_schedule
 from hetplan.sim.fast import fast_step_s
 
 MAX_STATES = 160
@@ -90,76 +90,8 @@ TOP_K = 12
 BOUND_SLACK = 0.05  # partial plans within this of the best found so far are kept (the model is not exact)
 BASELINE_SLACK = 0.25  # the program's model may find a baseline's plan this much slower than simulated
 POOL = 256  # candidates the fast path re-ranks before the event simulator scores TOP_K of them
-MAX_ORDERS = 24
 SMALL_CLUSTER = 8  # up to this many devices a stage may take any number of them as replicas
 BIG_CLUSTER_REPLICAS = 4  # on bigger clusters, at most this many
-
-
-def device_classes(cluster: Cluster) -> list[list[str]]:
-    """Groups of interchangeable devices: same type, host, memory, price and threads, and no
-    link of their own."""
-    special = {d for o in cluster.links for d in o.between}
-    classes: dict[tuple, list[str]] = {}
-    for d in cluster.devices:
-        key = (d.type, d.host, d.mem_bytes, d.usd_per_hour, d.threads, d.id if d.id in special else "")
-        classes.setdefault(key, []).append(d.id)
-    return list(classes.values())
-
-
-def distinct_permutations(items: list) -> Iterator[list]:
-    """The distinct orders of a sorted multiset, in lexicographic order (the classic next-
-    permutation step), each made in O(n): 16 identical devices have one order, not 16! tuples
-    to deduplicate."""
-    seq = list(items)
-    while True:
-        yield list(seq)
-        i = len(seq) - 2
-        while i >= 0 and seq[i] >= seq[i + 1]:
-            i -= 1
-        if i < 0:
-            return
-        j = len(seq) - 1
-        while seq[j] <= seq[i]:
-            j -= 1
-        seq[i], seq[j] = seq[j], seq[i]
-        seq[i + 1:] = reversed(seq[i + 1:])
-
-
-def device_orders(cluster: Cluster, speed: dict[str, float], objective: str,
-                  limit: int = MAX_ORDERS) -> list[tuple[str, ...]]:
-    """Sequences of all devices: every distinct order of device classes (`device_classes`) when
-    there are at most `limit`, else a few orders that keep types and hosts together."""
-    classes = {(cluster.device(ids[0]).type, cluster.device(ids[0]).host, k): ids
-               for k, ids in enumerate(device_classes(cluster))}  # (type, host, number) -> ids
-    counts = Counter({c: len(ids) for c, ids in classes.items()})
-    n_orders = math.factorial(sum(counts.values()))
-    for c in counts.values():
-        n_orders //= math.factorial(c)
-
-    def realise(seq: list[tuple[str, str, int]]) -> tuple[str, ...]:
-        taken: dict[tuple[str, str, int], int] = {}
-        out = []
-        for c in seq:
-            out.append(classes[c][taken.get(c, 0)])
-            taken[c] = taken.get(c, 0) + 1
-        return tuple(out)
-
-    if n_orders <= limit:
-        return [realise(s) for s in distinct_permutations(sorted(c for c, k in counts.items() for _ in range(k)))]
-    types = sorted({c[0] for c in classes}, key=lambda t: (-speed[t], t))
-    type_orders = list(itertools.permutations(types)) if len(types) <= 3 else [tuple(types), tuple(reversed(types))]
-    orders = []
-    for tord in type_orders:
-        seq = []
-        for t in tord:
-            for key, ids in sorted(classes.items(), key=lambda kv: kv[0][1:]):
-                if key[0] == t:
-                    seq += [key] * len(ids)
-        orders.append(realise(seq))
-    if objective == "cost":  # cheapest work first: price per unit of speed
-        seq = sorted(classes, key=lambda c: (cluster.device(classes[c][0]).usd_per_hour / speed[c[0]], c))
-        orders.append(realise([c for c in seq for _ in classes[c]]))
-    return list(dict.fromkeys(orders))[:limit]
 
 
 class _Problem:
@@ -196,181 +128,218 @@ class _Problem:
         return self.states.members(self.ideals[j] & ~self.ideals[i])
 
 
+class Label(NamedTuple):
+    """A way to run the nodes after a state on the devices after a position of the order."""
+
+    sum_s: float  # sum over its stages of t_k + 2 c_k
+    max_s: float  # P: the slowest stage, link or (1F1B) round trip
+    ar_s: float  # the largest all-reduce + optimizer step of a stage
+    after: int  # stages in it (1F1B's in-flight bound for the stage before)
+    m_req: int  # the fewest micro-batches memory allows
+    usd_per_hour: float  # of every device from its first one to the end of the order
+    k_first: int  # replicas of its first stage
+    lat_s: float  # latencies along its cuts
+    stage: tuple[int, int, int, int] | None  # its first stage: (state i, state j, position d, replicas k)
+    parent: Label | None
+    rank: float  # the step at m_max (times the price for cost): which labels a full front drops
+
+
+def model_step_s(lab: Label, m: int) -> float:
+    """T(m) of the module's docstring: the program's step time of a label with m micro-batches."""
+    return (lab.sum_s + (m - 1) * lab.max_s) / m + 2 * lab.lat_s + lab.ar_s
+
+
+class _Order:
+    """What the program needs about one device order: device types, replica groups (type counts,
+    smallest memory per type, all-reduce ring, optimizer and per-step costs), links, prices and
+    the least time the work of each state can take on the first d devices."""
+
+    def __init__(self, prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: PlanOptions) -> None:
+        cluster = scorer.cluster
+        self.order, self.D = order, len(order)
+        self.dev = [cluster.device(x) for x in order]
+        tindex = {t: k for k, t in enumerate(prob.types)}
+        self.dtype = [tindex[d.type] for d in self.dev]
+        self.times = np.array([prob.time[t] for t in prob.types])  # (types, states)
+        self.bounded = get_schedule(options.schedule).bounded  # in flight bounded by the stages after
+        self.max_replicas = self.D if self.D <= SMALL_CLUSTER else BIG_CLUSTER_REPLICAS
+        # the stages after a stage matter only through 1F1B's memory; skip them when all fits anyway
+        fits_anywhere = stage_memory_bytes(prob.params[-1], prob.acts[-1], 1.0) <= min(d.mem_bytes for d in self.dev)
+        self.track_r = self.bounded and not fits_anywhere
+        self.track_price = options.objective == "cost"
+        self.usd_prefix = [0.0]
+        for d in self.dev:
+            self.usd_prefix.append(self.usd_prefix[-1] + d.usd_per_hour)
+        self.groups = {(d, k): self._group(prob, scorer, d, k) for d in range(self.D) for k in range(1, self.D - d + 1)}
+        self.links = [cluster.link(order[p], order[p + 1]) if p + 1 < self.D else None for p in range(self.D)]
+        self.rest = self._rest(len(prob.types))
+        self._ending: tuple = (-1, None)
+
+    def ending_at(self, prob: _Problem, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For stages S_j - S_i over every earlier state i: the i, the stage's time per device
+        type (types, candidates), its parameter bytes and its activation bytes (kept for the last j)."""
+        if self._ending[0] != j:
+            below = prob.below_arr[j]
+            self._ending = (j, (below, self.times[:, j][:, None] - self.times[:, below],
+                                prob.params[j] - prob.params[below], prob.acts[j] - prob.acts[below]))
+        return self._ending[1]
+
+    def _group(self, prob: _Problem, scorer: Scorer, d: int, k: int) -> tuple:
+        cnt = [0] * len(prob.types)
+        mem: dict[int, float] = {}
+        for x in range(d, d + k):
+            cnt[self.dtype[x]] += 1
+            mem[self.dtype[x]] = min(mem.get(self.dtype[x], math.inf), self.dev[x].mem_bytes)
+        ring = scorer.cost.ring_link(self.order[d:d + k]) if k > 1 else None
+        opt_per_byte = max(scorer.cost.optimizer_s(1.0, self.dev[x].type) for x in range(d, d + k))
+        per_step = max(self.dev[x].step_overhead_s for x in range(d, d + k))
+        return cnt, mem, ring, opt_per_byte, per_step
+
+    def _rest(self, types: int) -> np.ndarray:
+        """rest[i, d]: the least time the nodes of state i can take on devices 0 .. d-1 together."""
+        speed_prefix = np.zeros((self.D + 1, types))
+        for x in range(self.D):
+            speed_prefix[x + 1] = speed_prefix[x]
+            speed_prefix[x + 1][self.dtype[x]] += 1
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inv = np.where(self.times > 0, 1.0 / self.times, 0.0)  # (types, states)
+            total_speed = speed_prefix @ inv  # (D + 1, states)
+            return np.where(total_speed > 0, 1.0 / total_speed, 0.0).T
+
+
+class _Front:
+    """Pareto fronts of labels per (state, position), at most `max_labels` each."""
+
+    def __init__(self, setup: _Order, max_labels: int) -> None:
+        self.labels: dict[tuple[int, int], list[Label]] = {}
+        self.track_r, self.track_price, self.max_labels = setup.track_r, setup.track_price, max_labels
+
+    def _covers(self, o: Label, lab: Label, slack: float) -> bool:
+        """o is at least as good as lab in every tracked dimension (times within `slack`)."""
+        return (o.sum_s <= lab.sum_s * slack and o.max_s <= lab.max_s * slack and o.ar_s <= lab.ar_s * slack
+                and o.m_req <= lab.m_req and (not self.track_r or o.after <= lab.after)
+                and (not self.track_price or o.usd_per_hour <= lab.usd_per_hour))
+
+    def add(self, key: tuple[int, int], lab: Label) -> None:
+        labels = self.labels.setdefault(key, [])
+        # epsilon-dominance: a label within EPSILON of another in time is as good as it
+        if any(self._covers(o, lab, 1 + EPSILON) for o in labels):
+            return
+        labels[:] = [o for o in labels if not self._covers(lab, o, 1.0)]
+        labels.append(lab)
+        if len(labels) > self.max_labels:  # keep the most promising: drop the worst by the step at m_max
+            labels.remove(max(labels, key=lambda o: o.rank))
+
+
+def _stage_options(prob: _Problem, setup: _Order, j: int, d: int, k: int, bound_s: float) -> tuple:
+    """For the stage S_j - S_i on devices d .. d+k-1, over every earlier state i at once: which
+    i are allowed (time bound, memory, devices left), the stage's time, its memory need over
+    what is free (the worst replica type), and its all-reduce + optimizer step."""
+    below, diff, w_stage, a_stage = setup.ending_at(prob, j)
+    cnt, mem, ring, opt_per_byte, per_step = setup.groups[(d, k)]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        used = [ti for ti, c in enumerate(cnt) if c]
+        speed = sum(cnt[ti] / diff[ti] for ti in used)  # inf where a type needs no time
+        t = np.where(np.isfinite(speed) & (speed > 0), 1.0 / speed, 0.0)
+        # memory of each replica type: its share of every micro-batch's activations
+        ratio = np.zeros(len(below))  # needed / free, the worst replica type
+        fits = np.ones(len(below), dtype=bool)
+        for ti in used:
+            share = np.where(np.isfinite(speed) & (diff[ti] > 0), t / diff[ti], 1.0 / k)
+            room = activation_room_bytes(mem[ti], w_stage)
+            fits &= room > 0
+            ratio = np.maximum(ratio, np.where(room > 0, a_stage * share / np.maximum(room, 1.0), np.inf))
+    ok = (t <= bound_s) & fits & ((ratio <= 1.0) | setup.bounded)
+    ok &= (below == 0) if d == 0 else (below != 0)  # with d == 0 no devices are left for nodes before
+    ok &= setup.rest[below, d] <= bound_s  # the slowest stage before takes at least that
+    ar = allreduce_s_array(w_stage, k, *ring) if ring is not None else np.zeros(len(below))
+    ar = ar + w_stage * opt_per_byte + per_step  # then the optimizer step, slowest replica
+    return np.nonzero(ok)[0], below, t, ratio, ar
+
+
+def _extend(lab: Label, stage: tuple[int, int, int, int], ts: float, rt: float, ar: float, c_s: float, lt: float,
+            r_i: float, setup: _Order, m_max: int, bounds: tuple[float, float]) -> Label | None:
+    """The label of `lab` with one more stage in front (time ts, memory ratio rt, all-reduce ar,
+    transfer c_s and latency lt across its cut), or None when memory or the bounds cut it."""
+    bound_s, bound_usd = bounds
+    mr = lab.m_req
+    if rt > 1.0:  # 1F1B: this stage holds min(m, r + 1) micro-batches; m must exceed r + 1
+        mr = max(mr, math.floor((lab.after + 1) * rt) + 1)
+        if mr > m_max:
+            return None
+    s2 = lab.sum_s + ts + 2 * c_s
+    mx2 = max(lab.max_s, ts, c_s)
+    if setup.bounded:
+        # 1F1B lets this stage have r + 1 micro-batches in flight, so one round trip through the
+        # rest of the pipeline is shared by at most r + 1 of them
+        mx2 = max(mx2, s2 / (lab.after + 1))
+    # a lower bound on the whole step: the stages still to come take at least r_i in all and the
+    # slowest of them at least r_i too (their devices are disjoint, so max(w_k / speed_k) >=
+    # sum(w_k) / sum(speed_k)); the best m is the largest
+    low = (s2 + r_i + (m_max - 1) * max(mx2, r_i)) / m_max
+    if low > bound_s or (setup.track_price and usd_per_step(lab.usd_per_hour, low) > bound_usd):
+        return None
+    out = Label(s2, mx2, max(lab.ar_s, ar), lab.after + 1, mr, lab.usd_per_hour, stage[3], lab.lat_s + lt, stage,
+                lab, 0.0)
+    rank = model_step_s(out, m_max) * (out.usd_per_hour if setup.track_price else 1.0)
+    return out._replace(rank=rank)
+
+
 def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: PlanOptions,
                m_max: int, bound_s: float, max_labels: int = MAX_LABELS,
-               bound_usd_s: float = math.inf) -> list[tuple]:
-    """The Pareto front at ({}, device 0) for one device order. A label is
-    (sum, max, ar, r, mreq, price, kfirst, lat, stage, parent, rank)."""
-    cluster = scorer.cluster
-    D = len(order)
+               bound_usd: float = math.inf) -> list[Label]:
+    """The Pareto front at ({}, device 0) for one device order."""
+    setup = _Order(prob, scorer, order, options)
+    front = _Front(setup, max_labels)
     n = len(prob.ideals)
-    dev = [cluster.device(x) for x in order]
-    tindex = {t: k for k, t in enumerate(prob.types)}
-    dtype = [tindex[d.type] for d in dev]
-    times = np.array([prob.time[t] for t in prob.types])  # (types, states)
-    gpipe = options.schedule == "gpipe"
-    max_replicas = D if D <= SMALL_CLUSTER else BIG_CLUSTER_REPLICAS
-    # the stages after a stage matter only through 1F1B's memory; skip them when all fits anyway
-    fits_anywhere = WEIGHT_COPIES * prob.params[-1] + prob.acts[-1] <= min(d.mem_bytes for d in dev)
-    track_r = not gpipe and not fits_anywhere
-    track_price = options.objective == "cost"
-    usd_prefix = [0.0]
-    for d in dev:
-        usd_prefix.append(usd_prefix[-1] + d.usd_per_hour)
-    # per group (d, k): type counts, smallest memory per type, ring all-reduce parameters
-    groups: dict[tuple[int, int], tuple] = {}
-    for d in range(D):
-        for k in range(1, D - d + 1):
-            members = order[d:d + k]
-            cnt = [0] * len(prob.types)
-            mem: dict[int, float] = {}
-            for x in range(d, d + k):
-                cnt[dtype[x]] += 1
-                mem[dtype[x]] = min(mem.get(dtype[x], math.inf), dev[x].mem_bytes)
-            if k > 1:
-                ring = [cluster.link(members[a], members[(a + 1) % k]) for a in range(k)]
-                ar = (min(li.bandwidth_Bps for li in ring), max(li.latency_s for li in ring))
-            else:
-                ar = None
-            opt_per_byte = max(scorer.cost.optimizer_s(1.0, dev[x].type) for x in range(d, d + k))
-            per_step = max(dev[x].step_overhead_s for x in range(d, d + k))
-            groups[(d, k)] = (cnt, mem, ar, opt_per_byte, per_step)
-    links = [cluster.link(order[p], order[p + 1]) if p + 1 < D else None for p in range(D)]
-
-    front: dict[tuple[int, int], list[tuple]] = {}
-    # rest[i][d]: the least time the nodes of state i can take on devices 0 .. d-1 working together
-    speed_prefix = np.zeros((D + 1, len(prob.types)))
-    for x in range(D):
-        speed_prefix[x + 1] = speed_prefix[x]
-        speed_prefix[x + 1][dtype[x]] += 1
-    with np.errstate(divide="ignore", invalid="ignore"):
-        inv = np.where(times > 0, 1.0 / times, 0.0)  # (types, states)
-        total_speed = speed_prefix @ inv  # (D + 1, states)
-        rest = np.where(total_speed > 0, 1.0 / total_speed, 0.0).T.tolist()  # [state][d]
-
-    def add(key: tuple[int, int], lab: tuple) -> None:
-        labels = front.setdefault(key, [])
-        s, mx, ar, r, mreq, price = lab[:6]
-        # epsilon-dominance: a label within EPSILON of another in time is as good as it
-        se, mxe, are = s * (1 + EPSILON), mx * (1 + EPSILON), ar * (1 + EPSILON)
-        for o in labels:
-            if (o[0] <= se and o[1] <= mxe and o[2] <= are and o[4] <= mreq
-                    and (not track_r or o[3] <= r) and (not track_price or o[5] <= price)):
-                return
-        labels[:] = [o for o in labels if not (
-            s <= o[0] and mx <= o[1] and ar <= o[2] and mreq <= o[4]
-            and (not track_r or r <= o[3]) and (not track_price or price <= o[5]))]
-        labels.append(lab)
-        if len(labels) > max_labels:  # keep the most promising: drop the worst by the step at m_max
-            labels.remove(max(labels, key=lambda o: o[10]))
-
-    for e in range(1, D + 1):
-        front[(n - 1, e)] = [(0.0, 0.0, 0.0, 0, 1, usd_prefix[e], 0, 0.0, None, None, 0.0)]
-    rest_arr = np.array(rest)  # (states, D + 1)
+    for e in range(1, setup.D + 1):
+        front.labels[(n - 1, e)] = [Label(0.0, 0.0, 0.0, 0, 1, setup.usd_prefix[e], 0, 0.0, None, None, 0.0)]
     for j in range(n - 1, 0, -1):
-        below = prob.below_arr[j]
-        if not len(below):
+        if not len(prob.below_arr[j]):
             continue
-        last = j == n - 1
-        diff = times[:, j][:, None] - times[:, below]  # (types, candidates): the stage's time per type
-        w_stage = prob.params[j] - prob.params[below]
-        a_stage = prob.acts[j] - prob.acts[below]
-        for e in range(1, D + 1):
-            labels = front.get((j, e))
-            if not labels:
-                continue
-            for k in range(1, min(e, max_replicas) + 1):
-                d = e - k
-                cnt, mem, ar_link, opt_per_byte, per_step = groups[(d, k)]
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    used = [ti for ti, c in enumerate(cnt) if c]
-                    speed = sum(cnt[ti] / diff[ti] for ti in used)  # inf where a type needs no time
-                    t = np.where(np.isfinite(speed) & (speed > 0), 1.0 / speed, 0.0)
-                    # memory of each replica type: its share of every micro-batch's activations
-                    ratio = np.zeros(len(below))  # needed / free, the worst replica type
-                    fits = np.ones(len(below), dtype=bool)
-                    for ti in used:
-                        share = np.where(np.isfinite(speed) & (diff[ti] > 0), t / diff[ti], 1.0 / k)
-                        room = mem[ti] - WEIGHT_COPIES * w_stage
-                        need = a_stage * share
-                        fits &= room > 0
-                        ratio = np.maximum(ratio, np.where(room > 0, need / np.maximum(room, 1.0), np.inf))
-                ok = (t <= bound_s) & fits & ((ratio <= 1.0) | (not gpipe))
-                if d == 0:
-                    ok &= below == 0  # no devices are left for nodes before this stage
-                else:
-                    ok &= below != 0
-                ok &= rest_arr[below, d] <= bound_s  # the slowest stage before takes at least that
-                cand = np.nonzero(ok)[0]
-                if not len(cand):
-                    continue
-                if ar_link is not None:
-                    ar_all = np.where(w_stage > 0, 2 * (k - 1) * (ar_link[1] + w_stage / k / ar_link[0]), 0.0)
-                else:
-                    ar_all = np.zeros(len(below))
-                ar_all = ar_all + w_stage * opt_per_byte + per_step  # then the optimizer step, slowest replica
-                link = links[e - 1] if not last else None
-                cut_j = prob.cut[j]
-                for c_idx in cand.tolist():
-                    i = int(below[c_idx])
-                    ts = float(t[c_idx])
-                    rt = float(ratio[c_idx])
-                    ar = float(ar_all[c_idx])
-                    r_i = rest[i][d]
-                    for lab in labels:
-                        s, mx, lar, r, mreq, price, kfirst, lat = lab[:8]
-                        mr = mreq
-                        if rt > 1.0:  # 1F1B: this stage holds min(m, r + 1) micro-batches; m must exceed r + 1
-                            mr = max(mr, math.floor((r + 1) * rt) + 1)
-                            if mr > m_max:
-                                continue
-                        c_s = lt = 0.0
-                        if link is not None and cut_j > 0:
-                            c_s = cut_j / (link.bandwidth_Bps * max(k, kfirst))
-                            lt = link.latency_s
-                        s2 = s + ts + 2 * c_s
-                        mx2 = max(mx, ts, c_s)
-                        if not gpipe:
-                            # 1F1B lets this stage have r + 1 micro-batches in flight, so one round
-                            # trip through the rest of the pipeline is shared by at most r + 1 of them
-                            mx2 = max(mx2, s2 / (r + 1))
-                        # a lower bound on the whole step: the stages still to come take at least r_i
-                        # in all and the slowest of them at least r_i too (their devices are disjoint,
-                        # so max(w_k / speed_k) >= sum(w_k) / sum(speed_k)); the best m is the largest
-                        low = (s2 + r_i + (m_max - 1) * max(mx2, r_i)) / m_max
-                        if low > bound_s or (track_price and price * low > bound_usd_s):
-                            continue
-                        ar2, lat2 = max(lar, ar), lat + lt
-                        rank = ((s2 + (m_max - 1) * mx2) / m_max + 2 * lat2 + ar2) * (price if track_price else 1.0)
-                        add((i, d), (s2, mx2, ar2, r + 1, mr, price, k, lat2, (i, j, d, k), lab, rank))
-    return front.get((0, 0), [])
+        for e in range(1, setup.D + 1):
+            labels = front.labels.get((j, e))
+            for k in range(1, min(e, setup.max_replicas) + 1) if labels else ():
+                _stages_into(front, labels, prob, setup, j, e, k, m_max, (bound_s, bound_usd))
+    return front.labels.get((0, 0), [])
 
 
-def _plan(prob: _Problem, order: tuple[str, ...], lab: tuple, m: int, options: PlanOptions) -> Plan:
+def _stages_into(front: _Front, labels: list[Label], prob: _Problem, setup: _Order, j: int, e: int, k: int,
+                 m_max: int, bounds: tuple[float, float]) -> None:
+    """Every stage S_j - S_i on the k devices before position e, put in front of every label of
+    (j, e), into the front of (i, e - k)."""
+    d = e - k
+    cand, below, t, ratio, ar_all = _stage_options(prob, setup, j, d, k, bounds[0])
+    link = setup.links[e - 1] if j != len(prob.ideals) - 1 else None
+    cut_j = prob.cut[j]
+    for c_idx in cand.tolist():
+        i = int(below[c_idx])
+        ts, rt, ar, r_i = float(t[c_idx]), float(ratio[c_idx]), float(ar_all[c_idx]), float(setup.rest[i, d])
+        for lab in labels:
+            c_s = lt = 0.0
+            if link is not None and cut_j > 0:
+                c_s = wire_s(cut_j, link.bandwidth_Bps * max(k, lab.k_first))  # over max(k, k') links
+                lt = link.latency_s
+            out = _extend(lab, (i, j, d, k), ts, rt, ar, c_s, lt, r_i, setup, m_max, bounds)
+            if out is not None:
+                front.add((i, d), out)
+
+
+def _plan(prob: _Problem, order: tuple[str, ...], lab: Label, m: int, options: PlanOptions) -> Plan:
     stages = []
-    while lab is not None and lab[8] is not None:
-        i, j, d, k = lab[8]
+    while lab is not None and lab.stage is not None:
+        i, j, d, k = lab.stage
         stages.append(Stage(prob.nodes(i, j), order[d:d + k]))
-        lab = lab[9]
+        lab = lab.parent
     return Plan(tuple(stages), m, options.schedule, "dp", options.objective)
 
 
-def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer | None = None,
-                  top_k: int = TOP_K, max_states: int = MAX_STATES) -> tuple[list[Plan], dict]:
-    """The dynamic program's best plans by its own model (at most `top_k`), and facts about the
-    run for the plan's meta."""
-    scorer = scorer or Scorer(graph, cluster, options)
-    prob = _Problem(graph, scorer, max_states)
-    choices = microbatch_choices(graph, options)
-    m_max = max(choices)
-    speed = {t: 1.0 / max(float(prob.time[t][-1]), 1e-30) for t in prob.types}
-    orders = device_orders(cluster, speed, options.objective)
-    # Bounds cut every partial plan that cannot beat the best found so far: for time, the
-    # baselines' simulated steps (with slack: the program's model may see them slower), then the
-    # best step found in the orders done; for cost, the floor (slower plans are infeasible) and the
-    # best price x step found so far above it.
-    bound = graph.batch_size / options.min_samples_per_s if options.objective == "cost" else math.inf
-    bound_usd = math.inf
+def _baseline_bound_s(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer) -> float:
+    """The first bound on the step: for time, the baselines' simulated steps (with slack: the
+    program's model may see them slower); for cost, the floor (slower plans are infeasible)."""
+    if options.objective == "cost":
+        return graph.batch_size / options.min_samples_per_s
+    bound = math.inf
     if options.objective == "time":
         for make in (baselines.single, baselines.data_parallel, baselines.balanced_time):
             try:
@@ -379,29 +348,65 @@ def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: 
                 continue
             if est.feasible:
                 bound = min(bound, est.step_s * (1.0 + BASELINE_SLACK))
+    return bound
+
+
+def _pool(prob: _Problem, scorer: Scorer, orders: list[tuple[str, ...]], choices: tuple[int, ...],
+          options: PlanOptions) -> list[tuple]:
+    """(key, order, label, m) of every front label and allowed m over all orders, best first by
+    the program's model. Bounds cut every partial plan that cannot beat the best found so far:
+    the first bound, then the best step (time) or price x step above the floor (cost) of the
+    orders done."""
+    graph = scorer.graph
+    bound, bound_usd = _baseline_bound_s(graph, scorer.cluster, options, scorer), math.inf
     pool = []
     for order in orders:
-        for lab in _run_order(prob, scorer, order, options, m_max, bound, bound_usd_s=bound_usd):
+        for lab in _run_order(prob, scorer, order, options, max(choices), bound, bound_usd=bound_usd):
             for m in choices:
-                if m < lab[4]:
+                if m < lab.m_req:
                     continue
-                t = (lab[0] + (m - 1) * lab[1]) / m + 2 * lab[7] + lab[2]
+                t = model_step_s(lab, m)
                 if options.objective == "cost":
                     fast_enough = graph.batch_size / max(t, 1e-30) >= 0.9 * (options.min_samples_per_s or 0)
-                    key = (0 if fast_enough else 1, lab[5] * t)
+                    key = (0 if fast_enough else 1, usd_per_step(lab.usd_per_hour, t))
                     if t <= bound:
-                        bound_usd = min(bound_usd, lab[5] * t * (1.0 + BOUND_SLACK))
+                        bound_usd = min(bound_usd, usd_per_step(lab.usd_per_hour, t) * (1.0 + BOUND_SLACK))
                 else:
                     key = (0, t)
                     if options.objective == "time":
                         bound = min(bound, t * (1.0 + BOUND_SLACK))
                 pool.append((key, order, lab, m))
     pool.sort(key=lambda x: x[0])
-    # the program's model ranks the pool; the fast path (the exact recurrence of the schedule,
-    # with latencies and uneven micro-batches) re-ranks the best POOL of them; the event simulator
-    # scores the top_k of those
+    return pool
+
+
+def _rerank(graph: Graph, cluster: Cluster, plans: list[Plan], options: PlanOptions, top_k: int) -> list[Plan]:
+    """The top_k of the plans by the fast path (the exact recurrence of the schedule, with
+    latencies and uneven micro-batches), by step or, for cost, by price above the floor."""
+    if len(plans) <= top_k:
+        return plans
+    fast = fast_step_s(graph, cluster, plans)
+    if options.objective == "cost":
+        usd = usd_per_step(np.array([sum(cluster.device(d).usd_per_hour for d in p.devices) for p in plans]), fast)
+        slow = graph.batch_size / fast < (options.min_samples_per_s or 0) * 0.9
+        rank = np.where(slow, np.inf, usd)
+    else:
+        rank = fast
+    keep = np.argsort(rank, kind="stable")[:top_k]
+    return [plans[int(k)] for k in keep]
+
+
+def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer | None = None,
+                  top_k: int = TOP_K, max_states: int = MAX_STATES) -> tuple[list[Plan], dict]:
+    """The dynamic program's best plans by its own model (at most `top_k`), and facts about the
+    run for the plan's meta. The program's model ranks the pool; the fast path re-ranks the best
+    POOL of them; the event simulator (the caller) scores the top_k of those."""
+    scorer = scorer or Scorer(graph, cluster, options)
+    prob = _Problem(graph, scorer, max_states)
+    speed = {t: 1.0 / max(float(prob.time[t][-1]), 1e-30) for t in prob.types}
+    orders = device_orders(cluster, speed, options.objective)
     plans, seen = [], set()
-    for _, order, lab, m in pool:
+    for _, order, lab, m in _pool(prob, scorer, orders, microbatch_choices(graph, options), options):
         plan = _plan(prob, order, lab, m, options)
         k = Scorer.key(plan)
         if k not in seen:
@@ -409,16 +414,7 @@ def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: 
             plans.append(plan)
             if len(plans) >= POOL:
                 break
-    if len(plans) > top_k:
-        fast = fast_step_s(graph, cluster, plans)
-        if options.objective == "cost":
-            usd = np.array([sum(cluster.device(d).usd_per_hour for d in p.devices) for p in plans])
-            slow = graph.batch_size / fast < (options.min_samples_per_s or 0) * 0.9
-            rank = np.where(slow, np.inf, usd * fast)
-        else:
-            rank = fast
-        keep = np.argsort(rank, kind="stable")[:top_k]
-        plans = [plans[int(k)] for k in keep]
+    plans = _rerank(graph, cluster, plans, options, top_k)
     meta = {"states": len(prob.states), "states_used": len(prob.ideals), "all_cuts": prob.states.complete,
             "device_orders": len(orders), "candidates": len(plans)}
     return plans, meta

@@ -25,10 +25,11 @@ import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import microbatch_fractions
+from hetplan.cost.formulas import usd_per_step
 from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
-from hetplan.planners.dp import device_classes
+from hetplan.planners.devices import device_classes
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.scoring import Scorer
@@ -72,90 +73,103 @@ def count_assignments(avail: tuple[int, ...], n: int, memo: dict | None = None) 
     return memo[key]
 
 
-def exact(graph: Graph, cluster: Cluster, options: PlanOptions, limit: int = LIMIT) -> Plan:
-    scorer = Scorer(graph, cluster, options)
-    states = cut_states(graph, limit=4096)
-    refuse = ("exact: {what}, too many to search (limit {limit:,}); use dp or local-search, or make the "
-              "problem smaller (fewer nodes: --granularity block; fewer devices)")
-    if not states.complete:
-        raise InfeasibleError(refuse.format(what=f"graph {graph.name!r} has more than 4,096 cut states",
-                                            limit=limit))
-    classes = device_classes(cluster)
-    avail = tuple(len(c) for c in classes)
-    ideals = states.ideals
-    s = len(ideals)
-    above = [[j for j in range(i + 1, s) if ideals[i] & ~ideals[j] == 0] for i in range(s)]
-    # chains[(i, n)]: how many ways the nodes outside state i split into n stages
-    chains: dict[tuple[int, int], int] = {}
-    max_n = min(sum(avail), len(graph.nodes))
-    for i in range(s - 1, -1, -1):
-        chains[(i, 0)] = 1 if i == s - 1 else 0
-        for n in range(1, max_n + 1):
-            chains[(i, n)] = sum(chains[(j, n - 1)] for j in above[i])
-    choices = microbatch_choices(graph, options)
-    memo: dict = {}
-    total = len(choices) * sum(chains[(0, n)] * count_assignments(avail, n, memo) for n in range(1, max_n + 1))
-    if total > limit:
-        raise InfeasibleError(refuse.format(what=f"{total:,} candidate plans", limit=limit))
+REFUSE = ("exact: {what}, too many to search (limit {limit:,}); use dp or local-search, or make the "
+          "problem smaller (fewer nodes: --granularity block; fewer devices)")
 
-    mat = states.matrix().astype(float)
-    types = sorted({d.type for d in cluster.devices})
-    node_t = {t: scorer.cost.node_times_s(t) for t in types}
-    time_of = {t: mat @ np.array([sum(node_t[t][v]) for v in states.order]) for t in types}
-    class_type = [cluster.device(c[0]).type for c in classes]
 
-    def stage_time(i: int, j: int, group: tuple[int, ...]) -> float:
+class _Space:
+    """Every plan exact may return: chains of cut states, groups of device classes per stage,
+    and a number of micro-batches; counted before anything is enumerated."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer, limit: int) -> None:
+        self.states = states = cut_states(graph, limit=4096)
+        if not states.complete:
+            raise InfeasibleError(REFUSE.format(what=f"graph {graph.name!r} has more than 4,096 cut states",
+                                                limit=limit))
+        self.classes = device_classes(cluster)
+        self.avail = tuple(len(c) for c in self.classes)
+        ideals = states.ideals
+        self.s = s = len(ideals)
+        self.above = [[j for j in range(i + 1, s) if ideals[i] & ~ideals[j] == 0] for i in range(s)]
+        # chains[(i, n)]: how many ways the nodes outside state i split into n stages
+        self.chains: dict[tuple[int, int], int] = {}
+        self.max_n = min(sum(self.avail), len(graph.nodes))
+        for i in range(s - 1, -1, -1):
+            self.chains[(i, 0)] = 1 if i == s - 1 else 0
+            for n in range(1, self.max_n + 1):
+                self.chains[(i, n)] = sum(self.chains[(j, n - 1)] for j in self.above[i])
+        self.choices = microbatch_choices(graph, options)
+        memo: dict = {}
+        self.total = len(self.choices) * sum(self.chains[(0, n)] * count_assignments(self.avail, n, memo)
+                                             for n in range(1, self.max_n + 1))
+        if self.total > limit:
+            raise InfeasibleError(REFUSE.format(what=f"{self.total:,} candidate plans", limit=limit))
+        mat = states.matrix().astype(float)
+        node_t = {t: scorer.cost.node_times_s(t) for t in {d.type for d in cluster.devices}}
+        self.time_of = {t: mat @ np.array([sum(times[v]) for v in states.order]) for t, times in node_t.items()}
+        self.class_type = [cluster.device(c[0]).type for c in self.classes]
+
+    def stage_time(self, i: int, j: int, group: tuple[int, ...]) -> float:
         speed = 0.0
         for ci, c in enumerate(group):
             if c:
-                dt = time_of[class_type[ci]][j] - time_of[class_type[ci]][i]
+                dt = self.time_of[self.class_type[ci]][j] - self.time_of[self.class_type[ci]][i]
                 if dt <= 0:
                     return 0.0
                 speed += c / dt
         return 1.0 / speed
 
-    def walk(i: int, n: int) -> Iterator[tuple[tuple[int, int], ...]]:
+    def walk(self, i: int, n: int) -> Iterator[tuple[tuple[int, int], ...]]:
         if n == 0:
-            if i == s - 1:
+            if i == self.s - 1:
                 yield ()
             return
-        for j in above[i]:
-            if chains[(j, n - 1)]:
-                for rest in walk(j, n - 1):
+        for j in self.above[i]:
+            if self.chains[(j, n - 1)]:
+                for rest in self.walk(j, n - 1):
                     yield ((i, j), *rest)
 
+    def candidates(self, batch: int) -> list[tuple]:
+        """(a lower bound on the step, chain, groups, m) of every candidate plan."""
+        first = {m: max(microbatch_fractions(batch, m)) for m in self.choices}
+        out = []
+        for n in range(1, self.max_n + 1):
+            if not self.chains[(0, n)]:
+                continue
+            assignments = list(_assignments(self.avail, n))
+            for chain in self.walk(0, n):
+                for groups in assignments:
+                    times = [self.stage_time(i, j, g) for (i, j), g in zip(chain, groups, strict=True)]
+                    slowest, through = max(times), sum(times)
+                    out += [(max(slowest, through * first[m]), chain, groups, m) for m in self.choices]
+        return out
+
+
+def _lower(space: _Space, cluster: Cluster, options: PlanOptions, scorer: Scorer, bound_s: float,
+           groups: tuple[tuple[int, ...], ...]) -> float:
+    """A lower bound on the objective of a candidate whose step is at least bound_s."""
+    if options.objective == "time":
+        return bound_s
+    if options.objective == "cost":
+        usd = sum(cluster.device(space.classes[ci][0]).usd_per_hour * c for g in groups for ci, c in enumerate(g))
+        return usd_per_step(usd, bound_s) / scorer.graph.batch_size
+    return options.alpha * bound_s / scorer.t_ref_s
+
+
+def exact(graph: Graph, cluster: Cluster, options: PlanOptions, limit: int = LIMIT) -> Plan:
+    scorer = Scorer(graph, cluster, options)
+    space = _Space(graph, cluster, options, scorer, limit)
     batch = graph.batch_size
-    first = {m: max(microbatch_fractions(batch, m)) for m in choices}
-    candidates = []
-    for n in range(1, max_n + 1):
-        if not chains[(0, n)]:
-            continue
-        assignments = list(_assignments(avail, n))
-        for chain in walk(0, n):
-            for groups in assignments:
-                times = [stage_time(i, j, g) for (i, j), g in zip(chain, groups, strict=True)]
-                slowest, through = max(times), sum(times)
-                for m in choices:
-                    candidates.append((max(slowest, through * first[m]), chain, groups, m))
-
-    def lower(bound_s: float, groups: tuple[tuple[int, ...], ...]) -> float:
-        if options.objective == "time":
-            return bound_s
-        if options.objective == "cost":
-            usd = sum(cluster.device(classes[ci][0]).usd_per_hour * c for g in groups for ci, c in enumerate(g))
-            return usd * bound_s / 3600.0 / batch
-        return options.alpha * bound_s / scorer.t_ref_s
-
     floor_s = batch / options.min_samples_per_s if options.objective == "cost" else math.inf
-    scored = sorted(((lower(b, g), b, chain, g, m) for b, chain, g, m in candidates), key=lambda x: x[:2])
+    scored = sorted(((_lower(space, cluster, options, scorer, b, g), b, chain, g, m)
+                     for b, chain, g, m in space.candidates(batch)), key=lambda x: x[:2])
     best_value, best_plan, looked = math.inf, None, []
-    fastest_s = min((b for _, b, _, _, _ in scored), default=math.inf)
     for low, bound_s, chain, groups, m in scored:
         if low >= best_value:
             break
         if bound_s > floor_s:
             continue
-        plan = _realise(states, classes, chain, groups, m, options)
+        plan = _realise(space.states, space.classes, chain, groups, m, options)
         if any(scorer.cost.stage_memory_bytes(plan, k, d) > cluster.device(d).mem_bytes
                for k, st in enumerate(plan.stages) for d in st.devices):
             continue
@@ -164,14 +178,15 @@ def exact(graph: Graph, cluster: Cluster, options: PlanOptions, limit: int = LIM
         if value < best_value:
             best_value, best_plan = value, plan
     if best_plan is None:
+        fastest_s = min((b for _, b, _, _, _ in scored), default=math.inf)
         if fastest_s > floor_s:
             raise InfeasibleError(
                 f"no plan reaches {options.min_samples_per_s:g} samples/s: even the fastest split is at most "
                 f"{batch / fastest_s:,.1f} samples/s: lower --min-samples-per-s or add devices")
         raise scorer.infeasible(looked, "exact")
     return Plan(best_plan.stages, best_plan.microbatches, best_plan.schedule, "exact", options.objective,
-                meta={"exact": {"candidates": total, "simulated": scorer.simulations,
-                                "cut_states": s, "device_classes": len(classes)}})
+                meta={"exact": {"candidates": space.total, "simulated": scorer.simulations,
+                                "cut_states": space.s, "device_classes": len(space.classes)}})
 
 
 def _realise(states, classes: list[list[str]], chain, groups, m: int, options: PlanOptions) -> Plan:

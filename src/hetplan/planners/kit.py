@@ -50,6 +50,11 @@ class Budget:
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.began
 
+    def used(self, iters: int) -> float:
+        """The share of the budget `iters` iterations have used: of the iterations when they are
+        counted, else of the time (may pass 1)."""
+        return iters / self.max_iters if self.max_iters is not None else self.elapsed_s / self.seconds
+
     def fraction(self, iters: int) -> float | None:
         """How much of the budget `iters` iterations have used, or None once it is spent."""
         elapsed = self.elapsed_s

@@ -39,8 +39,7 @@ from hetplan.planners.options import PlanOptions
 def reference_time_s(graph: Graph, cluster: Cluster, cost: CostModel | None = None) -> float:
     """The graph's forward + backward time on the fastest device type of the cluster."""
     cm = cost or CostModel(graph, cluster)
-    nodes = graph.topo_order
-    return min(math.fsum(cm.stage_times_s(nodes, t)) for t in {d.type for d in cluster.devices})
+    return cm.whole_graph_s(cm.fastest_type())
 
 
 def memory_share(est: Estimate, cluster: Cluster) -> float:

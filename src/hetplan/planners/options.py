@@ -46,14 +46,20 @@ class PlanOptions:
     faithful: bool = False
 
     def __post_init__(self) -> None:
-        if self.microbatches is not None and (
-            isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1
-        ):
+        # in this order, so that the first thing wrong is the one reported
+        self._check_choices()
+        self._check_budget_and_floor()
+        self._check_mdpe()
+
+    def _check_choices(self) -> None:
+        if self.microbatches is not None and not _whole(self.microbatches):
             raise HetplanError(f"--microbatches: {self.microbatches!r} is not a whole number >= 1")
         if self.schedule not in SCHEDULES:
             raise HetplanError(f"--schedule: {self.schedule!r} is unknown (allowed: {', '.join(SCHEDULES)})")
         if self.objective not in OBJECTIVES:
             raise HetplanError(f"--objective: {self.objective!r} is unknown (allowed: {', '.join(OBJECTIVES)})")
+
+    def _check_budget_and_floor(self) -> None:
         if self.budget_s is not None and not (self.budget_s > 0 and math.isfinite(self.budget_s)):
             raise HetplanError(f"--budget-s: {self.budget_s!r} must be a number of seconds > 0")
         if self.min_samples_per_s is not None and not (self.min_samples_per_s > 0
@@ -62,9 +68,11 @@ class PlanOptions:
         if self.objective == "cost" and self.min_samples_per_s is None:
             raise HetplanError("--objective cost needs a throughput floor: add --min-samples-per-s X "
                                "(the fewest samples per second you accept)")
-        if self.max_iters is not None and (isinstance(self.max_iters, bool) or not isinstance(self.max_iters, int)
-                                           or self.max_iters < 1):
+        if self.max_iters is not None and not _whole(self.max_iters):
             raise HetplanError(f"--max-iters: {self.max_iters!r} must be a whole number >= 1")
+
+    def _check_mdpe(self) -> None:
+        """The routing, and the weights and tolerances of the `mdpe` objective."""
         if self.routing not in ("relay", "direct"):
             raise HetplanError(f"--routing: {self.routing!r} is unknown (allowed: relay, direct)")
         for name in ("alpha", "beta", "gamma"):
@@ -73,3 +81,8 @@ class PlanOptions:
         for name in ("comm_tolerance", "mem_tolerance"):
             if not 0 < getattr(self, name) <= 1:
                 raise HetplanError(f"--{name.replace('_', '-')}: {getattr(self, name)!r} must be in (0, 1]")
+
+
+def _whole(value: object) -> bool:
+    """A whole number >= 1 (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1

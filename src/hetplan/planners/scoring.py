@@ -7,12 +7,14 @@ import math
 from dataclasses import dataclass, field
 
 from hetplan.cluster import Cluster
-from hetplan.cost import WEIGHT_COPIES, CostModel
+from hetplan.cost import CostModel
+from hetplan.cost.formulas import stage_memory_bytes, weight_bytes
 from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Estimate, Plan
 from hetplan.planners import objectives
 from hetplan.planners.options import PlanOptions
+from hetplan.schedule import get_schedule
 from hetplan.sim import simulate
 from hetplan.units import fmt_bytes
 
@@ -73,16 +75,17 @@ class Scorer:
 
 def memory_infeasible(graph: Graph, cluster: Cluster, options: PlanOptions) -> InfeasibleError:
     """Say what memory the model needs that the cluster does not have."""
-    worst = max(graph.nodes, key=lambda n: WEIGHT_COPIES * n.param_bytes + n.act_bytes)
+    worst = max(graph.nodes, key=lambda n: stage_memory_bytes(n.param_bytes, n.act_bytes, 1.0))
     biggest = max(cluster.devices, key=lambda d: d.mem_bytes)
-    single = WEIGHT_COPIES * worst.param_bytes
+    single = weight_bytes(worst.param_bytes)
     if single > biggest.mem_bytes:
         return InfeasibleError(
             f"node {worst.id} ({worst.op}) alone needs {fmt_bytes(single)} for its weights, gradients and "
             f"optimizer state, more than the largest device ({biggest.id}, {fmt_bytes(biggest.mem_bytes)}): "
             "no split can fit it; use devices with more memory")
-    need = WEIGHT_COPIES * graph.param_bytes_total + (
-        sum(n.act_bytes for n in graph.nodes) if options.schedule == "gpipe" else 0)
+    # at the least, every weight copy; and every activation where the schedule holds all in flight
+    need = stage_memory_bytes(graph.param_bytes_total, graph.act_bytes_total,
+                              0.0 if get_schedule(options.schedule).bounded else 1.0)
     mems = sorted((d.mem_bytes for d in cluster.devices), reverse=True)
     total, count = 0, 0
     for mem in mems:

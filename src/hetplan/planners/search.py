@@ -19,27 +19,27 @@ Moves (each keeps the plan valid; `hetplan.plan.plan_problems` checks it):
 
 Infeasible plans are walked through with a finite penalty (`objectives.search_value`) but never
 returned. Deterministic for a given seed and number of iterations; with a time budget the number
-of iterations depends on the machine, so `max_iters` is there for reproducible runs.
+of iterations depends on the machine, so `max_iters` is there for reproducible runs (given both,
+the search stops at whichever comes first: `hetplan.planners.kit.Budget`).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage, plan_problems
-from hetplan.planners.kit import microbatch_choices
+from hetplan.planners.baselines import balanced_time
+from hetplan.planners.dp import warm_start
+from hetplan.planners.kit import SEARCH_BUDGET_S, Budget, microbatch_choices
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.scoring import Scorer
 
-DEFAULT_BUDGET_S = 10.0
 START_TEMPERATURE = 0.05  # accept a 5% worse plan with probability 1/e at the start
 
 
@@ -47,128 +47,174 @@ def _with_stages(plan: Plan, stages: list[Stage]) -> Plan:
     return replace(plan, stages=tuple(stages), predicted=None)
 
 
+@dataclass(frozen=True)
+class _Walk:
+    """What a move sees: the plan, a copy of its stages that the move may change, the cluster's
+    devices the plan leaves unused, and the walk's random numbers."""
+
+    plan: Plan
+    stages: list[Stage]
+    unused: list[str]
+    graph: Graph
+    rng: np.random.Generator
+    choices: tuple[int, ...]
+
+    def draw(self, high: int, low: int = 0) -> int:
+        return int(self.rng.integers(low, high))
+
+
+# Each move returns the changed stages (`neighbour` checks them), a plan (a change of micro-batches
+# only), or None when it does not apply; each draws its random numbers in the same order as ever,
+# so that a seed gives the same walk.
+def _shift_boundary(w: _Walk) -> list[Stage] | None:
+    """Move a node to the next stage (one no other node of its stage depends on) or to the
+    previous one (one that depends on no node of its stage)."""
+    if len(w.stages) < 2:
+        return None
+    k = w.draw(len(w.stages) - 1)
+    forward = w.rng.random() < 0.5
+    src, dst = (k, k + 1) if forward else (k + 1, k)
+    linked = w.graph.successors if forward else w.graph.predecessors
+    nodes = w.stages[src].nodes
+    inside = set(nodes)
+    movable = [v for v in nodes if not any(x in inside for x in linked(v))]
+    if len(nodes) < 2 or not movable:
+        return None
+    v = movable[w.draw(len(movable))]
+    w.stages[src] = Stage(tuple(x for x in nodes if x != v), w.stages[src].devices)
+    there = w.stages[dst]
+    w.stages[dst] = Stage((v, *there.nodes) if forward else (*there.nodes, v), there.devices)
+    return w.stages
+
+
+def _change_device(w: _Walk) -> list[Stage] | None:
+    """Give a stage an unused device in place of one of its own, or swap devices between two
+    stages."""
+    stages, n = w.stages, len(w.stages)
+    k = w.draw(n)
+    devs = list(stages[k].devices)
+    r = w.draw(len(devs))
+    if w.unused and (n == 1 or w.rng.random() < 0.5):
+        devs[r] = w.unused[w.draw(len(w.unused))]
+        stages[k] = Stage(stages[k].nodes, tuple(devs))
+        return stages
+    if n == 1:
+        return None
+    o = w.draw(n - 1)
+    o += o >= k
+    other = list(stages[o].devices)
+    q = w.draw(len(other))
+    devs[r], other[q] = other[q], devs[r]
+    stages[k], stages[o] = Stage(stages[k].nodes, tuple(devs)), Stage(stages[o].nodes, tuple(other))
+    return stages
+
+
+def _add_replica(w: _Walk) -> list[Stage] | None:
+    if not w.unused:
+        return None
+    k = w.draw(len(w.stages))
+    w.stages[k] = Stage(w.stages[k].nodes, (*w.stages[k].devices, w.unused[w.draw(len(w.unused))]))
+    return w.stages
+
+
+def _remove_replica(w: _Walk) -> list[Stage] | None:
+    multi = [k for k, st in enumerate(w.stages) if len(st.devices) > 1]
+    if not multi:
+        return None
+    k = multi[w.draw(len(multi))]
+    devs = list(w.stages[k].devices)
+    devs.pop(w.draw(len(devs)))
+    w.stages[k] = Stage(w.stages[k].nodes, tuple(devs))
+    return w.stages
+
+
+def _split_stage(w: _Walk) -> list[Stage] | None:
+    """Split a stage in two along its topological order: the second part takes half of its
+    replicas, or an unused device."""
+    k = w.draw(len(w.stages))
+    if len(w.stages[k].nodes) < 2:
+        return None
+    devs = list(w.stages[k].devices)
+    if len(devs) > 1:
+        half = len(devs) // 2
+        first, second = tuple(devs[:half]), tuple(devs[half:])
+    elif w.unused:
+        first, second = tuple(devs), (w.unused[w.draw(len(w.unused))],)
+    else:
+        return None
+    where = {v: i for i, v in enumerate(w.graph.topo_order)}
+    nodes = sorted(w.stages[k].nodes, key=where.__getitem__)
+    cut = w.draw(len(nodes), low=1)
+    w.stages[k:k + 1] = [Stage(tuple(nodes[:cut]), first), Stage(tuple(nodes[cut:]), second)]
+    return w.stages
+
+
+def _merge_stages(w: _Walk) -> list[Stage] | None:
+    if len(w.stages) < 2:
+        return None
+    k = w.draw(len(w.stages) - 1)
+    a, b = w.stages[k], w.stages[k + 1]
+    w.stages[k:k + 2] = [Stage(a.nodes + b.nodes, a.devices + b.devices)]
+    return w.stages
+
+
+def _change_microbatches(w: _Walk) -> Plan | None:
+    """Double or halve the number of micro-batches (the next choice up or down)."""
+    choices, plan = w.choices, w.plan
+    if len(choices) < 2:
+        return None
+    i = choices.index(plan.microbatches) if plan.microbatches in choices else 0
+    j = min(len(choices) - 1, max(0, i + (1 if w.rng.random() < 0.5 else -1)))
+    if j == i:
+        return None
+    return replace(plan, microbatches=choices[j], predicted=None)
+
+
+MOVES: tuple[Callable[[_Walk], list[Stage] | Plan | None], ...] = (
+    _shift_boundary, _change_device, _add_replica, _remove_replica, _split_stage, _merge_stages,
+    _change_microbatches)
+
+
 def neighbour(plan: Plan, graph: Graph, cluster: Cluster, rng: np.random.Generator,
               choices: tuple[int, ...]) -> Plan | None:
     """A random valid plan one move away, or None when the move drawn does not apply."""
-    stages = list(plan.stages)
-    n = len(stages)
     used = set(plan.devices)
     unused = [d for d in cluster.ids if d not in used]
-    move = int(rng.integers(0, 7))
-    if move == 0 and n > 1:  # shift a boundary
-        k = int(rng.integers(0, n - 1))
-        if rng.random() < 0.5:
-            inside = set(stages[k].nodes)
-            movable = [v for v in stages[k].nodes if not any(w in inside for w in graph.successors(v))]
-            if len(stages[k].nodes) < 2 or not movable:
-                return None
-            v = movable[int(rng.integers(0, len(movable)))]
-            stages[k] = Stage(tuple(x for x in stages[k].nodes if x != v), stages[k].devices)
-            stages[k + 1] = Stage((v, *stages[k + 1].nodes), stages[k + 1].devices)
-        else:
-            inside = set(stages[k + 1].nodes)
-            movable = [v for v in stages[k + 1].nodes if not any(w in inside for w in graph.predecessors(v))]
-            if len(stages[k + 1].nodes) < 2 or not movable:
-                return None
-            v = movable[int(rng.integers(0, len(movable)))]
-            stages[k + 1] = Stage(tuple(x for x in stages[k + 1].nodes if x != v), stages[k + 1].devices)
-            stages[k] = Stage((*stages[k].nodes, v), stages[k].devices)
-    elif move == 1:  # change a device: an unused one, or a swap with another stage
-        k = int(rng.integers(0, n))
-        devs = list(stages[k].devices)
-        r = int(rng.integers(0, len(devs)))
-        if unused and (n == 1 or rng.random() < 0.5):
-            devs[r] = unused[int(rng.integers(0, len(unused)))]
-            stages[k] = Stage(stages[k].nodes, tuple(devs))
-        elif n > 1:
-            o = int(rng.integers(0, n - 1))
-            o += o >= k
-            other = list(stages[o].devices)
-            q = int(rng.integers(0, len(other)))
-            devs[r], other[q] = other[q], devs[r]
-            stages[k], stages[o] = Stage(stages[k].nodes, tuple(devs)), Stage(stages[o].nodes, tuple(other))
-        else:
-            return None
-    elif move == 2 and unused:  # add a replica
-        k = int(rng.integers(0, n))
-        stages[k] = Stage(stages[k].nodes, (*stages[k].devices, unused[int(rng.integers(0, len(unused)))]))
-    elif move == 3:  # remove a replica
-        multi = [k for k in range(n) if len(stages[k].devices) > 1]
-        if not multi:
-            return None
-        k = multi[int(rng.integers(0, len(multi)))]
-        devs = list(stages[k].devices)
-        devs.pop(int(rng.integers(0, len(devs))))
-        stages[k] = Stage(stages[k].nodes, tuple(devs))
-    elif move == 4:  # split a stage along its topological order
-        k = int(rng.integers(0, n))
-        if len(stages[k].nodes) < 2:
-            return None
-        devs = list(stages[k].devices)
-        if len(devs) > 1:
-            half = len(devs) // 2
-            first, second = tuple(devs[:half]), tuple(devs[half:])
-        elif unused:
-            first, second = tuple(devs), (unused[int(rng.integers(0, len(unused)))],)
-        else:
-            return None
-        where = {v: i for i, v in enumerate(graph.topo_order)}
-        nodes = sorted(stages[k].nodes, key=where.__getitem__)
-        cut = int(rng.integers(1, len(nodes)))
-        stages[k:k + 1] = [Stage(tuple(nodes[:cut]), first), Stage(tuple(nodes[cut:]), second)]
-    elif move == 5 and n > 1:  # merge two neighbouring stages
-        k = int(rng.integers(0, n - 1))
-        stages[k:k + 2] = [Stage(stages[k].nodes + stages[k + 1].nodes, stages[k].devices + stages[k + 1].devices)]
-    elif move == 6 and len(choices) > 1:  # double or halve the micro-batches
-        i = choices.index(plan.microbatches) if plan.microbatches in choices else 0
-        j = min(len(choices) - 1, max(0, i + (1 if rng.random() < 0.5 else -1)))
-        if j == i:
-            return None
-        return replace(plan, microbatches=choices[j], predicted=None)
-    else:
-        return None
-    out = _with_stages(plan, stages)
+    move = MOVES[int(rng.integers(0, len(MOVES)))]
+    out = move(_Walk(plan, list(plan.stages), unused, graph, rng, choices))
+    if out is None or isinstance(out, Plan):
+        return out
+    out = _with_stages(plan, out)
     return None if plan_problems(out, graph, cluster) else out
 
 
 def local_search(graph: Graph, cluster: Cluster, options: PlanOptions, start: Plan | None = None,
                  max_iters: int | None = None, progress: Callable[[float], None] | None = None) -> Plan:
     scorer = Scorer(graph, cluster, options)
-    max_iters = max_iters if max_iters is not None else options.max_iters
     if start is None:
-        from hetplan.planners.dp import dp
-
-        try:
-            start = dp(graph, cluster, options)
-        except InfeasibleError:
-            from hetplan.planners.baselines import balanced_time
-
+        start = warm_start(graph, cluster, options)
+        if start is None:
             start = balanced_time(graph, cluster, options)
     choices = tuple(sorted(set(microbatch_choices(graph, replace(options, microbatches=None)))
                            | {start.microbatches}))
     if options.microbatches:
         choices = (options.microbatches,)
     rng = np.random.default_rng(options.seed)
-    budget = options.budget_s or DEFAULT_BUDGET_S
     current = replace(start, planner="local-search", predicted=None)
     cur_v = scorer.search_value(current)
     best, best_v = (current, scorer.value(current)) if math.isfinite(scorer.value(current)) else (None, math.inf)
     start_v = best_v
-    began = time.perf_counter()
+    budget = Budget.of(options, SEARCH_BUDGET_S, max_iters)
     iters = accepted = 0
-    while True:
-        elapsed = time.perf_counter() - began
-        if (max_iters is not None and iters >= max_iters) or (max_iters is None and elapsed >= budget):
-            break
+    while budget.fraction(iters) is not None:
         iters += 1
         if progress is not None and iters % 20 == 0:
-            progress(min(1.0, iters / max_iters if max_iters else elapsed / budget))
+            progress(min(1.0, budget.used(iters)))
         cand = neighbour(current, graph, cluster, rng, choices)
         if cand is None:
             continue
         v = scorer.search_value(cand)
-        frac = max(0.0, 1.0 - (iters / max_iters if max_iters else elapsed / budget))
-        temperature = START_TEMPERATURE * frac
+        temperature = START_TEMPERATURE * max(0.0, 1.0 - budget.used(iters))
         worse = (v - cur_v) / max(cur_v, 1e-30)
         if worse <= 0 or (temperature > 0 and rng.random() < math.exp(-worse / temperature)):
             current, cur_v = cand, v

@@ -195,17 +195,7 @@ def profile_step(
     between the two sizes covers the micro-batches plans use rather than extrapolates to them),
     and the two times give the part of each pass that does not shrink with the batch
     (`Node.fwd_fixed_s`): t(b) = fixed + rate * b."""
-    if granularity not in GRANULARITIES:
-        raise HetplanError(f"--granularity {granularity!r}: allowed are {', '.join(GRANULARITIES)}")
-    if repeats < 1:
-        raise HetplanError(f"--repeats {repeats}: must be >= 1")
-    parsed = list({d.device_type: d for d in map(parse_device, devices)}.values())
-    if not parsed:
-        raise HetplanError("give at least one --device")
-    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
-    if not tensors or tensors[0].dim() == 0:
-        raise HetplanError("the example batch needs at least one tensor with a batch dimension")
-    batch_size = int(tensors[0].shape[0])
+    parsed, batch_size = _checked(granularity, repeats, devices, batch)
     start = time.perf_counter()
     measured: dict[str, _Measured] = {}
     fixed_parts: dict[str, dict[str, tuple[float, float]]] = {}
@@ -216,28 +206,13 @@ def profile_step(
                 torch.set_num_threads(device.threads)
             try:
                 if check:
-                    # Before profiling, so the reference runs in a clean process, without the
-                    # captured tensors and pieces that profiling keeps in memory.
-                    if progress:
-                        progress(f"{device.device_type}: timing the whole step")
-                    work = copy.deepcopy(step).to(device.torch_device).train()
-                    whole[device.device_type] = _whole_step_s(work, _to(batch, device.torch_device), device, repeats)
-                    del work
+                    whole[device.device_type] = _whole_step_on(step, batch, device, repeats, progress)
                 measured[device.device_type] = _measure(step, batch, device, granularity, block_classes,
                                                          repeats, seed, calibrate, progress)
-                small = max(2, batch_size // 8)  # two samples at least: batch norm needs them
-                if fixed and small < batch_size:
-                    if progress:
-                        progress(f"{device.device_type}: timing at batch {small} for the fixed costs")
-                    part = {k: (v[:small] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-                            for k, v in batch.items()}
-                    try:
-                        again = _measure(step, part, device, granularity, block_classes, repeats, seed, False, None)
-                    except HetplanError:  # a model that only runs at its own batch size: no fixed parts
-                        again = None
-                    if again is not None:
-                        fixed_parts[device.device_type] = _fixed_parts(measured[device.device_type].times,
-                                                                       again.times, batch_size, small)
+                parts = (_fixed_parts_on(step, batch, device, batch_size, measured[device.device_type],
+                                         granularity, block_classes, repeats, seed, progress) if fixed else None)
+                if parts is not None:
+                    fixed_parts[device.device_type] = parts
                 if len(measured) > 1:  # sizes come from the first device: let the rest go
                     measured[device.device_type].values.clear()
             except Exception as exc:
@@ -248,6 +223,58 @@ def profile_step(
                     ) from None
                 raise
     graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, calibrate, fixed_parts)
+    return _report(graph, start, measured, whole)
+
+
+def _checked(granularity: str, repeats: int, devices: Sequence[str],
+             batch: Mapping[str, torch.Tensor]) -> tuple[list[ProfileDevice], int]:
+    """The devices to profile on (one per device type) and the batch size; refuses bad settings."""
+    if granularity not in GRANULARITIES:
+        raise HetplanError(f"--granularity {granularity!r}: allowed are {', '.join(GRANULARITIES)}")
+    if repeats < 1:
+        raise HetplanError(f"--repeats {repeats}: must be >= 1")
+    parsed = list({d.device_type: d for d in map(parse_device, devices)}.values())
+    if not parsed:
+        raise HetplanError("give at least one --device")
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise HetplanError("the example batch needs at least one tensor with a batch dimension")
+    return parsed, int(tensors[0].shape[0])
+
+
+def _whole_step_on(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, repeats: int,
+                   progress: Callable[[str], None] | None) -> tuple[float, float, float]:
+    """The unsplit step's time on a device, for `check`. Before profiling, so the reference runs
+    in a clean process, without the captured tensors and pieces that profiling keeps in memory."""
+    if progress:
+        progress(f"{device.device_type}: timing the whole step")
+    work = copy.deepcopy(step).to(device.torch_device).train()
+    timed = _whole_step_s(work, _to(batch, device.torch_device), device, repeats)
+    del work
+    return timed
+
+
+def _fixed_parts_on(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, batch_size: int,
+                    full: _Measured, granularity: str, block_classes: Sequence[str] | None, repeats: int,
+                    seed: int, progress: Callable[[str], None] | None) -> dict[str, tuple[float, float]] | None:
+    """Each node's fixed parts on a device (`_fixed_parts`), from timing it again at an eighth of
+    the batch; None when the batch is too small to shrink or the model runs only at its size."""
+    small = max(2, batch_size // 8)  # two samples at least: batch norm needs them
+    if small >= batch_size:
+        return None
+    if progress:
+        progress(f"{device.device_type}: timing at batch {small} for the fixed costs")
+    part = {k: (v[:small] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()}
+    try:
+        again = _measure(step, part, device, granularity, block_classes, repeats, seed, False, None)
+    except HetplanError:  # a model that only runs at its own batch size: no fixed parts
+        return None
+    return _fixed_parts(full.times, again.times, batch_size, small)
+
+
+def _report(graph: Graph, start: float, measured: Mapping[str, _Measured],
+            whole: Mapping[str, tuple[float, float, float]]) -> ProfileReport:
+    """The graph with the profiling time and, for `check`, the whole step's times and ratios."""
     fastest = {t: sum(x.fwd_min_s + x.bwd_min_s for x in measured[t].times.values()) for t in whole}
     return ProfileReport(
         graph, time.perf_counter() - start,

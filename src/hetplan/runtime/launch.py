@@ -25,15 +25,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
-from hetplan.io.serde import atomic_write_text, to_dict
+from hetplan.io.serde import atomic_write_text
 from hetplan.machine import core_ids
 from hetplan.plan import Plan
+from hetplan.runtime.spec import RankSpec, RunSpec
 from hetplan.runtime.supervise import LAUNCHER_PID, run_folder_lock, stop_on_terminate
 from hetplan.runtime.support import runtime_refusal
 
@@ -92,9 +92,9 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
              optimizer: str = "adam", lr: float = 1e-3, data: str = "synthetic", out_dir: Path,
              timeout_s: float = DEFAULT_TIMEOUT_S, no_dropout: bool = False, return_weights: bool = False,
              checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume_step: int = 0,
-             graph: Graph | None = None) -> dict[str, Any]:
-    """The RUN.json of a plan: the settings, the replicas' weights and, per rank (stage by
-    stage, replica by replica), its stage, replica and device. What the runtime can run is
+             graph: Graph | None = None) -> RunSpec:
+    """The RUN.json of a plan (`RunSpec`): the settings, the replicas' weights and, per rank
+    (stage by stage, replica by replica), its stage, replica and device. What the runtime can run is
     `hetplan.runtime.support`; the batch is split by `hetplan.rows`."""
     why = runtime_refusal(plan, cluster)
     if why:
@@ -108,37 +108,36 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
             device = cluster.device(d)
             binding = device.binding or "cpu"
             threads = 1 if binding.startswith("cuda") else device.threads or 1
-            ranks.append({"stage": k, "replica": p, "device": device.id, "host": device.host, "binding": binding,
-                          "threads": threads})
-    return {
-        "plan": to_dict(plan), "model": model, "batch_size": batch_size, "seq_len": seq_len,
-        "granularity": granularity, "block_classes": list(block_classes), "steps": steps, "warmup": warmup,
-        "seed": seed, "optimizer": optimizer, "lr": lr, "data": data, "out_dir": str(out_dir),
-        "timeout_s": timeout_s, "no_dropout": no_dropout, "return_weights": return_weights,
-        "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None, "checkpoint_every": checkpoint_every,
-        "resume_step": resume_step, "replica_weights": [list(w) for w in replica_weights(plan, cluster, graph)],
-        "ranks": ranks,
-    }
+            ranks.append(RankSpec(stage=k, replica=p, device=device.id, host=device.host, binding=binding,
+                                  threads=threads))
+    weights = tuple(tuple(float(x) for x in w) for w in replica_weights(plan, cluster, graph))
+    return RunSpec(
+        plan=plan, model=model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
+        block_classes=tuple(block_classes), steps=steps, warmup=warmup, seed=seed, optimizer=optimizer, lr=lr,
+        data=data, out_dir=Path(out_dir), timeout_s=timeout_s, no_dropout=no_dropout, return_weights=return_weights,
+        checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every,
+        resume_step=resume_step, replica_weights=weights, ranks=tuple(ranks),
+    )
 
 
-def write_spec(spec: dict[str, Any]) -> Path:
+def write_spec(spec: RunSpec) -> Path:
     """Write RUN.json into the run folder (made if missing)."""
-    path = Path(spec["out_dir"]) / "run.json"
-    atomic_write_text(path, json.dumps(spec, indent=1))
+    path = spec.out_dir / "run.json"
+    atomic_write_text(path, spec.to_json())
     return path
 
 
-def torchrun_commands(path: Path, spec: dict[str, Any], master_addr: str = "127.0.0.1",
+def torchrun_commands(path: Path, spec: RunSpec, master_addr: str = "127.0.0.1",
                       master_port: int = 29500) -> list[str]:
     """One torchrun command per host of the plan's devices. torchrun numbers ranks host by host,
     so the ranks of RUN.json are grouped by host in that order (`hosts` in RUN.json)."""
-    hosts = list(dict.fromkeys(r["host"] for r in spec["ranks"]))
-    if [r["host"] for r in spec["ranks"]] != sorted((r["host"] for r in spec["ranks"]), key=hosts.index):
+    hosts = list(dict.fromkeys(r.host for r in spec.ranks))
+    if [r.host for r in spec.ranks] != sorted((r.host for r in spec.ranks), key=hosts.index):
         raise HetplanError("torchrun numbers ranks host by host, but this plan's stages go back and forth between "
                            "hosts; run it with hetplan run on one machine, or plan so that each host's stages "
                            "are consecutive")
     return [f"torchrun --nnodes {len(hosts)} --node-rank {i} --nproc-per-node "
-            f"{sum(r['host'] == h for r in spec['ranks'])} --master-addr {master_addr} --master-port {master_port} "
+            f"{sum(r.host == h for r in spec.ranks)} --master-addr {master_addr} --master-port {master_port} "
             f"-m hetplan.runtime.worker {path}" for i, h in enumerate(hosts)]
 
 
@@ -162,14 +161,14 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _why(out_dir: Path, rank: int, spec: dict) -> str:
+def _why(out_dir: Path, rank: int, spec: RunSpec) -> str:
     err = out_dir / f"error.{rank}"
     if err.exists():
         return err.read_text().splitlines()[0]
     log = out_dir / f"worker.{rank}.log"
     tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
-    me = spec["ranks"][rank]
-    return f"worker {rank} (stage {me['stage']}, device {me['device']}) exited: {tail[0] if tail else 'no output'}"
+    me = spec.ranks[rank]
+    return f"worker {rank} (stage {me.stage}, device {me.device}) exited: {tail[0] if tail else 'no output'}"
 
 
 def pin_cores(threads: list[int]) -> list[list[int]]:
@@ -188,21 +187,21 @@ def pin_cores(threads: list[int]) -> list[list[int]]:
     return out
 
 
-def _start_workers(spec: dict[str, Any], spec_path: Path) -> list[subprocess.Popen]:
-    out_dir = Path(spec["out_dir"])
-    world = len(spec["ranks"])
+def _start_workers(spec: RunSpec, spec_path: Path) -> list[subprocess.Popen]:
+    out_dir = spec.out_dir
+    world = spec.world
     port = free_port()
     # one set of cores per device: workers of stages that share a device share its cores
-    devices = list(dict.fromkeys(me["device"] for me in spec["ranks"]))
-    first = {d: next(me for me in spec["ranks"] if me["device"] == d) for d in devices}
-    per_device = dict(zip(devices, pin_cores([first[d]["threads"] if first[d]["binding"] == "cpu" else 0
+    devices = list(dict.fromkeys(me.device for me in spec.ranks))
+    first = {d: next(me for me in spec.ranks if me.device == d) for d in devices}
+    per_device = dict(zip(devices, pin_cores([first[d].threads if first[d].binding == "cpu" else 0
                                               for d in devices]), strict=True))
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), LAUNCHER_PID: str(os.getpid()),
-               "OMP_NUM_THREADS": str(spec["ranks"][rank]["threads"])}
-        cores = per_device[spec["ranks"][rank]["device"]]
+               "OMP_NUM_THREADS": str(spec.ranks[rank].threads)}
+        cores = per_device[spec.ranks[rank].device]
         if cores:
             env["HETPLAN_CPUS"] = ",".join(map(str, cores))
         log = open(out_dir / f"worker.{rank}.log", "w")  # noqa: SIM115 - closed when the worker ends
@@ -223,9 +222,9 @@ def _heartbeats(out_dir: Path, world: int) -> list[dict | None]:
     return beats
 
 
-def _wait(procs: list[subprocess.Popen], spec: dict[str, Any], progress) -> None:
+def _wait(procs: list[subprocess.Popen], spec: RunSpec, progress) -> None:
     """Until every worker has ended well; a failed or silent worker stops them all."""
-    out_dir, world, timeout = Path(spec["out_dir"]), len(procs), float(spec["timeout_s"])
+    out_dir, world, timeout = spec.out_dir, len(procs), float(spec.timeout_s)
     last_move, last_seen = time.time(), None
     while True:
         codes = [p.poll() for p in procs]
@@ -239,11 +238,11 @@ def _wait(procs: list[subprocess.Popen], spec: dict[str, Any], progress) -> None
         if seen != last_seen:
             last_seen, last_move = seen, time.time()
             if progress is not None:
-                progress(min((b or {}).get("step", -1) for b in beats) + 1, spec["steps"])
+                progress(min((b or {}).get("step", -1) for b in beats) + 1, spec.steps)
         elif time.time() - last_move > timeout:
             # a hung worker and the ones waiting for it look alike from outside: name all that
             # have not finished, with the step each is in
-            stuck = [f"worker {r} (stage {spec['ranks'][r]['stage']}, device {spec['ranks'][r]['device']}) "
+            stuck = [f"worker {r} (stage {spec.ranks[r].stage}, device {spec.ranks[r].device}) "
                      f"at step {(beats[r] or {}).get('step', 'start')}"
                      for r in range(world) if codes[r] is None]
             raise WorkerFailure(f"no worker made progress for {timeout:.0f} s: {'; '.join(stuck)}; "
@@ -251,13 +250,13 @@ def _wait(procs: list[subprocess.Popen], spec: dict[str, Any], progress) -> None
         time.sleep(0.2)
 
 
-def launch(spec: dict[str, Any], progress=None) -> RunResult:
+def launch(spec: RunSpec, progress=None) -> RunResult:
     """Start the workers of a RUN.json spec, wait for them, and read the result. The run folder
     is locked while they run; however the wait ends, no worker outlives it."""
-    out_dir = Path(spec["out_dir"])
-    for me in spec["ranks"]:  # every worker runs here: its GPU must be here
-        if me["binding"].startswith("cuda"):
-            _check_cuda(me["device"], me["binding"])
+    out_dir = spec.out_dir
+    for me in spec.ranks:  # every worker runs here: its GPU must be here
+        if me.on_cuda:
+            _check_cuda(me.device, me.binding)
     with run_folder_lock(out_dir), stop_on_terminate():
         spec_path = write_spec(spec)
         for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json")]:
@@ -270,7 +269,7 @@ def launch(spec: dict[str, Any], progress=None) -> RunResult:
         return _result(out_dir, spec)
 
 
-def _result(out_dir: Path, spec: dict[str, Any]) -> RunResult:
+def _result(out_dir: Path, spec: RunSpec) -> RunResult:
     data = json.loads((out_dir / "result.json").read_text())
     ranks = sorted(data["ranks"], key=lambda r: r["rank"])
     steps = len(ranks[0]["times_s"])
@@ -279,6 +278,6 @@ def _result(out_dir: Path, spec: dict[str, Any]) -> RunResult:
     last = max(r["stage"] for r in ranks)
     with_loss = [r["losses"] for r in ranks if r["stage"] == last]
     losses = tuple(math.fsum(values) for values in zip(*with_loss, strict=True)) if with_loss else ()
-    return RunResult(steps=steps, warmup=min(spec["warmup"], max(0, steps - 1)), step_times_s=times, losses=losses,
+    return RunResult(steps=steps, warmup=min(spec.warmup, max(0, steps - 1)), step_times_s=times, losses=losses,
                      peak_mem_bytes={r["device"]: int(r["peak_mem_bytes"]) for r in ranks}, out_dir=str(out_dir),
                      ranks=tuple(ranks))

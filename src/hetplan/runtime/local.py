@@ -10,14 +10,16 @@ import threading
 import time
 from typing import Any
 
+from hetplan.runtime.spec import RunSpec
 
-def run_threads(spec: dict[str, Any], timeout_s: float = 120.0) -> list[dict[str, Any]]:
+
+def run_threads(spec: RunSpec, timeout_s: float = 120.0) -> list[dict[str, Any]]:
     """Run every rank of a RUN.json spec; returns per rank its result and its stage's trained
     parameters (`weights`, by name in its stage module)."""
     from hetplan.runtime.transport import LocalHub
     from hetplan.runtime.worker import build_rank, train
 
-    world = len(spec["ranks"])
+    world = spec.world
     built = [build_rank(spec, rank) for rank in range(world)]  # one after another: tracing is not thread-safe
     hub = LocalHub(world, timeout_s)
     results: list[Any] = [None] * world

@@ -26,21 +26,22 @@ from hetplan.profile.split import split_step
 from hetplan.rows import StepRows, step_rows
 from hetplan.runtime.boundary import ValueLayout, layouts
 from hetplan.runtime.executor import Role
+from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.stages import StageModule, stage_modules
 from hetplan.schedule import schedule_order
 
 
-def rank_table(spec: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:
+def rank_table(spec: RunSpec) -> tuple[tuple[int, ...], ...]:
     """`table[k][p]`: the rank of replica p of stage k (RUN.json lists ranks stage by stage)."""
-    n = len(spec["plan"]["stages"])
+    n = len(spec.plan.stages)
     table: list[dict[int, int]] = [{} for _ in range(n)]
-    for rank, me in enumerate(spec["ranks"]):
-        table[me["stage"]][me["replica"]] = rank
+    for rank, me in enumerate(spec.ranks):
+        table[me.stage][me.replica] = rank
     return tuple(tuple(t[p] for p in range(len(t))) for t in table)
 
 
-def spec_rows(spec: Mapping[str, Any], plan: Plan) -> StepRows:
-    return step_rows(spec["batch_size"], plan.microbatches, spec["replica_weights"])
+def spec_rows(spec: RunSpec, plan: Plan) -> StepRows:
+    return step_rows(spec.batch_size, plan.microbatches, spec.replica_weights)
 
 
 @dataclass(frozen=True)
@@ -172,13 +173,13 @@ class Prepared:
         return [prm for prm in dict.fromkeys(self.own.parameters()) if prm.requires_grad]
 
 
-def prepare(spec: Mapping[str, Any], rank: int, zoo_model: Any, plan: Plan, device: torch.device,
+def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.device,
             on_trace: Callable[[int], None] | None = None) -> Prepared:
     table = rank_table(spec)
-    me = spec["ranks"][rank]
-    role = Role(me["stage"], me["replica"], table, spec_rows(spec, plan))
-    traces = Traces(zoo_model.step, zoo_model.batch, plan, spec["granularity"],
-                    tuple(spec.get("block_classes") or zoo_model.block_classes or ()) or None, {}, on_trace)
+    me = spec.ranks[rank]
+    role = Role(me.stage, me.replica, table, spec_rows(spec, plan))
+    traces = Traces(zoo_model.step, zoo_model.batch, plan, spec.granularity,
+                    tuple(spec.block_classes or zoo_model.block_classes or ()) or None, {}, on_trace)
     for rows in sorted(slice_sizes(role)):
         traces.stages(rows)
     bounds = boundary_layouts(traces) if len(plan.stages) > 1 else []

@@ -20,6 +20,7 @@ from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Estimate, Plan, validate_plan
 from hetplan.runtime.launch import RunResult, launch, run_spec
+from hetplan.runtime.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def _resume_step(plan: Plan, s: RunSettings) -> int:
 
 
 def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = None,
-                settings: RunSettings = RunSettings(), source: str | None = None) -> tuple[dict[str, Any], int]:
+                settings: RunSettings = RunSettings(), source: str | None = None) -> tuple[RunSpec, int]:
     """The workers' spec (RUN.json) and the step the run starts at; checks everything first
     (`source`: the plan's file, named in an invalid plan's message)."""
     s = settings
@@ -152,5 +153,5 @@ def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = Non
         from hetplan.sim import simulate
 
         predicted = simulate(graph, cluster, plan, timeline=False).estimate
-    measured = measured_estimate(result, plan, cluster, graph, spec["batch_size"])
+    measured = measured_estimate(result, plan, cluster, graph, spec.batch_size)
     return RunReport(plan=plan, model=model, result=result, measured=measured, predicted=predicted, first_step=first)

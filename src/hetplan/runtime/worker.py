@@ -5,12 +5,13 @@ MASTER_ADDR and MASTER_PORT:
 
     python -m hetplan.runtime.worker RUN.json
 
-RUN.json (`hetplan.runtime.launch.run_spec`) names the plan, the model and the run's settings, the
-replicas' weights (their speed, from the cost model) and for each rank its stage, replica and
-device binding. Every rank builds the same model from the same seed, cuts the step into the
-profiler's pieces and keeps its own stage (`hetplan.runtime.rank`), then runs the schedule's
-actions for its stage over gloo (`hetplan.runtime.executor`), sums gradients over replicas and
-over stages that share a parameter, and takes an optimizer step. Workers write a heartbeat file
+RUN.json (`hetplan.runtime.spec.RunSpec`, made by `hetplan.runtime.launch.run_spec`) names the
+plan, the model and the run's settings, the replicas' weights (their speed, from the cost model)
+and for each rank its stage, replica and device binding. Every rank builds the same model from
+the same seed, cuts the step into the profiler's pieces and keeps its own stage
+(`hetplan.runtime.rank`), then runs the schedule's actions for its stage over gloo
+(`hetplan.runtime.executor`), sums gradients over replicas and over stages that share a
+parameter, and takes an optimizer step. Workers write a heartbeat file
 per step (the launcher's watchdog reads it) and rank 0 writes the result: per-step wall times
 (between two barriers), the last stage's share of the losses, each worker's peak memory and the
 actions it ran. HETPLAN_FAULT=hang:RANK:STEP or die:RANK:STEP makes a worker hang or exit at a
@@ -26,9 +27,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetplan.runtime.supervise import end_with_launcher
+
+if TYPE_CHECKING:
+    from hetplan.runtime.spec import RunSpec
 
 
 def _write(path: Path, obj: Any) -> None:
@@ -37,49 +41,47 @@ def _write(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _batches(spec: dict, zoo_model, step: int):
+def _batches(spec: RunSpec, zoo_model, step: int):
     """The batch of a step: synthetic (shaped like the profiled batch, following a hidden rule a
     model can learn) or a window of the text corpus (language models); `hetplan.runtime.data`."""
     from hetplan.runtime.data import input_vocab, synthetic_batch, text_batch
 
-    if spec.get("data") == "text":
-        return text_batch(zoo_model.batch, step, seed=spec["seed"], vocab=input_vocab(zoo_model.step))
-    return synthetic_batch(zoo_model.batch, step, seed=spec["seed"])
+    if spec.data == "text":
+        return text_batch(zoo_model.batch, step, seed=spec.seed, vocab=input_vocab(zoo_model.step))
+    return synthetic_batch(zoo_model.batch, step, seed=spec.seed)
 
 
-def _optimizer(spec: dict, params: list):
+def _optimizer(spec: RunSpec, params: list):
     import torch
 
     if not params:  # a stage without parameters (a lone GELU, a reshape) has nothing to update
         return None
-    if spec["optimizer"] == "sgd":
-        return torch.optim.SGD(params, lr=spec["lr"])
-    return torch.optim.Adam(params, lr=spec["lr"])
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=spec.lr)
+    return torch.optim.Adam(params, lr=spec.lr)
 
 
-def build_rank(spec: dict, rank: int, heartbeat=None):
+def build_rank(spec: RunSpec, rank: int, heartbeat=None):
     """The rank's model, traces, stage and optimizer (`hetplan.runtime.rank`)."""
     import torch
     from torch import nn
 
-    from hetplan.io.serde import from_dict
     from hetplan.runtime.rank import prepare
     from hetplan.zoo import load_model
 
-    me = spec["ranks"][rank]
-    plan = from_dict(spec["plan"])
-    zoo_model = load_model(spec["model"], batch_size=spec["batch_size"], seq_len=spec["seq_len"], seed=spec["seed"])
-    if spec.get("no_dropout"):
+    me = spec.ranks[rank]
+    zoo_model = load_model(spec.model, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
+    if spec.no_dropout:
         for mod in zoo_model.step.modules():
             if isinstance(mod, nn.Dropout):
                 mod.p = 0.0
-    device = torch.device(me["binding"] if me["binding"].startswith("cuda") else "cpu")
+    device = torch.device(me.binding if me.on_cuda else "cpu")
     on_trace = (lambda rows: heartbeat(f"tracing {rows} rows", -1)) if heartbeat is not None else None
-    prepared = prepare(spec, rank, zoo_model, plan, device, on_trace)
+    prepared = prepare(spec, rank, zoo_model, spec.plan, device, on_trace)
     return zoo_model, prepared, _optimizer(spec, prepared.parameters())
 
 
-def train(spec: dict, rank: int, zoo_model, prepared, opt, transport, heartbeat=None) -> dict:
+def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbeat=None) -> dict:
     """The rank's steps: each between two barriers, its actions, the gradient sums, the optimizer."""
     import torch
 
@@ -88,14 +90,14 @@ def train(spec: dict, rank: int, zoo_model, prepared, opt, transport, heartbeat=
     role = prepared.role
     runner = StageRunner(role, prepared.order, prepared.module_for, prepared.layouts_in, prepared.layouts_out,
                          transport, prepared.device)
-    if spec.get("resume_step"):
+    if spec.resume_step:
         from hetplan.runtime.checkpoint import load_stage
 
-        load_stage(Path(spec["checkpoint_dir"]), role.stage, prepared.own, opt)
+        load_stage(Path(spec.checkpoint_dir), role.stage, prepared.own, opt)
     times, losses = [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
-    for step in range(spec.get("resume_step") or 0, spec["steps"]):
+    for step in range(spec.resume_step, spec.steps):
         if heartbeat is not None:
             heartbeat("step", step)
         if len(fault) == 3 and int(fault[1]) == rank and int(fault[2]) == step:
@@ -118,58 +120,60 @@ def train(spec: dict, rank: int, zoo_model, prepared, opt, transport, heartbeat=
         times.append(time.perf_counter() - t0)
         if role.last:
             losses.append(loss)
-        every = spec.get("checkpoint_every") or 0
+        every = spec.checkpoint_every
         # with a checkpoint folder, the last step is always saved (a resumed run too, issue 13)
-        due = (every and (step + 1) % every == 0) or step + 1 == spec["steps"]
-        if spec.get("checkpoint_dir") and due and role.replica == 0:  # replicas hold the same weights
+        due = (every and (step + 1) % every == 0) or step + 1 == spec.steps
+        if spec.checkpoint_dir is not None and due and role.replica == 0:  # replicas hold the same weights
             from hetplan.runtime.checkpoint import save_stage
 
-            save_stage(Path(spec["checkpoint_dir"]), role.stage, prepared.own, opt, step + 1)
+            save_stage(spec.checkpoint_dir, role.stage, prepared.own, opt, step + 1)
     return {"times_s": times, "losses": losses, "actions": runner.executed}
 
 
-def run_worker(spec: dict, rank: int, world: int) -> None:
+def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     import torch
 
     from hetplan.runtime.transport import GlooTransport
 
-    out_dir = Path(spec["out_dir"])
-    me = spec["ranks"][rank]
+    out_dir = spec.out_dir
+    me = spec.ranks[rank]
     heartbeat_path = out_dir / f"heartbeat.{rank}"
 
     def heartbeat(phase: str, step: int) -> None:
-        _write(heartbeat_path, {"rank": rank, "stage": me["stage"], "phase": phase, "step": step, "t": time.time()})
+        _write(heartbeat_path, {"rank": rank, "stage": me.stage, "phase": phase, "step": step, "t": time.time()})
 
     heartbeat("starting", -1)
     if os.environ.get("HETPLAN_CPUS"):  # the launcher's cores for this worker (see launch.pin_cores)
         os.sched_setaffinity(0, [int(c) for c in os.environ["HETPLAN_CPUS"].split(",")])
-    torch.set_num_threads(me["threads"])
+    torch.set_num_threads(me.threads)
     zoo_model, prepared, opt = build_rank(spec, rank, heartbeat)  # each trace moves the heartbeat
     transport = GlooTransport(rank, world, [ranks for ranks, _ in prepared.groups if len(ranks) > 1],
-                              spec["timeout_s"])
+                              spec.timeout_s)
     mine = train(spec, rank, zoo_model, prepared, opt, transport, heartbeat)
     device = prepared.device
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-    mine.update(rank=rank, stage=me["stage"], replica=me["replica"], device=me["device"], peak_mem_bytes=peak)
+    mine.update(rank=rank, stage=me.stage, replica=me.replica, device=me.device, peak_mem_bytes=peak)
     gathered = transport.gather_objects(mine, world)
-    if spec.get("return_weights"):
+    if spec.return_weights:
         torch.save({name: p.detach().cpu() for name, p in prepared.own.named_parameters()},
                    out_dir / f"weights.{rank}.pt")
     if rank == 0:
         _write(out_dir / "result.json", {"ranks": gathered})
-    heartbeat("done", spec["steps"])
+    heartbeat("done", spec.steps)
     transport.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     end_with_launcher()
+    from hetplan.runtime.spec import RunSpec
+
     if len(argv) != 1:
         print("usage: python -m hetplan.runtime.worker RUN.json (under hetplan run or torchrun)", file=sys.stderr)
         return 2
-    spec = json.loads(Path(argv[0]).read_text())
+    spec = RunSpec.from_json(Path(argv[0]).read_text())
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except KeyError:
@@ -179,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_worker(spec, rank, world)
     except Exception as exc:  # noqa: BLE001 - the launcher reports it, naming the worker
-        me = spec["ranks"][rank] if rank < len(spec["ranks"]) else {}
-        (Path(spec["out_dir"]) / f"error.{rank}").write_text(
-            f"worker {rank} (stage {me.get('stage')}, device {me.get('device')}): {type(exc).__name__}: "
+        me = spec.ranks[rank] if rank < spec.world else None
+        stage, device = (me.stage, me.device) if me is not None else (None, None)
+        (spec.out_dir / f"error.{rank}").write_text(
+            f"worker {rank} (stage {stage}, device {device}): {type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n{traceback.format_exc()}")
         return 1
     return 0

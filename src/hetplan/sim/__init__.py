@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
+from hetplan.cost.formulas import stage_memory_bytes
 from hetplan.graph import Graph
 from hetplan.plan import Estimate, Plan
 from hetplan.sim.engine import Span, Timeline, run_events
@@ -56,12 +57,12 @@ def simulate(graph: Graph, cluster: Cluster, plan: Plan, *, routing: str = "rela
 def _estimate(graph: Graph, cluster: Cluster, plan: Plan, model: StepModel, result, cm: CostModel) -> Estimate:
     step = result.step_s
     used = plan.devices
-    peak: dict[str, int] = {}
+    params: dict[str, int] = {}  # of every stage a device holds
     for st in model.stages:
         for rep in st.replicas:
-            peak[rep.device] = peak.get(rep.device, 0) + st.weight_bytes
-    for d, acts in result.peak_act_bytes.items():
-        peak[d] += math.ceil(acts)
+            params[rep.device] = params.get(rep.device, 0) + st.param_bytes
+    # the simulated peak of its stashed activations, as they were held, not a schedule's bound
+    peak = {d: stage_memory_bytes(params[d], acts, 1.0) for d, acts in result.peak_act_bytes.items()}
     violations = memory_violations(cluster, plan, peak)
     busy = math.fsum(result.busy_s.values())
     return Estimate(

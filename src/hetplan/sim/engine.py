@@ -15,6 +15,9 @@ replica takes its optimizer step (`CostModel.optimizer_s`: Adam, memory-bound).
 
 The loop is a priority queue of finish events ordered by (time, sequence number), so the
 result is deterministic; the code is written with flat lists because planners call it often.
+Phases: the compute tasks of every replica (`_Tasks`), the transfers of every message
+(`_add_transfers`; their durations from `hetplan.cost.formulas.transfer_s`), the event loop
+(`_EventLoop`), the all-reduces and optimizer steps after it (`_tail`), and the timeline.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
+from hetplan.cost.formulas import transfer_s
 from hetplan.errors import HetplanError
-from hetplan.schedule import FORWARD, schedule_order
+from hetplan.schedule import BACKWARD, FORWARD, schedule_order
 from hetplan.sim.model import StepModel
 
 ALLREDUCE = "AR"
@@ -77,244 +81,287 @@ class EventResult:
 
 def run_events(model: StepModel, cluster: Cluster, record: bool = True) -> EventResult:
     """Simulate the step; with `record`, keep the timeline of every action."""
-    fractions = model.fractions
-    m = len(fractions)
-    n = len(model.stages)
-    orders = schedule_order(model.schedule, n, m)
+    tasks = _Tasks(model)
+    transfers = _Transfers()
+    for msg in model.messages:
+        _add_transfers(msg, cluster, tasks, transfers)
+    loop = _EventLoop(tasks, transfers, record)
+    now = loop.run()
+    if loop.done != tasks.count:
+        raise tasks.deadlock(loop.c_end, loop.done)
+    step, tail_spans = _tail(model, tasks, loop.c_end, now, record)
+    timeline = None
+    if record:
+        spans = [_span(item, start, end, tasks, transfers) for item, start, end in loop.started]
+        timeline = Timeline(tuple(spans + tail_spans), tuple(tasks.devices), tuple(transfers.links), step)
+    return EventResult(
+        step_s=step,
+        busy_s=dict(zip(tasks.devices, loop.dev_busy_s, strict=True)),
+        peak_act_bytes=dict(zip(tasks.devices, loop.dev_peak, strict=True)),
+        link_bytes=dict(zip(transfers.links, loop.link_bytes, strict=True)),
+        link_busy_s=dict(zip(transfers.links, loop.link_busy_s, strict=True)),
+        timeline=timeline,
+    )
 
-    devices: list[str] = []
-    dev_index: dict[str, int] = {}
-    for st in model.stages:
-        for rep in st.replicas:
-            if rep.device not in dev_index:
-                dev_index[rep.device] = len(devices)
-                devices.append(rep.device)
-    programs: list[list[list[int]]] = [[] for _ in devices]
 
-    # compute tasks, as parallel lists indexed by task id
-    c_dev: list[int] = []
-    c_dur: list[float] = []
-    c_act: list[float] = []  # activation bytes stashed by a forward (freed by its backward)
-    c_fwd: list[bool] = []
-    c_stage: list[int] = []
-    c_mb: list[int] = []
-    task_base: dict[tuple[int, str], int] = {}  # (stage, device) -> id of its first task
-    position: list[dict[str, list[int]]] = []  # per stage, kind -> micro-batch -> place in its order
-    last_task: list[tuple[int, list[int]]] = []  # (stage, last task of each replica)
-    for st in model.stages:
-        order = orders[st.index]
+class _Tasks:
+    """The compute tasks of every stage replica, as parallel lists indexed by task id, in the
+    schedule's order for each replica (`programs`: per device, per stage it holds, its task ids)."""
+
+    def __init__(self, model: StepModel) -> None:
+        m = model.microbatches
+        orders = schedule_order(model.schedule, len(model.stages), m)
+        self.devices: list[str] = list(dict.fromkeys(rep.device for st in model.stages for rep in st.replicas))
+        self.dev_index = {d: k for k, d in enumerate(self.devices)}
+        self.programs: list[list[list[int]]] = [[] for _ in self.devices]
+        self.dev: list[int] = []
+        self.dur: list[float] = []
+        self.act: list[float] = []  # activation bytes stashed by a forward (freed by its backward)
+        self.fwd: list[bool] = []
+        self.stage: list[int] = []
+        self.mb: list[int] = []
+        self.base: dict[tuple[int, str], int] = {}  # (stage, device) -> id of its first task
+        self.position: list[dict[str, list[int]]] = []  # per stage, kind -> micro-batch -> place in its order
+        self.last: list[tuple[int, list[int]]] = []  # (stage, last task of each replica)
+        for st in model.stages:
+            self._add_stage(st, orders[st.index], m)
+        self.count = len(self.dev)
+        self.wait = [0] * self.count  # inputs not yet arrived
+        self.ready = [0.0] * self.count  # when the last input arrived
+        self.succ_x: list[list[int]] = [[] for _ in range(self.count)]  # transfers a task's end starts
+        self.succ_c: list[list[int]] = [[] for _ in range(self.count)]  # tasks it feeds without a transfer
+
+    def _add_stage(self, st, order, m: int) -> None:
         is_fwd = [a.kind == FORWARD for a in order]
         mbs = [a.microbatch for a in order]
-        place: dict[str, list[int]] = {FORWARD: [0] * m, "B": [0] * m}
+        place: dict[str, list[int]] = {FORWARD: [0] * m, BACKWARD: [0] * m}
         for k, a in enumerate(order):
             place[a.kind][a.microbatch] = k
-        position.append(place)
+        self.position.append(place)
         lasts = []
         for rep in st.replicas:
-            dev = dev_index[rep.device]
-            base = len(c_dev)
-            task_base[(st.index, rep.device)] = base
+            dev = self.dev_index[rep.device]
+            base = len(self.dev)
+            self.base[(st.index, rep.device)] = base
             size = len(order)
-            c_dev.extend([dev] * size)
-            c_dur.extend([rep.fwd_mb_s[i] if f else rep.bwd_mb_s[i] for f, i in zip(is_fwd, mbs, strict=True)])
-            c_act.extend([rep.act_mb_bytes[i] for i in mbs])
-            c_fwd.extend(is_fwd)
-            c_stage.extend([st.index] * size)
-            c_mb.extend(mbs)
-            programs[dev].append(list(range(base, base + size)))
+            self.dev.extend([dev] * size)
+            self.dur.extend([rep.fwd_mb_s[i] if f else rep.bwd_mb_s[i] for f, i in zip(is_fwd, mbs, strict=True)])
+            self.act.extend([rep.act_mb_bytes[i] for i in mbs])
+            self.fwd.extend(is_fwd)
+            self.stage.extend([st.index] * size)
+            self.mb.extend(mbs)
+            self.programs[dev].append(list(range(base, base + size)))
             lasts.append(base + size - 1)
-        last_task.append((st.index, lasts))
-    nc = len(c_dev)
-    c_wait = [0] * nc
-    c_ready = [0.0] * nc
-    c_succ_x: list[list[int]] = [[] for _ in range(nc)]  # transfers a task's end starts
-    c_succ_c: list[list[int]] = [[] for _ in range(nc)]  # tasks it feeds without a transfer
+        self.last.append((st.index, lasts))
 
-    # transfers: activations forward along each message, gradients back
-    links: list[str] = []
-    link_index: dict[tuple[str, str], int] = {}
-    x_link: list[int] = []
-    x_dur: list[float] = []
-    x_bytes: list[float] = []
-    x_dst: list[int] = []
-    x_fwd: list[bool] = []
-    x_stage: list[int] = []
-    x_to: list[int] = []
-    x_mb: list[int] = []
-    for msg in model.messages:
-        for kind, src, dst, s_from, s_to in ((FORWARD, msg.src, msg.dst, msg.src_stage, msg.dst_stage),
-                                             ("B", msg.dst, msg.src, msg.dst_stage, msg.src_stage)):
-            # a tensor to the same device, or an empty one, is a dependency and nothing on a link
-            link = cluster.link(src, dst) if src != dst and msg.bytes_per_batch > 0 else None
-            p_base, p_place = task_base[(s_from, src)], position[s_from][kind]
-            c_base, c_place = task_base[(s_to, dst)], position[s_to][kind]
-            sent = [i for i in range(m) if msg.bytes_mb[i] is not None]  # slices that share rows
+    def task(self, stage: int, device: str, kind: str, microbatch: int) -> int:
+        return self.base[(stage, device)] + self.position[stage][kind][microbatch]
+
+    def deadlock(self, c_end: list[float], done: int) -> HetplanError:
+        stuck = [f"{self.stage[t]}{FORWARD if self.fwd[t] else BACKWARD}{self.mb[t]} on {self.devices[self.dev[t]]}"
+                 for t in range(self.count) if c_end[t] < 0][:3]
+        return HetplanError(f"the simulated step deadlocked with {self.count - done} actions left (first: "
+                            f"{', '.join(stuck)}); the plan's stages cannot run in this order")
+
+
+class _Transfers:
+    """The transfers of every message, as parallel lists indexed by transfer id."""
+
+    def __init__(self) -> None:
+        self.links: list[str] = []
+        self.link_index: dict[tuple[str, str], int] = {}
+        self.link: list[int] = []
+        self.dur: list[float] = []
+        self.bytes: list[float] = []
+        self.dst: list[int] = []  # the task that waits for it
+        self.fwd: list[bool] = []
+        self.stage: list[int] = []
+        self.to: list[int] = []
+        self.mb: list[int] = []
+
+    def link_id(self, src: str, dst: str) -> int:
+        if (src, dst) not in self.link_index:
+            self.link_index[(src, dst)] = len(self.links)
+            self.links.append(f"{src}->{dst}")
+        return self.link_index[(src, dst)]
+
+
+def _add_transfers(msg, cluster: Cluster, tasks: _Tasks, xs: _Transfers) -> None:
+    """Activations forward along a message and gradients back: each a dependency between two
+    tasks, through a transfer on the link unless it stays on one device or carries nothing."""
+    m = len(msg.bytes_mb)
+    sent = [i for i in range(m) if msg.bytes_mb[i] is not None]  # slices that share rows
+    for kind, src, dst, s_from, s_to in ((FORWARD, msg.src, msg.dst, msg.src_stage, msg.dst_stage),
+                                         (BACKWARD, msg.dst, msg.src, msg.dst_stage, msg.src_stage)):
+        link = cluster.link(src, dst) if src != dst and msg.bytes_per_batch > 0 else None
+        lid = xs.link_id(src, dst) if link is not None else -1
+        for i in sent:
+            producer, consumer = tasks.task(s_from, src, kind, i), tasks.task(s_to, dst, kind, i)
+            tasks.wait[consumer] += 1
             if link is None:
-                for i in sent:
-                    consumer = c_base + c_place[i]
-                    c_wait[consumer] += 1
-                    c_succ_c[p_base + p_place[i]].append(consumer)
+                tasks.succ_c[producer].append(consumer)
                 continue
-            if (src, dst) not in link_index:
-                link_index[(src, dst)] = len(links)
-                links.append(f"{src}->{dst}")
-            lid = link_index[(src, dst)]
-            latency, bandwidth = link.latency_s, link.bandwidth_Bps
-            for i in sent:
-                consumer = c_base + c_place[i]
-                c_wait[consumer] += 1
-                nbytes = msg.bytes_mb[i]
-                c_succ_x[p_base + p_place[i]].append(len(x_link))
-                x_link.append(lid)
-                x_dur.append(latency + nbytes / bandwidth)  # Link.transfer_s, inlined: nbytes > 0 here
-                x_bytes.append(nbytes)
-                x_dst.append(consumer)
-            x_fwd.extend([kind == FORWARD] * len(sent))
-            x_stage.extend([s_from] * len(sent))
-            x_to.extend([s_to] * len(sent))
-            x_mb.extend(sent)
+            tasks.succ_x[producer].append(len(xs.link))
+            xs.link.append(lid)
+            xs.dur.append(transfer_s(msg.bytes_mb[i], link.bandwidth_Bps, link.latency_s))
+            xs.bytes.append(msg.bytes_mb[i])
+            xs.dst.append(consumer)
+            xs.fwd.append(kind == FORWARD)
+            xs.stage.append(s_from)
+            xs.to.append(s_to)
+            xs.mb.append(i)
 
-    # the event loop
-    nd = len(devices)
-    dev_busy = [False] * nd
-    dev_busy_s = [0.0] * nd
-    dev_act = [0.0] * nd
-    dev_peak = [0.0] * nd
-    pointers = [[0] * len(programs[d]) for d in range(nd)]
-    link_busy = [False] * len(links)
-    link_queue: list[deque[int]] = [deque() for _ in links]
-    link_busy_s = [0.0] * len(links)
-    link_bytes = [0.0] * len(links)
-    c_end = [-1.0] * nc  # -1: not run
-    started: list[tuple[int, float, float]] = []  # (task or ~transfer, start, end), when recording
-    heap: list[tuple[float, int, int]] = []  # (time, sequence, task id or ~transfer id)
-    seq = 0
-    done = 0
 
-    def try_device(dev: int, now: float) -> None:
-        nonlocal seq
-        if dev_busy[dev]:
+class _EventLoop:
+    """Devices run their tasks and links carry their transfers, first in first out, in time
+    order of finish events. The task and transfer lists are bound to attributes of the loop
+    itself: this is the simulator's hot path."""
+
+    def __init__(self, tasks: _Tasks, xs: _Transfers, record: bool) -> None:
+        self.programs, self.wait, self.ready = tasks.programs, tasks.wait, tasks.ready
+        self.dur, self.fwd, self.act, self.dev = tasks.dur, tasks.fwd, tasks.act, tasks.dev
+        self.succ_x, self.succ_c = tasks.succ_x, tasks.succ_c
+        self.x_link, self.x_dur, self.x_bytes, self.x_dst = xs.link, xs.dur, xs.bytes, xs.dst
+        self.record = record
+        nd, nl = len(tasks.devices), len(xs.links)
+        self.dev_busy = [False] * nd
+        self.dev_busy_s = [0.0] * nd
+        self.dev_act = [0.0] * nd
+        self.dev_peak = [0.0] * nd
+        self.pointers = [[0] * len(tasks.programs[d]) for d in range(nd)]
+        self.link_busy = [False] * nl
+        self.link_queue: list[deque[int]] = [deque() for _ in range(nl)]
+        self.link_busy_s = [0.0] * nl
+        self.link_bytes = [0.0] * nl
+        self.c_end = [-1.0] * tasks.count  # -1: not run
+        self.started: list[tuple[int, float, float]] = []  # (task or ~transfer, start, end), when recording
+        self.heap: list[tuple[float, int, int]] = []  # (time, sequence, task id or ~transfer id)
+        self.seq = 0
+        self.done = 0
+
+    def _pick(self, progs: list[list[int]], ptrs: list[int]) -> int:
+        """Of a device's several programs, the one whose next task may start (inputs arrived),
+        earliest ready first; -1 if none."""
+        best, best_ready, wait, ready = -1, 0.0, self.wait, self.ready
+        for k, prog in enumerate(progs):
+            p = ptrs[k]
+            if p < len(prog):
+                tid = prog[p]
+                if wait[tid] == 0 and (best < 0 or ready[tid] < best_ready):
+                    best, best_ready = k, ready[tid]
+        return best
+
+    def try_device(self, dev: int, now: float) -> None:
+        if self.dev_busy[dev]:
             return
-        progs = programs[dev]
-        ptrs = pointers[dev]
-        best = -1
-        if len(progs) == 1:
+        progs, ptrs = self.programs[dev], self.pointers[dev]
+        if len(progs) == 1:  # one stage on the device: its next task, once its inputs are in
             p = ptrs[0]
-            if p < len(progs[0]) and c_wait[progs[0][p]] == 0:
-                best = 0
+            if p >= len(progs[0]) or self.wait[progs[0][p]]:
+                return
+            best = 0
         else:
-            best_ready = 0.0
-            for k, prog in enumerate(progs):
-                p = ptrs[k]
-                if p < len(prog):
-                    tid = prog[p]
-                    if c_wait[tid] == 0 and (best < 0 or c_ready[tid] < best_ready):
-                        best, best_ready = k, c_ready[tid]
-        if best < 0:
-            return
+            best = self._pick(progs, ptrs)
+            if best < 0:
+                return
         tid = progs[best][ptrs[best]]
         ptrs[best] += 1
-        dev_busy[dev] = True
-        end = now + c_dur[tid]
-        if c_fwd[tid]:
-            dev_act[dev] += c_act[tid]
-            if dev_act[dev] > dev_peak[dev]:
-                dev_peak[dev] = dev_act[dev]
-        seq += 1
-        heapq.heappush(heap, (end, seq, tid))
-        if record:
-            started.append((tid, now, end))
+        self.dev_busy[dev] = True
+        end = now + self.dur[tid]
+        if self.fwd[tid]:
+            held = self.dev_act[dev] + self.act[tid]
+            self.dev_act[dev] = held
+            if held > self.dev_peak[dev]:
+                self.dev_peak[dev] = held
+        self.seq += 1
+        heapq.heappush(self.heap, (end, self.seq, tid))
+        if self.record:
+            self.started.append((tid, now, end))
 
-    def start_transfer(x: int, now: float) -> None:
-        nonlocal seq
-        link = x_link[x]
-        link_busy[link] = True
-        end = now + x_dur[x]
-        link_busy_s[link] += x_dur[x]
-        link_bytes[link] += x_bytes[x]
-        seq += 1
-        heapq.heappush(heap, (end, seq, ~x))
-        if record:
-            started.append((~x, now, end))
+    def send(self, x: int, now: float) -> None:
+        link = self.x_link[x]
+        if self.link_busy[link]:
+            self.link_queue[link].append(x)
+            return
+        self.link_busy[link] = True
+        dur = self.x_dur[x]
+        end = now + dur
+        self.link_busy_s[link] += dur
+        self.link_bytes[link] += self.x_bytes[x]
+        self.seq += 1
+        heapq.heappush(self.heap, (end, self.seq, ~x))
+        if self.record:
+            self.started.append((~x, now, end))
 
-    for dev in range(nd):
-        try_device(dev, 0.0)
-    now = 0.0
-    while heap:
-        now, _, item = heapq.heappop(heap)
-        if item >= 0:  # a compute task ended
-            done += 1
-            dev = c_dev[item]
-            dev_busy[dev] = False
-            dev_busy_s[dev] += c_dur[item]
-            c_end[item] = now
-            if not c_fwd[item]:
-                dev_act[dev] -= c_act[item]
-            for x in c_succ_x[item]:
-                link = x_link[x]
-                if link_busy[link]:
-                    link_queue[link].append(x)
-                else:
-                    start_transfer(x, now)
-            for c in c_succ_c[item]:
-                c_wait[c] -= 1
-                if now > c_ready[c]:
-                    c_ready[c] = now
-            try_device(dev, now)
-            for c in c_succ_c[item]:
-                try_device(c_dev[c], now)
-        else:  # a transfer ended
-            x = ~item
-            link = x_link[x]
-            link_busy[link] = False
-            c = x_dst[x]
-            c_wait[c] -= 1
-            if now > c_ready[c]:
-                c_ready[c] = now
-            if link_queue[link]:
-                start_transfer(link_queue[link].popleft(), now)
-            try_device(c_dev[c], now)
-    if done != nc:
-        stuck = [f"{c_stage[t]}{'F' if c_fwd[t] else 'B'}{c_mb[t]} on {devices[c_dev[t]]}"
-                 for t in range(nc) if c_end[t] < 0][:3]
-        raise HetplanError(f"the simulated step deadlocked with {nc - done} actions left (first: {', '.join(stuck)}); "
-                           "the plan's stages cannot run in this order")
+    def _task_ended(self, tid: int, now: float) -> None:
+        self.done += 1
+        dev = self.dev[tid]
+        self.dev_busy[dev] = False
+        self.dev_busy_s[dev] += self.dur[tid]
+        self.c_end[tid] = now
+        if not self.fwd[tid]:
+            self.dev_act[dev] -= self.act[tid]
+        for x in self.succ_x[tid]:
+            self.send(x, now)
+        wait, ready, fed = self.wait, self.ready, self.succ_c[tid]
+        for c in fed:
+            wait[c] -= 1
+            if now > ready[c]:
+                ready[c] = now
+        self.try_device(dev, now)
+        for c in fed:
+            self.try_device(self.dev[c], now)
 
+    def _transfer_ended(self, x: int, now: float) -> None:
+        link = self.x_link[x]
+        self.link_busy[link] = False
+        c = self.x_dst[x]
+        self.wait[c] -= 1
+        if now > self.ready[c]:
+            self.ready[c] = now
+        if self.link_queue[link]:
+            self.send(self.link_queue[link].popleft(), now)
+        self.try_device(self.dev[c], now)
+
+    def run(self) -> float:
+        """Run to the last event; returns its time."""
+        for dev in range(len(self.dev_busy)):
+            self.try_device(dev, 0.0)
+        now = 0.0
+        heap, task_ended, transfer_ended = self.heap, self._task_ended, self._transfer_ended
+        while heap:
+            now, _, item = heapq.heappop(heap)
+            if item >= 0:
+                task_ended(item, now)
+            else:
+                transfer_ended(~item, now)
+        return now
+
+
+def _tail(model: StepModel, tasks: _Tasks, c_end: list[float], now: float, record: bool) -> tuple[float, list[Span]]:
+    """After each stage's last backward pass: its all-reduce (replicated stages), then each
+    replica's optimizer step. Returns the step's end and, when recording, their spans."""
     step = now
-    allreduce_spans: list[Span] = []
-    for s, lasts in last_task:
+    spans: list[Span] = []
+    for s, lasts in tasks.last:
         ar = model.stages[s].allreduce_s
         begin = max(c_end[t] for t in lasts)
         if ar > 0:
             step = max(step, begin + ar)
             if record:
-                allreduce_spans += [Span(rep.device, ALLREDUCE, s, -1, begin, begin + ar)
-                                    for rep in model.stages[s].replicas]
-        # then each replica's optimizer step (after the all-reduce, when there is one)
+                spans += [Span(rep.device, ALLREDUCE, s, -1, begin, begin + ar) for rep in model.stages[s].replicas]
         for rep in model.stages[s].replicas:
             if rep.optimizer_s > 0:
                 start = begin + ar
                 step = max(step, start + rep.optimizer_s)
                 if record:
-                    allreduce_spans.append(Span(rep.device, OPTIMIZER, s, -1, start, start + rep.optimizer_s))
+                    spans.append(Span(rep.device, OPTIMIZER, s, -1, start, start + rep.optimizer_s))
+    return step, spans
 
-    timeline = None
-    if record:
-        spans = []
-        for item, start, end in started:
-            if item >= 0:
-                spans.append(Span(devices[c_dev[item]], FORWARD if c_fwd[item] else "B", c_stage[item],
-                                  c_mb[item], start, end))
-            else:
-                x = ~item
-                spans.append(Span(links[x_link[x]], FORWARD if x_fwd[x] else "B", x_stage[x], x_mb[x], start, end,
-                                  x_to[x]))
-        timeline = Timeline(tuple(spans + allreduce_spans), tuple(devices), tuple(links), step)
-    return EventResult(
-        step_s=step,
-        busy_s=dict(zip(devices, dev_busy_s, strict=True)),
-        peak_act_bytes=dict(zip(devices, dev_peak, strict=True)),
-        link_bytes=dict(zip(links, link_bytes, strict=True)),
-        link_busy_s=dict(zip(links, link_busy_s, strict=True)),
-        timeline=timeline,
-    )
+
+def _span(item: int, start: float, end: float, t: _Tasks, xs: _Transfers) -> Span:
+    if item >= 0:
+        return Span(t.devices[t.dev[item]], FORWARD if t.fwd[item] else BACKWARD, t.stage[item], t.mb[item],
+                    start, end)
+    x = ~item
+    return Span(xs.links[xs.link[x]], FORWARD if xs.fwd[x] else BACKWARD, xs.stage[x], xs.mb[x], start, end, xs.to[x])

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.cost import WEIGHT_COPIES, CostModel, inflight_microbatches, microbatch_fractions
+from hetplan.cost import CostModel, formulas, in_flight_share, microbatch_fractions
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
-from hetplan.schedule import FORWARD, schedule_order
+from hetplan.schedule import BACKWARD, FORWARD, schedule_order
 from hetplan.sim.model import build_step_model
 
 
@@ -52,8 +52,16 @@ class ChainProgram:
     def __post_init__(self) -> None:
         n, m = self.stages, len(self.fractions)
         orders = schedule_order(self.schedule, n, m)
-        n_events = 2 * n * m + 2 * (n - 1) * m
-        deps: list[list[int]] = [[] for _ in range(n_events)]
+        ops = _topological(self._dependencies(orders))
+        object.__setattr__(self, "ops", tuple(ops))
+        object.__setattr__(self, "last", tuple(self._event(orders[r][-1].kind, r, orders[r][-1].microbatch)
+                                               for r in range(n)))
+
+    def _dependencies(self, orders) -> list[list[int]]:
+        """What each event waits for: the action before it on its stage and its input's transfer;
+        a transfer waits for the action that made it and the link's previous transfer."""
+        n, m = self.stages, len(self.fractions)
+        deps: list[list[int]] = [[] for _ in range(2 * n * m + 2 * (n - 1) * m)]
         for r, order in enumerate(orders):
             prev = -1
             for action in order:
@@ -69,31 +77,11 @@ class ChainProgram:
         for r in range(n - 1):
             for i in range(m):  # a link sends in the order its stage produces: micro-batch order
                 deps[self._send_f(r, i)].append(self._event(FORWARD, r, i))
-                deps[self._send_b(r + 1, i)].append(self._event("B", r + 1, i))
+                deps[self._send_b(r + 1, i)].append(self._event(BACKWARD, r + 1, i))
                 if i:
                     deps[self._send_f(r, i)].append(self._send_f(r, i - 1))
                     deps[self._send_b(r + 1, i)].append(self._send_b(r + 1, i - 1))
-        # Kahn's algorithm: an order in which every event comes after what it waits for
-        users: list[list[int]] = [[] for _ in range(n_events)]
-        missing = [len(d) for d in deps]
-        for e, ds in enumerate(deps):
-            for d in ds:
-                users[d].append(e)
-        queue = deque(e for e in range(n_events) if missing[e] == 0)
-        ops = []
-        while queue:
-            e = queue.popleft()
-            ds = deps[e]
-            ops.append((e, ds[0] if ds else -1, ds[1] if len(ds) > 1 else -1))
-            for u in users[e]:
-                missing[u] -= 1
-                if missing[u] == 0:
-                    queue.append(u)
-        if len(ops) != n_events:
-            raise HetplanError(f"schedule {self.schedule} deadlocks with {n} stages")  # never for gpipe/1f1b
-        object.__setattr__(self, "ops", tuple(ops))
-        object.__setattr__(self, "last", tuple(self._event(orders[r][-1].kind, r, orders[r][-1].microbatch)
-                                               for r in range(n)))
+        return deps
 
     def _event(self, kind: str, r: int, i: int) -> int:
         m = len(self.fractions)
@@ -122,15 +110,15 @@ class ChainProgram:
         f = np.asarray(self.fractions)
         fwd = np.atleast_2d(np.asarray(fwd_s, dtype=float))
         p = fwd.shape[0]
-        parts = [fwd.T[:, None, :] * f[None, :, None],
-                 np.atleast_2d(np.asarray(bwd_s, dtype=float)).T[:, None, :] * f[None, :, None]]
-        for k, fixed in enumerate((fwd_fixed_s, bwd_fixed_s)):
-            if fixed is not None:
-                parts[k] = parts[k] + np.asarray(fixed, dtype=float).reshape(p, n).T[:, None, :]
+        parts = []
+        for scaled, fixed in ((fwd, fwd_fixed_s), (bwd_s, bwd_fixed_s)):
+            fixed = 0.0 if fixed is None else np.asarray(fixed, dtype=float).reshape(p, n).T[:, None, :]
+            scaled = np.atleast_2d(np.asarray(scaled, dtype=float)).T[:, None, :]
+            parts.append(np.broadcast_to(formulas.action_s(fixed, scaled, f[None, :, None]), (n, len(f), p)))
         if n > 1:
             send = np.asarray(send_s, dtype=float).reshape(p, n - 1).T
             lat = np.broadcast_to(np.asarray(latency_s, dtype=float), (p, n - 1)).T
-            comm = lat[:, None, :] + send[:, None, :] * f[None, :, None]
+            comm = formulas.action_s(lat[:, None, :], send[:, None, :], f[None, :, None])  # latency + share of bytes
             parts += [comm, comm]
         dur = np.concatenate([x.reshape(-1, p) for x in parts])
         t = np.empty_like(dur)
@@ -148,6 +136,29 @@ class ChainProgram:
         if optimizer_s is not None:
             ends = ends + np.asarray(optimizer_s, dtype=float).reshape(p, n).T
         return ends.max(axis=0)
+
+
+def _topological(deps: list[list[int]]) -> list[tuple[int, int, int]]:
+    """Kahn's algorithm: (event, dependency, dependency or -1) in an order in which every event
+    comes after what it waits for (at most two dependencies each)."""
+    users: list[list[int]] = [[] for _ in deps]
+    missing = [len(d) for d in deps]
+    for e, ds in enumerate(deps):
+        for d in ds:
+            users[d].append(e)
+    queue = deque(e for e in range(len(deps)) if missing[e] == 0)
+    ops = []
+    while queue:
+        e = queue.popleft()
+        ds = deps[e]
+        ops.append((e, ds[0] if ds else -1, ds[1] if len(ds) > 1 else -1))
+        for u in users[e]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                queue.append(u)
+    if len(ops) != len(deps):
+        raise HetplanError("a schedule's actions wait for each other in a cycle")  # never for gpipe/1f1b
+    return ops
 
 
 @dataclass(frozen=True)
@@ -176,19 +187,11 @@ class ChainScorer:
         types = [d.type for d in cluster.devices]
         self._type_of = np.array([sorted(set(types)).index(t) for t in types])
         zero = np.zeros(1)
-        fwd, bwd, ffix, bfix = [], [], [], []
-        by_id = graph.by_id
-        for t in sorted(set(types)):
-            times = cm.node_times_s(t)
-            measured = t in graph.device_types  # fixed parts are known only where measured
-            fwd.append(np.concatenate([zero, np.cumsum([times[v][0] for v in self.order])]))
-            bwd.append(np.concatenate([zero, np.cumsum([times[v][1] for v in self.order])]))
-            ffix.append(np.concatenate([zero, np.cumsum([by_id[v].fwd_fixed_s.get(t, 0.0) if measured else 0.0
-                                                         for v in self.order])]))
-            bfix.append(np.concatenate([zero, np.cumsum([by_id[v].bwd_fixed_s.get(t, 0.0) if measured else 0.0
-                                                         for v in self.order])]))
-        self._fwd, self._bwd = np.array(fwd), np.array(bwd)  # (types, len(order) + 1) prefix sums
-        self._ffix, self._bfix = np.array(ffix), np.array(bfix)
+        # per device type, prefix sums along the order of the nodes' times and fixed parts
+        times = [cm.node_times_s(t) for t in sorted(set(types))]
+        fixed = [cm.node_fixed_s(t) for t in sorted(set(types))]
+        self._fwd, self._bwd = self._prefix(times, 0), self._prefix(times, 1)  # (types, len(order) + 1)
+        self._ffix, self._bfix = self._prefix(fixed, 0), self._prefix(fixed, 1)
         by_id = graph.by_id
         self._params = np.concatenate([zero, np.cumsum([by_id[v].param_bytes for v in self.order], dtype=float)])
         self._acts = np.concatenate([zero, np.cumsum([by_id[v].act_bytes for v in self.order], dtype=float)])
@@ -204,9 +207,12 @@ class ChainScorer:
         self._mem = np.array([d.mem_bytes for d in cluster.devices], dtype=float)
         self._usd = np.array([d.usd_per_hour for d in cluster.devices])
         self._overhead = np.array([d.action_overhead_s for d in cluster.devices])
-        self._opt_per_byte = np.array([cm.optimizer_s(1.0, d.type) for d in cluster.devices])
+        self._opt_per_byte = np.array([cm.optimizer_s(1.0, d.type) for d in cluster.devices])  # linear in bytes
         self._step_overhead = np.array([d.step_overhead_s for d in cluster.devices])
         self._programs: dict[tuple[int, int, str], ChainProgram] = {}
+
+    def _prefix(self, per_type: list[dict[str, tuple[float, float]]], k: int) -> np.ndarray:
+        return np.array([np.concatenate([np.zeros(1), np.cumsum([x[v][k] for v in self.order])]) for x in per_type])
 
     def program(self, stages: int, microbatches: int, schedule: str) -> ChainProgram:
         key = (stages, microbatches, schedule)
@@ -230,18 +236,16 @@ class ChainScorer:
         bfix = bfix + self._overhead[devices]
         nbytes = self._crossing[cuts]
         src, dst = devices[:, :-1], devices[:, 1:]
-        send = nbytes / self._bw[src, dst]
+        send = formulas.wire_s(nbytes, self._bw[src, dst])
         lat = np.where(nbytes > 0, self._lat[src, dst], 0.0)
-        opt = (self._params[hi] - self._params[lo]) * self._opt_per_byte[devices] + self._step_overhead[devices]
+        params = self._params[hi] - self._params[lo]
+        opt = params * self._opt_per_byte[devices] + self._step_overhead[devices]
         step = self.program(n, microbatches, schedule).step_s(fwd, bwd, send, lat, fwd_fixed_s=ffix,
                                                               bwd_fixed_s=bfix, optimizer_s=opt)
-        held = np.array([inflight_microbatches(schedule, n, r, microbatches) for r in range(n)])
-        # a stage holds micro-batches 0 .. held-1 at its peak (the largest: tensor_split puts the extra samples first)
-        first = np.cumsum(microbatch_fractions(self.graph.batch_size, microbatches))[held - 1]
-        stash = (self._acts[hi] - self._acts[lo]) * first
-        peak = WEIGHT_COPIES * (self._params[hi] - self._params[lo]) + stash
+        share = np.array([in_flight_share(schedule, n, r, self.graph.batch_size, microbatches) for r in range(n)])
+        peak = formulas.stage_memory_bytes_array(params, self._acts[hi] - self._acts[lo], share)
         feasible = (peak <= self._mem[devices]).all(axis=1)
-        usd = self._usd[devices].sum(axis=1) * step / 3600.0
+        usd = formulas.usd_per_step(self._usd[devices].sum(axis=1), step)
         # each boundary's link carries the batch's activations one way and its gradients (as
         # many bytes) the other, one message per micro-batch
         busy = (send + microbatches * lat).max(axis=1) if n > 1 else np.zeros(p)
@@ -258,7 +262,7 @@ def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | N
         k = msg.src_stage
         if msg.src != msg.dst and msg.bytes_per_batch > 0:
             link = cluster.link(msg.src, msg.dst)
-            send[k] = max(send[k], msg.bytes_per_batch / link.bandwidth_Bps)
+            send[k] = max(send[k], formulas.wire_s(msg.bytes_per_batch, link.bandwidth_Bps))
             lat[k] = max(lat[k], link.latency_s)
     return {
         "fwd_s": np.array([max(r.fwd_s for r in st.replicas) for st in model.stages]),

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
-from hetplan.cost import WEIGHT_COPIES, CostModel, microbatch_fractions
+from hetplan.cost import CostModel, microbatch_fractions, weight_bytes
+from hetplan.cost.formulas import action_s
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
@@ -75,8 +76,13 @@ class Replica:
 class StageWork:
     index: int
     replicas: tuple[Replica, ...]
-    weight_bytes: int  # parameters, gradients and optimizer state, on each replica
+    param_bytes: int  # its parameters, on each replica
     allreduce_s: float  # ring all-reduce of the gradients over the replicas (0 for one)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Parameters, gradients and optimizer state, on each replica."""
+        return weight_bytes(self.param_bytes)
 
 
 @dataclass(frozen=True)
@@ -116,14 +122,14 @@ def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: 
     d = stage.devices[p]
     dtype = cluster.device(d).type
     fwd, bwd = cm.stage_times_s(stage.nodes, dtype)
-    ffix, bfix = cm.stage_fixed_s(stage.nodes, dtype) if dtype in cm.graph.device_types else (0.0, 0.0)
+    ffix, bfix = cm.stage_fixed_s(stage.nodes, dtype)
     extra = cluster.device(d).action_overhead_s  # the runtime's own cost per action
     frac = [rows.rows(k, j, p) / rows.batch_size for j in range(len(rows.micro))]
     share = sum(frac)
     return Replica(d, share, share * (fwd - ffix), share * (bwd - bfix), share * acts, ffix + extra, bfix + extra,
                    cm.optimizer_s(params, dtype) + cluster.device(d).step_overhead_s,
-                   tuple(ffix + extra + (fwd - ffix) * f if f > 0 else 0.0 for f in frac),
-                   tuple(bfix + extra + (bwd - bfix) * f if f > 0 else 0.0 for f in frac),
+                   tuple(action_s(ffix + extra, fwd - ffix, f) if f > 0 else 0.0 for f in frac),
+                   tuple(action_s(bfix + extra, bwd - bfix, f) if f > 0 else 0.0 for f in frac),
                    tuple(acts * f for f in frac))
 
 
@@ -138,7 +144,7 @@ def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = 
         acts = sum(by_id[n].act_bytes for n in stage.nodes)
         params = sum(by_id[n].param_bytes for n in stage.nodes)
         replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, params) for p in range(len(stage.devices)))
-        stages.append(StageWork(k, replicas, WEIGHT_COPIES * params, cm.allreduce_s(params, stage.devices)))
+        stages.append(StageWork(k, replicas, params, cm.allreduce_s(params, stage.devices)))
     messages = []
     for (a, b), nbytes in sorted(stage_pair_bytes(graph, plan, routing).items()):
         for p, src in enumerate(plan.stages[a].devices):

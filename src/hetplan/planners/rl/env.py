@@ -36,13 +36,13 @@ event simulator.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.cost import WEIGHT_COPIES, CostModel, inflight_microbatches, microbatch_fractions
+from hetplan.cost import CostModel, in_flight_share
+from hetplan.cost.formulas import stage_memory_bytes_array
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
 from hetplan.planners import objectives
@@ -77,8 +77,7 @@ def unit_starts(graph: Graph, cluster: Cluster, max_units: int = MAX_UNITS) -> n
     if len(order) <= max_units:
         return np.arange(len(order) + 1)
     cm = CostModel(graph, cluster)
-    t_type = min({d.type for d in cluster.devices}, key=lambda t: math.fsum(cm.stage_times_s(order, t)))
-    times = cm.node_times_s(t_type)
+    times = cm.node_times_s(cm.fastest_type())
     # a little weight per node so that runs of nodes without time still split
     w = np.array([times[v][0] + times[v][1] for v in order])
     w = w + max(w.sum(), 1e-30) / (10 * len(order))
@@ -164,13 +163,12 @@ class PlanEnv:
 
     # -- memory masks --------------------------------------------------------------------------
     def held_fraction(self, n: int, s: int) -> float:
+        """The least share of the batch stage s of n holds in flight over the allowed micro-batch
+        counts (`hetplan.cost.in_flight_share`)."""
         key = (n, s)
         if key not in self._held:
-            fr = []
-            for m in self.m_choices:
-                held = inflight_microbatches(self.options.schedule, n, s, m)
-                fr.append(sum(microbatch_fractions(self.graph.batch_size, m)[:held]))
-            self._held[key] = min(fr)
+            self._held[key] = min(in_flight_share(self.options.schedule, n, s, self.graph.batch_size, m)
+                                  for m in self.m_choices)
         return self._held[key]
 
     def stage_need_bytes(self, stages: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -183,7 +181,7 @@ class PlanEnv:
         for i in range(p):
             for s in range(int(n[i])):
                 held[i, s] = self.held_fraction(int(n[i]), s)
-        return WEIGHT_COPIES * params + acts * held
+        return stage_memory_bytes_array(params, acts, held)
 
     def device_mask(self, need_bytes: np.ndarray, used: np.ndarray) -> np.ndarray:
         """(P, D) which devices a stage may take: unused and with room; every unused device when

@@ -39,8 +39,7 @@ def node_times(graph: Graph, cluster: Cluster) -> np.ndarray:
     """Forward + backward time of each node (topological order) on the cluster's fastest type."""
     cm = CostModel(graph, cluster)
     order = graph.topo_order
-    best = min({d.type for d in cluster.devices}, key=lambda t: math.fsum(cm.stage_times_s(order, t)))
-    times = cm.node_times_s(best)
+    times = cm.node_times_s(cm.fastest_type())
     return np.array([times[v][0] + times[v][1] for v in order])
 
 

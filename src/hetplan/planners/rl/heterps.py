@@ -31,29 +31,39 @@ cheapest single-type configuration that meets the floor).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
 from torch import nn
 
 from hetplan.cluster import Cluster
-from hetplan.cost import WEIGHT_COPIES
-from hetplan.errors import InfeasibleError
+from hetplan.cost.formulas import weight_bytes
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
 from hetplan.planners import objectives
+from hetplan.planners.dp import warm_start
+from hetplan.planners.kit import WARM_NATS, Budget, learn_budget_s, microbatch_choices
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.rl.env import unit_starts
 from hetplan.planners.rl.features import hierarchical_features
-from hetplan.planners.rl.loop import KEEP, budget, finish, guarded_update, seeded_torch, thin
+from hetplan.planners.rl.loop import (
+    KEEP,
+    Advantages,
+    Iterations,
+    LearnConfig,
+    finish,
+    reinforce_step,
+    seeded_torch,
+    thin,
+)
 from hetplan.planners.scoring import Scorer
 from hetplan.sim.fast import fast_step_s
 
-DEFAULT_BUDGET_S = 20.0
-FAITHFUL_BUDGET_S = 60.0
-WARM_NATS = 3.0
+# HeterPS's REINFORCE: 8 samples a batch, Adam at 3e-3, a baseline decaying by 0.9, reward
+# -log(value / v_ref), and (warm) a bias of WARM_NATS towards dp's types fading over half the run
+LEARN = LearnConfig("reinforce", batch=8, lr=3e-3, baseline_decay=0.9, reward="neg_log", warm_nats=WARM_NATS)
 
 
 class TypePolicy(nn.Module):
@@ -73,8 +83,6 @@ class Provisioner:
     """Turns a type per unit into a provisioned plan and scores it (memoised by the type runs)."""
 
     def __init__(self, graph: Graph, cluster: Cluster, options: PlanOptions, starts: np.ndarray) -> None:
-        from hetplan.planners.kit import microbatch_choices
-
         self.graph, self.cluster, self.options, self.starts = graph, cluster, options, starts
         self.order = graph.topo_order
         self.types = sorted({d.type for d in cluster.devices})
@@ -204,82 +212,87 @@ def all_one_type(graph: Graph, cluster: Cluster, options: PlanOptions, device_ty
     return plan
 
 
+def _type_mask(graph: Graph, cluster: Cluster, prov: Provisioner, starts: np.ndarray) -> torch.Tensor:
+    """(U, types): a type whose one device cannot hold a unit's weights, gradients and optimizer
+    state is masked out (every type allowed for a unit that fits on none)."""
+    params = np.add.reduceat(np.array([graph.by_id[v].param_bytes for v in prov.order], float), starts[:-1])
+    biggest = np.array([max(cluster.device(d).mem_bytes for d in prov.pool[t]) for t in prov.types], float)
+    mask = torch.as_tensor(weight_bytes(params)[:, None] <= biggest[None, :])
+    mask[~mask.any(dim=1)] = True
+    return mask
+
+
+def _warm_bias(graph: Graph, cluster: Cluster, options: PlanOptions, prov: Provisioner, starts: np.ndarray,
+               nats: float) -> tuple[Plan | None, torch.Tensor]:
+    """The warm start (dp's plan; none when `faithful`) and the logits' bias towards its types,
+    `nats` on each unit's type in it (zero without a warm start)."""
+    units = len(starts) - 1
+    bias = torch.zeros(units, len(prov.types))
+    warm = None if options.faithful else warm_start(graph, cluster, options)
+    if warm is not None:
+        type_of = {v: prov.types.index(cluster.device(st.devices[0]).type) for st in warm.stages for v in st.nodes}
+        for u in range(units):
+            bias[u, type_of[prov.order[starts[u]]]] = nats
+    return warm, bias
+
+
+def _keep(best: dict, value: float, plan: Plan | None, ok: bool) -> None:
+    """Keep a provisioned plan that fits and meets the floor among the candidates (by its key)."""
+    if ok and plan is not None:
+        best[Scorer.key(plan)] = (value, plan)
+
+
+def _one_type_plans(prov: Provisioner, units: int) -> dict:
+    """Every all-one-type configuration is a point of HeterPS's action space; trying them first
+    costs a few provisionings and makes the result never dearer than the best of them."""
+    best: dict = {}
+    for t in range(len(prov.types)):
+        _keep(best, *prov.provision(np.full(units, t)))
+    return best
+
+
+def _learn_types(prov: Provisioner, feats: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor, cfg: LearnConfig,
+                 options: PlanOptions, best: dict, progress: Callable[[float], None] | None) -> Iterations:
+    """Scheduling: REINFORCE on the type policy (`cfg`), every sampled plan provisioned and the
+    good ones kept in `best`; returns the run's iterations and curve."""
+    with seeded_torch(options.seed) as gen:
+        policy = TypePolicy(feats.shape[1], len(prov.types))
+        opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+        run = Iterations(Budget.of(options, learn_budget_s(options)), progress, every=2)
+        advantages = Advantages(cfg, v_ref=prov.scale if prov.scale > 0 else 1.0)
+        for frac in run:
+            logits = (policy(feats) + cfg.warm_scale(frac) * bias).masked_fill(~mask, float("-inf"))
+            logp_all = torch.log_softmax(logits, dim=-1)
+            with torch.no_grad():
+                picks = torch.multinomial(logp_all.exp(), cfg.batch, replacement=True, generator=gen).T  # (B, U)
+            values = []
+            for row in picks.numpy():
+                value, plan, ok = prov.provision(row)
+                values.append(value)
+                _keep(best, value, plan, ok)
+            values = np.array(values)
+            logp = logp_all.gather(1, picks.T).sum(dim=0)  # (B,)
+            run.skipped += reinforce_step(opt, cfg, advantages(values), logp)
+            run.record(prov.evaluations, float(values.mean()), min((v for v, _ in best.values()), default=math.inf),
+                       frac)
+    return run
+
+
 def heterps(graph: Graph, cluster: Cluster, options: PlanOptions,
             progress: Callable[[float], None] | None = None) -> Plan:
     starts = unit_starts(graph, cluster)
     units = len(starts) - 1
     prov = Provisioner(graph, cluster, options, starts)
     feats = torch.as_tensor(hierarchical_features(graph, cluster, starts))
-    # a type whose one device cannot hold a unit's weights, gradients and optimizer state is masked
-    params = np.add.reduceat(np.array([graph.by_id[v].param_bytes for v in prov.order], float), starts[:-1])
-    biggest = {t: max(cluster.device(d).mem_bytes for d in prov.pool[t]) for t in prov.types}
-    mask = torch.as_tensor(np.array([[WEIGHT_COPIES * params[u] <= biggest[t] for t in prov.types]
-                                     for u in range(units)]))
-    mask[~mask.any(dim=1)] = True
-    warm = None
-    bias = torch.zeros(units, len(prov.types))
-    if not options.faithful:
-        from hetplan.planners.dp import dp
-
-        try:
-            warm = dp(graph, cluster, options)
-        except InfeasibleError:
-            warm = None
-        if warm is not None:
-            type_of = {v: prov.types.index(cluster.device(st.devices[0]).type) for st in warm.stages for v in st.nodes}
-            for u in range(units):
-                bias[u, type_of[prov.order[starts[u]]]] = WARM_NATS
-    best: dict = {}
-    if not options.faithful:
-        # every all-one-type configuration is a point of HeterPS's action space; trying them
-        # first costs a few provisionings and makes the result never dearer than the best of them
-        for t in range(len(prov.types)):
-            value, plan, ok = prov.provision(np.full(units, t))
-            if ok and plan is not None:
-                best[Scorer.key(plan)] = (value, plan)
-    max_iters, budget_s = budget(options, FAITHFUL_BUDGET_S if options.faithful else DEFAULT_BUDGET_S)
-    with seeded_torch(options.seed) as gen:
-        policy = TypePolicy(feats.shape[1], len(prov.types))
-        opt = torch.optim.Adam(policy.parameters(), lr=3e-3)
-        began, it, baseline, v_ref, skipped = time.perf_counter(), 0, None, None, 0
-        curve = []
-        while True:
-            elapsed = time.perf_counter() - began
-            frac = it / max_iters if max_iters is not None else elapsed / budget_s
-            if frac >= 1.0 or elapsed >= budget_s:
-                break
-            scale = max(0.0, 1.0 - 2.0 * frac)
-            logits = (policy(feats) + scale * bias).masked_fill(~mask, float("-inf"))
-            logp_all = torch.log_softmax(logits, dim=-1)
-            with torch.no_grad():
-                picks = torch.multinomial(logp_all.exp(), 8, replacement=True, generator=gen).T  # (8, U)
-            values = []
-            for row in picks.numpy():
-                value, plan, ok = prov.provision(row)
-                values.append(value)
-                if ok and plan is not None:
-                    best[Scorer.key(plan)] = (value, plan)
-            values = np.array(values)
-            if v_ref is None:
-                v_ref = prov.scale if prov.scale > 0 else 1.0
-            rewards = -np.log(np.maximum(values, 1e-30) / v_ref)
-            mean_r = float(rewards.mean())
-            baseline = mean_r if baseline is None else 0.9 * baseline + 0.1 * mean_r
-            logp = logp_all.gather(1, picks.T).sum(dim=0)  # (8,)
-            loss = -(torch.as_tensor(rewards - baseline, dtype=torch.float32) * logp).mean()
-            skipped += not guarded_update(opt, loss)
-            it += 1
-            found = min((v for v, _ in best.values()), default=math.inf)
-            curve.append((it, prov.evaluations, time.perf_counter() - began, float(values.mean()),
-                          found if math.isfinite(found) else None))
-            if progress is not None and it % 2 == 0:
-                progress(min(1.0, frac))
-    if progress is not None:
-        progress(1.0)
+    mask = _type_mask(graph, cluster, prov, starts)
+    warm, bias = _warm_bias(graph, cluster, options, prov, starts, LEARN.warm_nats)
+    cfg = LEARN if warm is not None else replace(LEARN, warm_nats=0.0)
+    best = {} if options.faithful else _one_type_plans(prov, units)
+    run = _learn_types(prov, feats, mask, bias, cfg, options, best, progress)
     found = [p for _, p in sorted(best.values(), key=lambda x: x[0])[:KEEP]]
-    run = {"iterations": it, "skipped_updates": skipped, "fast_evaluations": prov.evaluations,
-           "seconds": round(time.perf_counter() - began, 3),
-           "curve": thin(curve), "faithful": options.faithful, "units": units, "types": prov.types,
-           "algorithm": "reinforce (types) + provisioning"}
-    return finish(prov.scorer, "heterps", found, warm, run,
+    meta = {"iterations": run.done, "skipped_updates": run.skipped, "fast_evaluations": prov.evaluations,
+            "seconds": round(run.budget.elapsed_s, 3),
+            "curve": thin(run.curve), "faithful": options.faithful, "units": units, "types": prov.types,
+            "algorithm": "reinforce (types) + provisioning"}
+    return finish(prov.scorer, "heterps", found, warm, meta,
                   "give it a larger --budget-s or --max-iters, or lower --min-samples-per-s")

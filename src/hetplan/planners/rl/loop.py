@@ -13,7 +13,12 @@ Each iteration samples a batch of plans from the policy, scores them with the fa
 v_ref is the median value of the first batch, so that rewards are about -1 whatever the
 objective's unit. Adam on all parameters; one torch thread, a torch generator seeded from the
 options, and the global torch RNG forked and seeded, so that a run with `max_iters` is the same
-every time (a run with only a time budget does as many iterations as the machine allows).
+every time (a run with only a time budget does as many iterations as the machine allows; the
+budget is `hetplan.planners.kit.Budget`).
+
+`heterps` trains its type policy with the same pieces: a `LearnConfig` (reward "neg_log",
+-log(value / v_ref), v_ref given), `Advantages` (rewards less their moving-average baseline),
+`reinforce_step`, and `Iterations` (the budget, the learning curve, progress).
 
 The best plans the fast path found (distinct, up to `KEEP`) are re-scored with the event
 simulator (`Scorer`), and the best of them is the result; by default the warm start (dp's plan)
@@ -24,19 +29,19 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from hetplan.errors import InfeasibleError
 from hetplan.plan import Plan
+from hetplan.planners.kit import Budget, learn_budget_s
 from hetplan.planners.options import PlanOptions
-from hetplan.planners.rl.env import PlanEnv
-from hetplan.planners.rl.policy import PlanPolicy
+from hetplan.planners.rl.env import PlanEnv, Scored
+from hetplan.planners.rl.policy import PlanPolicy, Sample
 from hetplan.planners.scoring import Scorer
 
 KEEP = 8  # plans re-scored by the event simulator at the end
@@ -57,7 +62,74 @@ class LearnConfig:
     noise_std: float = 0.0  # exploration noise on the logits ...
     noise_iters: float = 0.0  # ... for this fraction of the run
     warm_nats: float = 0.0  # bias towards the warm start, in logits, fading out over half the run
-    reward: str = "neg"  # "neg_sqrt": -sqrt(v / v_ref), "neg": -v / v_ref
+    reward: str = "neg"  # "neg_sqrt": -sqrt(v / v_ref), "neg": -v / v_ref, "neg_log": -log(v / v_ref)
+
+    def warm_scale(self, frac: float) -> float:
+        """How much of the warm start's bias is left `frac` into the run: all of it at the start,
+        none from half-way (none at all without a warm start)."""
+        return max(0.0, 1.0 - 2.0 * frac) if self.warm_nats else 0.0
+
+    def noise(self, frac: float) -> float:
+        """The exploration noise on the logits `frac` into the run."""
+        return self.noise_std if frac < self.noise_iters else 0.0
+
+
+def rewards(values: np.ndarray, v_ref: float, kind: str) -> np.ndarray:
+    """Rewards of objective values (lower is better) relative to `v_ref` (`LearnConfig.reward`).
+    The linear and square-root rewards cap the ratio at 1e6 (penalised plans); the logarithmic one
+    needs no cap."""
+    if kind == "neg_log":
+        return -np.log(np.maximum(values, 1e-30) / v_ref)
+    rel = np.minimum(values / v_ref, 1e6)
+    return -np.sqrt(rel) if kind == "neg_sqrt" else -rel
+
+
+@dataclass
+class Advantages:
+    """Advantages of a run's batches: the rewards less their exponential moving average (the
+    baseline). v_ref, the values' unit, is given or the median finite value of the first batch."""
+
+    cfg: LearnConfig
+    v_ref: float | None = None
+    baseline: float | None = None
+
+    def __call__(self, values: np.ndarray) -> torch.Tensor:
+        if self.v_ref is None:
+            finite = values[np.isfinite(values)]
+            v_ref = float(np.median(finite)) if len(finite) else 1.0
+            self.v_ref = v_ref if v_ref > 0 else 1.0
+        r = rewards(values, self.v_ref, self.cfg.reward)
+        mean_r = float(r.mean())
+        decay = self.cfg.baseline_decay
+        self.baseline = mean_r if self.baseline is None else decay * self.baseline + (1 - decay) * mean_r
+        return torch.as_tensor(r - self.baseline, dtype=torch.float32)
+
+
+@dataclass
+class Iterations:
+    """A learning run's iterations within its budget: iterating gives the share of the budget
+    used at each iteration's start until it is spent; `record` ends an iteration (a row of the
+    learning curve: iteration, plans scored, seconds, mean value, best value so far) and reports
+    progress every `every` iterations."""
+
+    budget: Budget
+    progress: Callable[[float], None] | None = None
+    every: int = 5
+    done: int = 0
+    skipped: int = 0  # updates skipped (`guarded_update`)
+    curve: list[tuple[int, int, float, float, float | None]] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[float]:
+        while (frac := self.budget.fraction(self.done)) is not None:
+            yield frac
+        if self.progress is not None:
+            self.progress(1.0)
+
+    def record(self, evaluations: int, mean: float, best: float, frac: float) -> None:
+        self.done += 1
+        self.curve.append((self.done, evaluations, self.budget.elapsed_s, mean, best if math.isfinite(best) else None))
+        if self.progress is not None and self.done % self.every == 0:
+            self.progress(min(1.0, frac))
 
 
 def guarded_update(opt: torch.optim.Optimizer, loss: torch.Tensor, grad_clip: float | None = None) -> bool:
@@ -83,6 +155,15 @@ def guarded_update(opt: torch.optim.Optimizer, loss: torch.Tensor, grad_clip: fl
     return True
 
 
+def reinforce_step(opt: torch.optim.Optimizer, cfg: LearnConfig, adv: torch.Tensor, logp: torch.Tensor,
+                   entropy: torch.Tensor | None = None) -> int:
+    """One REINFORCE update, loss -(A log pi) less the entropy bonus; 1 when it was skipped."""
+    loss = -(adv * logp).mean()
+    if entropy is not None:
+        loss = loss - cfg.entropy * entropy
+    return int(not guarded_update(opt, loss, cfg.grad_clip))
+
+
 @dataclass(frozen=True)
 class Learned:
     """What a run found: the best fast-path candidates, the learning curve and counters."""
@@ -93,14 +174,6 @@ class Learned:
     evaluations: int
     seconds: float
     skipped_updates: int = 0  # updates skipped for a non-finite loss or gradient (`guarded_update`)
-
-
-def budget(options: PlanOptions, default_s: float) -> tuple[int | None, float]:
-    """(iterations or None, seconds): `max_iters` alone runs that many iterations whatever the
-    time; otherwise the time budget (the planner's default when none is given)."""
-    if options.max_iters is not None:
-        return options.max_iters, math.inf if options.budget_s is None else options.budget_s
-    return None, options.budget_s or default_s
 
 
 @contextmanager
@@ -126,87 +199,86 @@ def thin(curve: list) -> list:
     return [curve[k] for k in keep]
 
 
-def learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, options: PlanOptions, default_budget_s: float,
+def learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, options: PlanOptions,
           progress: Callable[[float], None] | None = None) -> Learned:
-    max_iters, budget_s = budget(options, default_budget_s)
     with seeded_torch(options.seed) as gen:
-        return _learn(env, policy, cfg, max_iters, budget_s, gen, progress)
+        return _learn(env, policy, cfg, Budget.of(options, learn_budget_s(options)), gen, progress)
 
 
-def _learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, max_iters: int | None, budget_s: float,
-           gen: torch.Generator, progress) -> Learned:
-    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
-    began = time.perf_counter()
-    best: list[tuple[float, int, tuple, tuple, int]] = []  # max-heap by -value of the KEEP best
-    seen: set = set()
-    curve = []
-    baseline = None
-    v_ref = None
-    it = skipped = 0
-    best_v = math.inf
-    while True:
-        elapsed = time.perf_counter() - began
-        frac = it / max_iters if max_iters is not None else elapsed / budget_s
-        if frac >= 1.0 or elapsed >= budget_s:
-            break
-        scale = max(0.0, 1.0 - 2.0 * frac) if cfg.warm_nats else 0.0  # of the warm start's bias
-        noise = cfg.noise_std if frac < cfg.noise_iters else 0.0
-        policy.eval()  # no dropout while sampling; dropout regularises the updates
-        sample = policy.sample(cfg.batch, gen, bias_scale=scale, noise_std=noise)
-        scored = env.score(sample.stages, sample.devices)
-        values = scored.value
-        if v_ref is None:
-            finite = values[np.isfinite(values)]
-            v_ref = float(np.median(finite)) if len(finite) else 1.0
-            v_ref = v_ref if v_ref > 0 else 1.0
-        rel = np.minimum(values / v_ref, 1e6)
-        rewards = -np.sqrt(rel) if cfg.reward == "neg_sqrt" else -rel
-        for i in range(cfg.batch):
+class _Found:
+    """The best distinct feasible plans a run sampled (up to KEEP, by fast-path value)."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, tuple, tuple, int]] = []  # max-heap by -value
+        self.seen: set = set()
+        self.best_v = math.inf
+
+    def add(self, scored: Scored) -> None:
+        for i in range(len(scored.value)):
             n = int(scored.n[i])
             key = (tuple(int(x) for x in scored.stages[i]), tuple(int(x) for x in scored.devices[i, :n]),
                    int(scored.microbatches[i]))
-            if key in seen or not scored.feasible[i]:
+            if key in self.seen or not scored.feasible[i]:
                 continue
-            seen.add(key)
-            item = (-float(values[i]), len(seen), key[0], key[1], key[2])
-            if len(best) < KEEP:
-                heapq.heappush(best, item)
-            elif item > best[0]:
-                heapq.heapreplace(best, item)
-            best_v = min(best_v, float(values[i]))
-        mean_r = float(rewards.mean())
-        baseline = mean_r if baseline is None else cfg.baseline_decay * baseline + (1 - cfg.baseline_decay) * mean_r
-        adv = torch.as_tensor(rewards - baseline, dtype=torch.float32)
-        policy.train()
-        if cfg.algorithm == "reinforce":
-            logp, ent = policy.log_prob(sample, scale)
-            loss = -(adv * logp).mean() - cfg.entropy * ent
-            skipped += not guarded_update(opt, loss, cfg.grad_clip)
-        else:
-            if adv.std() > 0:
-                adv = adv / (adv.std() + 1e-8)
-            with torch.no_grad():
-                old, _ = policy.log_prob(sample, scale)
-            for _ in range(cfg.epochs):
-                logp, ent = policy.log_prob(sample, scale)
-                # The partition network's dropout (Trinity's 30%) differs between `old` and this pass,
-                # and a plan's log-probability sums 64 units' choices: the log-ratio reached 140 on
-                # resnet50 and exp() overflowed to inf (issue 13). Clamped, it stays finite; the
-                # PPO clip and the gradient-norm clip bound the update as before.
-                ratio = torch.exp((logp - old).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-                surrogate = torch.min(ratio * adv, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * adv)
-                loss = -surrogate.mean() - cfg.entropy * ent
-                skipped += not guarded_update(opt, loss, cfg.grad_clip)
-        it += 1
-        curve.append((it, env.evaluations, time.perf_counter() - began, float(values.mean()),
-                      best_v if math.isfinite(best_v) else None))
-        if progress is not None and it % 5 == 0:
-            progress(min(1.0, frac))
-    if progress is not None:
-        progress(1.0)
-    curve = thin(curve)
-    cands = sorted(((-v, s, d, m) for v, _, s, d, m in best), key=lambda c: c[0])
-    return Learned(tuple(cands), tuple(curve), it, env.evaluations, time.perf_counter() - began, skipped)
+            self.seen.add(key)
+            item = (-float(scored.value[i]), len(self.seen), key[0], key[1], key[2])
+            if len(self.heap) < KEEP:
+                heapq.heappush(self.heap, item)
+            elif item > self.heap[0]:
+                heapq.heapreplace(self.heap, item)
+            self.best_v = min(self.best_v, float(scored.value[i]))
+
+    def candidates(self) -> tuple[tuple[float, tuple, tuple, int], ...]:
+        return tuple(sorted(((-v, s, d, m) for v, _, s, d, m in self.heap), key=lambda c: c[0]))
+
+
+def _ppo_step(policy: PlanPolicy, opt: torch.optim.Optimizer, cfg: LearnConfig, sample: Sample, scale: float,
+              adv: torch.Tensor) -> int:
+    """PPO's epochs over one batch; the number of updates skipped."""
+    if adv.std() > 0:
+        adv = adv / (adv.std() + 1e-8)
+    with torch.no_grad():
+        old, _ = policy.log_prob(sample, scale)
+    skipped = 0
+    for _ in range(cfg.epochs):
+        logp, ent = policy.log_prob(sample, scale)
+        # The partition network's dropout (Trinity's 30%) differs between `old` and this pass,
+        # and a plan's log-probability sums 64 units' choices: the log-ratio reached 140 on
+        # resnet50 and exp() overflowed to inf (issue 13). Clamped, it stays finite; the
+        # PPO clip and the gradient-norm clip bound the update as before.
+        ratio = torch.exp((logp - old).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+        surrogate = torch.min(ratio * adv, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * adv)
+        loss = -surrogate.mean() - cfg.entropy * ent
+        skipped += not guarded_update(opt, loss, cfg.grad_clip)
+    return skipped
+
+
+def _update(policy: PlanPolicy, opt: torch.optim.Optimizer, cfg: LearnConfig, sample: Sample, scale: float,
+            adv: torch.Tensor) -> int:
+    """The policy's update from one batch (REINFORCE or PPO); the number of updates skipped."""
+    policy.train()
+    if cfg.algorithm == "reinforce":
+        logp, ent = policy.log_prob(sample, scale)
+        return reinforce_step(opt, cfg, adv, logp, ent)
+    return _ppo_step(policy, opt, cfg, sample, scale, adv)
+
+
+def _learn(env: PlanEnv, policy: PlanPolicy, cfg: LearnConfig, budget: Budget, gen: torch.Generator,
+           progress: Callable[[float], None] | None) -> Learned:
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    run = Iterations(budget, progress, every=5)
+    found = _Found()
+    advantages = Advantages(cfg)
+    for frac in run:
+        scale = cfg.warm_scale(frac)  # of the warm start's bias
+        policy.eval()  # no dropout while sampling; dropout regularises the updates
+        sample = policy.sample(cfg.batch, gen, bias_scale=scale, noise_std=cfg.noise(frac))
+        scored = env.score(sample.stages, sample.devices)
+        found.add(scored)
+        run.skipped += _update(policy, opt, cfg, sample, scale, advantages(scored.value))
+        run.record(env.evaluations, float(scored.value.mean()), found.best_v, frac)
+    return Learned(found.candidates(), tuple(thin(run.curve)), run.done, env.evaluations, budget.elapsed_s,
+                   run.skipped)
 
 
 def finish(scorer: Scorer, planner: str, found: list[Plan], warm: Plan | None, run: dict, hint: str) -> Plan:

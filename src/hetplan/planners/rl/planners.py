@@ -15,8 +15,9 @@
   logits for the first 20% of the run; reward from the user's objective (`mdpe` is Trinity's).
 
 By default (not `faithful`) both start warm: the policy's logits get a bias of `WARM_NATS`
-towards dp's plan that fades out over the first half of the run, and dp's plan is among the
-final candidates, so the result is never worse than dp's (both scored by the event simulator).
+(`hetplan.planners.kit`) towards dp's plan (`hetplan.planners.dp.warm_start`) that fades out over
+the first half of the run, and dp's plan is among the final candidates, so the result is never
+worse than dp's (both scored by the event simulator). Time budgets: `kit.learn_budget_s`.
 """
 
 from __future__ import annotations
@@ -28,28 +29,16 @@ import numpy as np
 import torch
 
 from hetplan.cluster import Cluster
-from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
+from hetplan.planners.dp import warm_start
+from hetplan.planners.kit import WARM_NATS
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.rl.env import PlanEnv
 from hetplan.planners.rl.features import device_features, hierarchical_features, trinity_features
 from hetplan.planners.rl.loop import LearnConfig, finish, learn
 from hetplan.planners.rl.policy import PlanPolicy, Squash
 from hetplan.planners.scoring import Scorer
-
-WARM_NATS = 3.0
-DEFAULT_BUDGET_S = 20.0
-FAITHFUL_BUDGET_S = 60.0
-
-
-def _warm_plan(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan | None:
-    from hetplan.planners.dp import dp
-
-    try:
-        return dp(graph, cluster, options)
-    except InfeasibleError:
-        return None
 
 
 def _run(graph: Graph, cluster: Cluster, options: PlanOptions, planner: str, policy_fn, cfg: LearnConfig,
@@ -58,14 +47,13 @@ def _run(graph: Graph, cluster: Cluster, options: PlanOptions, planner: str, pol
     with torch.random.fork_rng():  # the initial weights come from the seed, not the process's RNG
         torch.manual_seed(options.seed)
         policy = policy_fn(env)
-    warm = None if options.faithful else _warm_plan(graph, cluster, options)
+    warm = None if options.faithful else warm_start(graph, cluster, options)
     if warm is not None:
         stages, devices = env.from_plan(warm)
         policy.warm(stages, devices, cfg.warm_nats)
     else:
         cfg = replace(cfg, warm_nats=0.0)
-    learned = learn(env, policy, cfg, options, FAITHFUL_BUDGET_S if options.faithful else DEFAULT_BUDGET_S,
-                    progress)
+    learned = learn(env, policy, cfg, options, progress)
     found = [env.to_plan(np.array(s), np.array(d), m, planner) for _, s, d, m in learned.candidates]
     run = {"iterations": learned.iterations, "skipped_updates": learned.skipped_updates,
            "fast_evaluations": learned.evaluations,

@@ -1,0 +1,7 @@
+"""`python -m hetplan.cli`, as `hetplan`."""
+
+import sys
+
+from hetplan.cli import main
+
+sys.exit(main())

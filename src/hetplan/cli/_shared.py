@@ -1,0 +1,95 @@
+"""What the commands share: output (a console for tables, one JSON object), loading any input
+file or preset, the planning options, the progress bar and the notes said after success."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from hetplan.cluster import Cluster
+from hetplan.cost import CostModel
+from hetplan.errors import HetplanError, InputError
+from hetplan.graph import Graph
+from hetplan.io import serde
+from hetplan.io.clusters import cluster_from_data, load_cluster, presets
+from hetplan.io.graphs import refuse_pipedream_text
+from hetplan.plan import Plan
+from hetplan.planners import PlanOptions
+
+
+def _console() -> Console:
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=120)
+    return console
+
+
+def _emit_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, indent=1, allow_nan=False) + "\n")
+
+
+def load_any(ref: str) -> Graph | Cluster | Plan:
+    """A graph, cluster or plan file, a cluster description, or a preset name."""
+    path = Path(ref)
+    if path.is_file():
+        if path.suffix in (".yaml", ".yml"):
+            return load_cluster(path)
+        refuse_pipedream_text(path)
+        data = serde.read_json(path)
+        if not serde.is_hetplan_file(data) and isinstance(data, dict) and "devices" in data:
+            return cluster_from_data(data, str(path))
+        return serde.from_dict(data, source=str(path))
+    if ref in presets():
+        return load_cluster(ref)
+    if path.suffix or "/" in ref:
+        raise InputError(f"{ref}: no such file")
+    raise HetplanError(f"{ref!r} is neither a file nor a cluster preset (presets: {', '.join(presets())})")
+
+
+def _options(args: argparse.Namespace) -> PlanOptions:
+    return PlanOptions(
+        microbatches=(None if args.microbatches in (None, "auto")
+                      else _positive_int(args.microbatches, "--microbatches")),
+        schedule=args.schedule, objective=args.objective, seed=args.seed, budget_s=args.budget_s,
+        min_samples_per_s=args.min_samples_per_s, alpha=args.alpha, beta=args.beta, gamma=args.gamma,
+        comm_tolerance=args.comm_tolerance, mem_tolerance=args.mem_tolerance, routing=args.routing,
+        max_iters=args.max_iters,
+        faithful=args.faithful,
+    )
+
+
+def _positive_int(text: str, flag: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise HetplanError(f"{flag}: {text!r} is not a whole number (or 'auto')") from None
+    if value < 1:
+        raise HetplanError(f"{flag}: {value} must be >= 1")
+    return value
+
+
+def _progress_bar():
+    """A progress bar on stderr when it is a terminal, else nothing."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True, highlight=False)
+    if not console.is_terminal:
+        return None
+    return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
+                    transient=True)
+
+
+def _note_projections(args: argparse.Namespace, graph: Graph, cluster: Cluster) -> None:
+    """Which device types' times are projected, not measured (a graph profiled on cpu-2t and
+    planned on cpu-1t workers is otherwise silently a guess): one line, said after the command
+    has succeeded (`main`), so that an error stays the only line."""
+    projected = CostModel(graph, cluster).projected_types()
+    if projected:
+        pairs = ", ".join(f"{target} (from {source})" for target, source in projected.items())
+        args.notes.append(f"graph '{graph.name}' has no times measured on {pairs}: they are projected by the "
+                          "roofline model; profile on those devices to measure them")

@@ -1,0 +1,233 @@
+"""The command line: one `_add_<command>` per command, the options several share as parents
+(`--json`; the planning problem of `plan` and `compare`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hetplan.cli.describe import cmd_catalog, cmd_import_pipedream, cmd_info
+from hetplan.cli.planning import cmd_compare, cmd_plan, cmd_simulate
+from hetplan.cli.profiling import cmd_profile
+from hetplan.cli.running import cmd_calibrate, cmd_demo, cmd_run
+from hetplan.graph import GRANULARITIES
+from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE
+from hetplan.plan import OBJECTIVES, SCHEDULES
+from hetplan.planners import PLANNERS, RL_PLANNERS
+from hetplan.sim.model import ROUTINGS
+from hetplan.zoo import zoo_names
+
+DESCRIPTION = """\
+hetplan plans how to split the training of a PyTorch model across a mixed set of devices,
+predicts how fast and how expensive each plan is, and runs it.
+
+workflow:
+  1. a graph of the model:  hetplan profile gpt2-tiny --device cpu:1 --device cpu:2 -o g.json
+                            (or import one: hetplan import pipedream resnet50/graph.txt -o r50.json)
+  2. a cluster:             a YAML file, or a preset such as hetero-4 (hetplan catalog lists them)
+  3. a plan:                hetplan plan r50.json --cluster hetero-4 -o plan.json   (planner dp)
+                            hetplan compare r50.json --cluster hetero-4              (all planners)
+  4. its predicted step:    hetplan simulate plan.json --graph r50.json --cluster hetero-4 --gantt step.png
+  5. a look at any of them: hetplan info r50.json | hetplan info hetero-4 | hetplan info plan.json
+  6. a real run:            hetplan run plan.json --model gpt2-tiny --graph g.json   (a plan for local CPU
+                            workers or a cluster file with bindings; predicted against measured)
+
+Every command takes --json and then prints one JSON object."""
+
+Subparsers = argparse._SubParsersAction  # what `add_subparsers` returns
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common_options()
+    planning = _planning_options()
+    parser = argparse.ArgumentParser(prog="hetplan", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"hetplan {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_info(sub, common)
+    _add_import(sub, common)
+    _add_plan(sub, common, planning)
+    _add_compare(sub, common, planning)
+    _add_simulate(sub, common)
+    _add_run(sub, common)
+    _add_calibrate(sub, common)
+    _add_demo(sub, common)
+    _add_profile(sub, common)
+    _add_catalog(sub, common)
+    return parser
+
+
+def _version() -> str:
+    from hetplan import __version__
+
+    return __version__
+
+
+def _common_options() -> argparse.ArgumentParser:
+    """What every command takes."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    return common
+
+
+def _planning_options() -> argparse.ArgumentParser:
+    """The planning problem and the planners' settings, of `plan` and `compare`."""
+    planning = argparse.ArgumentParser(add_help=False)
+    planning.add_argument("graph", metavar="GRAPH", help="a graph JSON file")
+    planning.add_argument("--cluster", required=True, metavar="C", help="a cluster file or preset")
+    planning.add_argument("--microbatches", metavar="M|auto",
+                          help="micro-batches per step (default: auto, the planner chooses)")
+    planning.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default: 1f1b)")
+    planning.add_argument("--objective", default="time", choices=OBJECTIVES,
+                          help="time: shortest step; cost: lowest price per sample above --min-samples-per-s; "
+                               "mdpe: Trinity's runtime + communication + memory model (default: time)")
+    planning.add_argument("--min-samples-per-s", type=float, metavar="X", help="throughput floor of --objective cost")
+    planning.add_argument("--seed", type=int, default=0, help="seed of search planners (default: 0)")
+    planning.add_argument("--budget-s", type=float, metavar="T",
+                          help="time budget of search planners (default: 10 for local-search, 20 for the RL "
+                               "planners, 60 with --faithful)")
+    planning.add_argument("--max-iters", type=int, metavar="N",
+                          help="iterations of search planners instead of a time budget (the same plan every run)")
+    planning.add_argument("--faithful", action="store_true",
+                          help="RL planners: the paper's set-up (cold start) instead of a warm start from dp")
+    planning.add_argument("--routing", default="relay", choices=ROUTINGS,
+                          help="how the simulator scoring plans sends tensors between stages (default: relay, "
+                               "as the runtime does)")
+    _add_mdpe_options(planning)
+    return planning
+
+
+def _add_mdpe_options(planning: argparse.ArgumentParser) -> None:
+    mdpe = planning.add_argument_group("mdpe objective")
+    mdpe.add_argument("--alpha", type=float, default=0.5, help="weight of the step time (default: 0.5)")
+    mdpe.add_argument("--beta", type=float, default=0.3, help="weight of communication over tolerance (default: 0.3)")
+    mdpe.add_argument("--gamma", type=float, default=0.2, help="weight of memory over tolerance (default: 0.2)")
+    mdpe.add_argument("--comm-tolerance", type=float, default=0.5,
+                      help="busiest link's share of the step tolerated (default: 0.5)")
+    mdpe.add_argument("--mem-tolerance", type=float, default=0.8,
+                      help="share of a device's memory tolerated (default: 0.8)")
+
+
+def _add_info(sub: Subparsers, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("info", parents=[common], help="summarise a graph, cluster or plan file, or a preset")
+    p.add_argument("target", metavar="FILE|PRESET")
+    p.set_defaults(func=cmd_info)
+
+
+def _add_import(sub: Subparsers, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("import", help="import another tool's profile into a hetplan graph")
+    fmt = p.add_subparsers(dest="format", metavar="FORMAT", required=True)
+    q = fmt.add_parser("pipedream", parents=[common], help="a PipeDream profiler graph.txt")
+    q.add_argument("path", type=Path, metavar="PATH/graph.txt")
+    q.add_argument("-o", "--output", type=Path, required=True, help="the graph JSON to write")
+    q.add_argument("--name", help="graph name (default: the profile's folder name)")
+    q.add_argument("--device-type", default=DEFAULT_DEVICE_TYPE,
+                   help=f"device type the profile was taken on (default: {DEFAULT_DEVICE_TYPE})")
+    q.add_argument("--batch-size", type=int, help="batch size of the profile (read off image inputs if omitted)")
+    q.set_defaults(func=cmd_import_pipedream)
+
+
+def _add_plan(sub: Subparsers, common: argparse.ArgumentParser, planning: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("plan", parents=[common, planning], help="split a graph over a cluster with a planner")
+    p.add_argument("--planner", default="dp", choices=list(PLANNERS), metavar="NAME",
+                   help=f"one of: {', '.join(PLANNERS)} (default: dp)")
+    p.add_argument("-o", "--output", type=Path, help="the plan JSON to write")
+    p.add_argument("--curve", type=Path, metavar="PREFIX",
+                   help="RL planners: write the learning curve to PREFIX.csv and PREFIX.png (and TensorBoard "
+                        "events under PREFIX-tb/ when tensorboard is installed)")
+    p.set_defaults(func=cmd_plan)
+
+
+def _add_compare(sub: Subparsers, common: argparse.ArgumentParser, planning: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("compare", parents=[common, planning], help="run several planners on one problem, side by side")
+    p.add_argument("--planners", metavar="A,B,...",
+                   help=f"planners to run, of: {', '.join(PLANNERS)} (default: all but the RL planners "
+                        f"{', '.join(RL_PLANNERS)}, which take their budget each)")
+    p.set_defaults(func=cmd_compare)
+
+
+def _add_simulate(sub: Subparsers, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("simulate", parents=[common], help="predict a plan's step: time, memory, traffic, price",
+                       description="Replay one training step of a plan with the event-driven simulator.")
+    p.add_argument("plan", metavar="PLAN", help="a plan JSON file")
+    p.add_argument("--graph", required=True, metavar="G", help="the graph JSON the plan was made for")
+    p.add_argument("--cluster", required=True, metavar="C", help="a cluster file or preset")
+    p.add_argument("--routing", default="relay", choices=ROUTINGS,
+                   help="relay: only neighbouring stages talk, as in hetplan's runtime (default); "
+                        "direct: each tensor goes straight to the stages that use it, branches run in parallel")
+    p.add_argument("--gantt", type=Path, metavar="OUT.png", help="write a Gantt chart of the step (.png/.svg/.pdf)")
+    p.add_argument("--trace", type=Path, metavar="OUT.json",
+                   help="write the timeline as a Chrome trace (chrome://tracing, ui.perfetto.dev)")
+    p.set_defaults(func=cmd_simulate)
+
+
+def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("run", parents=[common], help="train with a plan on workers; measured against predicted",
+                       description="Run a plan for real: one worker process per stage replica, each "
+                                   "running its stage's scheduled actions over gloo.")
+    p.add_argument("plan", metavar="PLAN", help="a plan JSON file")
+    p.add_argument("--model", required=True, help=f"the profiled model: a zoo model ({', '.join(zoo_names())}) "
+                                                  "or module.path:factory")
+    p.add_argument("--graph", metavar="G", help="the graph the plan was made for (for the prediction and the shapes)")
+    p.add_argument("--cluster", metavar="C", help="cluster file or preset (default: the plan's, e.g. local)")
+    p.add_argument("--batch-size", type=int, help="samples per step (default: the graph's)")
+    p.add_argument("--seq-len", type=int, help="sequence length (default: the graph's)")
+    p.add_argument("--granularity", choices=GRANULARITIES, help="as profiled (default: the graph's)")
+    p.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (default: 2)")
+    p.add_argument("--data", choices=("synthetic", "text"), default="synthetic",
+                   help="synthetic random batches, or text: the Python standard library's sources, byte-level")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", type=Path, metavar="DIR")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="stop every worker when none moves for this long")
+    p.add_argument("--out", type=Path, default=Path("out/run"), help="the run folder: logs, run.json, result")
+    p.add_argument("--dry-run", action="store_true",
+                   help="write the run folder's run.json and print the torchrun command of each machine")
+    p.set_defaults(func=cmd_run)
+
+
+def _add_calibrate(sub: Subparsers, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("calibrate", parents=[common],
+                       help="measure the runtime's cost per pipeline action on a cluster's CPU workers")
+    p.add_argument("--cluster", default="local", metavar="C", help="a cluster file or preset (default: local)")
+    p.add_argument("--steps", type=int, default=10, help="steps per probe run (default: 10)")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the calibrated cluster JSON to write")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def _add_demo(sub: Subparsers, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("demo", parents=[common], help="profile, plan, simulate and run gpt2-tiny on this machine")
+    p.add_argument("--out", type=Path, default=Path("out/demo/report"), help="the report folder")
+    p.add_argument("--steps", type=int, default=12, help="training steps per run, 3 of them warm-up (default: 12)")
+    p.add_argument("--budget-s", type=float, default=3.0, help="local-search's budget (default: 3)")
+    p.set_defaults(func=cmd_demo)
+
+
+def _add_profile(sub: Subparsers, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("profile", parents=[common], help="profile a model's training step into a graph")
+    p.add_argument("model", metavar="MODEL", help=f"a zoo model ({', '.join(zoo_names())}) or module.path:factory")
+    p.add_argument("--batch-size", type=int, help="samples per batch (default: the zoo entry's)")
+    p.add_argument("--seq-len", type=int, help="sequence length of language models (default: the zoo entry's)")
+    p.add_argument("--device", action="append", metavar="D",
+                   help="cpu, cpu:N (N threads), cuda or cuda:K; repeat to profile on several (default: cpu)")
+    p.add_argument("--granularity", default="layer", choices=GRANULARITIES,
+                   help="layer: one node per leaf module; block: one per repeated block (default: layer)")
+    p.add_argument("--block-class", action="append", metavar="CLASS",
+                   help="class name of the repeated block, for --granularity block on your own model")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per node; the median is kept (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch")
+    p.add_argument("--calibrate", action="store_true",
+                   help="scale the nodes' isolated times to the pieces' time run in sequence (experimental)")
+    p.add_argument("--check", action="store_true",
+                   help="also time the unsplit step and print the ratio of the sum of node times to it")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the graph JSON to write")
+    p.set_defaults(func=cmd_profile)
+
+
+def _add_catalog(sub: Subparsers, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("catalog", parents=[common], help="list device types, cluster presets and planners")
+    p.set_defaults(func=cmd_catalog)

@@ -1,0 +1,114 @@
+"""The commands that plan and predict: `plan`, `compare` (several planners side by side) and
+`simulate` (a plan's step, with its Gantt chart or Chrome trace)."""
+
+from __future__ import annotations
+
+import argparse
+
+from hetplan.cli._shared import _console, _emit_json, _note_projections, _options, _progress_bar
+from hetplan.io import serde
+from hetplan.io.clusters import load_cluster
+from hetplan.io.graphs import load_graph
+from hetplan.plan import validate_plan
+from hetplan.planners import PLANNERS, RL_PLANNERS, get_planner, make_plan
+from hetplan.report import tables
+from hetplan.report.summary import plan_summary
+from hetplan.units import fmt_seconds
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    graph = load_graph(args.graph)
+    cluster = load_cluster(args.cluster)
+    _note_projections(args, graph, cluster)
+    options = _options(args)
+    bar = _progress_bar()
+    if bar is None:
+        plan = make_plan(graph, cluster, args.planner, options)
+    else:
+        with bar:
+            task = bar.add_task(f"planning with {args.planner}", total=1.0)
+            plan = make_plan(graph, cluster, args.planner, options,
+                             progress=lambda done: bar.update(task, completed=done))
+    curve_files = []
+    if args.curve:
+        from hetplan.report.curve import write_curve
+
+        curve_files = write_curve(plan, args.curve)
+    if args.output:
+        serde.dump(plan, args.output)
+    if args.json:
+        _emit_json({**plan_summary(plan), "output": str(args.output) if args.output else None,
+                    **({"curve_files": curve_files} if args.curve else {})})
+        return 0
+    console = _console()
+    tables.show_plan(console, plan, graph, cluster)
+    if args.output:
+        console.print(f"wrote {args.output}")
+    for f in curve_files:
+        console.print(f"wrote {f}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from hetplan.planners.compare import compare
+
+    graph = load_graph(args.graph)
+    cluster = load_cluster(args.cluster)
+    _note_projections(args, graph, cluster)
+    options = _options(args)
+    names = ([n.strip() for n in args.planners.split(",") if n.strip()] if args.planners
+             else [n for n in PLANNERS if n not in RL_PLANNERS])
+    for name in names:
+        get_planner(name)
+    bar = _progress_bar()
+    if bar is None:
+        result = compare(graph, cluster, names, options)
+    else:
+        with bar:
+            task = bar.add_task("comparing", total=len(names))
+
+            def step(name: str, done: float) -> None:
+                bar.update(task, description=f"planning with {name}", completed=names.index(name) + done)
+
+            result = compare(graph, cluster, names, options, progress=step)
+    if args.json:
+        _emit_json(result.to_json())
+        return 0
+    tables.show_comparison(_console(), result, graph, cluster)
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from hetplan.report.summary import estimate_summary
+    from hetplan.sim import simulate
+
+    plan = serde.load(args.plan, expect="plan")
+    graph = load_graph(args.graph)
+    cluster = load_cluster(args.cluster)
+    _note_projections(args, graph, cluster)
+    validate_plan(plan, graph, cluster, source=str(args.plan))
+    sim = simulate(graph, cluster, plan, routing=args.routing, timeline=bool(args.gantt or args.trace))
+    est = sim.estimate
+    if args.gantt:
+        from hetplan.report.gantt import draw_gantt
+
+        labels = {d: f"{d} ({cluster.device(d).type}) · stage {i}"
+                  for i, stage in enumerate(plan.stages) for d in stage.devices}
+        title = (f"{graph.name} on {cluster.name}: {plan.planner} plan, {len(plan.stages)} stages, "
+                 f"{plan.microbatches} micro-batches, {plan.schedule}; step {fmt_seconds(est.step_s)}, "
+                 f"bubble {est.bubble_fraction:.0%}")
+        draw_gantt(sim.timeline, args.gantt, title=title, device_labels=labels)
+    if args.trace:
+        from hetplan.report.gantt import write_chrome_trace
+
+        write_chrome_trace(sim.timeline, args.trace)
+    if args.json:
+        _emit_json({"kind": "simulation", "routing": args.routing, **estimate_summary(est),
+                    "gantt": str(args.gantt) if args.gantt else None, "trace": str(args.trace) if args.trace else None})
+        return 0
+    console = _console()
+    tables.show_simulation(console, plan, cluster, est)
+    for what, path in (("Gantt chart", args.gantt), ("Chrome trace", args.trace)):
+        if path:
+            console.print(f"wrote {what} {path}")
+    return 0

@@ -1,0 +1,53 @@
+"""`hetplan profile`: a model's training step, timed piece by piece, into a graph."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from hetplan.cli._shared import _console, _emit_json
+from hetplan.io import serde
+from hetplan.report.summary import graph_summary
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from hetplan.profile import profile_step
+    from hetplan.zoo import load_model
+
+    console = Console(stderr=True, highlight=False)
+    zoo_model = load_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
+    with console.status("profiling", spinner="dots") as status:
+        report = profile_step(
+            zoo_model.step, zoo_model.batch, name=zoo_model.name, devices=args.device or ["cpu"],
+            granularity=args.granularity,
+            block_classes=args.block_class or zoo_model.block_classes or None,
+            repeats=args.repeats, seed=args.seed, check=args.check, calibrate=args.calibrate,
+            progress=(lambda msg: status.update(f"profiling {msg}")) if console.is_terminal else None,
+        )
+    graph = report.graph
+    serde.dump(graph, args.output)
+    summary = {**{k: v for k, v in graph_summary(graph).items() if k != "ops"}, "kind": "profile",
+               "output": str(args.output), "profile_s": report.profile_s,
+               "whole_step_s": dict(report.whole_step_s),
+               "whole_step_range_s": {k: list(v) for k, v in report.whole_step_range_s.items()},
+               "check_ratio": dict(report.check_ratio), "check_ratio_median": dict(report.check_ratio_median),
+               "check_ratio_isolated": dict(report.check_ratio_isolated)}
+    if args.json:
+        _emit_json(summary)
+        return 0
+    out = _console()
+    out.print(f"wrote {args.output}: graph {graph.name!r} at {graph.meta['granularity']} granularity, "
+              f"{len(graph.nodes)} nodes, {len(graph.edges)} edges, batch {graph.batch_size}, "
+              f"profiled on {', '.join(graph.device_types)} in {report.profile_s:.1f} s")
+    for dtype, ratio in report.check_ratio.items():
+        low, high = report.whole_step_range_s[dtype]
+        before = f"{report.check_ratio_isolated[dtype]:.3f} before calibration; " if args.calibrate else ""
+        out.print(f"check on {dtype}: sum of node times / measured whole step = {ratio:.3f} comparing the "
+                  f"fastest runs, {report.check_ratio_median[dtype]:.3f} comparing medians; {before}"
+                  f"whole step {_ms(report.whole_step_s[dtype])} median, {_ms(low)} to {_ms(high)}")
+    return 0
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"

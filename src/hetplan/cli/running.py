@@ -1,0 +1,116 @@
+"""The commands that run: `run` (a plan on workers, measured against predicted; `--dry-run`
+writes RUN.json and prints torchrun commands), `calibrate` and `demo`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+from hetplan.cli._shared import _console, _emit_json, _note_projections, _progress_bar
+from hetplan.errors import HetplanError
+from hetplan.io import serde
+from hetplan.io.clusters import load_cluster
+from hetplan.io.graphs import load_graph
+from hetplan.report import tables
+from hetplan.units import fmt_seconds
+
+if TYPE_CHECKING:
+    from hetplan.runtime.spec import RunSpec
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from hetplan.runtime.run import RunSettings, prepare_run, run_plan
+
+    plan = serde.load(args.plan, expect="plan")
+    graph = load_graph(args.graph) if args.graph else None
+    cluster_ref = args.cluster or plan.cluster
+    if not cluster_ref:
+        raise HetplanError("the plan does not name its cluster; pass --cluster C")
+    cluster = load_cluster(cluster_ref)
+    if graph is not None:
+        _note_projections(args, graph, cluster)  # said only if the run succeeds
+    settings = RunSettings(
+        steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
+        granularity=args.granularity, seed=args.seed, optimizer=args.optimizer, lr=args.lr, data=args.data,
+        out_dir=args.out, timeout_s=args.timeout_s, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume)
+    if args.dry_run:
+        return _dry_run(args, prepare_run(plan, cluster, args.model, graph, settings, source=str(args.plan))[0])
+    bar = _progress_bar()
+    if bar is None:
+        report = run_plan(plan, cluster, args.model, graph, settings, source=str(args.plan))
+    else:
+        with bar:
+            task = bar.add_task(f"running {sum(len(st.devices) for st in plan.stages)} workers", total=args.steps)
+            report = run_plan(plan, cluster, args.model, graph, settings, source=str(args.plan),
+                              progress=lambda done, total: bar.update(task, completed=done))
+    summary = report.summary(str(args.plan))
+    if args.json:
+        _emit_json(summary)
+        return 0
+    tables.show_run(_console(), summary, plan)
+    return 0
+
+
+def _dry_run(args: argparse.Namespace, spec: RunSpec) -> int:
+    from hetplan.runtime.launch import torchrun_commands, write_spec
+
+    path = write_spec(spec)
+    commands = torchrun_commands(path, spec)
+    if args.json:
+        _emit_json({"kind": "run", "dry_run": True, "run_json": str(path), "torchrun": commands})
+        return 0
+    console = _console()
+    console.print(f"wrote {path}; copy it to the same path on every machine, then run, one per machine "
+                  "(set --master-addr to the first machine's address):")
+    for cmd in commands:
+        console.print(f"  {cmd}", soft_wrap=True)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from hetplan.runtime.calibrate import calibrate_cluster
+
+    cluster = load_cluster(args.cluster)
+    err = Console(stderr=True, highlight=False)
+    calibrated, report = calibrate_cluster(cluster, steps=args.steps,
+                                           say=(lambda msg: None) if args.json else err.print)
+    serde.dump(calibrated, args.output)
+    if args.json:
+        _emit_json({"kind": "calibration", **report, "output": str(args.output)})
+        return 0
+    link = ""
+    if "link_bandwidth_Bps" in report:
+        link = (f"gloo between local workers {report['link_bandwidth_Bps'] / 1e9:.2f} GB/s, "
+                f"{report['link_latency_s'] * 1e6:.0f} us latency; ")
+    _console().print(f"{link}runtime overhead on {cluster.name}'s CPU workers: {report['action_overhead_s'] * 1e3:.2f} "
+                     f"ms per pipeline action, {report['step_overhead_s'] * 1e3:.1f} ms per step; wrote {args.output} "
+                     "(use it as --cluster)")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from hetplan.demo import run_demo
+
+    err = Console(stderr=True, highlight=False)
+    summary = run_demo(args.out, steps=args.steps, budget_s=args.budget_s,
+                       say=(lambda msg: None) if args.json else err.print)
+    if args.json:
+        _emit_json(summary)
+        return 0
+    from rich.table import Table
+
+    console = _console()
+    table = Table(title=f"{summary['model']} on {summary['cluster']}: predicted against measured",
+                  title_justify="left")
+    for col in ("plan", "stages", "workers", "m", "predicted step", "measured step", "error"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for r in summary["runs"]:
+        table.add_row(r["label"], str(r["stages"]), str(r["devices"]), str(r["microbatches"]),
+                      fmt_seconds(r["predicted_step_s"]), fmt_seconds(r["measured_step_s"]), f"{r['error']:+.0%}")
+    console.print(table)
+    console.print(f"measured speed-up of the chosen plan ({summary['chosen']}) over the faster other baseline: "
+                  f"{summary['speedup_over_best_baseline']:.2f}x; report in {args.out}/report.md")
+    return 0

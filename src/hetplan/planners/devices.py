@@ -1,0 +1,86 @@
+"""Device orders for the dynamic program (`hetplan.planners.dp`) and exact search: which devices
+are interchangeable, and the sequences of devices along which stages take their replicas.
+
+Every distinct order of the cluster's device classes (devices of one type, host, memory, price
+and threads, with no link of their own) when there are at most `MAX_ORDERS`; otherwise orders
+that keep types and hosts together, one per order of the types (fastest first, ...), plus
+cheapest-per-speed first for the cost objective.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Iterator
+
+from hetplan.cluster import Cluster
+
+MAX_ORDERS = 24
+
+
+def device_classes(cluster: Cluster) -> list[list[str]]:
+    """Groups of interchangeable devices: same type, host, memory, price and threads, and no
+    link of their own."""
+    special = {d for o in cluster.links for d in o.between}
+    classes: dict[tuple, list[str]] = {}
+    for d in cluster.devices:
+        key = (d.type, d.host, d.mem_bytes, d.usd_per_hour, d.threads, d.id if d.id in special else "")
+        classes.setdefault(key, []).append(d.id)
+    return list(classes.values())
+
+
+def distinct_permutations(items: list) -> Iterator[list]:
+    """The distinct orders of a sorted multiset, in lexicographic order (the classic next-
+    permutation step), each made in O(n): 16 identical devices have one order, not 16! tuples
+    to deduplicate."""
+    seq = list(items)
+    while True:
+        yield list(seq)
+        i = len(seq) - 2
+        while i >= 0 and seq[i] >= seq[i + 1]:
+            i -= 1
+        if i < 0:
+            return
+        j = len(seq) - 1
+        while seq[j] <= seq[i]:
+            j -= 1
+        seq[i], seq[j] = seq[j], seq[i]
+        seq[i + 1:] = reversed(seq[i + 1:])
+
+
+def device_orders(cluster: Cluster, speed: dict[str, float], objective: str,
+                  limit: int = MAX_ORDERS) -> list[tuple[str, ...]]:
+    """Sequences of all devices: every distinct order of device classes (`device_classes`) when
+    there are at most `limit`, else a few orders that keep types and hosts together."""
+    classes = {(cluster.device(ids[0]).type, cluster.device(ids[0]).host, k): ids
+               for k, ids in enumerate(device_classes(cluster))}  # (type, host, number) -> ids
+    counts = Counter({c: len(ids) for c, ids in classes.items()})
+    n_orders = math.factorial(sum(counts.values()))
+    for c in counts.values():
+        n_orders //= math.factorial(c)
+
+    def realise(seq: list[tuple[str, str, int]]) -> tuple[str, ...]:
+        taken: dict[tuple[str, str, int], int] = {}
+        out = []
+        for c in seq:
+            out.append(classes[c][taken.get(c, 0)])
+            taken[c] = taken.get(c, 0) + 1
+        return tuple(out)
+
+    if n_orders <= limit:
+        return [realise(s) for s in distinct_permutations(sorted(c for c, k in counts.items() for _ in range(k)))]
+    types = sorted({c[0] for c in classes}, key=lambda t: (-speed[t], t))
+    type_orders = list(itertools.permutations(types)) if len(types) <= 3 else [tuple(types), tuple(reversed(types))]
+    orders = []
+    for tord in type_orders:
+        seq = []
+        for t in tord:
+            for key, ids in sorted(classes.items(), key=lambda kv: kv[0][1:]):
+                if key[0] == t:
+                    seq += [key] * len(ids)
+        orders.append(realise(seq))
+    if objective == "cost":  # cheapest work first: price per unit of speed
+        seq = sorted(classes, key=lambda c: (cluster.device(classes[c][0]).usd_per_hour / speed[c[0]], c))
+        orders.append(realise([c for c in seq for _ in classes[c]]))
+    return list(dict.fromkeys(orders))[:limit]

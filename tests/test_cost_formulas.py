@@ -1,0 +1,103 @@
+"""hetplan.cost.formulas: the array forms agree with the scalar forms, and no module outside
+hetplan.cost writes a cost formula of its own (issue 14: one owner per formula)."""
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetplan.cost import formulas
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "hetplan"
+RNG_CASES = 200
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(14)
+
+
+def _bytes(rng, n):
+    # zeros included: nothing to send, no parameters
+    return np.where(rng.random(n) < 0.2, 0.0, rng.integers(1, 2**34, n).astype(float))
+
+
+def test_transfer_array_equals_scalar(rng):
+    nbytes, bw, lat = _bytes(rng, RNG_CASES), rng.uniform(1e6, 1e12, RNG_CASES), rng.uniform(0, 1e-3, RNG_CASES)
+    batched = formulas.transfer_s_array(nbytes, bw, lat)
+    for k in range(RNG_CASES):
+        assert batched[k] == pytest.approx(formulas.transfer_s(nbytes[k], bw[k], lat[k]), rel=1e-15, abs=0)
+    assert formulas.transfer_s(0.0, 1e9, 1e-5) == 0.0
+    assert formulas.transfer_s(1e9, 1e9, 1e-5) == pytest.approx(1.0 + 1e-5)
+
+
+def test_allreduce_array_equals_scalar(rng):
+    nbytes, r = _bytes(rng, RNG_CASES), rng.integers(1, 17, RNG_CASES)
+    bw, lat = rng.uniform(1e6, 1e12, RNG_CASES), rng.uniform(0, 1e-3, RNG_CASES)
+    batched = formulas.allreduce_s_array(nbytes, r, bw, lat)
+    for k in range(RNG_CASES):
+        assert batched[k] == pytest.approx(formulas.allreduce_s(nbytes[k], int(r[k]), bw[k], lat[k]), rel=1e-15, abs=0)
+    # closed form: 4 replicas, 2(r - 1) = 6 steps of a quarter of the bytes each
+    assert formulas.allreduce_s(4e9, 4, 1e9, 0.0) == pytest.approx(6.0)
+    assert formulas.allreduce_s(4e9, 1, 1e9, 0.0) == 0.0
+
+
+def test_memory_array_equals_scalar(rng):
+    params, acts, share = _bytes(rng, RNG_CASES), _bytes(rng, RNG_CASES), rng.random(RNG_CASES)
+    batched = formulas.stage_memory_bytes_array(params, acts, share)
+    for k in range(RNG_CASES):
+        assert batched[k] == formulas.stage_memory_bytes(params[k], acts[k], share[k])
+    assert formulas.stage_memory_bytes(100, 10, 0.5) == 4 * 100 + 5
+    assert formulas.activation_room_bytes(1000, 100) == 600
+
+
+def test_optimizer_and_price_arrays_equal_scalars(rng):
+    params, bw = _bytes(rng, RNG_CASES), rng.uniform(1e9, 3e12)
+    batched = formulas.optimizer_s(params, bw)
+    for k in range(RNG_CASES):
+        assert batched[k] == formulas.optimizer_s(params[k], bw)
+    assert formulas.optimizer_s(1e9, 7e9) == pytest.approx(1.0)
+    usd, step = rng.uniform(0, 50, RNG_CASES), rng.uniform(0, 10, RNG_CASES)
+    batched = formulas.usd_per_step(usd, step)
+    for k in range(RNG_CASES):
+        assert batched[k] == formulas.usd_per_step(usd[k], step[k])
+    assert formulas.usd_per_step(3.6, 1000.0) == pytest.approx(1.0)
+
+
+def _outside_cost():
+    for path in sorted(SRC.rglob("*.py")):
+        if "cost" not in path.relative_to(SRC).parts[:1]:
+            yield path, path.read_text()
+
+
+def _formula_lines(path: Path, text: str) -> list[str]:
+    """Places that write a cost formula: a division by a bandwidth, the weight-copies or
+    optimizer-passes constants, seconds per hour."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        where = f"{path.relative_to(SRC)}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            right = ast.get_source_segment(text, node.right) or ""
+            if any(k in right.lower() for k in ("bandwidth", "_bw", "bps")):
+                found.append(f"{where}: bytes / bandwidth: {ast.get_source_segment(text, node)}")
+        if isinstance(node, ast.Name | ast.Attribute):
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            if name in ("WEIGHT_COPIES", "OPTIMIZER_PASSES", "OPTIMIZER_STATE_COPIES", "inflight_microbatches"):
+                found.append(f"{where}: {name}")
+        if isinstance(node, ast.Constant) and node.value in (3600, 3600.0) and not isinstance(node.value, bool):
+            found.append(f"{where}: seconds per hour")
+    return found
+
+
+def test_no_cost_formula_outside_the_cost_package():
+    found = [line for path, text in _outside_cost() for line in _formula_lines(path, text)]
+    # the schedule module owns the count of micro-batches in flight; the cost package uses it
+    found = [f for f in found if not f.startswith("schedule.py") or "inflight_microbatches" not in f]
+    assert found == []
+
+
+def test_the_rule_finds_a_formula():
+    text = "def f(link, n):\n    return link.latency_s + n / link.bandwidth_Bps + 4 * WEIGHT_COPIES / 3600\n"
+    found = _formula_lines(SRC / "x.py", text)
+    assert len(found) == 3
