@@ -33,7 +33,8 @@ set S_k minus S_(k-1). We extend both papers:
   sum of per-stage terms, so the program keeps, per state, a Pareto front of labels (sum, P,
   all-reduce, stages after, the fewest micro-batches memory allows, price per hour when the
   objective is cost) instead of one number, and m is chosen at the end from {1, 2, 4, ..., 32}
-  (or the user's m).
+  (or the user's m), leaving out m whose micro-batches have fewer rows than a stage has replicas
+  (the runtime splits rows whole, so a replica would idle in every micro-batch; issue 14's note).
 
 Recurrence, from the end of the pipeline backwards: F(j, e) is the front of ways to run the
 nodes outside S_j on devices e, e+1, ... of the order (devices after the last stage unused), with
@@ -142,6 +143,15 @@ class Label(NamedTuple):
     stage: tuple[int, int, int, int] | None  # its first stage: (state i, state j, position d, replicas k)
     parent: Label | None
     rank: float  # the step at m_max (times the price for cost): which labels a full front drops
+    k_max: int = 1  # its largest replica group: micro-batches need at least that many rows
+
+
+def rows_for_replicas(batch_size: int, m: int, k_max: int, choices: tuple[int, ...]) -> bool:
+    """Whether every micro-batch has a row for each of k_max replicas. The runtime (and the
+    simulator) split micro-batches in whole rows (`hetplan.rows`): with fewer rows than replicas
+    some replica idles in every micro-batch, which the program's model (replicas share each
+    micro-batch's time) does not see; such m are left out unless no allowed m has the rows."""
+    return batch_size // m >= k_max or not any(batch_size // c >= k_max for c in choices)
 
 
 def model_step_s(lab: Label, m: int) -> float:
@@ -217,7 +227,7 @@ class _Front:
     def _covers(self, o: Label, lab: Label, slack: float) -> bool:
         """o is at least as good as lab in every tracked dimension (times within `slack`)."""
         return (o.sum_s <= lab.sum_s * slack and o.max_s <= lab.max_s * slack and o.ar_s <= lab.ar_s * slack
-                and o.m_req <= lab.m_req and (not self.track_r or o.after <= lab.after)
+                and o.m_req <= lab.m_req and o.k_max <= lab.k_max and (not self.track_r or o.after <= lab.after)
                 and (not self.track_price or o.usd_per_hour <= lab.usd_per_hour))
 
     def add(self, key: tuple[int, int], lab: Label) -> None:
@@ -280,7 +290,7 @@ def _extend(lab: Label, stage: tuple[int, int, int, int], ts: float, rt: float, 
     if low > bound_s or (setup.track_price and usd_per_step(lab.usd_per_hour, low) > bound_usd):
         return None
     out = Label(s2, mx2, max(lab.ar_s, ar), lab.after + 1, mr, lab.usd_per_hour, stage[3], lab.lat_s + lt, stage,
-                lab, 0.0)
+                lab, 0.0, max(lab.k_max, stage[3]))
     rank = model_step_s(out, m_max) * (out.usd_per_hour if setup.track_price else 1.0)
     return out._replace(rank=rank)
 
@@ -363,7 +373,7 @@ def _pool(prob: _Problem, scorer: Scorer, orders: list[tuple[str, ...]], choices
     for order in orders:
         for lab in _run_order(prob, scorer, order, options, max(choices), bound, bound_usd=bound_usd):
             for m in choices:
-                if m < lab.m_req:
+                if m < lab.m_req or not rows_for_replicas(graph.batch_size, m, lab.k_max, choices):
                     continue
                 t = model_step_s(lab, m)
                 if options.objective == "cost":
