@@ -64,3 +64,33 @@ def test_no_import_cycle_among_modules():
 def test_the_cluster_model_reads_no_files():
     imports = imports_of(SRC / "hetplan" / "cluster.py")
     assert not any(name.startswith("hetplan.io") for name in imports)
+
+
+# The layers, lowest first (issue 14): a module imports only from its own layer or lower ones.
+LAYERS = (
+    "hetplan.errors hetplan.units hetplan._frozen hetplan.machine hetplan.schedule hetplan.rows hetplan.catalog",
+    "hetplan.graph hetplan.cluster hetplan.plan",
+    "hetplan.cost hetplan.io",
+    "hetplan.sim hetplan.runtime.support",  # what the runtime can execute: data the planners read
+    "hetplan.planners hetplan.zoo hetplan.profile",
+    "hetplan.runtime hetplan.report",
+    "hetplan.demo hetplan.cli hetplan.__main__ hetplan",
+)
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest prefix in LAYERS that names the module."""
+    found = [(len(p), k) for k, names in enumerate(LAYERS) for p in names.split()
+             if module == p or module.startswith(p + ".")]
+    assert found, f"{module} is in no layer: add it to LAYERS"
+    return max(found)[1]
+
+
+def test_no_module_reaches_up_a_layer():
+    up = [f"{a} -> {b}" for a, b in import_graph().edges if layer_of(b) > layer_of(a)]
+    assert up == []
+
+
+def test_the_layer_rule_sees_an_upward_import():
+    assert layer_of("hetplan.cost.formulas") < layer_of("hetplan.sim.engine") < layer_of("hetplan.cli.parser")
+    assert layer_of("hetplan.runtime.support") < layer_of("hetplan.planners.dp") < layer_of("hetplan.runtime.rank")

@@ -80,7 +80,7 @@ from hetplan.planners.devices import device_orders
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.scoring import Scorer
-from hetplan.planners.states import coarsen, cut_states
+from hetplan.planners.states import StateSums
 from hetplan.schedule import get_schedule
 from hetplan.sim.fast import fast_step_s
 
@@ -93,40 +93,6 @@ BASELINE_SLACK = 0.25  # the program's model may find a baseline's plan this muc
 POOL = 256  # candidates the fast path re-ranks before the event simulator scores TOP_K of them
 SMALL_CLUSTER = 8  # up to this many devices a stage may take any number of them as replicas
 BIG_CLUSTER_REPLICAS = 4  # on bigger clusters, at most this many
-
-
-class _Problem:
-    """Per-state sums (time per device type, parameters, activations, bytes across the cut)."""
-
-    def __init__(self, graph: Graph, scorer: Scorer, max_states: int) -> None:
-        self.graph = graph
-        cm = scorer.cost
-        states = cut_states(graph)
-        mat = states.matrix().astype(float)
-        by_id = graph.by_id
-        order = states.order
-        self.types = sorted({d.type for d in scorer.cluster.devices})
-        node_t = {t: cm.node_times_s(t) for t in self.types}
-        self.time = {t: mat @ np.array([sum(node_t[t][v]) for v in order]) for t in self.types}
-        ref = self.types[0]
-        index = {v: k for k, v in enumerate(order)}
-        src = np.array([index[e.src] for e in graph.edges], dtype=int)
-        dst = np.array([index[e.dst] for e in graph.edges], dtype=int)
-        nbytes = np.array([float(e.bytes) for e in graph.edges])
-        cut = ((mat[:, src] > 0) & (mat[:, dst] == 0)) @ nbytes if len(graph.edges) else np.zeros(len(states))
-        keep = coarsen(states, self.time[ref], cut, max_states)
-        self.ideals = [states.ideals[k] for k in keep]
-        self.time = {t: v[keep] for t, v in self.time.items()}
-        self.params = (mat @ np.array([float(by_id[v].param_bytes) for v in order]))[keep]
-        self.acts = (mat @ np.array([float(by_id[v].act_bytes) for v in order]))[keep]
-        self.cut = cut[keep]
-        self.states = states
-        n = len(self.ideals)
-        self.below = [[i for i in range(j) if self.ideals[i] & ~self.ideals[j] == 0 and i != j] for j in range(n)]
-        self.below_arr = [np.array(b, dtype=int) for b in self.below]
-
-    def nodes(self, i: int, j: int) -> tuple[str, ...]:
-        return self.states.members(self.ideals[j] & ~self.ideals[i])
 
 
 class Label(NamedTuple):
@@ -164,7 +130,7 @@ class _Order:
     smallest memory per type, all-reduce ring, optimizer and per-step costs), links, prices and
     the least time the work of each state can take on the first d devices."""
 
-    def __init__(self, prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: PlanOptions) -> None:
+    def __init__(self, prob: StateSums, scorer: Scorer, order: tuple[str, ...], options: PlanOptions) -> None:
         cluster = scorer.cluster
         self.order, self.D = order, len(order)
         self.dev = [cluster.device(x) for x in order]
@@ -185,7 +151,7 @@ class _Order:
         self.rest = self._rest(len(prob.types))
         self._ending: tuple = (-1, None)
 
-    def ending_at(self, prob: _Problem, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def ending_at(self, prob: StateSums, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For stages S_j - S_i over every earlier state i: the i, the stage's time per device
         type (types, candidates), its parameter bytes and its activation bytes (kept for the last j)."""
         if self._ending[0] != j:
@@ -194,7 +160,7 @@ class _Order:
                                 prob.params[j] - prob.params[below], prob.acts[j] - prob.acts[below]))
         return self._ending[1]
 
-    def _group(self, prob: _Problem, scorer: Scorer, d: int, k: int) -> tuple:
+    def _group(self, prob: StateSums, scorer: Scorer, d: int, k: int) -> tuple:
         cnt = [0] * len(prob.types)
         mem: dict[int, float] = {}
         for x in range(d, d + k):
@@ -241,7 +207,7 @@ class _Front:
             labels.remove(max(labels, key=lambda o: o.rank))
 
 
-def _stage_options(prob: _Problem, setup: _Order, j: int, d: int, k: int, bound_s: float) -> tuple:
+def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound_s: float) -> tuple:
     """For the stage S_j - S_i on devices d .. d+k-1, over every earlier state i at once: which
     i are allowed (time bound, memory, devices left), the stage's time, its memory need over
     what is free (the worst replica type), and its all-reduce + optimizer step."""
@@ -295,7 +261,7 @@ def _extend(lab: Label, stage: tuple[int, int, int, int], ts: float, rt: float, 
     return out._replace(rank=rank)
 
 
-def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: PlanOptions,
+def _run_order(prob: StateSums, scorer: Scorer, order: tuple[str, ...], options: PlanOptions,
                m_max: int, bound_s: float, max_labels: int = MAX_LABELS,
                bound_usd: float = math.inf) -> list[Label]:
     """The Pareto front at ({}, device 0) for one device order."""
@@ -314,7 +280,7 @@ def _run_order(prob: _Problem, scorer: Scorer, order: tuple[str, ...], options: 
     return front.labels.get((0, 0), [])
 
 
-def _stages_into(front: _Front, labels: list[Label], prob: _Problem, setup: _Order, j: int, e: int, k: int,
+def _stages_into(front: _Front, labels: list[Label], prob: StateSums, setup: _Order, j: int, e: int, k: int,
                  m_max: int, bounds: tuple[float, float]) -> None:
     """Every stage S_j - S_i on the k devices before position e, put in front of every label of
     (j, e), into the front of (i, e - k)."""
@@ -335,7 +301,7 @@ def _stages_into(front: _Front, labels: list[Label], prob: _Problem, setup: _Ord
                 front.add((i, d), out)
 
 
-def _plan(prob: _Problem, order: tuple[str, ...], lab: Label, m: int, options: PlanOptions) -> Plan:
+def _plan(prob: StateSums, order: tuple[str, ...], lab: Label, m: int, options: PlanOptions) -> Plan:
     stages = []
     while lab is not None and lab.stage is not None:
         i, j, d, k = lab.stage
@@ -361,7 +327,7 @@ def _baseline_bound_s(graph: Graph, cluster: Cluster, options: PlanOptions, scor
     return bound
 
 
-def _pool(prob: _Problem, scorer: Scorer, orders: list[tuple[str, ...]], choices: tuple[int, ...],
+def _pool(prob: StateSums, scorer: Scorer, orders: list[tuple[str, ...]], choices: tuple[int, ...],
           options: PlanOptions) -> list[tuple]:
     """(key, order, label, m) of every front label and allowed m over all orders, best first by
     the program's model. Bounds cut every partial plan that cannot beat the best found so far:
@@ -412,7 +378,7 @@ def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: 
     run for the plan's meta. The program's model ranks the pool; the fast path re-ranks the best
     POOL of them; the event simulator (the caller) scores the top_k of those."""
     scorer = scorer or Scorer(graph, cluster, options)
-    prob = _Problem(graph, scorer, max_states)
+    prob = StateSums(graph, scorer.cost, max_states)
     speed = {t: 1.0 / max(float(prob.time[t][-1]), 1e-30) for t in prob.types}
     orders = device_orders(cluster, speed, options.objective)
     plans, seen = [], set()

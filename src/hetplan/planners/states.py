@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetplan.cost import CostModel
 from hetplan.graph import Graph
 
 
@@ -125,3 +126,40 @@ def coarsen(states: CutStates, weight: np.ndarray, cut_bytes: np.ndarray, keep: 
             best[sl] = idx
     chosen.update(best.values())
     return sorted(chosen, key=lambda i: (states.ideals[i].bit_count(), states.ideals[i]))
+
+
+class StateSums:
+    """Per cut state (at most `max_states` of them after `coarsen`): the time of its nodes on each
+    of the cluster's device types, its parameter and activation bytes and the bytes across its
+    cut; `below[j]`: the states i < j with S_i a subset of S_j. What dp (`hetplan.planners.dp`)
+    reads."""
+
+    def __init__(self, graph: Graph, cost: CostModel, max_states: int) -> None:
+        self.graph = graph
+
+        states = cut_states(graph)
+        mat = states.matrix().astype(float)
+        by_id = graph.by_id
+        order = states.order
+        self.types = sorted({d.type for d in cost.cluster.devices})
+        node_t = {t: cost.node_times_s(t) for t in self.types}
+        self.time = {t: mat @ np.array([sum(node_t[t][v]) for v in order]) for t in self.types}
+        ref = self.types[0]
+        index = {v: k for k, v in enumerate(order)}
+        src = np.array([index[e.src] for e in graph.edges], dtype=int)
+        dst = np.array([index[e.dst] for e in graph.edges], dtype=int)
+        nbytes = np.array([float(e.bytes) for e in graph.edges])
+        cut = ((mat[:, src] > 0) & (mat[:, dst] == 0)) @ nbytes if len(graph.edges) else np.zeros(len(states))
+        keep = coarsen(states, self.time[ref], cut, max_states)
+        self.ideals = [states.ideals[k] for k in keep]
+        self.time = {t: v[keep] for t, v in self.time.items()}
+        self.params = (mat @ np.array([float(by_id[v].param_bytes) for v in order]))[keep]
+        self.acts = (mat @ np.array([float(by_id[v].act_bytes) for v in order]))[keep]
+        self.cut = cut[keep]
+        self.states = states
+        n = len(self.ideals)
+        self.below = [[i for i in range(j) if self.ideals[i] & ~self.ideals[j] == 0 and i != j] for j in range(n)]
+        self.below_arr = [np.array(b, dtype=int) for b in self.below]
+
+    def nodes(self, i: int, j: int) -> tuple[str, ...]:
+        return self.states.members(self.ideals[j] & ~self.ideals[i])
