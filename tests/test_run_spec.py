@@ -13,7 +13,7 @@ from hetplan.runtime.spec import RankSpec, RunSpec
 
 RUN_JSON_KEYS = ["plan", "model", "batch_size", "seq_len", "granularity", "block_classes", "steps", "warmup", "seed",
                  "optimizer", "lr", "data", "out_dir", "timeout_s", "no_dropout", "return_weights", "checkpoint_dir",
-                 "checkpoint_every", "resume_step", "replica_weights", "ranks"]
+                 "checkpoint_every", "resume_step", "trace", "replica_weights", "ranks"]
 
 
 def graph(n=6, batch=12):
@@ -40,7 +40,7 @@ def realistic(tmp_path: Path) -> RunSpec:
     return run_spec(plan, cluster, "gpt2-tiny", batch_size=12, seq_len=16, granularity="block",
                     block_classes=("GPT2Block",), steps=20, warmup=3, seed=7, optimizer="sgd", lr=3e-3, data="text",
                     out_dir=tmp_path / "run", timeout_s=45.5, no_dropout=True, return_weights=True,
-                    checkpoint_dir=tmp_path / "ckpt", checkpoint_every=5, resume_step=10, graph=graph())
+                    checkpoint_dir=tmp_path / "ckpt", checkpoint_every=5, resume_step=10, graph=graph(), trace=True)
 
 
 def test_a_realistic_spec_round_trips_through_json(tmp_path):

@@ -187,6 +187,9 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("out/run"), help="the run folder: logs, run.json, result")
     p.add_argument("--dry-run", action="store_true",
                    help="write the run folder's run.json and print the torchrun command of each machine")
+    p.add_argument("--trace", action="store_true",
+                   help="record the last step: trace_measured.json (Chrome trace) and gantt.png (predicted above "
+                        "measured) in the run folder")
     p.set_defaults(func=cmd_run)
 
 

@@ -35,7 +35,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
         granularity=args.granularity, seed=args.seed, optimizer=args.optimizer, lr=args.lr, data=args.data,
         out_dir=args.out, timeout_s=args.timeout_s, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume)
+        checkpoint_every=args.checkpoint_every, resume=args.resume, trace=args.trace)
     if args.dry_run:
         return _dry_run(args, prepare_run(plan, cluster, args.model, graph, settings, source=str(args.plan))[0])
     bar = _progress_bar()
@@ -51,6 +51,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         _emit_json(summary)
         return 0
     tables.show_run(_console(), summary, plan)
+    if report.trace_files:
+        _console().print(f"trace of the last step: {', '.join(report.trace_files)}")
     return 0
 
 

@@ -31,21 +31,42 @@ def _rows(timeline: Timeline, device_labels: Mapping[str, str] | None) -> list[t
 def draw_gantt(timeline: Timeline, path: str | Path, title: str = "",
                device_labels: Mapping[str, str] | None = None) -> Path:
     """Write the chart as an image (PNG, SVG or PDF by the file's suffix)."""
+    return draw_gantts([(timeline, title)], path, device_labels)
+
+
+def draw_gantts(charts: list[tuple[Timeline, str]], path: str | Path,
+                device_labels: Mapping[str, str] | None = None) -> Path:
+    """Several charts one above the other on one time axis (a prediction above a run)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
     path = Path(path)
     if path.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise InputError(f"{path}: the chart is written as .png, .svg or .pdf; name the file so")
+    heights = [len(_rows(t, device_labels)) for t, _ in charts]
+    step_s = max(max(t.step_s for t, _ in charts), 1e-12)
+    fig = Figure(figsize=(15.0, sum(1.2 + 0.45 * h for h in heights)), dpi=120)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(charts), 1, squeeze=False, sharex=True, height_ratios=[1.2 + 0.45 * h for h in heights])
+    for ax, (timeline, title) in zip(axes[:, 0], charts, strict=True):
+        _draw_axis(ax, timeline, title, device_labels, step_s, 15.0)
+    fig.tight_layout()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write the chart ({exc.strerror})") from None
+    return path
+
+
+def _draw_axis(ax, timeline: Timeline, title: str, device_labels: Mapping[str, str] | None, step_s: float,
+               width_in: float) -> None:
+    from matplotlib.patches import Patch
+
     rows = _rows(timeline, device_labels)
     index = {key: k for k, (key, _) in enumerate(rows)}
-    scale, unit = (1e3, "ms") if timeline.step_s < 10 else (1.0, "s")
-    width_in = 15.0
-    fig = Figure(figsize=(width_in, 1.2 + 0.45 * len(rows)), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    span_max = max(timeline.step_s, 1e-12) * scale
+    scale, unit = (1e3, "ms") if step_s < 10 else (1.0, "s")
+    span_max = step_s * scale
     # a label fits when the bar is wider than about two characters at this size
     min_label = span_max * 0.22 / width_in
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
@@ -73,13 +94,6 @@ def draw_gantt(timeline: Timeline, path: str | Path, title: str = "",
               bbox_to_anchor=(1.0, 1.0), ncol=len(kinds), frameon=False, fontsize=8)
     if title:
         ax.set_title(title, fontsize=10, loc="left")
-    fig.tight_layout()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot write the chart ({exc.strerror})") from None
-    return path
 
 
 def chrome_trace(timeline: Timeline) -> dict:

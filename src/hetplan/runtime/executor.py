@@ -29,6 +29,7 @@ loss is weighted by its share of the batch, the sums are the whole batch's gradi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -82,6 +83,9 @@ class StageRunner:
         self.layouts_in, self.layouts_out = tuple(layouts_in), tuple(layouts_out)
         self.transport, self.device = transport, device
         self.executed: list[str] = []  # the actions of the last step, as run (tests compare it with the simulator)
+        # the last step's spans, perf_counter clock: (kind, stage, micro-batch, start, end, from rank or -1)
+        # for every action (-1) and every message received in it (the rank it came from)
+        self.spans: list[tuple[str, int, int, float, float, int]] = []
 
     # --- who shares rows with whom -------------------------------------------------------
     def _mine(self, j: int) -> tuple[int, int]:
@@ -126,7 +130,10 @@ class StageRunner:
         for peer in self._peers(j, stage):
             idx = self._carried(layouts, sender_whole(peer), grads)
             metas = [(layouts[i].dtype, layouts[i].shape_for(peer.end - peer.first)) for i in idx]
-            for i, value in zip(idx, self._recv(metas, peer.rank, _tag(j, kind)), strict=True):
+            began = time.perf_counter()
+            got = self._recv(metas, peer.rank, _tag(j, kind))
+            self.spans.append((kind, stage, j, began, time.perf_counter(), peer.rank))
+            for i, value in zip(idx, got, strict=True):
                 parts[i].append(value)
         return parts
 
@@ -201,16 +208,18 @@ class StageRunner:
         saved: dict = {}
         pending: list = []
         loss = 0.0
-        self.executed = []
+        self.executed, self.spans = [], []
         for action in self.order:
             lo, hi = self._mine(action.microbatch)
             if hi == lo:
                 continue
             self.executed.append(str(action))
+            began = time.perf_counter()
             if action.kind == FORWARD:
                 self._forward(action.microbatch, batch, saved, pending)
             else:
                 loss += self._backward(action.microbatch, saved, pending)
+            self.spans.append((action.kind, action.stage, action.microbatch, began, time.perf_counter(), -1))
         for handle, _ in pending:
             handle.wait()
         return loss

@@ -92,7 +92,7 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
              optimizer: str = "adam", lr: float = 1e-3, data: str = "synthetic", out_dir: Path,
              timeout_s: float = DEFAULT_TIMEOUT_S, no_dropout: bool = False, return_weights: bool = False,
              checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume_step: int = 0,
-             graph: Graph | None = None) -> RunSpec:
+             graph: Graph | None = None, trace: bool = False) -> RunSpec:
     """The RUN.json of a plan (`RunSpec`): the settings, the replicas' weights and, per rank
     (stage by stage, replica by replica), its stage, replica and device. What the runtime can run is
     `hetplan.runtime.support`; the batch is split by `hetplan.rows`."""
@@ -116,7 +116,7 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
         block_classes=tuple(block_classes), steps=steps, warmup=warmup, seed=seed, optimizer=optimizer, lr=lr,
         data=data, out_dir=Path(out_dir), timeout_s=timeout_s, no_dropout=no_dropout, return_weights=return_weights,
         checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every,
-        resume_step=resume_step, replica_weights=weights, ranks=tuple(ranks),
+        resume_step=resume_step, replica_weights=weights, ranks=tuple(ranks), trace=trace,
     )
 
 

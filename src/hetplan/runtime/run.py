@@ -41,6 +41,7 @@ class RunSettings:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    trace: bool = False  # record the last step and draw it under the prediction (`hetplan.runtime.trace`)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class RunReport:
     measured: Estimate
     predicted: Estimate | None
     first_step: int
+    trace_files: tuple[str, ...] = ()  # with `trace`: the measured Chrome trace and the two Gantt charts
 
     @property
     def relative_error(self) -> float | None:
@@ -71,6 +73,7 @@ class RunReport:
             "loss_first": r.losses[0] if r.losses else None, "loss_last": r.losses[-1] if r.losses else None,
             "peak_mem_bytes": {f"{x['rank']}:{x['device']}": x["peak_mem_bytes"] for x in r.ranks},
             "predicted_peak_mem_bytes": dict(p.peak_mem_bytes) if p else None, "out_dir": r.out_dir,
+            "trace_files": list(self.trace_files),
         }
 
 
@@ -127,7 +130,7 @@ def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = 
     spec = run_spec(plan, cluster, model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
                     steps=s.steps, warmup=s.warmup, seed=s.seed, optimizer=s.optimizer, lr=s.lr, data=s.data,
                     out_dir=s.out_dir, timeout_s=s.timeout_s, checkpoint_dir=s.checkpoint_dir,
-                    checkpoint_every=s.checkpoint_every, resume_step=first, graph=graph)
+                    checkpoint_every=s.checkpoint_every, resume_step=first, graph=graph, trace=s.trace)
     return spec, first
 
 
@@ -148,10 +151,28 @@ def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = Non
     """Train `model` under `plan` on `cluster`'s bound devices and compare with the prediction."""
     spec, first = prepare_run(plan, cluster, model, graph, settings, source)
     result = launch(spec, progress=progress)
-    predicted = None
+    predicted, sim_timeline = None, None
     if graph is not None:
         from hetplan.sim import simulate
 
-        predicted = simulate(graph, cluster, plan, timeline=False).estimate
+        sim = simulate(graph, cluster, plan, timeline=spec.trace)
+        predicted, sim_timeline = sim.estimate, sim.timeline
     measured = measured_estimate(result, plan, cluster, graph, spec.batch_size)
-    return RunReport(plan=plan, model=model, result=result, measured=measured, predicted=predicted, first_step=first)
+    files = write_trace(result, spec, sim_timeline) if spec.trace else ()
+    return RunReport(plan=plan, model=model, result=result, measured=measured, predicted=predicted, first_step=first,
+                     trace_files=files)
+
+
+def write_trace(result: RunResult, spec: RunSpec, predicted=None) -> tuple[str, ...]:
+    """The last step's measured timeline as a Chrome trace (`trace_measured.json`) and a Gantt
+    chart (`gantt.png`) with the simulator's timeline above it when there is one."""
+    from hetplan.report.gantt import draw_gantts, write_chrome_trace
+    from hetplan.runtime.trace import measured_timeline
+
+    measured = measured_timeline(result, spec)
+    trace = write_chrome_trace(measured, spec.out_dir / "trace_measured.json")
+    charts = [(measured, f"measured, last step ({measured.step_s * 1e3:.1f} ms)")]
+    if predicted is not None:
+        charts.insert(0, (predicted, f"predicted ({predicted.step_s * 1e3:.1f} ms)"))
+    gantt = draw_gantts(charts, spec.out_dir / "gantt.png")
+    return str(trace), str(gantt)

@@ -61,6 +61,7 @@ class RunSpec:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
     resume_step: int = 0
+    trace: bool = False  # record the last step's actions, messages, all-reduce and optimizer step
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
@@ -84,7 +85,7 @@ class RunSpec:
             "out_dir": str(self.out_dir), "timeout_s": self.timeout_s, "no_dropout": self.no_dropout,
             "return_weights": self.return_weights,
             "checkpoint_dir": str(self.checkpoint_dir) if self.checkpoint_dir is not None else None,
-            "checkpoint_every": self.checkpoint_every, "resume_step": self.resume_step,
+            "checkpoint_every": self.checkpoint_every, "resume_step": self.resume_step, "trace": self.trace,
             "replica_weights": [list(w) for w in self.replica_weights],
             "ranks": [asdict(r) for r in self.ranks],
         }
@@ -96,7 +97,7 @@ class RunSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
         """A spec from RUN.json's object; the settings a spec may leave out take their defaults."""
         optional = ("block_classes", "steps", "warmup", "seed", "optimizer", "lr", "data", "timeout_s", "no_dropout",
-                    "return_weights", "checkpoint_dir", "checkpoint_every", "resume_step")
+                    "return_weights", "checkpoint_dir", "checkpoint_every", "resume_step", "trace")
         return cls(plan=from_dict(data["plan"]), model=data["model"], batch_size=data["batch_size"],
                    seq_len=data["seq_len"], granularity=data["granularity"], out_dir=Path(data["out_dir"]),
                    replica_weights=data["replica_weights"], ranks=tuple(RankSpec(**r) for r in data["ranks"]),

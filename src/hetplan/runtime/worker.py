@@ -94,7 +94,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         from hetplan.runtime.checkpoint import load_stage
 
         load_stage(Path(spec.checkpoint_dir), role.stage, prepared.own, opt)
-    times, losses = [], []
+    times, losses, trace = [], [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
     for step in range(spec.resume_step, spec.steps):
@@ -111,13 +111,17 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         for prm in params:
             prm.grad = None
         loss = runner.step(values)
+        t_ar = time.perf_counter()
         reduce_gradients(prepared.my_groups, transport)
+        t_opt = time.perf_counter()
         if opt is not None:
             opt.step()
         if prepared.device.type == "cuda":
             torch.cuda.synchronize(prepared.device)
+        t_end = time.perf_counter()
         transport.barrier()
         times.append(time.perf_counter() - t0)
+        trace = step_trace(runner.spans, (t_ar, t_opt, t_end), role.stage, t0)
         if role.last:
             losses.append(loss)
         every = spec.checkpoint_every
@@ -127,7 +131,21 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
             from hetplan.runtime.checkpoint import save_stage
 
             save_stage(spec.checkpoint_dir, role.stage, prepared.own, opt, step + 1)
-    return {"times_s": times, "losses": losses, "actions": runner.executed}
+    out = {"times_s": times, "losses": losses, "actions": runner.executed}
+    if spec.trace:
+        out["trace"] = trace  # the last step's
+    return out
+
+
+def step_trace(spans, tail: tuple[float, float, float], stage: int, t0: float) -> list[list]:
+    """A step's spans from its start (`t0`, when the workers left the barrier): every action
+    and message of the executor, then the gradient all-reduce and the optimizer step (spans of
+    no length are left out). Rows: [kind, stage, micro-batch, start_s, end_s, from rank or -1]."""
+    t_ar, t_opt, t_end = tail
+    rows = [[kind, st, mb, a - t0, b - t0, src] for kind, st, mb, a, b, src in spans]
+    rows += [[kind, stage, -1, a - t0, b - t0, -1] for kind, a, b in (("AR", t_ar, t_opt), ("OPT", t_opt, t_end))
+             if b > a]
+    return rows
 
 
 def run_worker(spec: RunSpec, rank: int, world: int) -> None:

@@ -1,0 +1,38 @@
+"""The measured timeline of a run (`hetplan run --trace`), in the simulator's format.
+
+Each worker records its last step (`hetplan.runtime.worker.step_trace`): every forward and
+backward action of its stage replica (receiving its inputs included, as the executor runs them),
+every message it received (the wait and the copy, drawn on the link from the sender's device),
+its share of the gradient all-reduce and its optimizer step, on the time.perf_counter clock from
+the moment the workers left the step's first barrier. `measured_timeline` gathers the workers'
+records into a `hetplan.sim.engine.Timeline`, so that the Gantt chart and the Chrome trace
+of a run and of the simulator's prediction are drawn alike (`hetplan.report.gantt`).
+What is not recorded: sends (posted without waiting; their cost shows in the receiver's wait).
+"""
+
+from __future__ import annotations
+
+from hetplan.runtime.launch import RunResult
+from hetplan.runtime.spec import RunSpec
+from hetplan.sim.engine import Span, Timeline
+
+
+def measured_timeline(result: RunResult, spec: RunSpec) -> Timeline:
+    """The last step of a traced run, as a Timeline (devices in rank order, then links)."""
+    device_of = {k: me.device for k, me in enumerate(spec.ranks)}
+    spans, links = [], []
+    for rank in result.ranks:
+        me = device_of[rank["rank"]]
+        for kind, stage, mb, start, end, src in rank.get("trace", ()):
+            if src < 0:
+                spans.append(Span(me, kind, stage, mb, start, end))
+                continue
+            link = f"{device_of[src]}->{me}"
+            if link not in links:
+                links.append(link)
+            sender_stage = stage  # the stage that sent it (the executor records the peer's stage)
+            receiver_stage = spec.ranks[rank["rank"]].stage
+            spans.append(Span(link, kind, sender_stage, mb, start, end, receiver_stage))
+    devices = tuple(dict.fromkeys(device_of[k] for k in range(len(spec.ranks))))
+    step = max((s.end_s for s in spans), default=0.0)
+    return Timeline(tuple(spans), devices, tuple(links), step)

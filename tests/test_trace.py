@@ -1,0 +1,58 @@
+"""`hetplan run --trace` (issue 15, item 4): the measured timeline of the last step, per worker,
+in the simulator's format and order."""
+
+import json
+from pathlib import Path
+
+from hetplan.cluster import Cluster
+from hetplan.io.clusters import cluster_from_spec
+from hetplan.profile.split import split_step
+from hetplan.runtime.run import RunSettings, run_plan
+from hetplan.runtime.trace import measured_timeline
+from hetplan.schedule import schedule_order
+from hetplan.zoo import load_model
+from test_executor import chain_plan
+from test_runtime import graph_of
+
+TWO_CPUS: Cluster = cluster_from_spec({"name": "two", "devices": [
+    {"id": f"c{i}", "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for i in range(2)]}, "two")
+
+
+def test_a_traced_run_records_every_action_once_per_worker_in_the_simulators_order(tmp_path):
+    batch, m = 4, 2
+    zm = load_model("gpt2-tiny", batch_size=batch, seq_len=16, seed=0)
+    split = split_step(zm.step, zm.batch)
+    plan = chain_plan([p.name for p in split.pieces], [1, 1], m, "1f1b")
+    graph = graph_of(split, batch)
+    settings = RunSettings(steps=2, warmup=1, batch_size=batch, seq_len=16, granularity="layer",
+                           out_dir=tmp_path / "run", trace=True)
+    report = run_plan(plan, TWO_CPUS, "gpt2-tiny", graph, settings)
+
+    orders = schedule_order("1f1b", 2, m)
+    timeline = measured_timeline(report.result, report_spec(tmp_path / "run"))
+    assert timeline.devices == ("c0", "c1") and set(timeline.links) == {"c0->c1", "c1->c0"}
+    for stage, device in enumerate(("c0", "c1")):
+        actions = sorted((s for s in timeline.spans if s.resource == device and s.kind in "FB"),
+                         key=lambda s: s.start_s)
+        assert [f"{s.stage}{s.kind}{s.microbatch}" for s in actions] == [str(a) for a in orders[stage]]
+        assert all(a.end_s <= b.start_s for a, b in zip(actions, actions[1:], strict=False))
+        assert [s.kind for s in timeline.spans if s.resource == device and s.kind == "OPT"] == ["OPT"]
+    # activations go 0 -> 1 and gradients 1 -> 0, one message per micro-batch each
+    received = sorted((s.resource, s.kind, s.microbatch) for s in timeline.spans if "->" in s.resource)
+    assert received == [("c0->c1", "F", j) for j in range(m)] + [("c1->c0", "B", j) for j in range(m)]
+    # a message is received within the action that waits for it
+    for s in (s for s in timeline.spans if "->" in s.resource):
+        user = next(a for a in timeline.spans if a.resource == s.resource.split("->")[1] and a.kind == s.kind
+                    and a.microbatch == s.microbatch and "->" not in a.resource)
+        assert user.start_s <= s.start_s <= s.end_s <= user.end_s
+    trace, gantt = report.trace_files
+    events = json.loads(Path(trace).read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == len(timeline.spans)
+    assert Path(gantt).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.summary()["trace_files"] == [trace, gantt]
+
+
+def report_spec(run_dir):
+    from hetplan.runtime.spec import RunSpec
+
+    return RunSpec.from_json((run_dir / "run.json").read_text())
