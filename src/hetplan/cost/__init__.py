@@ -122,21 +122,25 @@ class CostModel:
         self._node_times[device_type] = times
         return times
 
+    @cached_property
+    def _node_fixed(self) -> dict[str, dict[str, tuple[float, float]]]:
+        return {}  # device type -> node id -> (fwd, bwd) fixed parts; filled on first use of each type
+
     def node_fixed_s(self, device_type: str) -> dict[str, tuple[float, float]]:
         """The parts of every node's forward and backward passes that do not shrink with the
         micro-batch, on a device type: measured by the profiler there, 0 where it was not (a
         projected type has none: the roofline projection covers the whole time)."""
-        measured = device_type in self.graph.device_types
-        return {n.id: (n.fwd_fixed_s.get(device_type, 0.0) if measured else 0.0,
+        if device_type not in self._node_fixed:
+            measured = device_type in self.graph.device_types
+            self._node_fixed[device_type] = {
+                n.id: (n.fwd_fixed_s.get(device_type, 0.0) if measured else 0.0,
                        n.bwd_fixed_s.get(device_type, 0.0) if measured else 0.0) for n in self.graph.nodes}
+        return self._node_fixed[device_type]
 
     def stage_fixed_s(self, nodes: Sequence[str], device_type: str) -> tuple[float, float]:
         """`node_fixed_s` summed over a stage's nodes."""
-        if device_type not in self.graph.device_types:
-            return 0.0, 0.0
-        by_id = self.graph.by_id
-        return (math.fsum(by_id[n].fwd_fixed_s.get(device_type, 0.0) for n in nodes),
-                math.fsum(by_id[n].bwd_fixed_s.get(device_type, 0.0) for n in nodes))
+        fixed = self.node_fixed_s(device_type)
+        return math.fsum(fixed[n][0] for n in nodes), math.fsum(fixed[n][1] for n in nodes)
 
     def stage_times_s(self, nodes: Sequence[str], device_type: str) -> tuple[float, float]:
         """Forward and backward time of a set of nodes on a device type, for the whole batch."""
@@ -176,10 +180,6 @@ class CostModel:
         if len(devices) < 2 or nbytes <= 0:
             return 0.0
         return formulas.allreduce_s(nbytes, len(devices), *self.ring_link(devices))
-
-    def weight_bytes(self, nodes: Sequence[str]) -> int:
-        """Weights, gradients and optimizer state of a set of nodes."""
-        return weight_bytes(sum(self.graph.by_id[n].param_bytes for n in nodes))
 
     def replica_shares(self, nodes: Sequence[str], devices: Sequence[str]) -> dict[str, float]:
         """Share of each micro-batch given to each replica: in proportion to its speed, so that

@@ -30,9 +30,8 @@ def measured_timeline(result: RunResult, spec: RunSpec) -> Timeline:
             link = f"{device_of[src]}->{me}"
             if link not in links:
                 links.append(link)
-            sender_stage = stage  # the stage that sent it (the executor records the peer's stage)
-            receiver_stage = spec.ranks[rank["rank"]].stage
-            spans.append(Span(link, kind, sender_stage, mb, start, end, receiver_stage))
+            # a message's stage is the sender's (the executor records the peer's stage)
+            spans.append(Span(link, kind, stage, mb, start, end, spec.ranks[rank["rank"]].stage))
     devices = tuple(dict.fromkeys(device_of[k] for k in range(len(spec.ranks))))
     step = max((s.end_s for s in spans), default=0.0)
     return Timeline(tuple(spans), devices, tuple(links), step)

@@ -83,9 +83,7 @@ def build_rank(spec: RunSpec, rank: int, heartbeat=None):
 
 def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbeat=None) -> dict:
     """The rank's steps: each between two barriers, its actions, the gradient sums, the optimizer."""
-    import torch
-
-    from hetplan.runtime.executor import StageRunner, reduce_gradients
+    from hetplan.runtime.executor import StageRunner
 
     role = prepared.role
     runner = StageRunner(role, prepared.order, prepared.module_for, prepared.layouts_in, prepared.layouts_out,
@@ -111,17 +109,11 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         for prm in params:
             prm.grad = None
         loss = runner.step(values)
-        t_ar = time.perf_counter()
-        reduce_gradients(prepared.my_groups, transport)
-        t_opt = time.perf_counter()
-        if opt is not None:
-            opt.step()
-        if prepared.device.type == "cuda":
-            torch.cuda.synchronize(prepared.device)
-        t_end = time.perf_counter()
+        tail = _reduce_and_update(prepared, opt, transport)
         transport.barrier()
         times.append(time.perf_counter() - t0)
-        trace = step_trace(runner.spans, (t_ar, t_opt, t_end), role.stage, t0)
+        if spec.trace:
+            trace = step_trace(runner.spans, tail, role.stage, t0)
         if role.last:
             losses.append(loss)
         every = spec.checkpoint_every
@@ -135,6 +127,23 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     if spec.trace:
         out["trace"] = trace  # the last step's
     return out
+
+
+def _reduce_and_update(prepared, opt, transport) -> tuple[float, float, float]:
+    """The step's gradient sums and optimizer step; returns when each began and when the step's
+    work ended (a GPU's queue drained)."""
+    import torch
+
+    from hetplan.runtime.executor import reduce_gradients
+
+    t_ar = time.perf_counter()
+    reduce_gradients(prepared.my_groups, transport)
+    t_opt = time.perf_counter()
+    if opt is not None:
+        opt.step()
+    if prepared.device.type == "cuda":
+        torch.cuda.synchronize(prepared.device)
+    return t_ar, t_opt, time.perf_counter()
 
 
 def step_trace(spans, tail: tuple[float, float, float], stage: int, t0: float) -> list[list]:
