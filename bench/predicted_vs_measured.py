@@ -1,35 +1,45 @@
-"""Predicted against measured step time on this machine's CPU workers.
+"""Predicted against measured step time on this machine's CPU workers, uncalibrated and calibrated.
 
-    .venv/bin/python bench/predicted_vs_measured.py [--steps 20] [--repeats 10]
+    .venv/bin/python bench/predicted_vs_measured.py [--steps 20] [--repeats 10] [--no-calibrate]
         [-o bench/results/predicted_vs_measured.json]
 
-Profiles each model on one thread (`--device cpu:1`, the type of the `local` preset's workers),
-then runs plans on the `local` cluster (one single-threaded worker per core: two here) with
-`hetplan.runtime`, and compares the measured median step (after 3 warm-up steps) with the event
-simulator's prediction for the same plan, graph and cluster (relay routing). Plans: one worker
-alone, the two workers as a two-stage pipeline (uniform and dp's split) under GPipe and 1F1B with
-2 to 8 micro-batches, and data parallelism over both. With `--cluster F` from `hetplan calibrate`,
-the simulator also charges the runtime's measured cost per action (calibrated on hetplan's probe
-perceptron, a model not in this benchmark).
+First `hetplan calibrate` of the `local` cluster (one single-threaded worker per core: two here),
+in this session (`calibrate_cluster`, written beside the output as `local-calibrated.json`). Then
+each model is profiled on one thread (`cpu:1`, the type of `local`'s workers) and every plan is
+run once with `hetplan.runtime` (median step after 3 warm-up steps), and its measured step is
+compared with two predictions of the event simulator for the same plan and graph: on `local` as
+it is (catalog figures) and on the calibrated cluster. Models: three of the zoo (gpt2-tiny, the
+wide mlp, inception-tiny) and a user model of this folder (`bench_models:encoder`, a transformer
+encoder written from torch's layers). Plans: one worker alone, the two workers as a two-stage
+pipeline (uniform split) under GPipe and 1F1B with 2, 4 and 8 micro-batches, dp's plan with 4
+micro-batches, and data parallelism over both (replicas). The calibration's probe is a perceptron
+of hetplan's own, none of these models.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
 
+from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
 from hetplan.plan import Plan, Stage
 from hetplan.planners import PlanOptions, make_plan
 from hetplan.profile import profile_step
+from hetplan.runtime.calibrate import calibrate_cluster
 from hetplan.runtime.launch import launch, run_spec
 from hetplan.sim import simulate
 from hetplan.zoo import load_model
 
-MODELS = [("gpt2-tiny", 8, 64, "layer"), ("mlp", 64, None, "layer"), ("inception-tiny", 16, None, "block")]
+HERE = Path(__file__).resolve().parent
+# (model, batch, sequence length, granularity, block classes)
+MODELS = [("gpt2-tiny", 8, 64, "layer", None), ("mlp", 64, None, "layer", None),
+          ("inception-tiny", 16, None, "block", None),
+          ("bench_models:encoder", 16, 32, "block", ("TransformerEncoderLayer",))]
 
 
 def plans_for(graph, cluster):
@@ -40,54 +50,65 @@ def plans_for(graph, cluster):
             if graph.batch_size % m == 0:
                 out.append((f"uniform {schedule} m={m}",
                             make_plan(graph, cluster, "uniform", PlanOptions(microbatches=m, schedule=schedule))))
-    dp = make_plan(graph, cluster, "dp", PlanOptions(microbatches=4))
-    if len({len(s.devices) for s in dp.stages}) == 1:
-        out.append(("dp m=4", dp))
+    out.append(("dp m=4", make_plan(graph, cluster, "dp", PlanOptions(microbatches=4))))
     out.append(("data-parallel", make_plan(graph, cluster, "data-parallel")))
     return out
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_model(model, batch, seq, granularity, blocks, clusters, args, tmp, rows):
+    zm = load_model(model, batch_size=batch, seq_len=seq)
+    graph = profile_step(zm.step, zm.batch, name=model, devices=["cpu:1"], granularity=granularity,
+                         block_classes=blocks or zm.block_classes or None, repeats=args.repeats).graph
+    plain, calibrated = clusters
+    for label, plan in plans_for(graph, plain):
+        predicted = {name: simulate(graph, c, plan, timeline=False).estimate.step_s
+                     for name, c in (("uncalibrated", plain), ("calibrated", calibrated)) if c is not None}
+        spec = run_spec(plan, plain, model, batch_size=batch, seq_len=seq, granularity=granularity,
+                        steps=args.steps, warmup=3, out_dir=Path(tmp) / f"run-{len(rows)}")
+        measured = launch(spec).measured_step_s
+        row = {"model": model, "plan": label, "stages": len(plan.stages),
+               "replicas": [len(s.devices) for s in plan.stages], "microbatches": plan.microbatches,
+               "schedule": plan.schedule, "measured_step_s": measured,
+               **{f"predicted_{k}_s": v for k, v in predicted.items()},
+               **{f"error_{k}": measured / v - 1 for k, v in predicted.items()}}
+        rows.append(row)
+        print(f"{model:>22} {label:<20} measured {measured * 1e3:7.1f} ms | " + " | ".join(
+            f"{k} {v * 1e3:7.1f} ms ({row[f'error_{k}']:+.0%})" for k, v in predicted.items()), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=10, help="profiler repeats per node")
-    parser.add_argument("--profile-calibrate", action="store_true",
-                        help="profile with calibrate=True (node times scaled to the pieces run in sequence)")
-    parser.add_argument("--cluster", default="local",
-                        help="local, or the cluster `hetplan calibrate --cluster local -o F` wrote")
-    parser.add_argument("-o", "--output", type=Path,
-                        default=Path(__file__).with_name("results") / "predicted_vs_measured.json")
+    parser.add_argument("--no-calibrate", action="store_true", help="predict on `local` as it is only")
+    parser.add_argument("--models", nargs="*", help="a subset of the models, by name")
+    parser.add_argument("-o", "--output", type=Path, default=HERE / "results" / "predicted_vs_measured.json")
     args = parser.parse_args()
-    cluster = load_cluster(args.cluster)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, batch, seq, granularity in MODELS:
-            zm = load_model(name, batch_size=batch, seq_len=seq)
-            graph = profile_step(zm.step, zm.batch, name=name, devices=["cpu:1"], granularity=granularity,
-                                 block_classes=zm.block_classes or None, repeats=args.repeats,
-                                 calibrate=args.profile_calibrate).graph
-            for label, plan in plans_for(graph, cluster):
-                predicted = simulate(graph, cluster, plan, timeline=False).estimate.step_s
-                spec = run_spec(plan, cluster, name, batch_size=batch, seq_len=seq, granularity=granularity,
-                                steps=args.steps, warmup=3, out_dir=Path(tmp) / f"{name}-{len(rows)}")
-                result = launch(spec)
-                row = {"model": name, "plan": label, "stages": len(plan.stages),
-                       "replicas": len(plan.stages[0].devices), "microbatches": plan.microbatches,
-                       "schedule": plan.schedule, "predicted_step_s": predicted,
-                       "measured_step_s": result.measured_step_s, "step_times_s": list(result.step_times_s),
-                       "error": result.measured_step_s / predicted - 1}
-                rows.append(row)
-                print(f"{name:>14} {label:<22} predicted {predicted * 1e3:8.1f} ms, measured "
-                      f"{result.measured_step_s * 1e3:8.1f} ms, error {row['error']:+.0%}", flush=True)
-    errors = [abs(r["error"]) for r in rows]
-    summary = {"plans": len(rows), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
-               "cluster": cluster.name, "steps": args.steps, "profile_repeats": args.repeats,
-               "profile_calibrate": args.profile_calibrate,
-               "action_overhead_s": max(d.action_overhead_s for d in cluster.devices),
-               "step_overhead_s": max(d.step_overhead_s for d in cluster.devices)}
-    print(json.dumps(summary))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    plain = load_cluster("local")
+    calibrated, figures = (None, {}) if args.no_calibrate else calibrate_cluster(plain, say=print)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
+    if calibrated is not None:
+        serde.dump(calibrated, args.output.with_name("local-calibrated.json"))
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, batch, seq, granularity, blocks in MODELS:
+            if not args.models or model in args.models:
+                run_model(model, batch, seq, granularity, blocks, (plain, calibrated), args, tmp, rows)
+    summary = {"plans": len(rows), "steps": args.steps, "profile_repeats": args.repeats, "cpus": os.cpu_count()}
+    for kind in ("uncalibrated", "calibrated"):
+        errors = [abs(r[f"error_{kind}"]) for r in rows if f"error_{kind}" in r]
+        if errors:
+            summary[kind] = {"median_abs_error": statistics.median(errors), "p90_abs_error": percentile(errors, 0.9),
+                             "max_abs_error": max(errors)}
+    print(json.dumps(summary))
+    args.output.write_text(json.dumps({"summary": summary, "calibration": figures, "rows": rows}, indent=1,
+                                      default=str) + "\n")
     print(f"wrote {args.output}")
 
 

@@ -1,11 +1,23 @@
-"""The runtime's cost per action: parsed from cluster files and charged by the simulators."""
+"""Calibration: the runtime's cost per action, the probes of `hetplan calibrate`, and what a
+calibrated cluster holds and how the simulators charge it."""
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from hetplan.errors import HetplanError
-from hetplan.io.clusters import cluster_from_spec
+from hetplan.cluster import AllreduceCurve, Calibration
+from hetplan.cost import CostModel, formulas
+from hetplan.errors import ClusterError, HetplanError
+from hetplan.graph import Edge, Graph, Node
+from hetplan.io import serde
+from hetplan.io.clusters import cluster_from_spec, load_cluster
+from hetplan.plan import Plan, Stage
+from hetplan.runtime.calibrate import fit_overheads
 from hetplan.sim import simulate
-from hetplan.sim.fast import fast_step_s
+from hetplan.sim.fast import ChainScorer, fast_step_s
 from strategies import V, chain, one_per_stage
 
 
@@ -22,15 +34,127 @@ def test_action_overhead_is_charged_per_action():
         cluster_from_spec({"devices": [{"id": "x", "type": V, "action_overhead": "-1ms"}]}, "bad")
 
 
-def test_gloo_link_between_two_local_processes_is_measured():
-    from hetplan.runtime.calibrate import LINK_SIZES_BYTES, calibrate_link
+def test_the_probes_measure_gloo_the_optimizer_and_workers_side_by_side():
+    """Each probe in fresh processes, few repeats: figures of the right kind and size."""
+    from hetplan.runtime.calibrate import calibrate_allreduce, calibrate_corun, calibrate_link, calibrate_optimizer
+    from hetplan.runtime.probes import ALLREDUCE_BYTES, OPTIMIZER_PARAMS, P2P_BYTES
 
-    bandwidth, latency, points = calibrate_link(repeats=3)
-    assert 1e6 < bandwidth < 1e12 and 0 <= latency < 0.1
-    assert sorted(points["allreduce_s_by_bytes"]) == sorted(LINK_SIZES_BYTES)
-    # the line goes through the larger size's time (the fit's definition), whatever the noise
-    big = max(LINK_SIZES_BYTES)
-    small = min(LINK_SIZES_BYTES)
-    t_small, t_big = points["allreduce_s_by_bytes"][small], points["allreduce_s_by_bytes"][big]
-    if t_big > t_small and t_small > (t_big - t_small) / (big - small) * small:
-        assert 2 * latency + big / bandwidth == pytest.approx(t_big, rel=1e-6)
+    link, points = calibrate_link(repeats=3)
+    assert 1e7 < link.bandwidth_Bps < 1e12 and 0 <= link.latency_s < 0.1
+    assert sorted(points["p2p_s_by_bytes"]) == sorted(P2P_BYTES)
+    (curve,) = calibrate_allreduce(2, repeats=2)
+    assert curve.replicas == 2 and [x for x, _ in curve.points] == sorted(ALLREDUCE_BYTES)
+    workers = load_cluster("local").devices[:2]
+    optimizer = calibrate_optimizer(workers, repeats=2)
+    assert set(optimizer) == {d.id for d in workers} and optimizer[workers[0].id] == optimizer[workers[1].id]
+    sizes, seconds = zip(*optimizer[workers[0].id], strict=True)
+    assert sizes == tuple(4.0 * n for n in OPTIMIZER_PARAMS) and seconds[-1] > seconds[0] > 0
+    corun = calibrate_corun(workers, repeats=3)
+    assert [k for k, _ in corun] == [1, 2] and corun[0][1] == 1.0 and 0.5 < corun[1][1] < 10
+
+
+# -- what a calibrated cluster holds and how the simulators charge it ----------------------------
+C = "cpu-1t"
+
+
+def test_measured_curve_interpolates_and_extends_the_measured_points():
+    pts = ((1e6, 0.002), (3e6, 0.004), (5e6, 0.010))
+    assert formulas.measured_s(2e6, pts) == pytest.approx(0.003)
+    assert formulas.measured_s(7e6, pts) == pytest.approx(0.016)  # the last segment's 3 ms per MB goes on
+    # below: the first segment's line (1 ms + 1 ms per MB) against the first point scaled (2 ms per MB)
+    assert formulas.measured_s(0.5e6, pts) == pytest.approx(0.0015)
+    assert formulas.measured_s(0.5e6, ((1e6, 0.004), (2e6, 0.010))) == pytest.approx(0.002)  # proportional
+    assert formulas.measured_s(4e6, ((2e6, 0.010),)) == pytest.approx(0.020)
+    assert formulas.measured_s(0, pts) == 0.0
+    xs = np.array([0.0, 0.5e6, 2e6, 7e6])
+    assert formulas.measured_s(xs, pts) == pytest.approx([formulas.measured_s(float(x), pts) for x in xs])
+
+
+def test_corun_factor_and_ring_scale():
+    assert formulas.corun_factor(1, ((2, 1.1), (4, 1.3))) == 1.0
+    assert formulas.corun_factor(3, ((2, 1.1), (4, 1.3))) == pytest.approx(1.2)
+    assert formulas.corun_factor(6, ((2, 1.1), (4, 1.3))) == pytest.approx(1.5)
+    assert formulas.corun_factor(4, ()) == 1.0
+    assert formulas.ring_scale(4, 2) == pytest.approx(1.5)  # 2 * 3/4 against 2 * 1/2 of the buffer per worker
+
+
+def _cpu_cluster(calibration=None, optimizer_points=()):
+    spec = {"devices": [{"id": f"c{i}", "type": "cpu", "threads": 1, "host": "h0", "binding": "cpu"}
+                        for i in range(3)] + [{"id": "g0", "type": V, "host": "h0"}]}
+    cluster = cluster_from_spec(spec, "cal")
+    return replace(cluster, calibration=calibration,
+                   devices=tuple(replace(d, optimizer_points=optimizer_points) if d.id.startswith("c") else d
+                                 for d in cluster.devices))
+
+
+CAL = Calibration("test", (AllreduceCurve(2, ((1e6, 0.001), (2e6, 0.002))),), ((2, 1.25), (3, 1.5)))
+
+
+def test_a_calibrated_cluster_round_trips_through_json_and_refuses_bad_figures(tmp_path):
+    cluster = _cpu_cluster(CAL, ((1e6, 0.01), (4e6, 0.05)))
+    serde.dump(cluster, tmp_path / "c.json")
+    assert serde.load(tmp_path / "c.json", expect="cluster") == cluster
+    with pytest.raises(ClusterError, match="same size"):
+        AllreduceCurve(2, ((1e6, 0.1), (1e6, 0.2)))
+    with pytest.raises(ClusterError, match="2 or more"):
+        AllreduceCurve(1, ((1e6, 0.1),))
+    with pytest.raises(ClusterError, match="seconds >= 0"):
+        replace(cluster.devices[0], optimizer_points=((1e6, -1.0),))
+
+
+def test_the_cost_model_reads_the_calibrated_figures():
+    g = Graph("one", (Node("n0", "Linear", {C: 0.01, V: 0.01}, {C: 0.02, V: 0.02}, param_bytes=4_000_000),), (),
+              batch_size=8, profiled_on=C)
+    plain, cal = CostModel(g, _cpu_cluster()), CostModel(g, _cpu_cluster(CAL, ((1e6, 0.01), (4e6, 0.05))))
+    assert cal.optimizer_s(2e6, "c0") == pytest.approx(0.01 + 0.04 / 3)
+    bandwidth = plain.cluster.device_type("c0").mem_bw_Bps
+    assert plain.optimizer_s(2e6, "c0") == pytest.approx(formulas.optimizer_s(2e6, bandwidth))
+    assert cal.allreduce_s(1.5e6, ("c0", "c1")) == pytest.approx(0.0015)
+    assert cal.allreduce_s(1e6, ("c0", "c1", "c2")) == pytest.approx(0.001 * 4 / 3)  # nearest curve, 2 -> 3 ring
+    assert cal.corun_factor("c0", ("c0",)) == 1.0
+    assert cal.corun_factor("c0", ("c0", "c1", "g0")) == pytest.approx(1.25)  # the GPU is no CPU worker
+    assert cal.corun_factor("c0", ("c0", "c1", "c2")) == pytest.approx(1.5)
+    assert cal.corun_factor("g0", ("c0", "c1", "g0")) == 1.0
+    assert plain.corun_factor("c0", ("c0", "c1", "c2")) == 1.0
+
+
+def test_the_simulator_slows_cpu_workers_side_by_side_and_the_fast_path_agrees():
+    nodes = tuple(Node(f"n{i}", "Linear", {C: 0.01}, {C: 0.02}, param_bytes=1_000_000) for i in range(3))
+    g = Graph("chain", nodes, tuple(Edge(f"n{i}", f"n{i + 1}", 0) for i in range(2)), batch_size=8, profiled_on=C)
+    cluster = _cpu_cluster(CAL, ((1e6, 0.004),))
+    alone = Plan((Stage(("n0", "n1", "n2"), ("c0",)),), 1, "gpipe", "t")
+    # one worker: its 3 x 30 ms and the measured optimizer step, no slowdown
+    assert simulate(g, cluster, alone).estimate.step_s == pytest.approx(0.09 + 0.012)
+    three = Plan(tuple(Stage((f"n{i}",), (f"c{i}",)) for i in range(3)), 1, "gpipe", "t")
+    est = simulate(g, cluster, three).estimate.step_s
+    assert est == pytest.approx(1.5 * (0.09 + 0.004))  # stages one after another, each 1.5x slower
+    scorer = ChainScorer(g, cluster)
+    fast = scorer.score(np.array([[1, 2]]), np.array([[0, 1, 2]]), 1, "gpipe").step_s[0]
+    assert fast == pytest.approx(est)
+    assert scorer.score(np.array([[1, 2]]), np.array([[0, 3, 0]]), 1, "gpipe").feasible.shape == (1,)
+
+
+@given(st.lists(st.floats(0.001, 0.05), min_size=2, max_size=5), st.integers(1, 6), st.sampled_from(["gpipe", "1f1b"]),
+       st.floats(1.0, 2.0))
+def test_fast_path_equals_the_event_simulator_on_calibrated_chains(times, m, schedule, slow):
+    n = len(times)
+    nodes = tuple(Node(f"n{i}", "Linear", {C: t}, {C: 2 * t}, param_bytes=500_000 * (i + 1))
+                  for i, t in enumerate(times))
+    g = Graph("chain", nodes, tuple(Edge(f"n{i}", f"n{i + 1}", 10_000) for i in range(n - 1)), batch_size=12,
+              profiled_on=C)
+    spec = {"devices": [{"id": f"c{i}", "type": "cpu", "threads": 1, "host": "h0", "binding": "cpu"} for i in range(n)]}
+    cal = Calibration("test", (), ((2, slow), (n + 1, slow * 1.1)))
+    cluster = replace(cluster_from_spec(spec, "cal"), calibration=cal)
+    cluster = replace(cluster, devices=tuple(replace(d, optimizer_points=((1e6, 0.003), (4e6, 0.02)))
+                                             for d in cluster.devices))
+    plan = Plan(tuple(Stage((f"n{i}",), (f"c{i}",)) for i in range(n)), m, schedule, "t")
+    assert fast_step_s(g, cluster, [plan])[0] == pytest.approx(simulate(g, cluster, plan).estimate.step_s)
+
+
+def test_fit_overheads_is_the_growth_of_the_excess_per_action():
+    lo = {"measured_step_s": 0.110, "predicted_step_s": 0.100, "actions": 6}
+    hi = {"measured_step_s": 0.150, "predicted_step_s": 0.110, "actions": 18}
+    assert fit_overheads(lo, hi) == pytest.approx((0.0025, 0.0))  # 10 ms of excess at 6 actions: all per action
+    lo = {**lo, "measured_step_s": 0.120}  # 20 ms: 15 ms per action and 5 ms per step
+    assert fit_overheads(lo, {**hi, "measured_step_s": 0.160}) == pytest.approx((0.0025, 0.005))
+    assert fit_overheads(hi, lo | {"actions": 30}) == pytest.approx((0.0, 0.040))  # a shrinking excess: none per action

@@ -428,3 +428,26 @@ def test_planning_on_a_type_that_was_not_profiled_says_so(cli, tmp_path):
     r = cli("plan", g, "--cluster", two, "-o", tmp_path / "q.json")
     assert r.code == 0, r.err
     assert "note" not in r.err
+
+
+def test_a_prediction_for_real_workers_says_when_the_cluster_is_not_calibrated(cli, tmp_path):
+    from dataclasses import replace
+
+    from hetplan.cluster import Calibration
+    from hetplan.graph import Edge, Graph, Node
+    from hetplan.io.clusters import load_cluster
+
+    g = tmp_path / "g.json"
+    nodes = tuple(Node(f"n{i}", "linear", {"cpu-1t": 1e-3}, {"cpu-1t": 2e-3}) for i in range(3))
+    serde.dump(Graph("g", nodes, (Edge("n0", "n1", 64), Edge("n1", "n2", 64)), 8, "cpu-1t"), g)
+    r = cli("plan", g, "--cluster", "local", "-o", tmp_path / "p.json")
+    assert r.code == 0 and "hetplan: note: cluster 'local' is not calibrated" in r.err
+    assert "hetplan calibrate --cluster local -o cal.json" in r.err
+    cal = tmp_path / "cal.json"
+    serde.dump(replace(load_cluster("local"), calibration=Calibration("test")), cal)
+    for args in (("plan", g, "--cluster", cal, "-o", tmp_path / "q.json"),
+                 ("simulate", tmp_path / "p.json", "--graph", g, "--cluster", cal)):
+        r = cli(*args)
+        assert r.code == 0 and "note" not in r.err, r.err
+    r = cli("simulate", tmp_path / "p.json", "--graph", g, "--cluster", "local")
+    assert r.code == 0 and "not calibrated" in r.err

@@ -125,7 +125,7 @@ def test_one_replicated_stage_is_data_parallelism():
     a0_rows = round(64 * (1 / t["a0"]) / (1 / t["a0"] + 1 / t["t0"]))  # the batch of 64 split by speed
     busy = {"a0": t["a0"] * a0_rows / 64, "t0": t["t0"] * (64 - a0_rows) / 64}
     assert est.busy_s == pytest.approx(busy)
-    opt = max(cm.optimizer_s(10**8, cluster.device(d).type) for d in ("a0", "t0"))
+    opt = max(cm.optimizer_s(10**8, d) for d in ("a0", "t0"))
     assert est.step_s == pytest.approx(max(busy.values()) + cm.allreduce_s(10**8, ("a0", "t0")) + opt)
 
 

@@ -31,7 +31,7 @@ from hetplan._frozen import FrozenMap
 from hetplan.catalog import DeviceType
 from hetplan.errors import ClusterError, listing, shown
 
-__all__ = ["MAX_DEVICES", "Cluster", "Device", "DeviceType", "Link", "LinkOverride"]
+__all__ = ["MAX_DEVICES", "AllreduceCurve", "Calibration", "Cluster", "Device", "DeviceType", "Link", "LinkOverride"]
 
 # The most devices a cluster may have. Loading is linear in the devices, but what users do next is
 # not: `hetplan info` lists the link of every pair (about 3 s and 0.7 GB at 1024 devices, 110 s and
@@ -92,6 +92,54 @@ class LinkOverride:
         Link(self.bandwidth_Bps, self.latency_s)
 
 
+def _points(points, what: str) -> tuple[tuple[float, float], ...]:
+    """Measured (size, seconds) points, sorted, each finite with size > 0 and seconds >= 0."""
+    out = tuple(sorted((float(x), float(y)) for x, y in points))
+    for x, y in out:
+        if not (is_finite(x) and x > 0 and is_finite(y) and y >= 0):
+            raise ClusterError(f"{what}: measured point ({x!r}, {y!r}) needs a size > 0 and seconds >= 0")
+    if len({x for x, _ in out}) != len(out):
+        raise ClusterError(f"{what}: two measured points have the same size")
+    return out
+
+
+@dataclass(frozen=True)
+class AllreduceCurve:
+    """All-reduce times measured between `replicas` local workers: (bytes, seconds) points."""
+
+    replicas: int
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 2:
+            raise ClusterError(f"an all-reduce curve is for 2 or more replicas, got {self.replicas!r}")
+        object.__setattr__(self, "points", _points(self.points, f"all-reduce of {self.replicas}"))
+        if not self.points:
+            raise ClusterError(f"the all-reduce curve of {self.replicas} replicas has no points")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What `hetplan calibrate` measured on the machine a cluster's workers run on, beside the
+    link (`Cluster.intra_host`) and each device's own figures: all-reduce times by group size
+    (gloo between local processes), and how much CPU workers on one host slow each other down
+    (`corun_slowdown`: (busy CPU workers, factor on each one's compute)). `source` says where and
+    when it was measured."""
+
+    source: str
+    allreduce: tuple[AllreduceCurve, ...] = ()
+    corun_slowdown: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allreduce", tuple(sorted(self.allreduce, key=lambda c: c.replicas)))
+        object.__setattr__(self, "corun_slowdown", tuple(sorted((int(k), float(v)) for k, v in self.corun_slowdown)))
+        if len({c.replicas for c in self.allreduce}) != len(self.allreduce):
+            raise ClusterError("calibration: two all-reduce curves for the same number of replicas")
+        for k, v in self.corun_slowdown:
+            if k < 1 or not (is_finite(v) and v > 0):
+                raise ClusterError(f"calibration: co-running slowdown ({k}, {v}) needs workers >= 1 and a factor > 0")
+
+
 @dataclass(frozen=True)
 class Device:
     """One device. `type` names a `DeviceType` of the cluster; `mem_bytes` and `usd_per_hour`
@@ -100,7 +148,9 @@ class Device:
     runtime spends per pipeline action on this device outside the model's operators (schedule
     bookkeeping, sending and receiving), and `step_overhead_s` what it spends once per step
     (barriers, starting the schedule), as `hetplan calibrate` measures them; the simulator adds
-    the first to every forward and backward action and the second to the end of the step."""
+    the first to every forward and backward action and the second to the end of the step.
+    `optimizer_points` are `(parameter bytes, seconds)` of the optimizer step as measured on this
+    device (`hetplan calibrate`); empty, the cost model's memory-bound formula is used."""
 
     id: str
     type: str
@@ -111,8 +161,10 @@ class Device:
     binding: str | None = None
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    optimizer_points: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "optimizer_points", _points(self.optimizer_points, f"device {self.id!r}: optimizer"))
         if not self.id:
             raise ClusterError("a device needs a non-empty id")
         if not self.host:
@@ -144,6 +196,7 @@ class Cluster:
     intra_host: Link
     inter_host: Link
     links: tuple[LinkOverride, ...] = ()
+    calibration: Calibration | None = None  # None: nothing measured on the machine (`hetplan calibrate`)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))

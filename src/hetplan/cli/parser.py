@@ -221,10 +221,9 @@ def _add_profile(sub: Subparsers, common: argparse.ArgumentParser) -> None:
                    help="layer: one node per leaf module; block: one per repeated block (default: layer)")
     p.add_argument("--block-class", action="append", metavar="CLASS",
                    help="class name of the repeated block, for --granularity block on your own model")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per node; the median is kept (default: 3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed repeats of the pieces in sequence; each node keeps its median (default: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch")
-    p.add_argument("--calibrate", action="store_true",
-                   help="scale the nodes' isolated times to the pieces' time run in sequence (experimental)")
     p.add_argument("--check", action="store_true",
                    help="also time the unsplit step and print the ratio of the sum of node times to it")
     p.add_argument("-o", "--output", type=Path, required=True, help="the graph JSON to write")

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
 from hetplan import catalog
 from hetplan.catalog import DeviceType
 from hetplan.cluster import Cluster
@@ -159,11 +161,29 @@ class CostModel:
         fwd, bwd = self.stage_times_s(nodes, self.cluster.device(device_id).type)
         return fwd + bwd
 
-    def optimizer_s(self, param_bytes: float, device_type: str) -> float:
-        """Time of the optimizer step over `param_bytes` of weights on a device type (Adam,
-        memory-bound)."""
-        t = self._type(device_type)
-        return formulas.optimizer_s(param_bytes, t.mem_bw_Bps) if t is not None else 0.0
+    def optimizer_s(self, param_bytes, device_id: str):
+        """Time of the optimizer step over `param_bytes` of weights (a number or an array) on a
+        device: read off what `hetplan calibrate` measured there, else Adam's memory-bound
+        formula on its type."""
+        dev = self.cluster.device(device_id)
+        if dev.optimizer_points:
+            return formulas.measured_s(param_bytes, dev.optimizer_points)
+        t = self._type(dev.type)
+        return formulas.optimizer_s(param_bytes, t.mem_bw_Bps) if t is not None else 0.0 * param_bytes
+
+    def corun_factor(self, device_id: str, used: Sequence[str]) -> float:
+        """How much longer a device's compute takes beside the other CPU devices of `used` on its
+        host (a calibrated cluster's `corun_slowdown`; 1 for a GPU or an uncalibrated cluster)."""
+        cal = self.cluster.calibration
+        dev = self.cluster.device(device_id)
+        if cal is None or not cal.corun_slowdown or not self.is_cpu(device_id):
+            return 1.0
+        busy = {d for d in used if self.cluster.device(d).host == dev.host and self.is_cpu(d)}
+        return formulas.corun_factor(len(busy | {device_id}), cal.corun_slowdown)
+
+    def is_cpu(self, device_id: str) -> bool:
+        t = self._type(self.cluster.device(device_id).type)
+        return t is not None and t.kind == "cpu"
 
     def transfer_s(self, nbytes: float, src: str, dst: str) -> float:
         link = self.cluster.link(src, dst)
@@ -175,11 +195,26 @@ class CostModel:
         ring = [self.cluster.link(devices[i], devices[(i + 1) % r]) for i in range(r)]
         return min(link.bandwidth_Bps for link in ring), max(link.latency_s for link in ring)
 
-    def allreduce_s(self, nbytes: float, devices: Sequence[str]) -> float:
-        """Ring all-reduce of `nbytes` over `devices` (`formulas.allreduce_s`)."""
-        if len(devices) < 2 or nbytes <= 0:
-            return 0.0
+    def allreduce_s(self, nbytes, devices: Sequence[str]):
+        """All-reduce of `nbytes` (a number or an array) over `devices`: read off the calibrated
+        curve of the nearest group size (scaled by `formulas.ring_scale`) when all are on one
+        host of a calibrated cluster, else the ring formula over the ring's links."""
+        if len(devices) < 2:
+            return 0.0 * nbytes
+        curve = self.allreduce_curve(devices)
+        if curve is not None:
+            return formulas.measured_s(nbytes * formulas.ring_scale(len(devices), curve.replicas), curve.points)
+        if np.ndim(nbytes):
+            return formulas.allreduce_s_array(nbytes, len(devices), *self.ring_link(devices))
         return formulas.allreduce_s(nbytes, len(devices), *self.ring_link(devices))
+
+    def allreduce_curve(self, devices: Sequence[str]):
+        """The calibrated all-reduce curve that applies to `devices` (nearest group size, fewer
+        on a tie), or None: no calibration, or devices on several hosts."""
+        cal = self.cluster.calibration
+        if cal is None or not cal.allreduce or len({self.cluster.device(d).host for d in devices}) > 1:
+            return None
+        return min(cal.allreduce, key=lambda c: (abs(c.replicas - len(devices)), c.replicas))
 
     def replica_shares(self, nodes: Sequence[str], devices: Sequence[str]) -> dict[str, float]:
         """Share of each micro-batch given to each replica: in proportion to its speed, so that

@@ -16,7 +16,10 @@ agree with the scalar forms element by element (`tests/test_cost_formulas.py`).
 - Compute: an action on a share of the batch costs its fixed part plus the rest of the batch's
   time scaled by the share (`action_s`).
 - Optimizer step (Adam): `OPTIMIZER_PASSES` passes over the weights' bytes at the device's
-  memory bandwidth.
+  memory bandwidth, or, on a calibrated device, read off the times `hetplan calibrate` measured
+  (`measured_s`; the same for an all-reduce measured by group size).
+- Co-running: on a calibrated host, a CPU worker's compute takes `corun_factor` times as long
+  when other CPU workers of the plan run on the same host (they share its memory bandwidth).
 - Price: the devices' dollars per hour for the step's duration.
 """
 
@@ -107,6 +110,46 @@ def optimizer_s(param_bytes, mem_bw_Bps: float):
     """The optimizer step over `param_bytes` of weights on a device of `mem_bw_Bps` (numbers or
     arrays; 0 where the bandwidth is unknown)."""
     return OPTIMIZER_PASSES * param_bytes / mem_bw_Bps if mem_bw_Bps > 0 else 0.0 * param_bytes
+
+
+def measured_s(x, points):
+    """Seconds for `x` (bytes; a number or an array) read off measured `(x_k, seconds_k)` points:
+    linear between neighbouring points; beyond the largest, along the last segment's line (the
+    marginal cost per byte goes on); below the smallest, the larger of the first segment's line
+    (a fixed cost such as latency) and the smallest point scaled down in proportion (a cost that
+    shrinks with the size); with one point, in proportion. Never negative; 0 for x <= 0."""
+    pts = sorted(points)
+    xs = np.array([p[0] for p in pts], dtype=float)
+    ys = np.array([p[1] for p in pts], dtype=float)
+    x_arr = np.asarray(x, dtype=float)
+    prop = x_arr * ys[0] / xs[0]
+    if len(pts) == 1:
+        out = prop
+    else:
+        inside = np.interp(x_arr, xs, ys)
+        last = ys[-1] + (x_arr - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        first = np.maximum(ys[0] + (x_arr - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0]), prop)
+        out = np.where(x_arr > xs[-1], last, np.where(x_arr < xs[0], first, inside))
+    out = np.where(x_arr > 0, np.maximum(out, 0.0), 0.0)
+    return float(out) if np.ndim(x) == 0 else out
+
+
+def ring_scale(replicas, measured_replicas: int):
+    """How an all-reduce's bytes on the wire grow from a measured group size to another: a ring
+    moves 2 (r - 1) / r of the buffer through each worker (numbers or arrays)."""
+    r = np.asarray(replicas, dtype=float)
+    g = float(measured_replicas)
+    return (r - 1) / r * g / (g - 1)
+
+
+def corun_factor(busy_workers: int, slowdown_points) -> float:
+    """How much longer a CPU worker's compute takes with `busy_workers` CPU workers of the plan
+    on its host (itself included), from measured `(workers, factor)` points: linear between them,
+    the last factor's growth per worker beyond, 1 for one worker or no points."""
+    if busy_workers <= 1 or not slowdown_points:
+        return 1.0
+    pts = sorted({(1, 1.0), *((int(k), float(v)) for k, v in slowdown_points)})
+    return max(1.0, float(measured_s(busy_workers, pts)))
 
 
 def usd_per_step(usd_per_hour, step_s):

@@ -71,7 +71,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.cost.formulas import activation_room_bytes, allreduce_s_array, stage_memory_bytes, usd_per_step, wire_s
+from hetplan.cost.formulas import activation_room_bytes, stage_memory_bytes, usd_per_step, wire_s
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
@@ -166,10 +166,9 @@ class _Order:
         for x in range(d, d + k):
             cnt[self.dtype[x]] += 1
             mem[self.dtype[x]] = min(mem.get(self.dtype[x], math.inf), self.dev[x].mem_bytes)
-        ring = scorer.cost.ring_link(self.order[d:d + k]) if k > 1 else None
-        opt_per_byte = max(scorer.cost.optimizer_s(1.0, self.dev[x].type) for x in range(d, d + k))
+        devices = tuple(self.order[d:d + k])
         per_step = max(self.dev[x].step_overhead_s for x in range(d, d + k))
-        return cnt, mem, ring, opt_per_byte, per_step
+        return cnt, mem, _after_stage(scorer.cost, devices, per_step)
 
     def _rest(self, types: int) -> np.ndarray:
         """rest[i, d]: the least time the nodes of state i can take on devices 0 .. d-1 together."""
@@ -207,12 +206,28 @@ class _Front:
             labels.remove(max(labels, key=lambda o: o.rank))
 
 
+def _after_stage(cost, devices: tuple[str, ...], per_step_s: float):
+    """What a stage on `devices` costs after its last action, for an array of its weights' bytes:
+    the all-reduce over its replicas, then the slowest replica's optimizer step and the runtime's
+    cost per step (replicas on the same optimizer figures are asked once)."""
+    ones = {}
+    for dev in devices:
+        d = cost.cluster.device(dev)
+        ones.setdefault((d.type, d.optimizer_points), dev)
+
+    def after(w_stage: np.ndarray) -> np.ndarray:
+        opt = np.max([cost.optimizer_s(w_stage, dev) for dev in ones.values()], axis=0)
+        return cost.allreduce_s(w_stage, devices) + opt + per_step_s
+
+    return after
+
+
 def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound_s: float) -> tuple:
     """For the stage S_j - S_i on devices d .. d+k-1, over every earlier state i at once: which
     i are allowed (time bound, memory, devices left), the stage's time, its memory need over
     what is free (the worst replica type), and its all-reduce + optimizer step."""
     below, diff, w_stage, a_stage = setup.ending_at(prob, j)
-    cnt, mem, ring, opt_per_byte, per_step = setup.groups[(d, k)]
+    cnt, mem, after_stage = setup.groups[(d, k)]
     with np.errstate(divide="ignore", invalid="ignore"):
         used = [ti for ti, c in enumerate(cnt) if c]
         speed = sum(cnt[ti] / diff[ti] for ti in used)  # inf where a type needs no time
@@ -228,8 +243,7 @@ def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound
     ok = (t <= bound_s) & fits & ((ratio <= 1.0) | setup.bounded)
     ok &= (below == 0) if d == 0 else (below != 0)  # with d == 0 no devices are left for nodes before
     ok &= setup.rest[below, d] <= bound_s  # the slowest stage before takes at least that
-    ar = allreduce_s_array(w_stage, k, *ring) if ring is not None else np.zeros(len(below))
-    ar = ar + w_stage * opt_per_byte + per_step  # then the optimizer step, slowest replica
+    ar = after_stage(w_stage)
     return np.nonzero(ok)[0], below, t, ratio, ar
 
 

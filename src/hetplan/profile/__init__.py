@@ -3,8 +3,9 @@
 `profile(model, example_inputs, ...)` and `profile_step(step, batch, ...)` trace the step with
 `torch.export`, cut it into one executable piece per node (`hetplan.profile.split`), run it once
 to capture every piece's inputs, and then time each piece's forward and backward pass on each
-requested device (`hetplan.profile.timing`). Edges carry the bytes of the tensors that really
-flow between pieces, so residual and skip connections and parallel branches appear as they are.
+requested device, with all pieces run in sequence as the step runs them
+(`hetplan.profile.timing`). Edges carry the bytes of the tensors that really flow between
+pieces, so residual and skip connections and parallel branches appear as they are.
 
 The user's model is never changed: the profiler works on a deep copy, and restores the random
 number generators, the number of threads and the grad mode it found.
@@ -28,7 +29,7 @@ from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.profile.devices import ProfileDevice, parse_device
 from hetplan.profile.split import GRANULARITIES, SplitStep, split_step, tensor_bytes
-from hetplan.profile.timing import Timing, time_cpu, time_cuda, warm_pass
+from hetplan.profile.timing import Timing, time_in_sequence, warm_pass
 
 __all__ = ["GRANULARITIES", "ProfileReport", "profile", "profile_step"]
 
@@ -38,11 +39,12 @@ class ProfileReport:
     """A profiled graph, with what it cost to make and, with `check`, how faithful it is.
 
     `whole_step_s` is the median measured forward+backward step of the unsplit model per device
-    type and `whole_step_range_s` its fastest and slowest run. `check_ratio` is the sum of the
-    nodes' fastest times over the fastest whole step (like with like: interference only adds
-    time, so the fastest runs are the steadiest on a shared machine); `check_ratio_median` is
-    the sum of the nodes' median times (what the graph stores) over the median whole step;
-    `check_ratio_isolated` is that ratio before calibration, with nodes timed alone."""
+    type and `whole_step_range_s` its fastest and slowest run, each run just before one repeat
+    of the pieces. `check_ratio` is the median over the repeats of the pieces' time (the sum of
+    the nodes) over the whole step run just before: each pair sees the same machine, which on a
+    shared one drifts by 2x within a minute, and the median drops the pairs a burst of other
+    work hit. `check_ratio_median` is the sum of the nodes' median times (what the graph
+    stores) over the median whole step."""
 
     graph: Graph
     profile_s: float
@@ -50,7 +52,6 @@ class ProfileReport:
     whole_step_range_s: Mapping[str, tuple[float, float]] = field(default_factory=FrozenMap)
     check_ratio: Mapping[str, float] = field(default_factory=FrozenMap)
     check_ratio_median: Mapping[str, float] = field(default_factory=FrozenMap)
-    check_ratio_isolated: Mapping[str, float] = field(default_factory=FrozenMap)
 
 
 @contextlib.contextmanager
@@ -71,29 +72,6 @@ def _to(batch: Mapping[str, Any], device: str) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _sync(device: ProfileDevice) -> None:
-    if device.is_cuda:
-        torch.cuda.synchronize(device.torch_device)
-
-
-def _whole_step_s(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, repeats: int
-                  ) -> tuple[float, float, float]:
-    """Median, fastest and slowest time of the unsplit step's forward and backward over at
-    least 5 runs after one warm-up (the reference of `--check`: a shared machine's speed drifts
-    by 10% and more between runs, so a reference from fewer runs misleads)."""
-    times = []
-    for i in range(max(repeats, 5) + 1):
-        for p in step.parameters():
-            p.grad = None
-        _sync(device)
-        t0 = time.perf_counter()
-        step(**batch).backward()
-        _sync(device)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times), max(times)
-
-
 def _is_oom(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
@@ -106,70 +84,31 @@ class _Measured:
     times: dict[str, Timing]
     flops: dict[str, float]
     act_bytes: dict[str, int]
-    isolated: dict[str, Timing]  # before calibration
-
-
-def _in_sequence_s(split: SplitStep, data: Mapping[str, Any], device: ProfileDevice, repeats: int
-                   ) -> tuple[float, float]:
-    """Median forward and backward time of all pieces run in sequence as one training step,
-    after one warm-up run."""
-    fwd, bwd = [], []
-    params = {id(p): p for piece in split.pieces for p in piece.module.parameters()}.values()
-    for i in range(repeats + 1):
-        for p in params:
-            p.grad = None
-        _sync(device)
-        t0 = time.perf_counter()
-        loss, _ = split.run(data)
-        _sync(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        _sync(device)
-        if i:
-            fwd.append(t1 - t0)
-            bwd.append(time.perf_counter() - t1)
-    return statistics.median(fwd), statistics.median(bwd)
-
-
-def _calibrated(times: dict[str, Timing], fwd_total_s: float, bwd_total_s: float) -> dict[str, Timing]:
-    """Scale isolated times so that they add up to the pieces' time in sequence (forward and
-    backward separately): each node keeps its share, the total is the one measured in context.
-
-    Why: a piece timed alone, repeat after repeat, finds its weights and inputs in the cache and
-    its memory already mapped; in a real step the layers before it evicted them. On gpt2 (block
-    granularity) the isolated sums were 17% (forward) and 22% (backward) below the same pieces
-    run in sequence (bench/profile_gap.py). Not the default: at layer granularity it overshot
-    the whole step in the one benchmark run made (BENCHMARKS.md)."""
-    iso_f = sum(t.fwd_s for t in times.values())
-    iso_b = sum(t.bwd_s for t in times.values())
-    kf = fwd_total_s / iso_f if iso_f > 0 else 1.0
-    kb = bwd_total_s / iso_b if iso_b > 0 else 1.0
-    return {n: Timing(t.fwd_s * kf, t.bwd_s * kb, t.fwd_min_s * kf, t.bwd_min_s * kb) for n, t in times.items()}
+    totals_s: list[float]  # per repeat, the sum of all nodes
+    whole_s: list[float]  # per repeat, the unsplit step (with check)
+    repeats: int
 
 
 def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
-             block_classes: Sequence[str] | None, repeats: int, seed: int, calibrate: bool,
+             block_classes: Sequence[str] | None, repeats: int, seed: int, check: bool,
              progress: Callable[[str], None] | None) -> _Measured:
+    """Cuts a copy of the step into pieces, counts each piece's FLOPs and saved bytes, and times
+    the pieces in sequence; with `check`, also the unsplit copy, a step before each repeat (at
+    least 5: a shared machine's speed drifts by 10% and more between runs, so a reference from
+    fewer runs misleads)."""
     work = copy.deepcopy(step).to(device.torch_device).train()
     data = _to(batch, device.torch_device)
     split = split_step(work, data, granularity, block_classes)
     torch.manual_seed(seed)
     with torch.no_grad():
         _, values = split.run(data, capture=True)
-    timer = time_cuda if device.is_cuda else time_cpu
-    times, flops, acts = {}, {}, {}
-    for i, piece in enumerate(split.pieces):
-        if progress:
-            progress(f"{device.device_type}: {i + 1}/{len(split.pieces)} {piece.name}")
-        inputs = [values[n] for n in piece.inputs]
-        flops[piece.name], acts[piece.name] = warm_pass(piece, inputs)
-        times[piece.name] = timer(piece, inputs, repeats)
-    raw = times
-    if calibrate:
-        if progress:
-            progress(f"{device.device_type}: running the pieces in sequence")
-        times = _calibrated(times, *_in_sequence_s(split, data, device, repeats))
-    return _Measured(split, values, times, flops, acts, raw)
+    flops, acts = {}, {}
+    for piece in split.pieces:
+        flops[piece.name], acts[piece.name] = warm_pass(piece, [values[n] for n in piece.inputs])
+    repeats = max(repeats, 5) if check else repeats
+    timed = time_in_sequence(split, data, device.torch_device, repeats, whole=work if check else None,
+                             progress=(lambda msg: progress(f"{device.device_type}: {msg}")) if progress else None)
+    return _Measured(split, values, timed.times, flops, acts, timed.totals_s, timed.whole_s, repeats)
 
 
 def profile_step(
@@ -183,32 +122,29 @@ def profile_step(
     repeats: int = 3,
     seed: int = 0,
     check: bool = False,
-    calibrate: bool = False,
     fixed: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> ProfileReport:
     """Profile `step(**batch)`, a module whose forward returns the training loss.
 
-    With `calibrate`, node times timed in isolation are scaled so that they add up to the
-    pieces' forward and backward time measured in sequence (see `_calibrated`). With `fixed`,
-    every node is timed again at an eighth of the batch (a micro-batch of 8, so that the line
-    between the two sizes covers the micro-batches plans use rather than extrapolates to them),
-    and the two times give the part of each pass that does not shrink with the batch
+    Node times come from all pieces run in sequence, as the step runs them
+    (`hetplan.profile.timing`). With `check`, the unsplit step is timed too, interleaved with
+    the repeats, for the ratios of `ProfileReport`. With `fixed`, every node is timed again
+    (in sequence too) at an eighth of the batch (a micro-batch of 8, so that the line between
+    the two sizes covers the micro-batches plans use rather than extrapolates to them), and
+    the two times give the part of each pass that does not shrink with the batch
     (`Node.fwd_fixed_s`): t(b) = fixed + rate * b."""
     parsed, batch_size = _checked(granularity, repeats, devices, batch)
     start = time.perf_counter()
     measured: dict[str, _Measured] = {}
     fixed_parts: dict[str, dict[str, tuple[float, float]]] = {}
-    whole: dict[str, tuple[float, float, float]] = {}
     with _preserved(parsed):
         for device in parsed:
             if device.threads:
                 torch.set_num_threads(device.threads)
             try:
-                if check:
-                    whole[device.device_type] = _whole_step_on(step, batch, device, repeats, progress)
                 measured[device.device_type] = _measure(step, batch, device, granularity, block_classes,
-                                                         repeats, seed, calibrate, progress)
+                                                         repeats, seed, check, progress)
                 parts = (_fixed_parts_on(step, batch, device, batch_size, measured[device.device_type],
                                          granularity, block_classes, repeats, seed, progress) if fixed else None)
                 if parts is not None:
@@ -222,8 +158,8 @@ def profile_step(
                         "try a smaller --batch-size"
                     ) from None
                 raise
-    graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, calibrate, fixed_parts)
-    return _report(graph, start, measured, whole)
+    graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, fixed_parts)
+    return _report(graph, start, measured)
 
 
 def _checked(granularity: str, repeats: int, devices: Sequence[str],
@@ -240,18 +176,6 @@ def _checked(granularity: str, repeats: int, devices: Sequence[str],
     if not tensors or tensors[0].dim() == 0:
         raise HetplanError("the example batch needs at least one tensor with a batch dimension")
     return parsed, int(tensors[0].shape[0])
-
-
-def _whole_step_on(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, repeats: int,
-                   progress: Callable[[str], None] | None) -> tuple[float, float, float]:
-    """The unsplit step's time on a device, for `check`. Before profiling, so the reference runs
-    in a clean process, without the captured tensors and pieces that profiling keeps in memory."""
-    if progress:
-        progress(f"{device.device_type}: timing the whole step")
-    work = copy.deepcopy(step).to(device.torch_device).train()
-    timed = _whole_step_s(work, _to(batch, device.torch_device), device, repeats)
-    del work
-    return timed
 
 
 def _fixed_parts_on(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, batch_size: int,
@@ -272,19 +196,17 @@ def _fixed_parts_on(step: nn.Module, batch: Mapping[str, Any], device: ProfileDe
     return _fixed_parts(full.times, again.times, batch_size, small)
 
 
-def _report(graph: Graph, start: float, measured: Mapping[str, _Measured],
-            whole: Mapping[str, tuple[float, float, float]]) -> ProfileReport:
+def _report(graph: Graph, start: float, measured: Mapping[str, _Measured]) -> ProfileReport:
     """The graph with the profiling time and, for `check`, the whole step's times and ratios."""
-    fastest = {t: sum(x.fwd_min_s + x.bwd_min_s for x in measured[t].times.values()) for t in whole}
+    whole = {t: m for t, m in measured.items() if m.whole_s}
     return ProfileReport(
         graph, time.perf_counter() - start,
-        whole_step_s={t: w[0] for t, w in whole.items()},
-        whole_step_range_s={t: (w[1], w[2]) for t, w in whole.items()},
-        check_ratio={t: fastest[t] / w[1] for t, w in whole.items() if w[1] > 0},
-        check_ratio_median={t: (graph.fwd_s_total(t) + graph.bwd_s_total(t)) / w[0]
-                            for t, w in whole.items() if w[0] > 0},
-        check_ratio_isolated={t: sum(x.fwd_s + x.bwd_s for x in measured[t].isolated.values()) / w[0]
-                              for t, w in whole.items() if w[0] > 0},
+        whole_step_s={t: statistics.median(m.whole_s) for t, m in whole.items()},
+        whole_step_range_s={t: (min(m.whole_s), max(m.whole_s)) for t, m in whole.items()},
+        check_ratio={t: statistics.median(a / b for a, b in zip(m.totals_s, m.whole_s, strict=True))
+                     for t, m in whole.items() if min(m.whole_s) > 0},
+        check_ratio_median={t: (graph.fwd_s_total(t) + graph.bwd_s_total(t)) / statistics.median(m.whole_s)
+                            for t, m in whole.items() if statistics.median(m.whole_s) > 0},
     )
 
 
@@ -307,7 +229,7 @@ def _fixed_parts(full: Mapping[str, Any], part: Mapping[str, Any], big: int,
 
 
 def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence[ProfileDevice],
-                 batch: Mapping[str, Any], batch_size: int, granularity: str, calibrated: bool,
+                 batch: Mapping[str, Any], batch_size: int, granularity: str,
                  fixed_parts: Mapping[str, Mapping[str, tuple[float, float]]] | None = None) -> Graph:
     first = measured[devices[0].device_type]
     split = first.split
@@ -356,7 +278,7 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
               # the sequence length, so that `hetplan run` rebuilds the model at the profiled shape
               **({"seq_len": str(batch["input_ids"].shape[1])}
                  if isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].dim() == 2 else {}),
-              "timing": "calibrated to the pieces run in sequence" if calibrated else "nodes timed in isolation"},
+              "timing": f"pieces run in sequence, a timestamp between pieces, median of {first.repeats} repeats"},
     )
 
 
@@ -371,7 +293,6 @@ def profile(
     repeats: int = 3,
     name: str | None = None,
     check: bool = False,
-    calibrate: bool = False,
 ) -> Graph:
     """Profile one training step of `model` on `example_inputs` (a dict of keyword arguments
     or a sequence of positional ones) into a `Graph`.
@@ -394,6 +315,5 @@ def profile(
 
     devices = [device] if isinstance(device, str) else list(device)
     report = profile_step(TrainStep(model, loss), batch, name=name or type(model).__name__, devices=devices,
-                          granularity=granularity, block_classes=block_classes, repeats=repeats, check=check,
-                          calibrate=calibrate)
+                          granularity=granularity, block_classes=block_classes, repeats=repeats, check=check)
     return report.graph

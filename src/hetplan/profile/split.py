@@ -368,3 +368,19 @@ def tensor_bytes(value: Any) -> int:
     if isinstance(value, list | tuple):
         return sum(tensor_bytes(v) for v in value)
     return 0
+
+
+def changed_in_place(piece: Piece) -> set[str]:
+    """Names of the piece's inputs that one of its operators writes to (an in-place op)."""
+    out = set()
+    placeholders = [n for n in piece.module.graph.nodes if n.op == "placeholder"]  # in the order of inputs
+    for name, ph in zip(piece.inputs, placeholders, strict=True):
+        for user in ph.users:
+            schema = getattr(user.target, "_schema", None)
+            if schema is None:
+                continue
+            for i, arg in enumerate(schema.arguments):
+                value = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+                if value is ph and arg.alias_info is not None and arg.alias_info.is_write:
+                    out.add(name)
+    return out

@@ -1,17 +1,22 @@
-"""Timing one piece's forward and backward pass, on CPU and CUDA.
+"""Timing the pieces of a training step, run in sequence as the step runs them.
 
-CPU: each repeat runs forward, then backward, timed with `perf_counter`; the result is the
-median over repeats.
+Every repeat runs the forward pass of all pieces in their topological order and then the
+backward pass in the reverse order, with a timestamp before and after each piece: on the CPU
+`perf_counter`; on CUDA an event recorded on the stream, and one synchronisation at the end of
+the repeat, so the CPU runs ahead and queues kernels as in a real step (a synchronisation per
+piece made the GPU wait for every launch and overstated small pieces 1.3-3.3x on an H100).
 
-CUDA: timing every launch with a synchronisation makes small layers look slow, because the GPU
-then waits for the CPU to launch each kernel, while in a whole training step the CPU runs ahead
-and hides launch time behind the previous kernels. So the repeats are queued back to back
-between two CUDA events, with no synchronisation in between, and the time is their mean: a
-layer whose kernels take longer than their launch is timed by its kernels, a layer that is
-launch-bound by its launch rate, as in a real step.
+Each piece receives the values it reads from other pieces as a pipeline stage does: detached,
+asking for their gradient when they had one, and copied only where the piece changes them in
+place (autograd forbids that on a leaf); the copy is made outside the timestamps. The backward
+of a piece is `torch.autograd.backward` of its outputs with the gradients its consumers sent;
+the gradients of its inputs go to their producers, summed over consumers (a residual stream
+read by two pieces gets the sum of both). So every piece computes exactly the gradients of the
+unsplit step (tests/test_profile.py checks it), with its own cache and allocator state as in
+the step, rather than timed alone, repeat after repeat, with its weights and inputs hot.
 
-Before the timed repeats, one untimed pass warms the allocator and caches up; it also counts
-the forward FLOPs (torch's `FlopCounterMode`) and the bytes the backward pass keeps alive
+Before the timed repeats, one untimed warm-up repeat; `warm_pass` also counts each piece's
+forward FLOPs (torch's `FlopCounterMode`) and the bytes its backward keeps alive
 (`saved_tensors_hooks`; storages of parameters are not counted, each storage is counted once).
 """
 
@@ -19,22 +24,20 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hetplan.profile.split import Piece
+from hetplan.profile.split import Piece, SplitStep, changed_in_place
 
 
 def _leaves(inputs: Sequence[Any]) -> list[Any]:
-    """Fresh copies of the floating inputs that require grad, so each repeat has its own
-    autograd graph and the backward pass computes the gradients a pipeline stage sends
-    upstream. They are clones of a leaf rather than leaves, because a piece may change its
-    input in place (ReLU(inplace=True)), which autograd forbids on a leaf; the clone is made
-    here, outside the timed region, and its backward is the identity."""
+    """Copies of the floating inputs that require grad, for `warm_pass`: clones of a leaf
+    rather than leaves, because a piece may change its input in place (ReLU(inplace=True)),
+    which autograd forbids on a leaf."""
     out = []
     for x in inputs:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -79,7 +82,7 @@ def warm_pass(piece: Piece, inputs: Sequence[Any]) -> tuple[float, int]:
 class Timing:
     """Forward and backward seconds: the median over the repeats (what the graph stores) and
     the fastest repeat (interference from other work only ever adds time, so the fastest is the
-    steadiest estimate on a shared machine; `--check` compares fastest with fastest)."""
+    steadiest estimate on a shared machine)."""
 
     fwd_s: float
     bwd_s: float
@@ -87,46 +90,176 @@ class Timing:
     bwd_min_s: float
 
 
-def time_cpu(piece: Piece, inputs: Sequence[Any], repeats: int) -> Timing:
-    """Forward and backward time over `repeats`. (Evicting the last-level cache before each
-    pass, to mimic a real step where other layers ran in between, changed the sums by less than
-    this machine's run-to-run noise, so it is not done.)"""
-    fwd: list[float] = []
-    bwd: list[float] = []
-    for _ in range(repeats):
-        _clear_grads(piece)
-        leaves = _leaves(inputs)
-        t0 = time.perf_counter()
-        outs = piece.module(*leaves)
-        t1 = time.perf_counter()
-        diff = _differentiable(outs)
-        grads = [torch.ones_like(o) for o in diff]
-        t2 = time.perf_counter()
-        if diff:
-            torch.autograd.backward(diff, grads)
-        t3 = time.perf_counter()
-        fwd.append(t1 - t0)
-        bwd.append(t3 - t2)
-    return Timing(statistics.median(fwd), statistics.median(bwd), min(fwd), min(bwd))
+class Clock:
+    """Timestamps on one device: `perf_counter` on the CPU, CUDA events recorded on the current
+    stream on CUDA (no synchronisation: `finish` waits once, when all are recorded)."""
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+
+    def stamp(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Between two stamps; on CUDA only after `finish`."""
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
 
-def time_cuda(piece: Piece, inputs: Sequence[Any], repeats: int) -> Timing:
-    leaves = [_leaves(inputs) for _ in range(repeats)]
-    start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-    torch.cuda.synchronize()
-    start.record()
-    outs = [piece.module(*leaf) for leaf in leaves]
-    mid.record()
-    diffs = [_differentiable(o) for o in outs]
-    grads = [[torch.ones_like(o) for o in d] for d in diffs]
-    torch.cuda.synchronize()
-    _clear_grads(piece)
-    begin = torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for d, g in zip(diffs, grads, strict=True):
-        if d:
-            torch.autograd.backward(d, g)
-    end.record()
-    torch.cuda.synchronize()
-    fwd, bwd = start.elapsed_time(mid) / 1e3 / repeats, begin.elapsed_time(end) / 1e3 / repeats
-    return Timing(fwd, bwd, fwd, bwd)  # one back-to-back batch: its mean is both
+@dataclass
+class Pass:
+    """One training step run piece by piece: the stamps around each piece's forward and backward."""
+
+    fwd: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    bwd: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    called: set[str] = field(default_factory=set)  # the pieces whose backward ran (had a gradient to take)
+
+
+def _received(piece: Piece, env: Mapping[str, Any], mutated: set[str]) -> tuple[list[Any], list[tuple[str, Any]]]:
+    """The piece's arguments as a pipeline stage receives them (see the module docstring), and
+    the leaves that will hold the gradients of the inputs that ask for one."""
+    args, leaves = [], []
+    for name in piece.inputs:
+        x = env[name]
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            leaf = x.detach().requires_grad_(True)
+            leaves.append((name, leaf))
+            x = leaf.clone() if name in mutated else leaf
+        args.append(x)
+    return args, leaves
+
+
+def _to_send(piece: Piece, env: dict[str, Any], grads: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """The piece's outputs that carry a gradient back, and their gradients. Both leave `env` and
+    `grads`, as autograd frees the gradients and the graph of a step as it goes: held to the end
+    of the pass, they made every piece after slower (inception-tiny's backward by 70%)."""
+    outs, sent = [], []
+    for name in piece.outputs:
+        value, grad = env.pop(name), grads.pop(name, None)
+        if grad is not None and isinstance(value, torch.Tensor) and value.requires_grad:
+            outs.append(value)
+            sent.append(grad)
+    return outs, sent
+
+
+def run_in_sequence(split: SplitStep, batch: Mapping[str, Any], clock: Clock,
+                    mutated: Mapping[str, set[str]] | None = None) -> Pass:
+    """Forward and backward of every piece in turn, a stamp before and after each; leaves each
+    parameter's gradient in `.grad` as the unsplit step's `loss.backward()` would. `mutated`:
+    per piece, the inputs it changes in place (`changed_in_place`; found here if not given)."""
+    if mutated is None:
+        mutated = {p.name: changed_in_place(p) for p in split.pieces}
+    env: dict[str, Any] = {name: batch[key] for key, name in zip(split.input_keys, split.input_names, strict=True)}
+    leaves: dict[str, list[tuple[str, Any]]] = {}
+    out = Pass()
+    for piece in split.pieces:
+        args, leaves[piece.name] = _received(piece, env, mutated[piece.name])
+        start = clock.stamp()
+        results = piece.module(*args)
+        out.fwd[piece.name] = (start, clock.stamp())
+        env.update(zip(piece.outputs, results, strict=True))
+    grads: dict[str, Any] = {split.loss: torch.ones_like(env[split.loss])}
+    for piece in reversed(split.pieces):
+        outs, sent = _to_send(piece, env, grads)
+        start = clock.stamp()
+        if outs:
+            torch.autograd.backward(outs, sent)
+            out.called.add(piece.name)
+        out.bwd[piece.name] = (start, clock.stamp())
+        del outs, sent
+        for name, leaf in leaves.pop(piece.name):
+            if leaf.grad is not None:
+                grads[name] = grads[name] + leaf.grad if name in grads else leaf.grad
+                leaf.grad = None
+    return out
+
+
+@dataclass(frozen=True)
+class InSequence:
+    """Per node the forward and backward time over the repeats; per repeat the sum of all
+    nodes (`totals_s`) and, when asked for, the unsplit step's time run just before it
+    (`whole_s`)."""
+
+    times: dict[str, Timing]
+    totals_s: list[float]
+    whole_s: list[float]
+
+
+def _params(split: SplitStep) -> list[torch.nn.Parameter]:
+    return list({id(p): p for piece in split.pieces for p in piece.module.parameters()}.values())
+
+
+def time_whole(step: torch.nn.Module, batch: Mapping[str, Any], clock: Clock) -> float:
+    """One forward and backward of the unsplit step, with fresh gradients."""
+    for p in step.parameters():
+        p.grad = None
+    start = clock.stamp()
+    step(**batch).backward()
+    end = clock.stamp()
+    clock.finish()
+    return clock.seconds(start, end)
+
+
+def empty_backward_s(calls: int = 50) -> float:
+    """The median CPU time of one call of `torch.autograd.backward` that does nothing (a copy of
+    four numbers): what taking each piece's backward separately adds (~30-40 us here), which a
+    step or a pipeline stage pays once, not once per node."""
+    x = torch.zeros(4)
+    times = []
+    for _ in range(calls):
+        y = x.detach().requires_grad_(True).clone()
+        g = torch.ones_like(y)
+        start = time.perf_counter()
+        torch.autograd.backward([y], [g])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_in_sequence(split: SplitStep, batch: Mapping[str, Any], device: str, repeats: int,
+                     whole: torch.nn.Module | None = None,
+                     progress: Callable[[str], None] | None = None) -> InSequence:
+    """Times every piece in sequence (`run_in_sequence`) over `repeats` after one untimed
+    warm-up. With `whole` (the unsplit step, sharing the pieces' parameters), each repeat first
+    times a step of it: interleaved, the reference and the pieces see the same machine, which
+    on a shared one drifts by 2x and more within a minute.
+
+    On the CPU, the cost of an empty backward call (`empty_backward_s`) is taken off each
+    piece's backward time. On CUDA the CPU's calls overlap the GPU's work, so nothing is."""
+    clock = Clock(device)
+    overhead = 0.0 if clock.cuda else empty_backward_s()
+    mutated = {p.name: changed_in_place(p) for p in split.pieces}
+    params = _params(split)
+    fwd: dict[str, list[float]] = {p.name: [] for p in split.pieces}
+    bwd: dict[str, list[float]] = {p.name: [] for p in split.pieces}
+    totals, wholes = [], []
+    for i in range(repeats + 1):
+        if progress and i:
+            progress(f"repeat {i}/{repeats}")
+        if whole is not None:
+            took = time_whole(whole, batch, clock)
+            if i:
+                wholes.append(took)
+        for p in params:
+            p.grad = None
+        stamps = run_in_sequence(split, batch, clock, mutated)
+        clock.finish()  # the one synchronisation of the repeat
+        if not i:
+            continue
+        total = 0.0
+        for name, (a, b) in stamps.fwd.items():
+            fwd[name].append(clock.seconds(a, b))
+            total += fwd[name][-1]
+        for name, (a, b) in stamps.bwd.items():
+            bwd[name].append(max(0.0, clock.seconds(a, b) - overhead) if name in stamps.called else clock.seconds(a, b))
+            total += bwd[name][-1]
+        totals.append(total)
+    times = {n: Timing(statistics.median(fwd[n]), statistics.median(bwd[n]), min(fwd[n]), min(bwd[n])) for n in fwd}
+    return InSequence(times, totals, wholes)

@@ -8,7 +8,7 @@ from typing import Any
 
 from hetplan.cluster import Cluster
 from hetplan.graph import Graph
-from hetplan.io.serde import to_dict
+from hetplan.io.serde import plain, to_dict
 from hetplan.plan import Estimate, Plan
 
 PAIRS_LISTED_UP_TO = 64  # devices; above, `links` lists only the pairs a cluster file sets
@@ -51,7 +51,8 @@ def cluster_summary(cluster: Cluster) -> dict[str, Any]:
             "id": d.id, "type": d.type, "host": d.host, "mem_bytes": d.mem_bytes,
             "peak_flops": t.peak_flops, "peak_flops_fp16": t.peak_flops_fp16,
             "mem_bw_Bps": t.mem_bw_Bps, "usd_per_hour": d.usd_per_hour,
-            "threads": d.threads, "binding": d.binding,
+            "threads": d.threads, "binding": d.binding, "action_overhead_s": d.action_overhead_s,
+            "step_overhead_s": d.step_overhead_s, "optimizer_points": [list(x) for x in d.optimizer_points],
         })
     # every pair of a small cluster; of a big one only the links set per pair (the rest follow
     # intra_host and inter_host): n^2/2 pairs of 1,024 devices took seconds and 700 MB to list
@@ -71,6 +72,7 @@ def cluster_summary(cluster: Cluster) -> dict[str, Any]:
         "intra_host": {"bandwidth_Bps": cluster.intra_host.bandwidth_Bps, "latency_s": cluster.intra_host.latency_s},
         "inter_host": {"bandwidth_Bps": cluster.inter_host.bandwidth_Bps, "latency_s": cluster.inter_host.latency_s},
         "links": links,
+        "calibration": plain(cluster.calibration),
     }
 
 

@@ -64,6 +64,12 @@ def show_cluster(console: Console, cluster: Cluster) -> None:
                   f"{fmt_bandwidth(cluster.intra_host.bandwidth_Bps)}, "
                   f"{fmt_seconds(cluster.intra_host.latency_s)}; between hosts "
                   f"{fmt_bandwidth(cluster.inter_host.bandwidth_Bps)}, {fmt_seconds(cluster.inter_host.latency_s)}")
+    cal = cluster.calibration
+    console.print(f"calibrated: {cal.source}; all-reduce curves for "
+                  f"{', '.join(str(c.replicas) for c in cal.allreduce) or 'no'} workers; CPU workers side by side: "
+                  f"{', '.join(f'{k} x{v:.2f}' for k, v in cal.corun_slowdown) or '-'}" if cal is not None
+                  else "not calibrated (`hetplan calibrate` measures links, all-reduces, optimizer steps and the "
+                       "runtime's costs on the machine)")
     if len(cluster.devices) <= MAX_MATRIX_DEVICES:
         matrix = Table(title="bandwidth between devices", title_justify="left")
         matrix.add_column("")
@@ -284,6 +290,29 @@ def show_run(console: Console, s: dict, plan: Plan) -> None:
         device = key.split(":", 1)[1]
         mem.add_row(key, fmt_bytes(value), fmt_bytes(predicted[device]) if device in predicted else "-")
     console.print(mem)
+    if s.get("stages"):
+        console.print(_stage_times(s["stages"]))
     if s["losses"]:
         console.print(f"loss: {s['loss_first']:.4f} at the first step, {s['loss_last']:.4f} at the last")
     console.print(f"logs and results in {s['out_dir']}")
+
+
+def _stage_times(rows: list[dict]) -> Table:
+    """Per stage (replicas averaged): compute busy time and share of the step spent communicating
+    (receiving, waits included, and the gradient all-reduce; `hetplan.runtime.stage_times`)."""
+    table = Table(title="per stage, replicas averaged: compute busy time per step and share of the step "
+                        "communicating (receives, waits included, and all-reduce)", title_justify="left")
+    for col in ("stage", "devices", "busy predicted", "busy measured", "comm share predicted",
+                "comm share measured"):
+        table.add_column(col, justify="left" if col in ("stage", "devices") else "right")
+
+    def secs(v: float | None) -> str:
+        return fmt_seconds(v) if v is not None else ""
+
+    def share(v: float | None) -> str:
+        return f"{v:.1%}" if v is not None else ""
+
+    for r in rows:
+        table.add_row(str(r["stage"]), ", ".join(r["devices"]), secs(r["predicted_busy_s"]),
+                      secs(r["measured_busy_s"]), share(r["predicted_comm_share"]), share(r["measured_comm_share"]))
+    return table

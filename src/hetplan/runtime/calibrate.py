@@ -1,33 +1,40 @@
-"""Measuring the runtime's own cost per pipeline action on a cluster's workers.
+"""Calibrating a cluster on the machine its workers run on (`hetplan calibrate`).
 
-Besides the model's operators, every forward or backward action of a pipeline costs the runtime
-something (the executor's bookkeeping in Python, a gloo send and receive, waking up the next
-worker). The profiler cannot see it. `calibrate_action_overhead` runs one probe model as a
-pipeline over all of the cluster's workers (one stage each, any mix of thread counts and GPUs)
-with few and with many micro-batches, and divides the extra time the simulator did not predict
-by the extra actions on the critical path:
+The simulator charges more than the model's operators; each of these is measured here, in
+fresh processes like the workers (`hetplan.runtime.probes`), and written into the cluster:
 
-    overhead = (excess(m_hi) - excess(m_lo)) / (actions(m_hi) - actions(m_lo)),
-    excess = measured - predicted, actions = 2 (m + stages - 1)
+1. the link between local workers: gloo point to point, bandwidth and latency (`intra_host`);
+2. gloo all-reduces among 2 .. n local processes, by bytes (`Calibration.allreduce`);
+3. the optimizer step on each worker's threads or GPU, by weight bytes (`Device.optimizer_points`);
+4. how much CPU workers side by side slow each other down (`Calibration.corun_slowdown`);
+5. last, with all of the above charged, the runtime's own cost per pipeline action and per step
+   (the executor's bookkeeping in Python, waking up the next worker), which nothing else sees.
+   `calibrate_action_overhead` runs a probe model as a pipeline over all of the cluster's
+   workers (one stage each) with few and with many micro-batches, and divides the extra time
+   the simulator did not predict by the extra actions on the critical path:
 
-The result is one cost per action and per step for every worker of the cluster.
+       overhead = (excess(m_hi) - excess(m_lo)) / (actions(m_hi) - actions(m_lo)),
+       excess = measured - predicted, actions = 2 (m + stages - 1)
 
-The difference cancels what does not grow with the micro-batches; what is left of the excess
-with few micro-batches, less their actions' share, is the runtime's cost per step (barriers,
-starting the schedule, gathering the loss). The probe is a small
-perceptron of its own (12 layers of width 256, `probe_model`), not one of the models of the
-benchmark of predicted against measured (gpt2-tiny, the zoo's mlp, inception-tiny), so that the
-benchmark checks the calibration rather than repeats it.
+   The difference cancels what does not grow with the micro-batches; what is left of the excess
+   with few micro-batches, less their actions' share, is the cost per step (`fit_overheads`).
+   The probe is a perceptron of its own (12 layers of width 256, `probe_model`), not one of the
+   models of the benchmark of predicted against measured, so that the benchmark checks the
+   calibration rather than repeats it.
+
+Host-to-GPU copies of GPU stages behind a CPU boundary are not measured yet (see the README).
 """
 
 from __future__ import annotations
 
-import json
+import os
+import statistics
 import tempfile
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from hetplan.cluster import Cluster
+from hetplan.cluster import AllreduceCurve, Calibration, Cluster, Device, Link
 from hetplan.errors import HetplanError
 
 PROBE, PROBE_BATCH, PROBE_SEQ = "hetplan.runtime.calibrate:probe_model", 32, None
@@ -91,99 +98,124 @@ def calibrate_action_overhead(cluster: Cluster, steps: int = 10, m_lo: int = 2, 
             measured = launch(spec).measured_step_s
             predicted = simulate(graph, bare, plan, timeline=False).estimate.step_s
             points[m] = {"measured_step_s": measured, "predicted_step_s": predicted, "actions": 2 * (m + n - 1)}
-    lo, hi = points[m_lo], points[m_hi]
-    slope = ((hi["measured_step_s"] - hi["predicted_step_s"]) - (lo["measured_step_s"] - lo["predicted_step_s"])) / (
-        hi["actions"] - lo["actions"])
-    slope = max(0.0, slope)
-    per_step = max(0.0, lo["measured_step_s"] - lo["predicted_step_s"] - slope * lo["actions"])
-    return slope, per_step, points
+    return (*fit_overheads(points[m_lo], points[m_hi]), points)
 
 
-LINK_SIZES_BYTES = (1 << 20, 16 << 20)
+def fit_overheads(lo: dict, hi: dict) -> tuple[float, float]:
+    """Seconds per action and per step from two runs of one pipeline with few (`lo`) and many
+    (`hi`) micro-batches, each {measured_step_s, predicted_step_s, actions}: the growth of the
+    excess over the prediction per extra action, and what is left of the excess with few
+    micro-batches. Neither is negative."""
+    excess = [x["measured_step_s"] - x["predicted_step_s"] for x in (lo, hi)]
+    slope = max(0.0, (excess[1] - excess[0]) / (hi["actions"] - lo["actions"]))
+    return slope, max(0.0, excess[0] - slope * lo["actions"])
 
 
-def _link_probe(rank: int, world: int, sizes: tuple[int, ...], repeats: int, out: Path) -> None:
-    """Run in each of two worker processes: time gloo all-reduces of float32 buffers of `sizes`
-    bytes (after two untimed ones), median per size, written by rank 0."""
-    import statistics
-    import time
+def calibrate_link(repeats: int = 10) -> tuple[Link, dict]:
+    """Point-to-point bandwidth and latency of gloo between two local worker processes: a line
+    through the one-way time of two message sizes (ping-pong, `probes.p2p`). This is what a
+    pipeline's activations and gradients cost between local workers (loopback TCP and buffer
+    copies), which the cluster presets can only guess."""
+    from hetplan.runtime.probes import P2P_BYTES, spawn_probe
+
+    seconds = {int(k): v for k, v in spawn_probe("p2p", 2, {"sizes": P2P_BYTES, "repeats": repeats})[0].items()}
+    (n1, t1), (n2, t2) = sorted(seconds.items())
+    per_byte = max((t2 - t1) / (n2 - n1), 1e-15)
+    return Link(1.0 / per_byte, max(0.0, t1 - per_byte * n1)), {"p2p_s_by_bytes": seconds}
+
+
+def calibrate_allreduce(workers: int, repeats: int = 5) -> tuple[AllreduceCurve, ...]:
+    """gloo all-reduce times among 2 .. `workers` local processes (at least 2), at three sizes."""
+    from hetplan.runtime.probes import ALLREDUCE_BYTES, spawn_probe
+
+    curves = []
+    for r in range(2, max(2, workers) + 1):
+        seconds = spawn_probe("allreduce", r, {"sizes": ALLREDUCE_BYTES, "repeats": repeats})[0]
+        curves.append(AllreduceCurve(r, tuple((float(k), v) for k, v in seconds.items())))
+    return tuple(curves)
+
+
+def _optimizer_key(device: Device) -> tuple[str, int]:
+    return (device.binding or "cpu", device.threads or 1) if not (device.binding or "").startswith("cuda") \
+        else (device.binding, 0)
+
+
+def calibrate_optimizer(workers: Sequence[Device], repeats: int = 5) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Adam's step time by weight bytes on each worker (once per thread count or GPU), in a
+    process of the worker's thread count pinned to as many cores (`probes.optimizer`)."""
+    from hetplan.runtime.launch import pin_cores
+    from hetplan.runtime.probes import OPTIMIZER_PARAMS, spawn_probe
+
+    measured: dict[tuple[str, int], tuple] = {}
+    for dev in workers:
+        key = _optimizer_key(dev)
+        if key not in measured:
+            cuda = key[0].startswith("cuda")
+            cores = pin_cores([key[1]])[0] if not cuda else []
+            out = spawn_probe("optimizer", 1, {"sizes": OPTIMIZER_PARAMS, "repeats": repeats,
+                                               "device": key[0] if cuda else "cpu"},
+                              threads=[max(1, key[1])], cores=[cores])[0]
+            measured[key] = tuple((float(k), v) for k, v in out.items())
+    return {dev.id: measured[_optimizer_key(dev)] for dev in workers}
+
+
+def calibrate_corun(cpu_workers: Sequence[Device], repeats: int = 10) -> tuple[tuple[int, float], ...]:
+    """How much longer CPU workers' compute takes side by side: a compute-heavy step timed on
+    each worker alone, then on the first k workers at once (k = 2 .. all), each on the cores the
+    launcher would give it; the factor for k is the mean over them of time together / alone."""
+    from hetplan.runtime.launch import pin_cores
+    from hetplan.runtime.probes import spawn_probe
+
+    threads = [d.threads or 1 for d in cpu_workers]
+    cores = pin_cores(threads)
+    alone = [spawn_probe("busy_step", 1, {"repeats": repeats}, threads=[t], cores=[c])[0]
+             for t, c in zip(threads, cores, strict=True)]
+    out = [(1, 1.0)]
+    for k in range(2, len(cpu_workers) + 1):
+        together = spawn_probe("busy_step", k, {"repeats": repeats}, threads=threads[:k], cores=cores[:k])
+        out.append((k, statistics.mean(t / a for t, a in zip(together, alone, strict=False))))
+    return tuple(out)
+
+
+def _measured_machine() -> str:
+    import datetime
+    import platform
 
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    medians = {}
-    for size in sizes:
-        buf = torch.ones(size // 4)
-        times = []
-        for i in range(repeats + 2):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        medians[size] = statistics.median(times)
-    dist.destroy_process_group()
-    if rank == 0:
-        out.write_text(json.dumps({str(k): v for k, v in medians.items()}))
-
-
-def calibrate_link(repeats: int = 10) -> tuple[float, float, dict]:
-    """Bandwidth (bytes/s) and latency (s) of gloo between two local worker processes, as the
-    simulator's ring all-reduce charges them: for two replicas an all-reduce of n bytes takes
-    2 latency + n / bandwidth, so a line through two sizes gives both. This is what gradients
-    cost between replicas on this machine (loopback TCP, buffer copies, reductions), which the
-    cluster presets can only guess."""
-    import os
-    import subprocess
-    import sys
-
-    from hetplan.runtime.launch import free_port
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "link.json"
-        port = free_port()
-        code = ("import sys; from pathlib import Path; from hetplan.runtime.calibrate import _link_probe; "
-                f"_link_probe(int(sys.argv[1]), 2, {LINK_SIZES_BYTES!r}, {repeats}, Path(sys.argv[2]))")
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(out)],
-                                  env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                       "OMP_NUM_THREADS": "1"},
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for rank in range(2)]
-        errors = []
-        for p in procs:
-            try:
-                _, err = p.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                err = "timed out after 120 s"
-            if p.returncode:
-                errors.append((err or "").strip().splitlines()[-1:] or ["no output"])
-        if errors or not out.exists():
-            raise HetplanError(f"measuring gloo between two local processes failed: {errors[0][0] if errors else '?'}")
-        medians = {int(k): v for k, v in json.loads(out.read_text()).items()}
-    (n1, t1), (n2, t2) = sorted(medians.items())
-    per_byte = max((t2 - t1) / (n2 - n1), 1e-15)
-    latency = max(0.0, (t1 - per_byte * n1) / 2)
-    return 1.0 / per_byte, latency, {"allreduce_s_by_bytes": medians}
+    return (f"hetplan calibrate on {platform.node() or 'this machine'} ({os.cpu_count()} cores, torch "
+            f"{torch.__version__}), {datetime.date.today().isoformat()}")
 
 
 def calibrate_cluster(cluster: Cluster, steps: int = 10, say=lambda msg: None) -> tuple[Cluster, dict]:
-    """The cluster with what this machine measured: the link between local workers (gloo), then
-    each CPU worker's cost per action and per step on top of it. Returns it and the figures."""
-    from hetplan.cluster import Link
-
-    hosts = {d.host for d in cluster.devices if d.binding is not None}
-    report: dict = {}
-    if len(hosts) == 1:
-        say("timing gloo all-reduces between two local processes")
-        bandwidth, latency, points = calibrate_link()
-        cluster = replace(cluster, intra_host=Link(bandwidth, latency))
-        report.update(link_bandwidth_Bps=bandwidth, link_latency_s=latency, link_runs=points)
-    overhead, per_step, points = calibrate_action_overhead(cluster, steps=steps, say=say)
-    report.update(action_overhead_s=overhead, step_overhead_s=per_step, runs=points)
-    calibrated = replace(cluster, name=f"{cluster.name}-calibrated", devices=tuple(
+    """The cluster with what this machine measured, in the order each needs the ones before: the
+    link between local workers and all-reduces by group size (gloo), each worker's optimizer
+    step, the co-running slowdown of its CPU workers, and then the runtime's cost per action
+    and per step on top of all that (`calibrate_action_overhead`). Returns it and the figures."""
+    workers = [d for d in cluster.devices if d.binding is not None]
+    if not workers:
+        raise HetplanError(f"cluster {cluster.name!r} has no worker to calibrate: give its devices a binding "
+                           "(binding: cpu, with threads, or cuda:K)")
+    if len({d.host for d in workers}) > 1:
+        raise HetplanError(f"cluster {cluster.name!r} has workers on several hosts; hetplan calibrate measures "
+                           "the workers of one machine: calibrate each host's part as its own cluster file")
+    say("timing gloo point to point between two local processes")
+    link, report = calibrate_link()
+    say(f"timing gloo all-reduces among 2 to {max(2, len(workers))} local processes")
+    curves = calibrate_allreduce(len(workers))
+    say("timing the optimizer step on each worker's threads or GPU")
+    optimizer = calibrate_optimizer(workers)
+    cpu = [d for d in workers if d.binding == "cpu"]
+    say(f"timing {len(cpu)} CPU worker{'s' if len(cpu) != 1 else ''} alone and side by side")
+    corun = calibrate_corun(cpu) if len(cpu) > 1 else ((1, 1.0),)
+    measured = replace(cluster, intra_host=link, calibration=Calibration(_measured_machine(), curves, corun),
+                       devices=tuple(replace(d, optimizer_points=optimizer.get(d.id, d.optimizer_points))
+                                     for d in cluster.devices))
+    overhead, per_step, points = calibrate_action_overhead(measured, steps=steps, say=say)
+    report.update(link_bandwidth_Bps=link.bandwidth_Bps, link_latency_s=link.latency_s,
+                  allreduce={c.replicas: dict(c.points) for c in curves}, optimizer_points=optimizer,
+                  corun_slowdown=dict(corun), action_overhead_s=overhead, step_overhead_s=per_step, runs=points)
+    calibrated = replace(measured, name=f"{cluster.name}-calibrated", devices=tuple(
         replace(d, action_overhead_s=overhead, step_overhead_s=per_step) if d.binding is not None
-        else d for d in cluster.devices))
+        else d for d in measured.devices))
     return calibrated, report

@@ -3,14 +3,15 @@
 `run_plan` works out the settings a run needs from the graph (batch size, sequence length,
 granularity) and the checkpoint folder (the step to resume from), launches the workers
 (`hetplan.runtime.launch`), and returns a `RunReport`: the measured step as an `Estimate` with
-`method="measured"` beside the simulator's prediction for the same plan. `prepare_run` stops
-before launching (for `--dry-run` and torchrun).
+`method="measured"` beside the simulator's prediction for the same plan, and per stage the busy
+time and the share of the step spent communicating, both ways (`hetplan.runtime.stage_times`).
+`prepare_run` stops before launching (for `--dry-run` and torchrun).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from hetplan.graph import Graph
 from hetplan.plan import Estimate, Plan, validate_plan
 from hetplan.runtime.launch import RunResult, launch, run_spec
 from hetplan.runtime.spec import RunSpec
+from hetplan.runtime.stage_times import StageTime, stage_times
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class RunReport:
     predicted: Estimate | None
     first_step: int
     trace_files: tuple[str, ...] = ()  # with `trace`: the measured Chrome trace and the two Gantt charts
+    stages: tuple[StageTime, ...] = ()  # per stage, busy time and share of the step communicating (`stage_times`)
 
     @property
     def relative_error(self) -> float | None:
@@ -74,6 +77,7 @@ class RunReport:
             "peak_mem_bytes": {f"{x['rank']}:{x['device']}": x["peak_mem_bytes"] for x in r.ranks},
             "predicted_peak_mem_bytes": dict(p.peak_mem_bytes) if p else None, "out_dir": r.out_dir,
             "trace_files": list(self.trace_files),
+            "stages": [{**asdict(row), "devices": list(row.devices)} for row in self.stages],
         }
 
 
@@ -155,12 +159,12 @@ def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = Non
     if graph is not None:
         from hetplan.sim import simulate
 
-        sim = simulate(graph, cluster, plan, timeline=spec.trace)
+        sim = simulate(graph, cluster, plan, timeline=True)  # the stage table's prediction needs it
         predicted, sim_timeline = sim.estimate, sim.timeline
     measured = measured_estimate(result, plan, cluster, graph, spec.batch_size)
     files = write_trace(result, spec, sim_timeline) if spec.trace else ()
     return RunReport(plan=plan, model=model, result=result, measured=measured, predicted=predicted, first_step=first,
-                     trace_files=files)
+                     trace_files=files, stages=stage_times(plan, result, sim_timeline))
 
 
 def write_trace(result: RunResult, spec: RunSpec, predicted=None) -> tuple[str, ...]:

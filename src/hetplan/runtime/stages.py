@@ -20,7 +20,7 @@ from torch import nn
 
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan
-from hetplan.profile.split import Piece, SplitStep
+from hetplan.profile.split import Piece, SplitStep, changed_in_place
 
 
 @dataclass(frozen=True)
@@ -101,22 +101,6 @@ class StageModule(nn.Module):
         received = set(self.spec.inputs)
         out = tuple(env[v].clone() if v in received else env[v] for v in self.spec.outputs)
         return out[0] if len(out) == 1 else out
-
-
-def changed_in_place(piece: Piece) -> set[str]:
-    """Names of the piece's inputs that one of its operators writes to (an in-place op)."""
-    out = set()
-    placeholders = [n for n in piece.module.graph.nodes if n.op == "placeholder"]  # in the order of inputs
-    for name, ph in zip(piece.inputs, placeholders, strict=True):
-        for user in ph.users:
-            schema = getattr(user.target, "_schema", None)
-            if schema is None:
-                continue
-            for i, arg in enumerate(schema.arguments):
-                value = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
-                if value is ph and arg.alias_info is not None and arg.alias_info.is_write:
-                    out.add(name)
-    return out
 
 
 def stage_modules(split: SplitStep, plan: Plan) -> list[StageModule]:

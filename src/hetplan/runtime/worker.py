@@ -13,9 +13,10 @@ the same seed, cuts the step into the profiler's pieces and keeps its own stage
 (`hetplan.runtime.executor`), sums gradients over replicas and over stages that share a
 parameter, and takes an optimizer step. Workers write a heartbeat file
 per step (the launcher's watchdog reads it) and rank 0 writes the result: per-step wall times
-(between two barriers), the last stage's share of the losses, each worker's peak memory and the
-actions it ran. HETPLAN_FAULT=hang:RANK:STEP or die:RANK:STEP makes a worker hang or exit at a
-step, to test the launcher's handling of faults.
+(between two barriers), the last stage's share of the losses, each worker's peak memory, the
+actions it ran and, per step, its compute and communication time (`step_busy_comm`).
+HETPLAN_FAULT=hang:RANK:STEP or die:RANK:STEP makes a worker hang or exit at a step, to test the
+launcher's handling of faults.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         from hetplan.runtime.checkpoint import load_stage
 
         load_stage(Path(spec.checkpoint_dir), role.stage, prepared.own, opt)
-    times, losses, trace = [], [], []
+    times, losses, trace, busy_s, comm_s = [], [], [], [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
     for step in range(spec.resume_step, spec.steps):
@@ -112,6 +113,9 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         tail = _reduce_and_update(prepared, opt, transport)
         transport.barrier()
         times.append(time.perf_counter() - t0)
+        busy, comm = step_busy_comm(runner.spans, tail)
+        busy_s.append(busy)
+        comm_s.append(comm)
         if spec.trace:
             trace = step_trace(runner.spans, tail, role.stage, t0)
         if role.last:
@@ -123,7 +127,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
             from hetplan.runtime.checkpoint import save_stage
 
             save_stage(spec.checkpoint_dir, role.stage, prepared.own, opt, step + 1)
-    out = {"times_s": times, "losses": losses, "actions": runner.executed}
+    out = {"times_s": times, "losses": losses, "actions": runner.executed, "busy_s": busy_s, "comm_s": comm_s}
     if spec.trace:
         out["trace"] = trace  # the last step's
     return out
@@ -144,6 +148,17 @@ def _reduce_and_update(prepared, opt, transport) -> tuple[float, float, float]:
     if prepared.device.type == "cuda":
         torch.cuda.synchronize(prepared.device)
     return t_ar, t_opt, time.perf_counter()
+
+
+def step_busy_comm(spans, tail: tuple[float, float, float]) -> tuple[float, float]:
+    """A step's compute and communication time, from the executor's spans and `_reduce_and_update`'s
+    times: busy = the forward and backward actions less the receives inside them, plus the optimizer
+    step; communication = the receives (waiting for the sender included) plus the gradient all-reduce
+    (waiting for the other replicas included). Sends are posted without waiting: in neither."""
+    t_ar, t_opt, t_end = tail
+    actions = sum(end - start for _, _, _, start, end, src in spans if src < 0)
+    received = sum(end - start for _, _, _, start, end, src in spans if src >= 0)
+    return actions - received + (t_end - t_opt), received + (t_opt - t_ar)
 
 
 def step_trace(spans, tail: tuple[float, float, float], stage: int, t0: float) -> list[list]:

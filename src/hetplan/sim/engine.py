@@ -9,9 +9,10 @@ that order as hetplan's runtime runs it (`hetplan.runtime.executor`): an action 
 one before it on the same stage is done and its inputs (activations for a forward pass,
 gradients for a backward pass) have arrived. A device that holds several stages (plans with `shared_devices`) runs, of
 the actions at the heads of its stages' orders, the one whose inputs arrived first (ties: the
-lower stage). After its last backward pass, a replicated stage all-reduces its gradients (ring
-all-reduce, `CostModel.allreduce_s`), which uses the network, not the device's compute; then every
-replica takes its optimizer step (`CostModel.optimizer_s`: Adam, memory-bound).
+lower stage). After its last backward pass, a replicated stage all-reduces its gradients
+(`CostModel.allreduce_s`: the ring formula, or the curve measured on a calibrated cluster), which
+uses the network, not the device's compute; then every replica takes its optimizer step
+(`CostModel.optimizer_s`: Adam, memory-bound, or as measured on the device).
 
 The loop is a priority queue of finish events ordered by (time, sequence number), so the
 result is deterministic; the code is written with flat lists because planners call it often.

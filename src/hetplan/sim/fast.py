@@ -207,9 +207,34 @@ class ChainScorer:
         self._mem = np.array([d.mem_bytes for d in cluster.devices], dtype=float)
         self._usd = np.array([d.usd_per_hour for d in cluster.devices])
         self._overhead = np.array([d.action_overhead_s for d in cluster.devices])
-        self._opt_per_byte = np.array([cm.optimizer_s(1.0, d.type) for d in cluster.devices])  # linear in bytes
         self._step_overhead = np.array([d.step_overhead_s for d in cluster.devices])
         self._programs: dict[tuple[int, int, str], ChainProgram] = {}
+        self._cm = cm
+        # co-running (a calibrated cluster): host index and CPU-ness per device, and the factor
+        # on a CPU device's compute by how many CPU devices of the plan share its host
+        self._host = np.array([cluster.hosts.index(d.host) for d in cluster.devices])
+        self._cpu = np.array([cm.is_cpu(d.id) for d in cluster.devices])
+        slowdown = cluster.calibration.corun_slowdown if cluster.calibration is not None else ()
+        self._corun = np.array([formulas.corun_factor(k, slowdown) for k in range(len(cluster.devices) + 2)])
+
+    def _optimizer_s(self, params: np.ndarray, devices: np.ndarray) -> np.ndarray:
+        """(P, stages) optimizer step of each stage's weights on its device."""
+        out = np.zeros(params.shape)
+        for dev in np.unique(devices):
+            where = devices == dev
+            out[where] = self._cm.optimizer_s(params[where], self.cluster.devices[dev].id)
+        return out
+
+    def _corun_factor(self, devices: np.ndarray) -> np.ndarray:
+        """(P, stages) `CostModel.corun_factor` of each stage's device among the plan's devices."""
+        if self.cluster.calibration is None or not self.cluster.calibration.corun_slowdown:
+            return np.ones(devices.shape)
+        same = (self._host[devices][:, :, None] == self._host[devices][:, None, :]) & self._cpu[devices][:, None, :]
+        # distinct devices only: a device holding two stages is one worker
+        first = devices[:, :, None] == devices[:, None, :]
+        dup = np.triu(first, 1).any(axis=1)  # (P, n): this position repeats an earlier device
+        busy = (same & ~dup[:, None, :]).sum(axis=2)
+        return np.where(self._cpu[devices], self._corun[busy], 1.0)
 
     def _prefix(self, per_type: list[dict[str, tuple[float, float]]], k: int) -> np.ndarray:
         return np.array([np.concatenate([np.zeros(1), np.cumsum([x[v][k] for v in self.order])]) for x in per_type])
@@ -232,14 +257,16 @@ class ChainScorer:
         bfix = self._bfix[types, hi] - self._bfix[types, lo]
         fwd = self._fwd[types, hi] - self._fwd[types, lo] - ffix
         bwd = self._bwd[types, hi] - self._bwd[types, lo] - bfix
-        ffix = ffix + self._overhead[devices]
-        bfix = bfix + self._overhead[devices]
+        slow = self._corun_factor(devices)
+        fwd, bwd = fwd * slow, bwd * slow
+        ffix = ffix * slow + self._overhead[devices]
+        bfix = bfix * slow + self._overhead[devices]
         nbytes = self._crossing[cuts]
         src, dst = devices[:, :-1], devices[:, 1:]
         send = formulas.wire_s(nbytes, self._bw[src, dst])
         lat = np.where(nbytes > 0, self._lat[src, dst], 0.0)
         params = self._params[hi] - self._params[lo]
-        opt = params * self._opt_per_byte[devices] + self._step_overhead[devices]
+        opt = self._optimizer_s(params, devices) * slow + self._step_overhead[devices]
         step = self.program(n, microbatches, schedule).step_s(fwd, bwd, send, lat, fwd_fixed_s=ffix,
                                                               bwd_fixed_s=bfix, optimizer_s=opt)
         share = np.array([in_flight_share(schedule, n, r, self.graph.batch_size, microbatches) for r in range(n)])

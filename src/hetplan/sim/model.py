@@ -10,6 +10,9 @@ between them, built once from a graph, a cluster and a plan by the cost model.
   so that they finish together. A replica receives from each replica of a producer stage the part
   of the tensor whose samples the two slices share, and sends gradients back the same way; a
   replica with no row of a micro-batch does nothing for it.
+- On a calibrated cluster a CPU replica's compute and optimizer step are slowed by the other CPU
+  workers of the plan on its host (`CostModel.corun_factor`), its optimizer step is read off
+  what was measured on it, and all-reduces off the measured curves (`CostModel.allreduce_s`).
 - Routing: `direct` sends a tensor from the stage that makes it to every stage that uses it, so
   stages form a DAG and independent branches run in parallel. `relay` models a runtime that only
   connects neighbouring stages (hetplan's runtime): a tensor that skips stages is
@@ -118,16 +121,17 @@ class StepModel:
 
 
 def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: int, acts: int,
-             params: int) -> Replica:
+             params: int, used: tuple[str, ...]) -> Replica:
     d = stage.devices[p]
     dtype = cluster.device(d).type
-    fwd, bwd = cm.stage_times_s(stage.nodes, dtype)
-    ffix, bfix = cm.stage_fixed_s(stage.nodes, dtype)
+    slow = cm.corun_factor(d, used)  # other CPU workers of the plan on its host (calibrated clusters)
+    fwd, bwd = (slow * t for t in cm.stage_times_s(stage.nodes, dtype))
+    ffix, bfix = (slow * t for t in cm.stage_fixed_s(stage.nodes, dtype))
     extra = cluster.device(d).action_overhead_s  # the runtime's own cost per action
     frac = [rows.rows(k, j, p) / rows.batch_size for j in range(len(rows.micro))]
     share = sum(frac)
     return Replica(d, share, share * (fwd - ffix), share * (bwd - bfix), share * acts, ffix + extra, bfix + extra,
-                   cm.optimizer_s(params, dtype) + cluster.device(d).step_overhead_s,
+                   slow * cm.optimizer_s(params, d) + cluster.device(d).step_overhead_s,
                    tuple(action_s(ffix + extra, fwd - ffix, f) if f > 0 else 0.0 for f in frac),
                    tuple(action_s(bfix + extra, bwd - bfix, f) if f > 0 else 0.0 for f in frac),
                    tuple(acts * f for f in frac))
@@ -143,7 +147,8 @@ def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = 
     for k, stage in enumerate(plan.stages):
         acts = sum(by_id[n].act_bytes for n in stage.nodes)
         params = sum(by_id[n].param_bytes for n in stage.nodes)
-        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, params) for p in range(len(stage.devices)))
+        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, params, plan.devices)
+                         for p in range(len(stage.devices)))
         stages.append(StageWork(k, replicas, params, cm.allreduce_s(params, stage.devices)))
     messages = []
     for (a, b), nbytes in sorted(stage_pair_bytes(graph, plan, routing).items()):

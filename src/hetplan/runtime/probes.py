@@ -1,0 +1,184 @@
+"""Probes that measure, on the machine the workers run on, what the simulator charges besides
+the model's operators (`hetplan calibrate`, `hetplan.runtime.calibrate`):
+
+- point-to-point: gloo send and receive between two local worker processes (a ping-pong, half
+  the round trip per message), at two sizes: the link's bandwidth and latency;
+- all-reduce: gloo all-reduces among 2, 3, ... local processes (as many as the cluster has
+  workers on the host), at three sizes: the measured curve by group size;
+- optimizer: torch's Adam step over weights of three sizes, on each worker's thread count or GPU;
+- co-running: the same compute-heavy step run alone and then by 2, 3, ... CPU workers side by
+  side, each on its own cores as the launcher pins them: the slowdown of each worker's compute.
+
+Each probe runs in fresh processes, as the workers do (`spawn_probe`), so that what one
+measures does not depend on the calibrating process's threads or caches. Probe functions take
+`(rank, world, params)` and return what they measured; rank 0's result comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from hetplan.errors import HetplanError
+
+MiB = 1 << 20
+P2P_BYTES = (1 * MiB, 16 * MiB)
+ALLREDUCE_BYTES = (1 * MiB, 8 * MiB, 32 * MiB)
+OPTIMIZER_PARAMS = (1 * MiB, 4 * MiB, 16 * MiB)  # parameters (fp32), in the range of stages' sizes
+PROBE_TIMEOUT_S = 300.0
+
+
+def spawn_probe(function: str, world: int, params: dict, threads: Sequence[int] = (), cores: Sequence = (),
+                timeout_s: float = PROBE_TIMEOUT_S) -> list:
+    """Run `hetplan.runtime.probes.<function>(rank, world, params)` in `world` fresh local
+    processes joined by gloo; every rank's result, in rank order. `threads[r]` and `cores[r]`:
+    rank r's thread count and the cores it is pinned to (none: 1 thread, unpinned)."""
+    from hetplan.runtime.launch import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        code = ("import json, sys; from hetplan.runtime import probes; "
+                f"out = probes._entry({function!r}, int(sys.argv[1]), {world}, json.loads(sys.argv[2])); "
+                "open(sys.argv[3], 'w').write(json.dumps(out))")
+        procs = []
+        for rank in range(world):
+            t = threads[rank] if rank < len(threads) else 1
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(t),
+                   "HETPLAN_PROBE_THREADS": str(t),
+                   "HETPLAN_CPUS": ",".join(map(str, cores[rank])) if rank < len(cores) and cores[rank] else ""}
+            procs.append(subprocess.Popen([sys.executable, "-c", code, str(rank), json.dumps(params),
+                                           str(Path(tmp) / f"{rank}.json")],
+                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        errors = _wait_all(procs, timeout_s)
+        if errors:
+            raise HetplanError(f"the calibration probe {function} on {world} local process"
+                               f"{'es' if world > 1 else ''} failed: {errors[0]}")
+        return [json.loads((Path(tmp) / f"{rank}.json").read_text()) for rank in range(world)]
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    """Wait for every process; the last line of each failure's error output."""
+    errors = []
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            return [f"timed out after {timeout_s:.0f} s"]
+        if p.returncode:
+            lines = (err or "").strip().splitlines()
+            errors.append(lines[-1] if lines else f"exit status {p.returncode}")
+    return errors
+
+
+def _entry(function: str, rank: int, world: int, params: dict):
+    """In a probe process: pin, set threads, join gloo when there are peers, run the probe."""
+    import torch
+    import torch.distributed as dist
+
+    if os.environ.get("HETPLAN_CPUS") and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, [int(c) for c in os.environ["HETPLAN_CPUS"].split(",")])
+    torch.set_num_threads(int(os.environ.get("HETPLAN_PROBE_THREADS", "1")))
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        return globals()[function](rank, world, params)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def _median_s(run, repeats: int, barrier=None) -> float:
+    """Median seconds of `run()` over `repeats`, after two untimed runs."""
+    times = []
+    for i in range(repeats + 2):
+        if barrier is not None:
+            barrier()
+        t0 = time.perf_counter()
+        run()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def p2p(rank: int, world: int, params: dict) -> dict:
+    """Ping-pong between ranks 0 and 1: seconds per one-way message of each size."""
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    for size in params["sizes"]:
+        buf = torch.ones(size // 4)
+
+        def once(buf=buf):
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        out[str(size)] = _median_s(once, params["repeats"], dist.barrier) / 2
+    return out
+
+
+def allreduce(rank: int, world: int, params: dict) -> dict:
+    """Seconds of a gloo all-reduce of each size among all ranks (the slowest rank's view is
+    rank 0's: an all-reduce ends for everyone at once)."""
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    for size in params["sizes"]:
+        buf = torch.ones(size // 4)
+        out[str(size)] = _median_s(lambda buf=buf: dist.all_reduce(buf), params["repeats"], dist.barrier)
+    return out
+
+
+def optimizer(rank: int, world: int, params: dict) -> dict:
+    """Seconds of one `torch.optim.Adam` step (torch's default implementation) over 8 fp32
+    tensors holding each number of parameters, on params["device"]."""
+    import torch
+
+    device = torch.device(params["device"])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = {}
+    for n in params["sizes"]:
+        weights = [torch.nn.Parameter(torch.randn(n // 8, device=device)) for _ in range(8)]
+        for w in weights:
+            w.grad = torch.randn_like(w)
+        opt = torch.optim.Adam(weights, lr=1e-3)
+
+        def step(opt=opt):
+            opt.step()
+            sync()
+
+        out[str(n * 4)] = _median_s(step, params["repeats"])
+    return out
+
+
+def busy_step(rank: int, world: int, params: dict) -> float:
+    """Median seconds of a compute-heavy training step (a 4-layer perceptron of width 1024,
+    forward, backward and zeroing, batch 128) run on every rank at once (a barrier before each)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(1024, 1024) for _ in range(4)]
+    model = torch.nn.Sequential(*[m for lin in layers for m in (lin, torch.nn.GELU())])
+    x = torch.randn(128, 1024)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+
+    return _median_s(step, params["repeats"], dist.barrier if world > 1 else None)

@@ -1,0 +1,91 @@
+"""Per stage, predicted against measured: compute busy time and the share of the step spent
+communicating (TAPP's measure; `hetplan run`'s stage table, issue 15).
+
+Measured (every run): each worker sums, per step, the perf_counter spans the executor already
+takes (`hetplan.runtime.worker.step_busy_comm`): busy = its forward and backward actions less the
+time blocked receiving inside them, plus its optimizer step; communication = that time blocked
+receiving (waiting for the sender included, so the pipeline's fill and drain count) plus its
+gradient all-reduce (waiting for the other replicas included). Per worker, the median over the
+steps after the warm-up; per stage, the mean over its replicas; the share is of the measured step.
+
+Predicted, from the simulator's timeline (`hetplan.sim.engine.Timeline`), the same quantities for
+each replica of the stage: busy = its forward, backward and optimizer spans; communication = the
+time from the step's start to the end of its all-reduce (or of its last backward pass when the
+stage has no all-reduce) that it does not spend computing, i.e. the time its next action waits
+for inputs (transfers and the peers' compute) and its wait for and time in the all-reduce, as a
+blocking receive and all-reduce measure them. Per stage, the mean over replicas; the share is of
+the simulated step. (On a device that holds several stages, the time it computes the others is
+counted as waiting here.)
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hetplan.plan import Plan
+from hetplan.runtime.launch import RunResult
+from hetplan.sim.engine import ALLREDUCE, OPTIMIZER, Timeline
+
+COMPUTE = ("F", "B")
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One stage's row: its devices, its replicas' mean busy time per step (seconds) and their
+    mean share of the step spent communicating, predicted (None without a graph) and measured
+    (None when the workers did not report them)."""
+
+    stage: int
+    devices: tuple[str, ...]
+    predicted_busy_s: float | None
+    measured_busy_s: float | None
+    predicted_comm_share: float | None
+    measured_comm_share: float | None
+
+
+def predicted_replica(timeline: Timeline, stage: int, device: str) -> tuple[float, float]:
+    """(busy_s, comm_s) of `stage`'s replica on `device` in a simulated step (module docstring)."""
+    mine = [s for s in timeline.spans if s.resource == device and s.stage == stage]
+    compute = sum(s.end_s - s.start_s for s in mine if s.kind in COMPUTE)
+    optimizer = sum(s.end_s - s.start_s for s in mine if s.kind == OPTIMIZER)
+    ends = [s.end_s for s in mine if s.kind in (*COMPUTE, ALLREDUCE)]
+    return compute + optimizer, max(max(ends, default=0.0) - compute, 0.0)
+
+
+def _median(values: Sequence[float], warmup: int) -> float:
+    return statistics.median(list(values[warmup:]) or list(values))
+
+
+def measured_replicas(result: RunResult) -> dict[int, list[tuple[float, float]]]:
+    """Per stage, each reporting worker's median (busy_s, comm_s) over the steps after the warm-up."""
+    out: dict[int, list[tuple[float, float]]] = {}
+    for rank in result.ranks:
+        if rank.get("busy_s") and rank.get("comm_s"):
+            out.setdefault(rank["stage"], []).append((_median(rank["busy_s"], result.warmup),
+                                                      _median(rank["comm_s"], result.warmup)))
+    return out
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _share(seconds: float | None, step_s: float) -> float | None:
+    return seconds / step_s if seconds is not None and step_s > 0 else None
+
+
+def stage_times(plan: Plan, result: RunResult, timeline: Timeline | None = None) -> tuple[StageTime, ...]:
+    """A row per stage of `plan`: measured from `result`, predicted from the simulated `timeline`."""
+    measured = measured_replicas(result)
+    rows = []
+    for k, stage in enumerate(plan.stages):
+        m = measured.get(k, [])
+        p = [predicted_replica(timeline, k, d) for d in stage.devices] if timeline is not None else []
+        rows.append(StageTime(
+            stage=k, devices=tuple(stage.devices),
+            predicted_busy_s=_mean([b for b, _ in p]), measured_busy_s=_mean([b for b, _ in m]),
+            predicted_comm_share=_share(_mean([c for _, c in p]), timeline.step_s if timeline else 0.0),
+            measured_comm_share=_share(_mean([c for _, c in m]), result.measured_step_s if m else 0.0)))
+    return tuple(rows)
