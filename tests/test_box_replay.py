@@ -91,7 +91,7 @@ def errors(box: Path, calibrate: bool) -> dict[str, float]:
                 fit[name] = {"measured_step_s": measured, "actions": 2 * (plan.microbatches + len(plan.stages) - 1),
                              "predicted_step_s": simulate(graph, clusters[plan.cluster], plan,
                                                           timeline=False).estimate.step_s}
-        per_action, per_step = fit_overheads(*(fit[n] for n in FIT_RUNS))
+        per_action, per_step = fit_overheads([fit[n] for n in FIT_RUNS])
         clusters = {n: with_overheads(c, per_action, per_step) for n, c in clusters.items()}
     return {name: measured / simulate(graph, clusters[plan.cluster], plan, timeline=False).estimate.step_s - 1
             for name, plan, graph, measured in runs}

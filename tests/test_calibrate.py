@@ -151,10 +151,15 @@ def test_fast_path_equals_the_event_simulator_on_calibrated_chains(times, m, sch
     assert fast_step_s(g, cluster, [plan])[0] == pytest.approx(simulate(g, cluster, plan).estimate.step_s)
 
 
-def test_fit_overheads_is_the_growth_of_the_excess_per_action():
-    lo = {"measured_step_s": 0.110, "predicted_step_s": 0.100, "actions": 6}
-    hi = {"measured_step_s": 0.150, "predicted_step_s": 0.110, "actions": 18}
-    assert fit_overheads(lo, hi) == pytest.approx((0.0025, 0.0))  # 10 ms of excess at 6 actions: all per action
-    lo = {**lo, "measured_step_s": 0.120}  # 20 ms: 15 ms per action and 5 ms per step
-    assert fit_overheads(lo, {**hi, "measured_step_s": 0.160}) == pytest.approx((0.0025, 0.005))
-    assert fit_overheads(hi, lo | {"actions": 30}) == pytest.approx((0.0, 0.040))  # a shrinking excess: none per action
+def test_fit_overheads_is_the_line_of_the_excess_against_the_actions():
+    def run(actions, excess_s):
+        return {"measured_step_s": 0.1 + excess_s, "predicted_step_s": 0.1, "actions": actions}
+
+    # 2.5 ms per action and 5 ms per step, exactly
+    assert fit_overheads([run(6, 0.020), run(10, 0.030), run(18, 0.050)]) == pytest.approx((0.0025, 0.005))
+    assert fit_overheads([run(6, 0.010), run(18, 0.040)]) == pytest.approx((0.0025, 0.0))
+    # noise around the line: least squares
+    assert fit_overheads([run(6, 0.021), run(10, 0.029), run(18, 0.050)])[0] == pytest.approx(0.0025, rel=0.1)
+    # a falling excess: nothing per action, the mean per step; never negative
+    assert fit_overheads([run(6, 0.040), run(18, 0.020)]) == pytest.approx((0.0, 0.030))
+    assert fit_overheads([run(6, -0.01), run(18, -0.01)]) == (0.0, 0.0)

@@ -195,9 +195,10 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
 
 def _add_calibrate(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("calibrate", parents=[common],
-                       help="measure the runtime's cost per pipeline action on a cluster's CPU workers")
+                       help="measure on this machine what the simulator charges besides the model: gloo, "
+                            "all-reduces, optimizer steps, co-running, the runtime's cost per action")
     p.add_argument("--cluster", default="local", metavar="C", help="a cluster file or preset (default: local)")
-    p.add_argument("--steps", type=int, default=10, help="steps per probe run (default: 10)")
+    p.add_argument("--steps", type=int, default=15, help="steps per run of the probe pipeline (default: 15)")
     p.add_argument("-o", "--output", type=Path, required=True, help="the calibrated cluster JSON to write")
     p.set_defaults(func=cmd_calibrate)
 

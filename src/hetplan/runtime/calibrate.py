@@ -10,14 +10,12 @@ fresh processes like the workers (`hetplan.runtime.probes`), and written into th
 5. last, with all of the above charged, the runtime's own cost per pipeline action and per step
    (the executor's bookkeeping in Python, waking up the next worker), which nothing else sees.
    `calibrate_action_overhead` runs a probe model as a pipeline over all of the cluster's
-   workers (one stage each) with few and with many micro-batches, and divides the extra time
-   the simulator did not predict by the extra actions on the critical path:
+   workers (one stage each) with 2, 4 and 8 micro-batches, and fits a line through the extra
+   time the simulator did not predict against the actions on the critical path:
 
-       overhead = (excess(m_hi) - excess(m_lo)) / (actions(m_hi) - actions(m_lo)),
-       excess = measured - predicted, actions = 2 (m + stages - 1)
+       excess = measured - predicted = overhead * actions + per_step, actions = 2 (m + stages - 1)
 
-   The difference cancels what does not grow with the micro-batches; what is left of the excess
-   with few micro-batches, less their actions' share, is the cost per step (`fit_overheads`).
+   Its slope is the cost per action, its intercept the cost per step (`fit_overheads`).
    The probe is a perceptron of its own (12 layers of width 256, `probe_model`), not one of the
    models of the benchmark of predicted against measured, so that the benchmark checks the
    calibration rather than repeats it.
@@ -33,6 +31,8 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 from hetplan.cluster import AllreduceCurve, Calibration, Cluster, Device, Link
 from hetplan.errors import HetplanError
@@ -60,13 +60,12 @@ def _profile_spec(device) -> str:
     return binding if binding.startswith("cuda") else f"cpu:{device.threads or 1}"
 
 
-def calibrate_action_overhead(cluster: Cluster, steps: int = 10, m_lo: int = 2, m_hi: int = 8,
+def calibrate_action_overhead(cluster: Cluster, steps: int = 15, microbatches: Sequence[int] = (2, 4, 8),
                               say=lambda msg: None) -> tuple[float, float, dict]:
-    """Seconds per action, seconds per step (what is left of the excess with few micro-batches),
-    and the measurements they come from. The probe runs as a pipeline over every bound worker of
-    the cluster (one stage each, in cluster order), CPU or CUDA, of any thread counts: it is
-    profiled on each of their types first, so that the prediction it is compared with knows each
-    worker's speed."""
+    """Seconds per action and per step (`fit_overheads`) and the measurements they come from.
+    The probe runs as a pipeline over every bound worker of the cluster (one stage each, in
+    cluster order), CPU or CUDA, of any thread counts: it is profiled on each of their types
+    first, so that the prediction it is compared with knows each worker's speed."""
     from hetplan.plan import Plan, Stage
     from hetplan.profile import profile_step
     from hetplan.runtime.launch import launch, run_spec
@@ -89,7 +88,7 @@ def calibrate_action_overhead(cluster: Cluster, steps: int = 10, m_lo: int = 2, 
                                           for d in cluster.devices))
     points = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for m in (m_lo, m_hi):
+        for m in microbatches:
             plan = Plan(tuple(Stage(tuple(order[cuts[k]:cuts[k + 1]]), (workers[k].id,)) for k in range(n)), m,
                         "1f1b", "calibrate")
             say(f"running the probe as {n} stage{'s' if n > 1 else ''} with {m} micro-batches")
@@ -98,17 +97,20 @@ def calibrate_action_overhead(cluster: Cluster, steps: int = 10, m_lo: int = 2, 
             measured = launch(spec).measured_step_s
             predicted = simulate(graph, bare, plan, timeline=False).estimate.step_s
             points[m] = {"measured_step_s": measured, "predicted_step_s": predicted, "actions": 2 * (m + n - 1)}
-    return (*fit_overheads(points[m_lo], points[m_hi]), points)
+    return (*fit_overheads(list(points.values())), points)
 
 
-def fit_overheads(lo: dict, hi: dict) -> tuple[float, float]:
-    """Seconds per action and per step from two runs of one pipeline with few (`lo`) and many
-    (`hi`) micro-batches, each {measured_step_s, predicted_step_s, actions}: the growth of the
-    excess over the prediction per extra action, and what is left of the excess with few
-    micro-batches. Neither is negative."""
-    excess = [x["measured_step_s"] - x["predicted_step_s"] for x in (lo, hi)]
-    slope = max(0.0, (excess[1] - excess[0]) / (hi["actions"] - lo["actions"]))
-    return slope, max(0.0, excess[0] - slope * lo["actions"])
+def fit_overheads(points: Sequence[dict]) -> tuple[float, float]:
+    """Seconds per action and per step from runs of one pipeline with different numbers of
+    micro-batches, each {measured_step_s, predicted_step_s, actions}: the least-squares line of
+    the excess over the prediction against the actions, its slope per action and its intercept
+    per step. Neither is negative: with a falling excess, nothing per action and the mean excess
+    per step."""
+    actions = np.array([x["actions"] for x in points], dtype=float)
+    excess = np.array([x["measured_step_s"] - x["predicted_step_s"] for x in points])
+    slope = float(np.polyfit(actions, excess, 1)[0]) if len(set(actions)) > 1 else 0.0
+    slope = max(0.0, slope)
+    return slope, max(0.0, float(np.mean(excess - slope * actions)))
 
 
 def calibrate_link(repeats: int = 10) -> tuple[Link, dict]:
@@ -159,22 +161,25 @@ def calibrate_optimizer(workers: Sequence[Device], repeats: int = 5) -> dict[str
     return {dev.id: measured[_optimizer_key(dev)] for dev in workers}
 
 
-def calibrate_corun(cpu_workers: Sequence[Device], repeats: int = 10) -> tuple[tuple[int, float], ...]:
+def calibrate_corun(cpu_workers: Sequence[Device], repeats: int = 20, rounds: int = 2
+                    ) -> tuple[tuple[int, float], ...]:
     """How much longer CPU workers' compute takes side by side: a compute-heavy step timed on
     each worker alone, then on the first k workers at once (k = 2 .. all), each on the cores the
-    launcher would give it; the factor for k is the mean over them of time together / alone."""
+    launcher would give it; the factor for k is the mean over them of time together / alone,
+    averaged over `rounds` (on a shared machine one round moves by 20%)."""
     from hetplan.runtime.launch import pin_cores
     from hetplan.runtime.probes import spawn_probe
 
     threads = [d.threads or 1 for d in cpu_workers]
     cores = pin_cores(threads)
-    alone = [spawn_probe("busy_step", 1, {"repeats": repeats}, threads=[t], cores=[c])[0]
-             for t, c in zip(threads, cores, strict=True)]
-    out = [(1, 1.0)]
-    for k in range(2, len(cpu_workers) + 1):
-        together = spawn_probe("busy_step", k, {"repeats": repeats}, threads=threads[:k], cores=cores[:k])
-        out.append((k, statistics.mean(t / a for t, a in zip(together, alone, strict=False))))
-    return tuple(out)
+    factors: dict[int, list[float]] = {k: [] for k in range(2, len(cpu_workers) + 1)}
+    for _ in range(rounds):
+        alone = [spawn_probe("busy_step", 1, {"repeats": repeats}, threads=[t], cores=[c])[0]
+                 for t, c in zip(threads, cores, strict=True)]
+        for k in factors:
+            together = spawn_probe("busy_step", k, {"repeats": repeats}, threads=threads[:k], cores=cores[:k])
+            factors[k].append(statistics.mean(t / a for t, a in zip(together, alone, strict=False)))
+    return ((1, 1.0), *((k, statistics.mean(f)) for k, f in factors.items()))
 
 
 def _measured_machine() -> str:
@@ -187,7 +192,7 @@ def _measured_machine() -> str:
             f"{torch.__version__}), {datetime.date.today().isoformat()}")
 
 
-def calibrate_cluster(cluster: Cluster, steps: int = 10, say=lambda msg: None) -> tuple[Cluster, dict]:
+def calibrate_cluster(cluster: Cluster, steps: int = 15, say=lambda msg: None) -> tuple[Cluster, dict]:
     """The cluster with what this machine measured, in the order each needs the ones before: the
     link between local workers and all-reduces by group size (gloo), each worker's optimizer
     step, the co-running slowdown of its CPU workers, and then the runtime's cost per action
