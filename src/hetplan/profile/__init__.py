@@ -87,15 +87,35 @@ class _Measured:
     totals_s: list[float]  # per repeat, the sum of all nodes
     whole_s: list[float]  # per repeat, the unsplit step (with check)
     repeats: int
+    fixed: dict[str, tuple[float, float]] | None = None  # per node, the fixed parts (`_fixed_parts`)
+
+
+def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
+                 block_classes: Sequence[str] | None, batch_size: int) -> tuple[int, SplitStep, dict] | None:
+    """The step cut again at an eighth of the batch (a micro-batch of 8, so that the line between
+    the two sizes covers the micro-batches plans use rather than extrapolates to them; two
+    samples at least: batch norm needs them), on a copy of its own; None when the batch is too
+    small to shrink or the model runs only at its size."""
+    small = max(2, batch_size // 8)
+    if small >= batch_size:
+        return None
+    part = _to({k: (v[:small] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()},
+               device.torch_device)
+    try:
+        return small, split_step(copy.deepcopy(step).to(device.torch_device).train(), part, granularity,
+                                 block_classes), part
+    except HetplanError:  # a model that only runs at its own batch size: no fixed parts
+        return None
 
 
 def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
-             block_classes: Sequence[str] | None, repeats: int, seed: int, check: bool,
+             block_classes: Sequence[str] | None, repeats: int, seed: int, check: bool, fixed: bool,
              progress: Callable[[str], None] | None) -> _Measured:
     """Cuts a copy of the step into pieces, counts each piece's FLOPs and saved bytes, and times
     the pieces in sequence; with `check`, also the unsplit copy, a step before each repeat (at
     least 5: a shared machine's speed drifts by 10% and more between runs, so a reference from
-    fewer runs misleads)."""
+    fewer runs misleads); with `fixed`, also the pieces at a smaller batch, right after each
+    repeat, for each node's fixed parts."""
     work = copy.deepcopy(step).to(device.torch_device).train()
     data = _to(batch, device.torch_device)
     split = split_step(work, data, granularity, block_classes)
@@ -105,10 +125,14 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
     flops, acts = {}, {}
     for piece in split.pieces:
         flops[piece.name], acts[piece.name] = warm_pass(piece, [values[n] for n in piece.inputs])
+    batch_size = int(next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0])
+    small = _small_batch(step, batch, device, granularity, block_classes, batch_size) if fixed else None
     repeats = max(repeats, 5) if check else repeats
     timed = time_in_sequence(split, data, device.torch_device, repeats, whole=work if check else None,
-                             progress=(lambda msg: progress(f"{device.device_type}: {msg}")) if progress else None)
-    return _Measured(split, values, timed.times, flops, acts, timed.totals_s, timed.whole_s, repeats)
+                             progress=(lambda msg: progress(f"{device.device_type}: {msg}")) if progress else None,
+                             also=[small[1:]] if small else [])
+    parts = _fixed_parts(timed.times, timed.also[0], batch_size, small[0]) if small else None
+    return _Measured(split, values, timed.times, flops, acts, timed.totals_s, timed.whole_s, repeats, parts)
 
 
 def profile_step(
@@ -144,11 +168,9 @@ def profile_step(
                 torch.set_num_threads(device.threads)
             try:
                 measured[device.device_type] = _measure(step, batch, device, granularity, block_classes,
-                                                         repeats, seed, check, progress)
-                parts = (_fixed_parts_on(step, batch, device, batch_size, measured[device.device_type],
-                                         granularity, block_classes, repeats, seed, progress) if fixed else None)
-                if parts is not None:
-                    fixed_parts[device.device_type] = parts
+                                                         repeats, seed, check, fixed, progress)
+                if measured[device.device_type].fixed is not None:
+                    fixed_parts[device.device_type] = measured[device.device_type].fixed
                 if len(measured) > 1:  # sizes come from the first device: let the rest go
                     measured[device.device_type].values.clear()
             except Exception as exc:
@@ -176,24 +198,6 @@ def _checked(granularity: str, repeats: int, devices: Sequence[str],
     if not tensors or tensors[0].dim() == 0:
         raise HetplanError("the example batch needs at least one tensor with a batch dimension")
     return parsed, int(tensors[0].shape[0])
-
-
-def _fixed_parts_on(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, batch_size: int,
-                    full: _Measured, granularity: str, block_classes: Sequence[str] | None, repeats: int,
-                    seed: int, progress: Callable[[str], None] | None) -> dict[str, tuple[float, float]] | None:
-    """Each node's fixed parts on a device (`_fixed_parts`), from timing it again at an eighth of
-    the batch; None when the batch is too small to shrink or the model runs only at its size."""
-    small = max(2, batch_size // 8)  # two samples at least: batch norm needs them
-    if small >= batch_size:
-        return None
-    if progress:
-        progress(f"{device.device_type}: timing at batch {small} for the fixed costs")
-    part = {k: (v[:small] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()}
-    try:
-        again = _measure(step, part, device, granularity, block_classes, repeats, seed, False, None)
-    except HetplanError:  # a model that only runs at its own batch size: no fixed parts
-        return None
-    return _fixed_parts(full.times, again.times, batch_size, small)
 
 
 def _report(graph: Graph, start: float, measured: Mapping[str, _Measured]) -> ProfileReport:

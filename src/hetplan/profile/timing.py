@@ -186,11 +186,46 @@ def run_in_sequence(split: SplitStep, batch: Mapping[str, Any], clock: Clock,
 class InSequence:
     """Per node the forward and backward time over the repeats; per repeat the sum of all
     nodes (`totals_s`) and, when asked for, the unsplit step's time run just before it
-    (`whole_s`)."""
+    (`whole_s`); `also`: the node times of each other split timed in the same repeats."""
 
     times: dict[str, Timing]
     totals_s: list[float]
     whole_s: list[float]
+    also: tuple[dict[str, Timing], ...] = ()
+
+
+class _Samples:
+    """The per-node forward and backward times of one split over the repeats."""
+
+    def __init__(self, split: SplitStep, batch: Mapping[str, Any]) -> None:
+        self.split, self.batch = split, batch
+        self.mutated = {p.name: changed_in_place(p) for p in split.pieces}
+        self.params = _params(split)
+        self.fwd: dict[str, list[float]] = {p.name: [] for p in split.pieces}
+        self.bwd: dict[str, list[float]] = {p.name: [] for p in split.pieces}
+
+    def run(self, clock: Clock) -> Pass:
+        for p in self.params:
+            p.grad = None
+        stamps = run_in_sequence(self.split, self.batch, clock, self.mutated)
+        clock.finish()  # the one synchronisation of the repeat
+        return stamps
+
+    def add(self, stamps: Pass, clock: Clock, overhead_s: float) -> float:
+        """Keeps one repeat's times; returns their sum."""
+        total = 0.0
+        for name, (a, b) in stamps.fwd.items():
+            self.fwd[name].append(clock.seconds(a, b))
+            total += self.fwd[name][-1]
+        for name, (a, b) in stamps.bwd.items():
+            took = clock.seconds(a, b)
+            self.bwd[name].append(max(0.0, took - overhead_s) if name in stamps.called else took)
+            total += self.bwd[name][-1]
+        return total
+
+    def timings(self) -> dict[str, Timing]:
+        return {n: Timing(statistics.median(self.fwd[n]), statistics.median(self.bwd[n]), min(self.fwd[n]),
+                          min(self.bwd[n])) for n in self.fwd}
 
 
 def _params(split: SplitStep) -> list[torch.nn.Parameter]:
@@ -224,21 +259,20 @@ def empty_backward_s(calls: int = 50) -> float:
 
 
 def time_in_sequence(split: SplitStep, batch: Mapping[str, Any], device: str, repeats: int,
-                     whole: torch.nn.Module | None = None,
-                     progress: Callable[[str], None] | None = None) -> InSequence:
+                     whole: torch.nn.Module | None = None, progress: Callable[[str], None] | None = None,
+                     also: Sequence[tuple[SplitStep, Mapping[str, Any]]] = ()) -> InSequence:
     """Times every piece in sequence (`run_in_sequence`) over `repeats` after one untimed
     warm-up. With `whole` (the unsplit step, sharing the pieces' parameters), each repeat first
     times a step of it: interleaved, the reference and the pieces see the same machine, which
-    on a shared one drifts by 2x and more within a minute.
+    on a shared one drifts by 2x and more within a minute. `also`: other (split, batch) pairs
+    (the step at a smaller batch, for the fixed parts) run in the same repeats, right after,
+    so that a drift of the machine does not fall between the two sizes and into their line.
 
     On the CPU, the cost of an empty backward call (`empty_backward_s`) is taken off each
     piece's backward time. On CUDA the CPU's calls overlap the GPU's work, so nothing is."""
     clock = Clock(device)
     overhead = 0.0 if clock.cuda else empty_backward_s()
-    mutated = {p.name: changed_in_place(p) for p in split.pieces}
-    params = _params(split)
-    fwd: dict[str, list[float]] = {p.name: [] for p in split.pieces}
-    bwd: dict[str, list[float]] = {p.name: [] for p in split.pieces}
+    samples = [_Samples(split, batch), *(_Samples(s, b) for s, b in also)]
     totals, wholes = [], []
     for i in range(repeats + 1):
         if progress and i:
@@ -247,19 +281,8 @@ def time_in_sequence(split: SplitStep, batch: Mapping[str, Any], device: str, re
             took = time_whole(whole, batch, clock)
             if i:
                 wholes.append(took)
-        for p in params:
-            p.grad = None
-        stamps = run_in_sequence(split, batch, clock, mutated)
-        clock.finish()  # the one synchronisation of the repeat
-        if not i:
-            continue
-        total = 0.0
-        for name, (a, b) in stamps.fwd.items():
-            fwd[name].append(clock.seconds(a, b))
-            total += fwd[name][-1]
-        for name, (a, b) in stamps.bwd.items():
-            bwd[name].append(max(0.0, clock.seconds(a, b) - overhead) if name in stamps.called else clock.seconds(a, b))
-            total += bwd[name][-1]
-        totals.append(total)
-    times = {n: Timing(statistics.median(fwd[n]), statistics.median(bwd[n]), min(fwd[n]), min(bwd[n])) for n in fwd}
-    return InSequence(times, totals, wholes)
+        stamps = [x.run(clock) for x in samples]
+        if i:
+            sums = [x.add(st, clock, overhead) for x, st in zip(samples, stamps, strict=True)]
+            totals.append(sums[0])
+    return InSequence(samples[0].timings(), totals, wholes, tuple(x.timings() for x in samples[1:]))
