@@ -84,7 +84,7 @@ def _progress_bar():
                     transient=True)
 
 
-def _note_projections(args: argparse.Namespace, graph: Graph, cluster: Cluster) -> None:
+def _note_estimates(args: argparse.Namespace, graph: Graph, cluster: Cluster) -> None:
     """Which device types' times are projected, not measured (a graph profiled on cpu-2t and
     planned on cpu-1t workers is otherwise silently a guess), and whether a cluster of real
     workers was calibrated: a line each, said after the command has succeeded (`main`), so that

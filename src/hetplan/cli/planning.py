@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from hetplan.cli._shared import _console, _emit_json, _note_projections, _options, _progress_bar
+from hetplan.cli._shared import _console, _emit_json, _note_estimates, _options, _progress_bar
 from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
 from hetplan.io.graphs import load_graph
@@ -19,7 +19,7 @@ from hetplan.units import fmt_seconds
 def cmd_plan(args: argparse.Namespace) -> int:
     graph = load_graph(args.graph)
     cluster = load_cluster(args.cluster)
-    _note_projections(args, graph, cluster)
+    _note_estimates(args, graph, cluster)
     options = _options(args)
     bar = _progress_bar()
     if bar is None:
@@ -54,7 +54,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     graph = load_graph(args.graph)
     cluster = load_cluster(args.cluster)
-    _note_projections(args, graph, cluster)
+    _note_estimates(args, graph, cluster)
     options = _options(args)
     names = ([n.strip() for n in args.planners.split(",") if n.strip()] if args.planners
              else [n for n in PLANNERS if n not in RL_PLANNERS])
@@ -85,7 +85,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     plan = serde.load(args.plan, expect="plan")
     graph = load_graph(args.graph)
     cluster = load_cluster(args.cluster)
-    _note_projections(args, graph, cluster)
+    _note_estimates(args, graph, cluster)
     validate_plan(plan, graph, cluster, source=str(args.plan))
     sim = simulate(graph, cluster, plan, routing=args.routing, timeline=bool(args.gantt or args.trace))
     est = sim.estimate

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from hetplan.cli._shared import _console, _emit_json, _note_projections, _progress_bar
+from hetplan.cli._shared import _console, _emit_json, _note_estimates, _progress_bar
 from hetplan.errors import HetplanError
 from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
@@ -30,7 +30,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise HetplanError("the plan does not name its cluster; pass --cluster C")
     cluster = load_cluster(cluster_ref)
     if graph is not None:
-        _note_projections(args, graph, cluster)  # said only if the run succeeds
+        _note_estimates(args, graph, cluster)  # said only if the run succeeds
     settings = RunSettings(
         steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
         granularity=args.granularity, seed=args.seed, optimizer=args.optimizer, lr=args.lr, data=args.data,

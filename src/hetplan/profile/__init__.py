@@ -110,7 +110,7 @@ def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevic
 
 def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
              block_classes: Sequence[str] | None, repeats: int, seed: int, check: bool, fixed: bool,
-             progress: Callable[[str], None] | None) -> _Measured:
+             progress: Callable[[str], None] | None, batch_size: int) -> _Measured:
     """Cuts a copy of the step into pieces, counts each piece's FLOPs and saved bytes, and times
     the pieces in sequence; with `check`, also the unsplit copy, a step before each repeat (at
     least 5: a shared machine's speed drifts by 10% and more between runs, so a reference from
@@ -125,7 +125,6 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
     flops, acts = {}, {}
     for piece in split.pieces:
         flops[piece.name], acts[piece.name] = warm_pass(piece, [values[n] for n in piece.inputs])
-    batch_size = int(next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0])
     small = _small_batch(step, batch, device, granularity, block_classes, batch_size) if fixed else None
     repeats = max(repeats, 5) if check else repeats
     timed = time_in_sequence(split, data, device.torch_device, repeats, whole=work if check else None,
@@ -168,7 +167,7 @@ def profile_step(
                 torch.set_num_threads(device.threads)
             try:
                 measured[device.device_type] = _measure(step, batch, device, granularity, block_classes,
-                                                         repeats, seed, check, fixed, progress)
+                                                         repeats, seed, check, fixed, progress, batch_size)
                 if measured[device.device_type].fixed is not None:
                     fixed_parts[device.device_type] = measured[device.device_type].fixed
                 if len(measured) > 1:  # sizes come from the first device: let the rest go

@@ -138,8 +138,9 @@ def calibrate_allreduce(workers: int, repeats: int = 5) -> tuple[AllreduceCurve,
 
 
 def _optimizer_key(device: Device) -> tuple[str, int]:
-    return (device.binding or "cpu", device.threads or 1) if not (device.binding or "").startswith("cuda") \
-        else (device.binding, 0)
+    """Workers with the same key measure the same optimizer step: a GPU, or a thread count."""
+    binding = device.binding or "cpu"
+    return (binding, 0) if binding.startswith("cuda") else (binding, device.threads or 1)
 
 
 def calibrate_optimizer(workers: Sequence[Device], repeats: int = 5) -> dict[str, tuple[tuple[float, float], ...]]:
