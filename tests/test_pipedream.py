@@ -88,3 +88,23 @@ def test_malformed_files(text, match):
 def test_missing_file(tmp_path):
     with pytest.raises(InputError, match="no such file"):
         import_pipedream(tmp_path / "graph.txt")
+
+
+def test_input_time_zero_is_pipedreams_optimizer(profiles):
+    """PipeDream's optimizer zeroes the Input nodes' times (optimizer_graph_hierarchical.py):
+    `--input-time zero` does the same; `keep` counts loading as work."""
+    path = profiles / "resnet50" / "graph.txt"
+    kept = import_pipedream(path)
+    zeroed = import_pipedream(path, input_time="zero")
+    inp = zeroed.node("node1")
+    assert inp.is_input and inp.fwd_s["v100-16gb"] == 0.0 and inp.act_bytes == 0
+    assert zeroed.fwd_s_total() == pytest.approx(kept.fwd_s_total() - 18.962e-3, rel=1e-12)
+    assert zeroed.bwd_s_total() == kept.bwd_s_total()
+    with pytest.raises(InputError, match="--input-time: 'drop' is unknown"):
+        import_pipedream(path, input_time="drop")
+
+
+@pytest.mark.parametrize(("side", "batch"), [(224, 256), (299, 32), (227, 8), (256, 16)])
+def test_batch_size_from_any_image_input(side, batch):
+    text = GOOD.replace("activation_size=602112.0", f"activation_size={batch * 3 * side * side * 4}.0")
+    assert parse_pipedream(text).batch_size == batch

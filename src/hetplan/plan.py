@@ -24,7 +24,7 @@ from hetplan.graph import Graph
 from hetplan.schedule import SCHEDULE_NAMES
 
 SCHEDULES = SCHEDULE_NAMES  # hetplan.schedule owns what each means
-OBJECTIVES = ("time", "cost", "mdpe")
+OBJECTIVES = ("time", "cost", "mdpe", "throughput")
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,13 @@ class Estimate:
     violations: tuple[str, ...] = ()
     method: str = "event"
     link_busy_s: Mapping[str, float] = field(default_factory=FrozenMap)
+    bottleneck_s: float = 0.0  # PipeDream's steady-state time per batch (`CostModel.bottleneck_s`); 0: not known
 
     def __post_init__(self) -> None:
         for name in ("busy_s", "peak_mem_bytes", "link_bytes", "link_busy_s"):
             object.__setattr__(self, name, FrozenMap(getattr(self, name)))
         object.__setattr__(self, "violations", tuple(self.violations))
-        for name in ("step_s", "samples_per_s", "bubble_fraction", "usd_per_step"):
+        for name in ("step_s", "samples_per_s", "bubble_fraction", "usd_per_step", "bottleneck_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise PlanError(f"estimate: {name} is {value!r}; it must be finite and >= 0")

@@ -41,7 +41,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_import_pipedream(args: argparse.Namespace) -> int:
-    graph = import_pipedream(args.path, name=args.name, device_type=args.device_type, batch_size=args.batch_size)
+    graph = import_pipedream(args.path, name=args.name, device_type=args.device_type, batch_size=args.batch_size,
+                             input_time=args.input_time)
     serde.dump(graph, args.output)
     if args.json:
         _emit_json({"kind": "import", "output": str(args.output), **{

@@ -11,7 +11,7 @@ from hetplan.cli.planning import cmd_compare, cmd_plan, cmd_simulate
 from hetplan.cli.profiling import cmd_profile
 from hetplan.cli.running import cmd_calibrate, cmd_demo, cmd_run
 from hetplan.graph import GRANULARITIES
-from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE
+from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, INPUT_TIMES
 from hetplan.plan import OBJECTIVES, SCHEDULES
 from hetplan.planners import PLANNERS, RL_PLANNERS
 from hetplan.sim.model import ROUTINGS
@@ -80,8 +80,11 @@ def _planning_options() -> argparse.ArgumentParser:
     planning.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default: 1f1b)")
     planning.add_argument("--objective", default="time", choices=OBJECTIVES,
                           help="time: shortest step; cost: lowest price per sample above --min-samples-per-s; "
-                               "mdpe: Trinity's runtime + communication + memory model (default: time)")
+                               "mdpe: Trinity's runtime + communication + memory model; throughput: PipeDream's "
+                               "steady state, the slowest stage or cut (default: time)")
     planning.add_argument("--min-samples-per-s", type=float, metavar="X", help="throughput floor of --objective cost")
+    planning.add_argument("--max-replicas", type=int, metavar="N",
+                          help="at most N devices per stage (1: a straight pipeline; default: no limit)")
     planning.add_argument("--seed", type=int, default=0, help="seed of search planners (default: 0)")
     planning.add_argument("--budget-s", type=float, metavar="T",
                           help="time budget of search planners (default: 10 for local-search, 20 for the RL "
@@ -124,6 +127,9 @@ def _add_import(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     q.add_argument("--device-type", default=DEFAULT_DEVICE_TYPE,
                    help=f"device type the profile was taken on (default: {DEFAULT_DEVICE_TYPE})")
     q.add_argument("--batch-size", type=int, help="batch size of the profile (read off image inputs if omitted)")
+    q.add_argument("--input-time", default="keep", choices=INPUT_TIMES,
+                   help="the Input nodes' data-loading time: keep it as work of the first stage (default), or "
+                        "zero it as PipeDream's optimizer does")
     q.set_defaults(func=cmd_import_pipedream)
 
 

@@ -251,6 +251,34 @@ class CostModel:
         stashed = sum(rows.rows(0, j, p) for j in range(held)) / self.graph.batch_size
         return formulas.stage_memory_bytes(params, acts, stashed)
 
+    def stage_compute_s(self, nodes: Sequence[str], devices: Sequence[str]) -> float:
+        """Forward + backward of the batch on a stage's replicas together (each its share)."""
+        return 1.0 / math.fsum(1.0 / max(self.device_stage_s(nodes, d), 1e-30) for d in devices)
+
+    def cut_bytes(self, plan: Plan, k: int) -> int:
+        """Bytes crossing the cut after stage k, forward: every edge from before it to after it
+        (relayed), as the simulator's `relay` routing, dp and the fast path count them."""
+        where = plan.stage_of()
+        return sum(e.bytes for e in self.graph.edges if where[e.src] <= k < where[e.dst])
+
+    def slowest_Bps(self, senders: Sequence[str], receivers: Sequence[str]) -> float:
+        """The slowest link's bandwidth from any of `senders` to any of `receivers`."""
+        return min(self.cluster.link(a, b).bandwidth_Bps for a in senders for b in receivers)
+
+    def bottleneck_s(self, plan: Plan) -> float:
+        """PipeDream's steady-state time per batch (the `throughput` objective): the slowest of
+        every stage (`formulas.steady_stage_s`) and every cut (`formulas.steady_cut_s`, at the
+        slowest link between the two stages' devices, whatever their order)."""
+        worst = 0.0
+        for st in plan.stages:
+            params = sum(self.graph.by_id[n].param_bytes for n in st.nodes)
+            worst = max(worst, formulas.steady_stage_s(self.stage_compute_s(st.nodes, st.devices),
+                                                       self.allreduce_s(params, st.devices), len(st.devices)))
+        for k, (a, b) in enumerate(zip(plan.stages, plan.stages[1:], strict=False)):
+            worst = max(worst, formulas.steady_cut_s(self.cut_bytes(plan, k), self.slowest_Bps(a.devices, b.devices),
+                                                     min(len(a.devices), len(b.devices))))
+        return worst
+
     def usd_per_step(self, devices: Sequence[str], step_s: float) -> float:
         return formulas.usd_per_step(math.fsum(self.cluster.device(d).usd_per_hour for d in devices), step_s)
 

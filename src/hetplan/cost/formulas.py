@@ -155,3 +155,17 @@ def corun_factor(busy_workers: int, slowdown_points) -> float:
 def usd_per_step(usd_per_hour, step_s):
     """Price of a step of `step_s` on devices costing `usd_per_hour` in all (numbers or arrays)."""
     return usd_per_hour * step_s / SECONDS_PER_HOUR
+
+
+# -- steady state (PipeDream's optimizer objective) --------------------------------------------
+def steady_stage_s(compute_s, allreduce_s, replicas):
+    """A stage's time per batch in PipeDream's steady state (Narayanan et al., SOSP 2019, its
+    optimizer): the batch's compute on the replicas together plus the all-reduce shared among
+    the replicas, which take turns (numbers or arrays)."""
+    return compute_s + allreduce_s / replicas
+
+
+def steady_cut_s(nbytes, bandwidth_Bps, lanes):
+    """A cut's time per batch in that steady state: activations forward and gradients back,
+    over as many parallel lanes as the narrower side has replicas (numbers or arrays)."""
+    return 2.0 * wire_s(nbytes, bandwidth_Bps * lanes)

@@ -11,24 +11,32 @@ Times are milliseconds for the whole batch, sizes are bytes (a list of sizes for
 several outputs). The output activation of a node is what its out-edges carry, and PipeDream's
 optimizer also counts it as the activation a stage stashes for backward, so both `out_bytes`
 and `act_bytes` take it. The `Input` node's forward
-time is PipeDream's data-loading time; it is kept (so results compare with PipeDream's) and the
-node is marked `is_input` so a user can leave loading out.
+time is PipeDream's data-loading time. PipeDream's optimizer (`optimizer_graph_hierarchical.py`)
+zeroes every `Input` node's times and stashed size before it plans ("the optimizer shouldn't really get a
+choice with where to place the input"): `input_time="zero"` does the same, `"keep"` (the default,
+as earlier versions did) counts loading as work of the first stage. Either way the node is
+marked `is_input`.
 
-The file does not record the batch size. For image models it is read off the input node
-(an ImageNet batch is B x 3 x 224 x 224 fp32); otherwise the caller must give it.
+The file does not record the batch size. For image models it is read off the input node: a
+batch of B x 3 x H x W fp32 images, H = W one of the usual sizes (224 first, then 299 for
+Inception, ...); otherwise the caller must give it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from hetplan.errors import GraphError, InputError
 from hetplan.graph import Edge, Graph, Node
 
 DEFAULT_DEVICE_TYPE = "v100-16gb"  # PipeDream's published profiles were taken on V100s
-_IMAGENET_SAMPLE_BYTES = 3 * 224 * 224 * 4
+# square image sides of common vision models, most common first: ImageNet's 224, Inception's 299,
+# AlexNet's 227, then others; the first that divides the input's bytes into B x 3 x H x H fp32 wins
+IMAGE_SIDES = (224, 299, 227, 256, 331, 320, 384, 512, 240, 260, 300, 380, 456, 528, 600, 32, 28, 64, 96, 128)
+INPUT_TIMES = ("keep", "zero")
 
 _NODE = re.compile(r"^(?P<id>\S+) -- (?P<desc>.*) -- (?P<attrs>\w+=.*)$")
 _EDGE = re.compile(r"^\t(?P<src>\S+) -- (?P<dst>\S+)\s*$")
@@ -58,10 +66,14 @@ def _attrs(text: str, where: str) -> dict[str, float]:
 
 
 def infer_batch_size(input_activation_bytes: float) -> int | None:
-    """The batch size of an ImageNet input of this many bytes, or None if it is not one."""
+    """The batch size of a B x 3 x H x H fp32 image input of this many bytes (H the first of
+    `IMAGE_SIDES` that fits), or None if it is not one."""
     n = int(input_activation_bytes)
-    if n > 0 and n == input_activation_bytes and n % _IMAGENET_SAMPLE_BYTES == 0:
-        return n // _IMAGENET_SAMPLE_BYTES
+    if n <= 0 or n != input_activation_bytes:
+        return None
+    for side in IMAGE_SIDES:
+        if n % (3 * side * side * 4) == 0:
+            return n // (3 * side * side * 4)
     return None
 
 
@@ -72,9 +84,18 @@ def parse_pipedream(
     name: str | None = None,
     device_type: str = DEFAULT_DEVICE_TYPE,
     batch_size: int | None = None,
+    input_time: str = "keep",
 ) -> Graph:
-    """Parse the text of a PipeDream `graph.txt` into a `Graph` (times in seconds)."""
+    """Parse the text of a PipeDream `graph.txt` into a `Graph` (times in seconds); `input_time`
+    `zero` drops the Input nodes' loading time, as PipeDream's optimizer does."""
+    if input_time not in INPUT_TIMES:
+        raise InputError(f"--input-time: {input_time!r} is unknown (allowed: {', '.join(INPUT_TIMES)})")
     nodes, edges = _read_lines(text, source, device_type)
+    if input_time == "zero":
+        # as PipeDream's optimizer: no time and nothing stashed; its output still travels if a
+        # plan puts its consumers on other devices (PipeDream keeps it with them)
+        nodes = [replace(n, fwd_s={t: 0.0 for t in n.fwd_s}, bwd_s={t: 0.0 for t in n.bwd_s}, act_bytes=0)
+                 if n.is_input else n for n in nodes]
     if not nodes:
         raise InputError(f"{source}: no node lines; is this a PipeDream graph.txt?")
     graph_edges = _graph_edges(edges, nodes, source)
@@ -167,8 +188,8 @@ def _batch_size(nodes: list[Node], source: str) -> int:
     if len(guesses) == 1 and None not in guesses:
         return guesses.pop()
     raise InputError(
-        f"{source}: cannot tell the batch size (the input is not an ImageNet-sized image "
-        f"batch); pass it with --batch-size N"
+        f"{source}: cannot tell the batch size (the input is not a batch of B x 3 x H x H fp32 images "
+        f"with H one of {', '.join(map(str, IMAGE_SIDES[:4]))}, ...); pass it with --batch-size N"
     )
 
 
@@ -186,6 +207,7 @@ def import_pipedream(
     name: str | None = None,
     device_type: str = DEFAULT_DEVICE_TYPE,
     batch_size: int | None = None,
+    input_time: str = "keep",
 ) -> Graph:
     """Read a PipeDream `graph.txt`. The graph is named after its folder (`resnet50`)."""
     path = Path(path)
@@ -197,4 +219,4 @@ def import_pipedream(
         raise InputError(f"{path}: cannot read the file ({exc})") from None
     default_name = path.parent.name if path.name == "graph.txt" and path.parent.name else path.stem
     return parse_pipedream(text, source=str(path), name=name or default_name,
-                           device_type=device_type, batch_size=batch_size)
+                           device_type=device_type, batch_size=batch_size, input_time=input_time)

@@ -157,11 +157,15 @@ def balanced_time(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
 
 def data_parallel(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
     """Every device that fits the whole model holds a replica; slower devices are dropped first
-    when one runs out of memory (its share of the activations shrinks as others join)."""
+    when one runs out of memory (its share of the activations shrinks as others join); with
+    `--max-replicas N`, the N fastest."""
     cm = CostModel(graph, cluster)
     nodes = graph.topo_order
     m = options.microbatches or 1
     devices = [d.id for d in cluster.devices]
+    if options.max_replicas is not None:
+        fastest = sorted(devices, key=lambda d: (cm.device_stage_s(nodes, d), devices.index(d)))
+        devices = [d for d in devices if d in fastest[:options.max_replicas]]
     while devices:
         plan = Plan((Stage(nodes, tuple(devices)),), m, options.schedule, "data-parallel", options.objective)
         short = [d for d in devices if cm.stage_memory_bytes(plan, 0, d) > cluster.device(d).mem_bytes]

@@ -36,6 +36,12 @@ set S_k minus S_(k-1). We extend both papers:
   (or the user's m), leaving out m whose micro-batches have fewer rows than a stage has replicas
   (the runtime splits rows whole, so a replica would idle in every micro-batch; issue 14's note).
 
+The `throughput` objective (PipeDream's own question: the steady state of a pipeline that never
+flushes) adds one more label entry, the slowest stage (its time plus its all-reduce shared by its
+replicas, `formulas.steady_stage_s`) or cut (`formulas.steady_cut_s`) so far; it is a maximum of
+per-stage terms, so it is exact in the program, and ranks labels and plans first (the step, second).
+`--max-replicas` caps k.
+
 Recurrence, from the end of the pipeline backwards: F(j, e) is the front of ways to run the
 nodes outside S_j on devices e, e+1, ... of the order (devices after the last stage unused), with
 F(V, e) = {empty} for e >= 1 and
@@ -71,7 +77,15 @@ from typing import NamedTuple
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.cost.formulas import activation_room_bytes, stage_memory_bytes, usd_per_step, wire_s
+from hetplan.cost import CostModel
+from hetplan.cost.formulas import (
+    activation_room_bytes,
+    stage_memory_bytes,
+    steady_cut_s,
+    steady_stage_s,
+    usd_per_step,
+    wire_s,
+)
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
@@ -110,6 +124,7 @@ class Label(NamedTuple):
     parent: Label | None
     rank: float  # the step at m_max (times the price for cost): which labels a full front drops
     k_max: int = 1  # its largest replica group: micro-batches need at least that many rows
+    thr_s: float = 0.0  # objective throughput: its slowest stage or cut in PipeDream's steady state
 
 
 def rows_for_replicas(batch_size: int, m: int, k_max: int, choices: tuple[int, ...]) -> bool:
@@ -138,11 +153,14 @@ class _Order:
         self.dtype = [tindex[d.type] for d in self.dev]
         self.times = np.array([prob.time[t] for t in prob.types])  # (types, states)
         self.bounded = get_schedule(options.schedule).bounded  # in flight bounded by the stages after
-        self.max_replicas = self.D if self.D <= SMALL_CLUSTER else BIG_CLUSTER_REPLICAS
+        self.max_replicas = min(self.D if self.D <= SMALL_CLUSTER else BIG_CLUSTER_REPLICAS,
+                                options.max_replicas or self.D)
         # the stages after a stage matter only through 1F1B's memory; skip them when all fits anyway
         fits_anywhere = stage_memory_bytes(prob.params[-1], prob.acts[-1], 1.0) <= min(d.mem_bytes for d in self.dev)
         self.track_r = self.bounded and not fits_anywhere
         self.track_price = options.objective == "cost"
+        self.track_thr = options.objective == "throughput"
+        self.cost = scorer.cost
         self.usd_prefix = [0.0]
         for d in self.dev:
             self.usd_prefix.append(self.usd_prefix[-1] + d.usd_per_hour)
@@ -150,6 +168,14 @@ class _Order:
         self.links = [cluster.link(order[p], order[p + 1]) if p + 1 < self.D else None for p in range(self.D)]
         self.rest = self._rest(len(prob.types))
         self._ending: tuple = (-1, None)
+        self._cut_Bps: dict[tuple[int, int, int], float] = {}
+
+    def cut_Bps(self, d: int, e: int, k_next: int) -> float:
+        """The slowest link from the devices d .. e-1 of the order to the k_next after them."""
+        key = (d, e, k_next)
+        if key not in self._cut_Bps:
+            self._cut_Bps[key] = self.cost.slowest_Bps(self.order[d:e], self.order[e:e + k_next])
+        return self._cut_Bps[key]
 
     def ending_at(self, prob: StateSums, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For stages S_j - S_i over every earlier state i: the i, the stage's time per device
@@ -168,7 +194,7 @@ class _Order:
             mem[self.dtype[x]] = min(mem.get(self.dtype[x], math.inf), self.dev[x].mem_bytes)
         devices = tuple(self.order[d:d + k])
         per_step = max(self.dev[x].step_overhead_s for x in range(d, d + k))
-        return cnt, mem, _after_stage(scorer.cost, devices, per_step)
+        return cnt, mem, _after_stage(scorer.cost, devices, per_step), devices
 
     def _rest(self, types: int) -> np.ndarray:
         """rest[i, d]: the least time the nodes of state i can take on devices 0 .. d-1 together."""
@@ -188,12 +214,14 @@ class _Front:
     def __init__(self, setup: _Order, max_labels: int) -> None:
         self.labels: dict[tuple[int, int], list[Label]] = {}
         self.track_r, self.track_price, self.max_labels = setup.track_r, setup.track_price, max_labels
+        self.track_thr = setup.track_thr
 
     def _covers(self, o: Label, lab: Label, slack: float) -> bool:
         """o is at least as good as lab in every tracked dimension (times within `slack`)."""
         return (o.sum_s <= lab.sum_s * slack and o.max_s <= lab.max_s * slack and o.ar_s <= lab.ar_s * slack
                 and o.m_req <= lab.m_req and o.k_max <= lab.k_max and (not self.track_r or o.after <= lab.after)
-                and (not self.track_price or o.usd_per_hour <= lab.usd_per_hour))
+                and (not self.track_price or o.usd_per_hour <= lab.usd_per_hour)
+                and (not self.track_thr or o.thr_s <= lab.thr_s * slack))
 
     def add(self, key: tuple[int, int], lab: Label) -> None:
         labels = self.labels.setdefault(key, [])
@@ -225,9 +253,10 @@ def _after_stage(cost, devices: tuple[str, ...], per_step_s: float):
 def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound_s: float) -> tuple:
     """For the stage S_j - S_i on devices d .. d+k-1, over every earlier state i at once: which
     i are allowed (time bound, memory, devices left), the stage's time, its memory need over
-    what is free (the worst replica type), and its all-reduce + optimizer step."""
+    what is free (the worst replica type), its all-reduce + optimizer step, and (objective
+    throughput) its steady-state time per batch."""
     below, diff, w_stage, a_stage = setup.ending_at(prob, j)
-    cnt, mem, after_stage = setup.groups[(d, k)]
+    cnt, mem, after_stage, devices = setup.groups[(d, k)]
     with np.errstate(divide="ignore", invalid="ignore"):
         used = [ti for ti, c in enumerate(cnt) if c]
         speed = sum(cnt[ti] / diff[ti] for ti in used)  # inf where a type needs no time
@@ -244,14 +273,20 @@ def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound
     ok &= (below == 0) if d == 0 else (below != 0)  # with d == 0 no devices are left for nodes before
     ok &= setup.rest[below, d] <= bound_s  # the slowest stage before takes at least that
     ar = after_stage(w_stage)
-    return np.nonzero(ok)[0], below, t, ratio, ar
+    steady = steady_stage_s(t, setup.cost.allreduce_s(w_stage, devices), k) if setup.track_thr else t
+    return np.nonzero(ok)[0], below, t, ratio, ar, steady
 
 
 def _extend(lab: Label, stage: tuple[int, int, int, int], ts: float, rt: float, ar: float, c_s: float, lt: float,
-            r_i: float, setup: _Order, m_max: int, bounds: tuple[float, float]) -> Label | None:
+            r_i: float, setup: _Order, m_max: int, bounds: tuple[float, float, float],
+            steady_s: float = 0.0) -> Label | None:
     """The label of `lab` with one more stage in front (time ts, memory ratio rt, all-reduce ar,
-    transfer c_s and latency lt across its cut), or None when memory or the bounds cut it."""
-    bound_s, bound_usd = bounds
+    transfer c_s and latency lt across its cut; its steady-state time, or its cut's if slower,
+    steady_s), or None when memory or the bounds cut it."""
+    bound_s, bound_usd, bound_thr = bounds
+    thr = max(lab.thr_s, steady_s)
+    if thr > bound_thr:
+        return None
     mr = lab.m_req
     if rt > 1.0:  # 1F1B: this stage holds min(m, r + 1) micro-batches; m must exceed r + 1
         mr = max(mr, math.floor((lab.after + 1) * rt) + 1)
@@ -270,14 +305,14 @@ def _extend(lab: Label, stage: tuple[int, int, int, int], ts: float, rt: float, 
     if low > bound_s or (setup.track_price and usd_per_step(lab.usd_per_hour, low) > bound_usd):
         return None
     out = Label(s2, mx2, max(lab.ar_s, ar), lab.after + 1, mr, lab.usd_per_hour, stage[3], lab.lat_s + lt, stage,
-                lab, 0.0, max(lab.k_max, stage[3]))
-    rank = model_step_s(out, m_max) * (out.usd_per_hour if setup.track_price else 1.0)
+                lab, 0.0, max(lab.k_max, stage[3]), thr)
+    rank = thr if setup.track_thr else model_step_s(out, m_max) * (out.usd_per_hour if setup.track_price else 1.0)
     return out._replace(rank=rank)
 
 
 def _run_order(prob: StateSums, scorer: Scorer, order: tuple[str, ...], options: PlanOptions,
                m_max: int, bound_s: float, max_labels: int = MAX_LABELS,
-               bound_usd: float = math.inf) -> list[Label]:
+               bound_usd: float = math.inf, bound_thr: float = math.inf) -> list[Label]:
     """The Pareto front at ({}, device 0) for one device order."""
     setup = _Order(prob, scorer, order, options)
     front = _Front(setup, max_labels)
@@ -290,27 +325,30 @@ def _run_order(prob: StateSums, scorer: Scorer, order: tuple[str, ...], options:
         for e in range(1, setup.D + 1):
             labels = front.labels.get((j, e))
             for k in range(1, min(e, setup.max_replicas) + 1) if labels else ():
-                _stages_into(front, labels, prob, setup, j, e, k, m_max, (bound_s, bound_usd))
+                _stages_into(front, labels, prob, setup, j, e, k, m_max, (bound_s, bound_usd, bound_thr))
     return front.labels.get((0, 0), [])
 
 
 def _stages_into(front: _Front, labels: list[Label], prob: StateSums, setup: _Order, j: int, e: int, k: int,
-                 m_max: int, bounds: tuple[float, float]) -> None:
+                 m_max: int, bounds: tuple[float, float, float]) -> None:
     """Every stage S_j - S_i on the k devices before position e, put in front of every label of
     (j, e), into the front of (i, e - k)."""
     d = e - k
-    cand, below, t, ratio, ar_all = _stage_options(prob, setup, j, d, k, bounds[0])
+    cand, below, t, ratio, ar_all, steady = _stage_options(prob, setup, j, d, k, bounds[0])
     link = setup.links[e - 1] if j != len(prob.ideals) - 1 else None
     cut_j = prob.cut[j]
     for c_idx in cand.tolist():
         i = int(below[c_idx])
         ts, rt, ar, r_i = float(t[c_idx]), float(ratio[c_idx]), float(ar_all[c_idx]), float(setup.rest[i, d])
         for lab in labels:
-            c_s = lt = 0.0
+            c_s = lt = steady_cut = 0.0
             if link is not None and cut_j > 0:
                 c_s = wire_s(cut_j, link.bandwidth_Bps * max(k, lab.k_first))  # over max(k, k') links
                 lt = link.latency_s
-            out = _extend(lab, (i, j, d, k), ts, rt, ar, c_s, lt, r_i, setup, m_max, bounds)
+                if setup.track_thr:
+                    steady_cut = steady_cut_s(cut_j, setup.cut_Bps(d, e, lab.k_first), min(k, lab.k_first))
+            out = _extend(lab, (i, j, d, k), ts, rt, ar, c_s, lt, r_i, setup, m_max, bounds,
+                          max(float(steady[c_idx]), steady_cut))
             if out is not None:
                 front.add((i, d), out)
 
@@ -326,18 +364,22 @@ def _plan(prob: StateSums, order: tuple[str, ...], lab: Label, m: int, options: 
 
 def _baseline_bound_s(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer) -> float:
     """The first bound on the step: for time, the baselines' simulated steps (with slack: the
-    program's model may see them slower); for cost, the floor (slower plans are infeasible)."""
+    program's model may see them slower); for cost, the floor (slower plans are infeasible);
+    for throughput, the bound on the steady state: the baselines' own."""
     if options.objective == "cost":
         return graph.batch_size / options.min_samples_per_s
     bound = math.inf
-    if options.objective == "time":
+    if options.objective in ("time", "throughput"):
         for make in (baselines.single, baselines.data_parallel, baselines.balanced_time):
             try:
-                est = scorer.estimate(make(graph, cluster, replace(options, microbatches=None)))
+                plan = make(graph, cluster, replace(options, microbatches=None))
             except HetplanError:
                 continue
-            if est.feasible:
-                bound = min(bound, est.step_s * (1.0 + BASELINE_SLACK))
+            est = scorer.estimate(plan)
+            if est.feasible and options.allows(plan):
+                # the steady state is the program's exact model; the step is not (slack)
+                bound = min(bound, est.bottleneck_s if options.objective == "throughput"
+                            else est.step_s * (1.0 + BASELINE_SLACK))
     return bound
 
 
@@ -348,10 +390,13 @@ def _pool(prob: StateSums, scorer: Scorer, orders: list[tuple[str, ...]], choice
     the first bound, then the best step (time) or price x step above the floor (cost) of the
     orders done."""
     graph = scorer.graph
-    bound, bound_usd = _baseline_bound_s(graph, scorer.cluster, options, scorer), math.inf
+    bound, bound_usd, bound_thr = _baseline_bound_s(graph, scorer.cluster, options, scorer), math.inf, math.inf
+    if options.objective == "throughput":
+        bound, bound_thr = math.inf, bound
     pool = []
     for order in orders:
-        for lab in _run_order(prob, scorer, order, options, max(choices), bound, bound_usd=bound_usd):
+        for lab in _run_order(prob, scorer, order, options, max(choices), bound, bound_usd=bound_usd,
+                              bound_thr=bound_thr):
             for m in choices:
                 if m < lab.m_req or not rows_for_replicas(graph.batch_size, m, lab.k_max, choices):
                     continue
@@ -361,6 +406,9 @@ def _pool(prob: StateSums, scorer: Scorer, orders: list[tuple[str, ...]], choice
                     key = (0 if fast_enough else 1, usd_per_step(lab.usd_per_hour, t))
                     if t <= bound:
                         bound_usd = min(bound_usd, usd_per_step(lab.usd_per_hour, t) * (1.0 + BOUND_SLACK))
+                elif options.objective == "throughput":
+                    key = (0, lab.thr_s, t)
+                    bound_thr = min(bound_thr, lab.thr_s)
                 else:
                     key = (0, t)
                     if options.objective == "time":
@@ -376,6 +424,11 @@ def _rerank(graph: Graph, cluster: Cluster, plans: list[Plan], options: PlanOpti
     if len(plans) <= top_k:
         return plans
     fast = fast_step_s(graph, cluster, plans)
+    if options.objective == "throughput":  # the steady state first (the program's, exact), then the step
+        cost = CostModel(graph, cluster)
+        steady = np.array([cost.bottleneck_s(p) for p in plans])
+        keep = np.lexsort((fast, steady))[:top_k]
+        return [plans[int(k)] for k in keep]
     if options.objective == "cost":
         usd = usd_per_step(np.array([sum(cluster.device(d).usd_per_hour for d in p.devices) for p in plans]), fast)
         slow = graph.batch_size / fast < (options.min_samples_per_s or 0) * 0.9

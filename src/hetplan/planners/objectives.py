@@ -18,6 +18,10 @@
   (`comm_tolerance`, default 0.5); M is the largest share of a device's memory in use and M_tol
   its tolerance (`mem_tolerance`, default 0.8). Defaults alpha 0.5, beta 0.3, gamma 0.2. A plan
   that does not fit in memory at all is infeasible under every objective.
+- `throughput`: PipeDream's question (Narayanan et al., SOSP 2019): the steady-state time per
+  batch of a pipeline that never flushes, the slowest stage's compute (plus its all-reduce,
+  shared by its replicas) or cut's communication (`hetplan.cost.CostModel.bottleneck_s`),
+  for plans that fit in memory. `time` answers for the flushed step hetplan's runtime runs.
 
 `value` is infinite for infeasible plans; `search_value` stays finite and grows with how far a
 plan is from feasible, so that a search can walk through infeasible plans back to feasible ones.
@@ -88,6 +92,8 @@ def _raw(est: Estimate, options: PlanOptions, cluster: Cluster, batch_size: int,
         return est.step_s
     if options.objective == "cost":
         return est.usd_per_step / batch_size
+    if options.objective == "throughput":
+        return est.bottleneck_s
     return mdpe(est, options, cluster, t_ref_s)
 
 
@@ -106,5 +112,7 @@ def describe(options: PlanOptions) -> str:
         return "shortest step"
     if options.objective == "cost":
         return f"lowest price per sample at >= {options.min_samples_per_s:g} samples/s"
+    if options.objective == "throughput":
+        return "highest steady-state throughput (PipeDream's slowest stage or cut)"
     return (f"mdpe (alpha {options.alpha:g}, beta {options.beta:g}, gamma {options.gamma:g}, "
             f"link tolerance {options.comm_tolerance:g}, memory tolerance {options.mem_tolerance:g})")

@@ -26,6 +26,8 @@ class PlanOptions:
     runtime does, or `direct`; see `hetplan.sim.model`).
     max_iters: for search planners, a number of iterations instead of (or within) the time
     budget, for runs that must be the same every time.
+    max_replicas: at most this many devices per stage (1: a straight pipeline), or None; planners
+    that replicate search within it and no planner returns a plan beyond it.
     faithful: for the RL planners, the paper's set-up (cold start, the paper's hyper-parameters)
     instead of hetplan's default (warm start from dp, never worse than dp).
     """
@@ -43,6 +45,7 @@ class PlanOptions:
     mem_tolerance: float = 0.8
     routing: str = "relay"
     max_iters: int | None = None
+    max_replicas: int | None = None
     faithful: bool = False
 
     def __post_init__(self) -> None:
@@ -70,6 +73,12 @@ class PlanOptions:
                                "(the fewest samples per second you accept)")
         if self.max_iters is not None and not _whole(self.max_iters):
             raise HetplanError(f"--max-iters: {self.max_iters!r} must be a whole number >= 1")
+        if self.max_replicas is not None and not _whole(self.max_replicas):
+            raise HetplanError(f"--max-replicas: {self.max_replicas!r} must be a whole number >= 1")
+
+    def allows(self, plan) -> bool:
+        """Whether a plan keeps within `max_replicas`."""
+        return self.max_replicas is None or all(len(s.devices) <= self.max_replicas for s in plan.stages)
 
     def _check_mdpe(self) -> None:
         """The routing, and the weights and tolerances of the `mdpe` objective."""

@@ -48,11 +48,16 @@ class Scorer:
         return self._cache[k]
 
     def value(self, plan: Plan) -> float:
+        """The objective; infinite for a plan beyond `--max-replicas`, as for one that does not fit."""
+        if not self.options.allows(plan):
+            return math.inf
         return objectives.value(self.estimate(plan), self.options, self.cluster, self.graph.batch_size, self.t_ref_s)
 
     def search_value(self, plan: Plan) -> float:
-        return objectives.search_value(self.estimate(plan), self.options, self.cluster, self.graph.batch_size,
-                                       self.t_ref_s)
+        value = objectives.search_value(self.estimate(plan), self.options, self.cluster, self.graph.batch_size,
+                                        self.t_ref_s)
+        excess = max(len(s.devices) for s in plan.stages) - (self.options.max_replicas or len(self.cluster.devices))
+        return float(objectives.penalised(value, max(excess, 0), 0.0))
 
     def best(self, plans: list[Plan], planner: str) -> Plan:
         """The plan with the best objective; a clear error when none is feasible."""

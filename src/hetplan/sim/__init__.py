@@ -77,6 +77,7 @@ def _estimate(graph: Graph, cluster: Cluster, plan: Plan, model: StepModel, resu
         violations=tuple(violations),
         method="event",
         link_busy_s=result.link_busy_s,
+        bottleneck_s=cm.bottleneck_s(plan),
     )
 
 

@@ -171,6 +171,7 @@ class FastScores:
     feasible: np.ndarray  # (P,) bool
     usd_per_step: np.ndarray  # (P,)
     link_busy_s: np.ndarray | None = None  # (P,) the busiest directed link's time sending in a step
+    bottleneck_s: np.ndarray | None = None  # (P,) `CostModel.bottleneck_s`: PipeDream's steady state
 
 
 class ChainScorer:
@@ -257,6 +258,7 @@ class ChainScorer:
         bfix = self._bfix[types, hi] - self._bfix[types, lo]
         fwd = self._fwd[types, hi] - self._fwd[types, lo] - ffix
         bwd = self._bwd[types, hi] - self._bwd[types, lo] - bfix
+        compute = fwd + bwd + ffix + bfix  # the stage's forward + backward of the batch, as CostModel's
         slow = self._corun_factor(devices)
         fwd, bwd = fwd * slow, bwd * slow
         ffix = ffix * slow + self._overhead[devices]
@@ -276,7 +278,10 @@ class ChainScorer:
         # each boundary's link carries the batch's activations one way and its gradients (as
         # many bytes) the other, one message per micro-batch
         busy = (send + microbatches * lat).max(axis=1) if n > 1 else np.zeros(p)
-        return FastScores(step, self.graph.batch_size / step, peak, feasible, usd, busy)
+        # one device per stage: no all-reduce, one lane per cut
+        steady = np.maximum(compute.max(axis=1), formulas.steady_cut_s(nbytes, self._bw[src, dst], 1).max(axis=1)
+                            if n > 1 else 0.0)
+        return FastScores(step, self.graph.batch_size / step, peak, feasible, usd, busy, steady)
 
 
 def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | None = None) -> dict[str, np.ndarray]:

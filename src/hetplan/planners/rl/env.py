@@ -230,6 +230,8 @@ class PlanEnv:
         elif opts.objective == "cost":
             base = sc.usd_per_step / batch
             short = np.maximum(0.0, opts.min_samples_per_s / np.maximum(sc.samples_per_s, 1e-30) - 1.0)
+        elif opts.objective == "throughput":
+            base = sc.bottleneck_s.copy()
         else:
             link = sc.link_busy_s / np.maximum(sc.step_s, 1e-30)
             base = objectives.mdpe_of(sc.step_s, link, mem_share, opts, self.t_ref_s)

@@ -95,7 +95,7 @@ class Provisioner:
         # the objective's scale: every device busy for the reference time (cost), or that time
         if options.objective == "cost":
             self.scale = self.cost.usd_per_step(cluster.ids, self.t_ref_s) / graph.batch_size
-        elif options.objective == "time":
+        elif options.objective in ("time", "throughput"):
             self.scale = self.t_ref_s
         else:
             self.scale = options.alpha
@@ -105,8 +105,9 @@ class Provisioner:
     def _fast(self, plans: list[Plan]) -> list[tuple[float, bool, Plan]]:
         """Objective value (finite; see PlanEnv) and feasibility of plans, by the fast path for time
         and cost; mdpe needs the busiest link's share, which the fast path does not give for
-        replicated stages, so it is the event simulator's."""
-        if self.options.objective == "mdpe":  # counted in the scorer's simulations
+        replicated stages, so it is the event simulator's (and throughput's, which needs the
+        replicated stages' all-reduce)."""
+        if self.options.objective in ("mdpe", "throughput"):  # counted in the scorer's simulations
             return [(self.scorer.search_value(p), math.isfinite(self.scorer.value(p)), p) for p in plans]
         self.evaluations += len(plans)
         steps = fast_step_s(self.graph, self.cluster, plans)
@@ -178,7 +179,7 @@ class Provisioner:
             # the stage with the longest per-replica busy time that can still grow
             busy = []
             for k, (_, _, t) in enumerate(runs):
-                if free[self.types[t]] <= 0:
+                if free[self.types[t]] <= 0 or counts[k] >= (self.options.max_replicas or counts[k] + 1):
                     continue
                 st = plan.stages[k]
                 one = self.cost.device_stage_s(st.nodes, st.devices[0]) / counts[k]

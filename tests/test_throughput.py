@@ -1,0 +1,156 @@
+"""PipeDream's question (issue 16): the `throughput` objective, `--max-replicas`, and exact's
+counting, which must refuse a big problem in under a second."""
+
+import itertools
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+from hetplan.cost import CostModel
+from hetplan.errors import HetplanError, InfeasibleError
+from hetplan.graph import Edge, Graph, Node
+from hetplan.io.clusters import cluster_from_spec
+from hetplan.io.pipedream import import_pipedream
+from hetplan.plan import Plan, Stage
+from hetplan.planners import PlanOptions, make_plan
+from hetplan.planners.exact import _assignments, count_assignments, count_single_devices
+from hetplan.planners.randomized import random_problem
+from hetplan.planners.scoring import Scorer
+from strategies import V
+from test_search_planners import all_plans
+
+# ---- exact's counts ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("avail", [(1,), (3,), (2, 1), (1, 1, 1), (2, 2, 1), (4, 1), (1, 1, 1, 1, 1)])
+def test_count_assignments_is_the_enumeration(avail):
+    for n in range(0, sum(avail) + 2):
+        assert count_assignments(avail, n) == len(list(_assignments(avail, n))), n
+        for cap in (1, 2):
+            assert count_assignments(avail, n, cap) == len(list(_assignments(avail, n, cap))), (n, cap)
+        assert count_single_devices(avail, n) == count_assignments(avail, n, 1), n
+
+
+def _big_cluster(hosts: int, per_host: int) -> object:
+    devices = [{"id": f"h{h}g{g}", "type": "v100-16gb" if h % 2 == 0 else "t4-16gb", "host": f"h{h}"}
+               for h in range(hosts) for g in range(per_host)]
+    return cluster_from_spec({"devices": devices, "network": {"inter_host": {"bandwidth": "10Gbit/s"}}}, "big")
+
+
+@pytest.mark.parametrize("hosts", [2, 4, 8])
+def test_exact_refuses_big_problems_in_under_a_second(profiles, hosts):
+    """It took 2.2 s at 12 devices, 33 s at 16 and over 120 s at 20 (issue 16)."""
+    graph = import_pipedream(profiles / "resnet50" / "graph.txt")
+    start = time.perf_counter()
+    refused = r"exact: at least ([\d,]+|10\^\d+) candidate plans, too many .* fewer than its 177 nodes"
+    with pytest.raises(InfeasibleError, match=refused):
+        make_plan(graph, _big_cluster(hosts, 8), "exact")
+    assert time.perf_counter() - start < 1.0
+
+
+def test_exact_refusal_names_granularity_for_a_profiled_graph():
+    nodes = tuple(Node(f"n{i}", "Linear", {V: 0.01}, {V: 0.02}) for i in range(40))
+    graph = Graph("g", nodes, tuple(Edge(f"n{i}", f"n{i + 1}", 8) for i in range(39)), 8, V, source="profile:g")
+    with pytest.raises(InfeasibleError, match="--granularity block"):
+        make_plan(graph, _big_cluster(2, 8), "exact")
+
+
+# ---- the steady state -------------------------------------------------------------------------
+
+
+def test_bottleneck_closed_form():
+    """Two stages on V100s at 1 GB/s: stage 0 (0.3 s) on two replicas, stage 1 (0.2 s) on one;
+    100 MB cross the cut, 400 MB of weights are all-reduced in stage 0."""
+    nodes = (Node("a", "Linear", {V: 0.1}, {V: 0.2}, param_bytes=400_000_000),
+             Node("b", "Linear", {V: 0.05}, {V: 0.15}))
+    graph = Graph("two", nodes, (Edge("a", "b", 100_000_000),), 8, V)
+    cluster = cluster_from_spec({"devices": [{"id": f"d{i}", "type": V, "host": "h"} for i in range(3)],
+                                 "network": {"intra_host": {"bandwidth": "1GB/s", "latency": "0s"}}}, "three")
+    cm = CostModel(graph, cluster)
+    plan = Plan((Stage(("a",), ("d0", "d1")), Stage(("b",), ("d2",))), 2, "1f1b", "test")
+    allreduce = cm.allreduce_s(400_000_000, ("d0", "d1"))
+    assert allreduce == pytest.approx(0.4)  # ring: 2 (r - 1) / r x bytes / bandwidth
+    stage0 = 0.3 / 2 + allreduce / 2
+    cut = 2 * 100_000_000 / 1e9  # activations and gradients over one lane (the narrower side)
+    assert cm.bottleneck_s(plan) == pytest.approx(max(stage0, 0.2, cut))
+    assert cm.bottleneck_s(plan) == pytest.approx(0.35)
+
+
+def _value(graph, cluster, plan, options):
+    return Scorer(graph, cluster, options).value(plan)
+
+
+def _brute(graph, cluster, options):
+    scorer = Scorer(graph, cluster, options)
+    return min(scorer.value(p) for p in all_plans(graph, cluster, options))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_and_dp_find_the_brute_force_steady_state(seed):
+    rng = np.random.default_rng(100 + seed)
+    graph, cluster = random_problem(rng, max_nodes=5, max_devices=3)
+    options = PlanOptions(objective="throughput")
+    best = _brute(graph, cluster, options)
+    if not math.isfinite(best):
+        pytest.skip("nothing fits")
+    exact = make_plan(graph, cluster, "exact", options)
+    assert _value(graph, cluster, exact, options) == pytest.approx(best, rel=1e-12)
+    dp = make_plan(graph, cluster, "dp", options)
+    assert _value(graph, cluster, dp, options) == pytest.approx(best, rel=1e-9)
+
+
+# ---- max replicas -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_exact_with_max_replicas_is_the_brute_force_optimum(cap):
+    rng = np.random.default_rng(5)
+    graph, cluster = random_problem(rng, max_nodes=4, max_devices=4)
+    options = PlanOptions(max_replicas=cap)
+    plan = make_plan(graph, cluster, "exact", options)
+    assert max(len(s.devices) for s in plan.stages) <= cap
+    scorer = Scorer(graph, cluster, options)
+    allowed = [scorer.value(p) for p in all_plans(graph, cluster, options) if options.allows(p)]
+    assert scorer.value(plan) == pytest.approx(min(allowed), rel=1e-12)
+
+
+@pytest.mark.parametrize("planner", ["dp", "data-parallel", "local-search", "heterps"])
+def test_planners_keep_within_max_replicas(planner):
+    graph = Graph("chain", tuple(Node(f"n{i}", "Linear", {V: 0.02}, {V: 0.04}, param_bytes=2**20)
+                                 for i in range(6)),
+                  tuple(Edge(f"n{i}", f"n{i + 1}", 2**10) for i in range(5)), 16, V)
+    cluster = cluster_from_spec({"devices": [{"id": f"d{i}", "type": V, "host": "h"} for i in range(4)]}, "four")
+    free = make_plan(graph, cluster, planner, PlanOptions(max_iters=20, seed=0))
+    assert max(len(s.devices) for s in free.stages) > 1  # replicating pays here
+    for cap in (1, 2):
+        plan = make_plan(graph, cluster, planner, PlanOptions(max_iters=20, seed=0, max_replicas=cap))
+        assert max(len(s.devices) for s in plan.stages) <= cap
+
+
+def test_max_replicas_must_be_a_whole_number():
+    with pytest.raises(HetplanError, match="--max-replicas: 0 must be a whole number >= 1"):
+        PlanOptions(max_replicas=0)
+
+
+def test_single_device_chain_count_matches_permutations():
+    # 3 classes of 2 devices, n = 3 single devices: 3^3 sequences minus those using a class 3 times
+    assert count_single_devices((2, 2, 2), 3) == 27 - 3
+    assert count_single_devices((1,) * 5, 3) == math.perm(5, 3)
+    assert count_single_devices((2, 2, 2), 3) == sum(
+        1 for seq in itertools.product(range(3), repeat=3) if max(seq.count(c) for c in range(3)) <= 2)
+
+
+def test_cli_throughput_straight_pipeline(cli, profiles, tmp_path):
+    graph = tmp_path / "vgg16.json"
+    assert cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", graph, "--input-time", "zero").code == 0
+    plan_file = tmp_path / "plan.json"
+    res = cli("plan", graph, "--cluster", "v100x4", "--objective", "throughput", "--max-replicas", "1",
+              "-o", plan_file)
+    assert res.code == 0, res.err
+    plan = json.loads(plan_file.read_text())
+    assert plan["objective"] == "throughput" and all(len(s["devices"]) == 1 for s in plan["stages"])
+    bad = cli("plan", graph, "--cluster", "v100x4", "--max-replicas", "0")
+    assert bad.code == 2 and bad.err.strip().count("\n") == 0 and "--max-replicas" in bad.err
