@@ -35,8 +35,10 @@ def render(comparison, width: int) -> str:
 
 
 def row_of(text: str, planner: str) -> str:
-    """The table line of `planner`: its name first, after the border and the best-row marker."""
-    rows = [line for line in text.splitlines() if re.match(rf"[\s│┃]*\*?\s*{re.escape(planner)}\s", line)]
+    """The table line of `planner`: its name first, after the border or indent and the best-row
+    marker (a wrapped note under the table starts at the margin: "dp or local-search ...")."""
+    rows = [line for line in text.splitlines()
+            if re.match(rf"(?:[\s│┃]+\*?|\*)\s*{re.escape(planner)}\s", line)]
     assert len(rows) == 1, (planner, rows, text)
     return rows[0]
 

@@ -154,3 +154,31 @@ def test_cli_throughput_straight_pipeline(cli, profiles, tmp_path):
     assert plan["objective"] == "throughput" and all(len(s["devices"]) == 1 for s in plan["stages"])
     bad = cli("plan", graph, "--cluster", "v100x4", "--max-replicas", "0")
     assert bad.code == 2 and bad.err.strip().count("\n") == 0 and "--max-replicas" in bad.err
+
+
+# ---- the MILP ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_milp_is_the_brute_force_optimum(seed):
+    """Bisection with HiGHS's feasibility programs: its lower bound never passes the brute-force
+    optimum, and when it says optimal, its plan is the optimum."""
+    rng = np.random.default_rng(200 + seed)
+    graph, cluster = random_problem(rng, max_nodes=5, max_devices=4)
+    options = PlanOptions(objective="throughput")
+    best = _brute(graph, cluster, options)
+    if not math.isfinite(best):
+        pytest.skip("nothing fits")
+    plan = make_plan(graph, cluster, "milp", options)
+    cert = plan.meta["milp"]
+    assert cert["lower_bound_s"] <= best * (1 + 1e-9)
+    assert _value(graph, cluster, plan, options) >= best * (1 - 1e-12)
+    if cert["optimal"]:
+        assert _value(graph, cluster, plan, options) == pytest.approx(best, rel=1e-9)
+
+
+def test_milp_refuses_other_objectives():
+    rng = np.random.default_rng(1)
+    graph, cluster = random_problem(rng, max_nodes=4, max_devices=2)
+    with pytest.raises(HetplanError, match="milp: solves the throughput objective only"):
+        make_plan(graph, cluster, "milp", PlanOptions())

@@ -148,7 +148,8 @@ def _add_compare(sub: Subparsers, common: argparse.ArgumentParser, planning: arg
     p = sub.add_parser("compare", parents=[common, planning], help="run several planners on one problem, side by side")
     p.add_argument("--planners", metavar="A,B,...",
                    help=f"planners to run, of: {', '.join(PLANNERS)} (default: all but the RL planners "
-                        f"{', '.join(RL_PLANNERS)}, which take their budget each)")
+                        f"{', '.join(RL_PLANNERS)}, which take their budget each, and milp unless "
+                        "--objective throughput)")
     p.set_defaults(func=cmd_compare)
 
 

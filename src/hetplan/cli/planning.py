@@ -57,7 +57,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _note_estimates(args, graph, cluster)
     options = _options(args)
     names = ([n.strip() for n in args.planners.split(",") if n.strip()] if args.planners
-             else [n for n in PLANNERS if n not in RL_PLANNERS])
+             else [n for n in PLANNERS if n not in RL_PLANNERS and (n != "milp" or args.objective == "throughput")])
     for name in names:
         get_planner(name)
     bar = _progress_bar()

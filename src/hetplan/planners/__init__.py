@@ -59,6 +59,12 @@ def _exact(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
     return exact(graph, cluster, options)
 
 
+def _milp(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
+    from hetplan.planners.milp import milp
+
+    return milp(graph, cluster, options)
+
+
 PLANNERS: MappingProxyType[str, PlannerSpec] = MappingProxyType({
     spec.name: spec
     for spec in (
@@ -73,6 +79,8 @@ PLANNERS: MappingProxyType[str, PlannerSpec] = MappingProxyType({
                     baselines.balanced_time),
         PlannerSpec("dp", "antichain dynamic program over stages, devices, replicas and micro-batches", _dp),
         PlannerSpec("exact", "every valid plan of a small problem, by branch and bound on the simulator", _exact),
+        PlannerSpec("milp", "objective throughput: the certified optimum (or a bound) of a mixed-integer program, "
+                    "HiGHS", _milp),
         PlannerSpec("local-search", "simulated annealing from dp's plan, every move scored by the simulator",
                     _local_search, reports_progress=True),
         PlannerSpec("reinforce", "Hierarchical placer / TAPP: grouper + seq2seq placer trained with REINFORCE",
