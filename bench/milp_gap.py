@@ -13,10 +13,11 @@ MILP closed the gap (optimal), its programs and time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
+
+from results_file import write_results
 
 from hetplan.io.clusters import cluster_from_spec
 from hetplan.io.pipedream import import_pipedream
@@ -72,10 +73,7 @@ def main() -> None:
     summary = {"runs": len(rows), "optimal": sum(r["optimal"] for r in rows),
                "max_dp_gap": max(r["dp_gap"] for r in rows), "max_milp_s": max(r["milp_s"] for r in rows),
                "cpus": os.cpu_count()}
-    print(json.dumps(summary))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {args.output}")
+    write_results(args.output, summary, rows)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ the two tools would not plan the same graph.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -39,6 +38,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from results_file import write_results
 
 from hetplan.cluster import AllreduceCurve, Calibration
 from hetplan.cost import CostModel
@@ -152,10 +153,7 @@ def main() -> None:
     summary = {"runs": len(rows), "dp_never_worse": all(x <= 1 + 1e-9 for x in ratios),
                "median_ratio": statistics.median(ratios), "max_ratio": max(ratios),
                "max_check": max(abs(r["check"]) for r in rows), "cpus": os.cpu_count()}
-    print(json.dumps(summary))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {args.output}")
+    write_results(args.output, summary, rows)
 
 
 if __name__ == "__main__":

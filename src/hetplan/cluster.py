@@ -23,8 +23,8 @@ most `MAX_DEVICES` (1024) devices, counts included.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from hetplan._frozen import FrozenMap
@@ -231,6 +231,13 @@ class Cluster:
             if pair in pairs:
                 raise ClusterError(f"cluster {self.name!r}: two links for {link.between[0]}-{link.between[1]}")
             pairs.add(pair)
+
+    def subset(self, device_ids: Sequence[str], name: str | None = None) -> Cluster:
+        """The cluster of some of its devices (in its own order), with their links and calibration."""
+        keep = set(device_ids)
+        return replace(self, name=name or f"{self.name}[{len(keep)}]",
+                       devices=tuple(d for d in self.devices if d.id in keep),
+                       links=tuple(lk for lk in self.links if set(lk.between) <= keep))
 
     @cached_property
     def by_id(self) -> Mapping[str, Device]:

@@ -56,7 +56,7 @@ from scipy.optimize import milp as highs_milp
 from scipy.sparse import coo_array
 
 from hetplan.cluster import Cluster
-from hetplan.cost.formulas import steady_stage_s, weight_bytes
+from hetplan.cost.formulas import steady_cut_s, steady_stage_s, weight_bytes
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
@@ -184,7 +184,7 @@ class _Program:
             fits = weight_bytes(weights) <= min(cost.cluster.device(d).mem_bytes for d in group.devices)
             r = len(group.devices)
             others = total - r
-            floor = np.maximum(steady, 2 * touch / (fast_Bps * r))
+            floor = np.maximum(steady, steady_cut_s(touch, fast_Bps, r))
             floor = np.maximum(floor, np.where(rest <= 0, 0.0, rest / others if others else np.inf))
             keep = fits & (floor <= upper_s * (1 + 1e-9))
             cols.append((i_arr[keep], j_arr[keep], np.full(int(keep.sum()), g), steady[keep], floor[keep]))
@@ -207,7 +207,7 @@ class _Program:
                     for b in np.unique(keys[leave]):
                         bw = self._bandwidth(int(a), int(b))
                         for r in np.unique(np.r_[sizes[into & (keys == a)], sizes[leave & (keys == b)]]):
-                            out.append((k, int(a), int(b), int(r), 2.0 * nbytes / (bw * r)))
+                            out.append((k, int(a), int(b), int(r), steady_cut_s(nbytes, bw, r)))
         return out
 
     def feasibility(self, limit_s: float, cuts: list) -> tuple[np.ndarray, LinearConstraint, np.ndarray]:
