@@ -254,7 +254,6 @@ class _Program:
         cost = np.r_[self.steady[used], np.zeros(variables - n)]
         return cost, rows.constraint(variables), used
 
-
     def _bandwidth(self, a: int, b: int) -> float:
         """The slowest link from a group of classes `a` (bits) to one of classes `b`, as
         `CostModel.slowest_Bps` sees the two stages' devices (within one class: two of its devices)."""

@@ -128,6 +128,9 @@ def show_estimate(console: Console, est: Estimate) -> None:
     console.print(f"  step {fmt_seconds(est.step_s)}, {est.samples_per_s:,.1f} samples/s, "
                   f"bubble {est.bubble_fraction:.0%}, ${est.usd_per_step:.3g} per step "
                   f"(${est.usd_per_1k_samples:.3g} per 1,000 samples)")
+    if est.bottleneck_s > 0:
+        console.print(f"  steady state (PipeDream's measure, never flushing): {fmt_seconds(est.bottleneck_s)} per "
+                      "batch at its slowest stage or cut")
     peak = est.peak_link
     if peak is not None and peak[1] > 0:
         busy = est.link_busy_s.get(peak[0], 0.0)
