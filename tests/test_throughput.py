@@ -227,3 +227,5 @@ def test_dp_is_never_worse_than_the_baselines(profiles):
     plan = make_plan(graph, cluster, "dp", options)
     assert scorer.value(plan) <= min(scorer.value(p) for p in baseline_plans(graph, cluster, options)) * (1 + 1e-12)
     assert scorer.value(plan) == pytest.approx(0.10022, rel=1e-3)
+    fixed = make_plan(graph, cluster, "dp", PlanOptions(microbatches=4))
+    assert fixed.microbatches == 4  # the baselines compete with the user's micro-batches, not their own

@@ -61,7 +61,9 @@ steps, then the best of the orders already done, with 5% slack because the model
 Big clusters: past 8 devices a stage takes at most 4 replicas, and past 16 the program keeps
 64 cut states. So that more devices never give a worse plan, dp also plans on the first 1, 2,
 4, ... hosts of a cluster of more than 8 devices, up to 16 devices (`host_prefixes`), and the
-candidates of every run compete in the end.
+candidates of every run compete in the end, with the baselines' plans (one device, data
+parallelism, time-balanced stages, with the user's micro-batches), which dp simulates anyway
+for its first bound: so it never returns a plan worse than theirs.
 
 Finally the best 256 (label, m) pairs by T(m) (or price, for `cost`) over all orders are turned
 into plans and re-ranked by the fast path (`hetplan.sim.fast`, the schedule's exact recurrence
@@ -93,7 +95,7 @@ from hetplan.cost.formulas import (
 )
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.graph import Graph
-from hetplan.plan import Plan, Stage
+from hetplan.plan import Plan, Stage, plan_problems
 from hetplan.planners import baselines
 from hetplan.planners.devices import device_orders
 from hetplan.planners.kit import microbatch_choices
@@ -370,14 +372,16 @@ def _plan(prob: StateSums, order: tuple[str, ...], lab: Label, m: int, options: 
 
 
 def baseline_plans(graph: Graph, cluster: Cluster, options: PlanOptions) -> list[Plan]:
-    """The plans of the baselines dp bounds itself with (and competes with at the end): one
-    device, data parallelism, torchgpipe's time-balanced split."""
+    """The valid plans of the baselines dp bounds itself with and competes with at the end (one
+    device, data parallelism, torchgpipe's time-balanced split), with the user's micro-batches."""
     plans = []
     for make in (baselines.single, baselines.data_parallel, baselines.balanced_time):
         try:
-            plans.append(make(graph, cluster, replace(options, microbatches=None)))
+            plan = make(graph, cluster, options)
         except HetplanError:
             continue
+        if not plan_problems(plan, graph, cluster):
+            plans.append(plan)
     return plans
 
 
@@ -389,7 +393,7 @@ def _baseline_bound_s(graph: Graph, cluster: Cluster, options: PlanOptions, scor
         return graph.batch_size / options.min_samples_per_s
     bound = math.inf
     if options.objective in ("time", "throughput"):
-        for plan in baseline_plans(graph, cluster, options):
+        for plan in baseline_plans(graph, cluster, replace(options, microbatches=None)):
             est = scorer.estimate(plan)
             if est.feasible and options.allows(plan):
                 # the steady state is the program's exact model; the step is not (slack)
