@@ -437,14 +437,14 @@ def _pool(prob: StateSums, scorer: Scorer, orders: list[tuple[str, ...]], choice
     return pool
 
 
-def _rerank(graph: Graph, cluster: Cluster, plans: list[Plan], options: PlanOptions, top_k: int) -> list[Plan]:
+def _rerank(graph: Graph, cluster: Cluster, plans: list[Plan], options: PlanOptions, top_k: int,
+            cost: CostModel) -> list[Plan]:
     """The top_k of the plans by the fast path (the exact recurrence of the schedule, with
     latencies and uneven micro-batches), by step or, for cost, by price above the floor."""
     if len(plans) <= top_k:
         return plans
     fast = fast_step_s(graph, cluster, plans)
     if options.objective == "throughput":  # the steady state first (the program's, exact), then the step
-        cost = CostModel(graph, cluster)
         steady = np.array([cost.bottleneck_s(p) for p in plans])
         keep = np.lexsort((fast, steady))[:top_k]
         return [plans[int(k)] for k in keep]
@@ -476,7 +476,7 @@ def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: 
             plans.append(plan)
             if len(plans) >= POOL:
                 break
-    plans = _rerank(graph, cluster, plans, options, top_k)
+    plans = _rerank(graph, cluster, plans, options, top_k, scorer.cost)
     meta = {"states": len(prob.states), "states_used": len(prob.ideals), "all_cuts": prob.states.complete,
             "device_orders": len(orders), "candidates": len(plans)}
     return plans, meta

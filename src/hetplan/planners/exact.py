@@ -34,7 +34,7 @@ from hetplan.planners.devices import device_classes
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.scoring import Scorer
-from hetplan.planners.states import cut_states
+from hetplan.planners.states import cut_states, subset_matrix
 
 LIMIT = 200_000
 
@@ -104,14 +104,6 @@ def refusal(graph: Graph, what: str, limit: int) -> InfeasibleError:
                            f"or make the problem smaller (fewer devices; {fewer})")
 
 
-def _below(mat: np.ndarray) -> np.ndarray:
-    """below[i, j]: state i is a proper subset of state j (states sorted by size)."""
-    inside = mat.astype(np.float32)
-    outside_j = (~mat).astype(np.float32)
-    subset = (inside @ outside_j.T) == 0  # no node of i outside j
-    return np.triu(subset, k=1)
-
-
 class _Space:
     """Every plan exact may return: chains of cut states, groups of device classes per stage,
     and a number of micro-batches; counted before anything is enumerated, and refused as soon
@@ -137,7 +129,7 @@ class _Space:
             raise refusal(graph, f"graph {graph.name!r} has more than 4,096 cut states", limit)
         self.s = s = len(states.ideals)
         mat = states.matrix()
-        below = _below(mat)
+        below = subset_matrix(mat)
         self.chains = self._count_chains(graph, below, limit, ways)
         self.total = len(self.choices) * sum(self.chains[n][0] * ways[n] for n in range(1, self.max_n + 1))
         if self.total > limit:

@@ -67,6 +67,7 @@ from hetplan.planners.scoring import Scorer
 from hetplan.planners.states import StateSums
 
 MAX_OPTIONS = 2_000_000  # stage options past which the program is refused (memory, solve time)
+MAX_STATES = 4096  # cut states past which the program is refused (the states' subset matrix is quadratic)
 MAX_GROUPS = 4096  # multisets of device classes per stage past which a stage takes one class only
 DEFAULT_BUDGET_S = 60.0
 
@@ -144,9 +145,10 @@ class _Program:
     """The stage options and the constraint matrix of one problem."""
 
     def __init__(self, graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer, upper_s: float):
-        self.prob = prob = StateSums(graph, scorer.cost, max_states=10**9)
-        if not prob.states.complete:
-            raise InfeasibleError(f"milp: graph {graph.name!r} has too many cut states to list them all; use dp")
+        self.prob = prob = StateSums(graph, scorer.cost, max_states=MAX_STATES)
+        if not prob.states.complete or len(prob.ideals) < len(prob.states):
+            raise InfeasibleError(f"milp: graph {graph.name!r} has more than {MAX_STATES:,} cut states, too many "
+                                  "to list them all; use dp")
         self.classes = device_classes(cluster)
         self.uniform = _uniform_links(cluster)
         cap = options.max_replicas or len(cluster.devices)
