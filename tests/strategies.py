@@ -124,3 +124,14 @@ MIXED = cluster_from_spec({
     "network": {"intra_host": {"bandwidth": "50GB/s", "latency": "5us"},
                 "inter_host": {"bandwidth": "10Gbit/s", "latency": "30us"}},
 }, "mixed")
+
+
+def one_stream_per_host_interface(cluster, devices) -> bool:
+    """Whether, in a chain on these devices, every host's network interface carries the tensors
+    of one pair of devices at most (then every interface's order is fixed)."""
+    seen: dict = {}
+    for a, b in zip(devices, devices[1:], strict=False):
+        for src, dst in ((a, b), (b, a)):
+            for port in cluster.interfaces(src, dst)[2:]:
+                seen.setdefault(port, set()).add((src, dst))
+    return all(len(pairs) <= 1 for pairs in seen.values())

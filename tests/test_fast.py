@@ -1,9 +1,9 @@
-"""The numpy fast path against the event simulator: exact on chains of single-device stages,
-the same ranking on any plans."""
+"""The numpy fast path against the event simulator: exact on chains of single-device stages
+where no host's network interface carries two streams, the same ranking on any plans."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
@@ -14,7 +14,7 @@ from hetplan.planners.randomized import random_plan
 from hetplan.sim import simulate
 from hetplan.sim.fast import ChainProgram, ChainScorer, fast_step_s
 from strategies import MIXED as CLUSTER
-from strategies import chain, graphs, one_per_stage
+from strategies import chain, graphs, one_per_stage, one_stream_per_host_interface
 
 
 @st.composite
@@ -30,12 +30,14 @@ def chain_plans(draw):
     return graph, Plan(stages, m, draw(st.sampled_from(["gpipe", "1f1b"])), "random")
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(chain_plans())
 def test_fast_path_equals_the_event_simulator_on_chains(case):
-    """Every resource's order is fixed, so the recurrence is the event simulation exactly
+    """Every resource's order is fixed (a device sends in the order its actions make tensors and
+    receives in the order they use them), so the recurrence is the event simulation exactly
     (tensors that skip stages relayed, uneven micro-batches, latencies, zero-byte edges)."""
     graph, plan = case
+    assume(one_stream_per_host_interface(CLUSTER, [s.devices[0] for s in plan.stages]))
     event = simulate(graph, CLUSTER, plan, routing="relay", timeline=False).estimate.step_s
     assert fast_step_s(graph, CLUSTER, [plan])[0] == pytest.approx(event, rel=1e-9, abs=1e-12)
 
@@ -61,12 +63,16 @@ def test_chain_scorer_matches_the_event_simulator(profiles, name):
     graph, cluster = profile(profiles, name), load_cluster("cloud-mix")
     scorer = ChainScorer(graph, cluster)
     rng = np.random.default_rng(1)
+    checked = 0
     for n, m, schedule in [(1, 1, "gpipe"), (3, 8, "1f1b"), (6, 12, "gpipe"), (8, 16, "1f1b")]:
         cuts = np.array([np.sort(rng.choice(np.arange(1, len(scorer.order)), n - 1, replace=False))
                          for _ in range(20)])
         devices = np.array([rng.permutation(len(cluster.ids))[:n] for _ in range(20)])
         scores = scorer.score(cuts, devices, m, schedule)
         for k in range(20):
+            if not one_stream_per_host_interface(cluster, [cluster.ids[d] for d in devices[k]]):
+                continue  # a host interface shared by two streams: served as issued (ranked, not exact)
+            checked += 1
             bounds = [0, *cuts[k], len(scorer.order)]
             plan = Plan(tuple(Stage(scorer.order[bounds[i]:bounds[i + 1]], (cluster.ids[devices[k, i]],))
                               for i in range(n)), m, schedule, "test")
@@ -76,6 +82,7 @@ def test_chain_scorer_matches_the_event_simulator(profiles, name):
             peaks = [est.peak_mem_bytes[cluster.ids[d]] for d in devices[k]]
             assert scores.peak_mem_bytes[k] == pytest.approx(peaks, rel=1e-9, abs=1)
             assert bool(scores.feasible[k]) == est.feasible
+    assert checked >= 25  # of 80: one stage, or few enough hosts crossed
 
 
 @pytest.mark.parametrize("name,cluster_name", [("resnet50", "cloud-mix"), ("gnmt", "hetero-4"),

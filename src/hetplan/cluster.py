@@ -12,10 +12,20 @@ A cluster is written by hand in YAML (or JSON) with human units:
     network:
       intra_host: {bandwidth: 150GB/s, latency: 5us}
       inter_host: {bandwidth: 10Gbit/s, latency: 50us}
+      host_nic: {n1: 25Gbit/s}                 # optional: a host's network interface
       links: [{between: [a0, t0], bandwidth: 32GB/s}]
 
 Two devices on the same host talk over `intra_host`, on different hosts over `inter_host`,
-unless a `links` entry names the pair (both directions). Built-in presets (`v100x4`,
+unless a `links` entry names the pair (both directions).
+
+Interfaces (`Cluster.interfaces`): every device sends through its own interface and receives
+through another (PCIe or NVLink: full duplex), and traffic between hosts also leaves through the
+sending host's network interface and enters through the receiving host's (`host_nic`; a host not
+named there has one of `inter_host`'s bandwidth, and a transfer between hosts goes no faster than
+either end's interface). Transfers that share an interface take turns on it
+(`hetplan.sim.engine`): one sender feeding two replicas, or two devices of a host sending to
+another host, take twice as long as one transfer. A `links` entry is a dedicated link (NVLink
+between two GPUs): it uses the two devices' interfaces, not the hosts'. Built-in presets (`v100x4`,
 `hetero-4`, `cloud-mix`, `local`, ...) can be used wherever a cluster file can. A cluster has at
 most `MAX_DEVICES` (1024) devices, counts included.
 """
@@ -24,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from hetplan._frozen import FrozenMap
@@ -197,9 +207,11 @@ class Cluster:
     inter_host: Link
     links: tuple[LinkOverride, ...] = ()
     calibration: Calibration | None = None  # None: nothing measured on the machine (`hetplan calibrate`)
+    host_nic_Bps: Mapping[str, float] = field(default_factory=dict)  # host -> its network interface
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "host_nic_Bps", FrozenMap({str(h): float(v) for h, v in self.host_nic_Bps.items()}))
         object.__setattr__(self, "links", tuple(self.links))
         object.__setattr__(self, "types", FrozenMap(self.types))
         if not self.devices:
@@ -231,13 +243,24 @@ class Cluster:
             if pair in pairs:
                 raise ClusterError(f"cluster {self.name!r}: two links for {link.between[0]}-{link.between[1]}")
             pairs.add(pair)
+        self._check_nics()
+
+    def _check_nics(self) -> None:
+        for host, bandwidth in self.host_nic_Bps.items():
+            if host not in self.hosts:
+                raise ClusterError(f"cluster {self.name!r}: host_nic names host {host!r}, which has no device "
+                                   f"(hosts: {listing(self.hosts)})")
+            if not (is_finite(bandwidth) and bandwidth > 0):
+                raise ClusterError(f"cluster {self.name!r}: host_nic of {host!r} is {bandwidth!r}; it must be > 0")
 
     def subset(self, device_ids: Sequence[str], name: str | None = None) -> Cluster:
         """The cluster of some of its devices (in its own order), with their links and calibration."""
         keep = set(device_ids)
-        return replace(self, name=name or f"{self.name}[{len(keep)}]",
-                       devices=tuple(d for d in self.devices if d.id in keep),
-                       links=tuple(lk for lk in self.links if set(lk.between) <= keep))
+        devices = tuple(d for d in self.devices if d.id in keep)
+        hosts = {d.host for d in devices}
+        return replace(self, name=name or f"{self.name}[{len(keep)}]", devices=devices,
+                       links=tuple(lk for lk in self.links if set(lk.between) <= keep),
+                       host_nic_Bps={h: v for h, v in self.host_nic_Bps.items() if h in hosts})
 
     @cached_property
     def by_id(self) -> Mapping[str, Device]:
@@ -266,15 +289,52 @@ class Cluster:
     def device_type(self, device_id: str) -> DeviceType:
         return self.types[self.device(device_id).type]
 
+    def nic_Bps(self, host: str) -> float:
+        """The bandwidth of a host's network interface (`host_nic`, else `inter_host`'s)."""
+        return self.host_nic_Bps.get(host, self.inter_host.bandwidth_Bps)
+
+    @cached_property
+    def _between_hosts(self) -> Mapping[tuple[str, str], Link]:
+        """The link between two hosts: `inter_host`, no faster than either host's interface."""
+        if not self.host_nic_Bps:
+            return FrozenMap({})
+        return FrozenMap({(a, b): Link(min(self.inter_host.bandwidth_Bps, self.nic_Bps(a), self.nic_Bps(b)),
+                                       self.inter_host.latency_s) for a in self.hosts for b in self.hosts if a != b})
+
     def link(self, a: str, b: str) -> Link:
-        """The link from device `a` to device `b` (links are symmetric)."""
+        """The link from device `a` to device `b` (links are symmetric), for one transfer alone
+        on it (what sharing the interfaces costs: `interfaces`)."""
         if a == b:
             self.device(a)
             return LOCAL_LINK
         override = self._overrides.get(frozenset((a, b)))
         if override is not None:
             return override
-        return self.intra_host if self.device(a).host == self.device(b).host else self.inter_host
+        ha, hb = self.device(a).host, self.device(b).host
+        if ha == hb:
+            return self.intra_host
+        return self._between_hosts.get((ha, hb), self.inter_host)
+
+    def crosses_hosts(self, a: str, b: str) -> bool:
+        """Whether a transfer from `a` to `b` goes through the two hosts' network interfaces."""
+        return a != b and self.device(a).host != self.device(b).host and frozenset((a, b)) not in self._overrides
+
+    def interface_Bps(self, interface: tuple[str, str]) -> float:
+        """An interface's bandwidth: a device's (either way) is `intra_host`'s, a host's `nic_Bps`."""
+        kind, name = interface
+        return self.intra_host.bandwidth_Bps if kind in ("send", "receive") else self.nic_Bps(name)
+
+    def interfaces(self, a: str, b: str) -> tuple[tuple[str, str], ...]:
+        """The interfaces a transfer from device `a` to device `b` occupies: `a`'s sending side
+        and `b`'s receiving side, and between hosts (no `links` entry) the two hosts' network
+        interfaces, each way on its own (full duplex): ("send", device), ("receive", device),
+        ("host sends", host), ("host receives", host)."""
+        if a == b:
+            return ()
+        ports = (("send", a), ("receive", b))
+        if self.crosses_hosts(a, b):
+            ports += (("host sends", self.device(a).host), ("host receives", self.device(b).host))
+        return ports
 
 
 # ---- loading ---------------------------------------------------------------------------------

@@ -265,18 +265,38 @@ class CostModel:
         """The slowest link's bandwidth from any of `senders` to any of `receivers`."""
         return min(self.cluster.link(a, b).bandwidth_Bps for a in senders for b in receivers)
 
+    def nic_cap_Bps(self, senders: Sequence[str], receivers: Sequence[str]) -> float:
+        """What the hosts' network interfaces carry at once from `senders` to `receivers`: the
+        sending hosts' together, and the receiving hosts' together, of the pairs that cross
+        hosts (inf when none does)."""
+        cluster = self.cluster
+        cross = [(a, b) for a in senders for b in receivers if cluster.crosses_hosts(a, b)]
+        if not cross:
+            return math.inf
+        out_hosts = {cluster.device(a).host for a, _ in cross}
+        in_hosts = {cluster.device(b).host for _, b in cross}
+        return min(math.fsum(cluster.nic_Bps(h) for h in out_hosts), math.fsum(cluster.nic_Bps(h) for h in in_hosts))
+
+    def cut_Bps(self, senders: Sequence[str], receivers: Sequence[str]) -> float:
+        """The bandwidth of the cut from a stage on `senders` to one on `receivers`
+        (`formulas.shared_Bps`: min(k, k') transfers at once at the slowest link, within the
+        hosts' network interfaces), as the simulator's interfaces share it when every replica
+        sends at once."""
+        return formulas.shared_Bps(self.slowest_Bps(senders, receivers), min(len(senders), len(receivers)),
+                                   self.nic_cap_Bps(senders, receivers))
+
     def bottleneck_s(self, plan: Plan) -> float:
         """PipeDream's steady-state time per batch (the `throughput` objective): the slowest of
-        every stage (`formulas.steady_stage_s`) and every cut (`formulas.steady_cut_s`, at the
-        slowest link between the two stages' devices, whatever their order)."""
+        every stage (`formulas.steady_stage_s`) and every cut (`formulas.steady_cut_s` at
+        `cut_Bps`: the slowest link between the two stages' devices, whatever their order, over
+        the narrower side's interfaces, within the hosts' network interfaces)."""
         worst = 0.0
         for st in plan.stages:
             params = sum(self.graph.by_id[n].param_bytes for n in st.nodes)
             worst = max(worst, formulas.steady_stage_s(self.stage_compute_s(st.nodes, st.devices),
                                                        self.allreduce_s(params, st.devices), len(st.devices)))
         for k, (a, b) in enumerate(zip(plan.stages, plan.stages[1:], strict=False)):
-            worst = max(worst, formulas.steady_cut_s(self.cut_bytes(plan, k), self.slowest_Bps(a.devices, b.devices),
-                                                     min(len(a.devices), len(b.devices))))
+            worst = max(worst, formulas.steady_cut_s(self.cut_bytes(plan, k), self.cut_Bps(a.devices, b.devices)))
         return worst
 
     def usd_per_step(self, devices: Sequence[str], step_s: float) -> float:

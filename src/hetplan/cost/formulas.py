@@ -5,7 +5,9 @@ scoring all call these; no other module turns bytes into seconds or works out a 
 (a test over `src/` checks it). The array forms take numpy arrays of any broadcastable shape and
 agree with the scalar forms element by element (`tests/test_cost_formulas.py`).
 
-- Transfer (point to point): `latency + bytes / bandwidth`, nothing for no bytes.
+- Transfer (point to point): `latency + bytes / bandwidth`, nothing for no bytes. A cut between
+  replicated stages moves its bytes over min(k, k') transfers at once (each device has one
+  interface each way), within what the hosts' network interfaces carry (`shared_Bps`).
 - All-reduce (ring, Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
   workstations", 2009): 2 (r - 1) steps, each moving bytes / r over the ring's slowest link and
   paying its largest latency; nothing for one replica or no bytes.
@@ -165,7 +167,17 @@ def steady_stage_s(compute_s, allreduce_s, replicas):
     return compute_s + allreduce_s / replicas
 
 
-def steady_cut_s(nbytes, bandwidth_Bps, lanes):
+def steady_cut_s(nbytes, bandwidth_Bps, lanes=1):
     """A cut's time per batch in that steady state: activations forward and gradients back,
-    over as many parallel lanes as the narrower side has replicas (numbers or arrays)."""
+    at `bandwidth_Bps` (a cut's, `shared_Bps`), or over `lanes` parallel links of that bandwidth
+    (numbers or arrays)."""
     return 2.0 * wire_s(nbytes, bandwidth_Bps * lanes)
+
+
+def shared_Bps(link_Bps, lanes, cap_Bps=math.inf):
+    """The bandwidth of a cut between two stages: as many transfers at once as the narrower side
+    has replicas (each device sends and receives through one interface), each at the slowest
+    link's bandwidth, and no more than the hosts' network interfaces it crosses carry together
+    (`cap_Bps`) (numbers or arrays)."""
+    return np.minimum(np.asarray(link_Bps, dtype=float) * lanes, cap_Bps) if np.ndim(link_Bps) or np.ndim(lanes) \
+        else min(link_Bps * lanes, cap_Bps)

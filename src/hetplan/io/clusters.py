@@ -41,7 +41,7 @@ _DEVICE_KEYS = {"id", "type", "host", "threads", "memory", "usd_per_hour", "bind
                 "step_overhead"}
 _TYPE_KEYS = {"base", "kind", "peak_flops", "peak_flops_fp16", "memory", "memory_bandwidth",
               "usd_per_hour", "threads", "description"}
-_NETWORK_KEYS = {"intra_host", "inter_host", "links"}
+_NETWORK_KEYS = {"intra_host", "inter_host", "host_nic", "links"}
 _LINK_KEYS = {"bandwidth", "latency"}
 
 
@@ -241,6 +241,22 @@ def _parse_overrides(links_spec: object, hosts: Mapping[str, str], intra: Link, 
     return overrides
 
 
+def _parse_nics(spec: object, hosts: set[str], source: str) -> dict[str, float]:
+    """`network.host_nic`: host -> the bandwidth of its network interface."""
+    where = f"{source}: network.host_nic"
+    if not isinstance(spec, Mapping):
+        raise ClusterError(f"{where}: expected a mapping of host: bandwidth, e.g. {{n0: 25Gbit/s}}")
+    out = {}
+    for host, value in spec.items():
+        name = _text(host, where)
+        if name not in hosts:
+            raise ClusterError(f"{where}: no device is on host {name!r} (hosts: {listing(sorted(hosts))})")
+        out[name] = _unit(parse_bandwidth, value, f"{where}.{name}")
+        if not out[name] > 0:
+            raise ClusterError(f"{where}.{name}: must be > 0")
+    return out
+
+
 def cluster_from_spec(spec: object, source: str = "<cluster>") -> Cluster:
     """Build a `Cluster` from a parsed YAML/JSON description (see the module docstring)."""
     spec = _check_keys(spec, _TOP_KEYS, source, ("devices",))
@@ -256,8 +272,9 @@ def cluster_from_spec(spec: object, source: str = "<cluster>") -> Cluster:
     inter = _parse_link(net.get("inter_host", DEFAULT_INTER_HOST), f"{source}: network.inter_host", None)
     hosts = {dev.id: dev.host for dev in devices}
     overrides = _parse_overrides(net.get("links") or [], hosts, intra, inter, source)
+    nics = _parse_nics(net.get("host_nic") or {}, set(hosts.values()), source)
     try:
-        return Cluster(name, tuple(devices), used, intra, inter, tuple(overrides))
+        return Cluster(name, tuple(devices), used, intra, inter, tuple(overrides), host_nic_Bps=nics)
     except ClusterError as exc:
         raise ClusterError(f"{source}: {exc}") from None
 

@@ -14,9 +14,10 @@ set S_k minus S_(k-1). We extend both papers:
   of every micro-batch is proportional to its speed) and devices left at the end stay unused.
   Every assignment of disjoint device groups to stages is such a run of some order, so on small
   clusters, where all orders are tried, the search over devices is complete.
-- Communication: the bytes crossing each cut, sent forward and (as gradients) back over the link
-  between the two stages' devices, always counted; split over max(k, k') parallel links when
-  either side is replicated.
+- Communication: the bytes crossing each cut, sent forward and (as gradients) back, always
+  counted, at the cut's bandwidth (`CostModel.cut_Bps`: min(k, k') transfers at once, as each
+  device sends and receives through one interface, at the slowest link between the two stages,
+  within the hosts' network interfaces).
 - Memory: a stage whose replica would not fit under the schedule (4x its parameters plus its
   stashed activations: all micro-batches under GPipe, min(m, stages after it + 1) under 1F1B)
   is not allowed.
@@ -69,10 +70,11 @@ Finally the best 256 (label, m) pairs by T(m) (or price, for `cost`) over all or
 into plans and re-ranked by the fast path (`hetplan.sim.fast`, the schedule's exact recurrence
 for chains), the TOP_K best of those are re-scored by the event simulator, and the best by the
 user's objective is returned. Assumptions: compute time linear in the micro-batch size; the
-link between the two adjacent devices of two stages stands for all links between them;
-all-reduces do not overlap anything; tensors that skip stages are charged on every cut they
-cross (relayed, as the runtime sends them). The event simulator's re-scoring corrects these for
-the plans it sees, not for the ones the program discarded.
+latency between the two adjacent devices of two stages stands for all; a cut's transfers all
+run at once at its bandwidth (the simulator's interfaces also serialise what shares a sender,
+a receiver or a host's interface in time); all-reduces do not overlap anything; tensors that
+skip stages are charged on every cut they cross (relayed, as the runtime sends them). The event
+simulator's re-scoring corrects these for the plans it sees, not for the ones the program discarded.
 """
 
 from __future__ import annotations
@@ -180,10 +182,11 @@ class _Order:
         self._cut_Bps: dict[tuple[int, int, int], float] = {}
 
     def cut_Bps(self, d: int, e: int, k_next: int) -> float:
-        """The slowest link from the devices d .. e-1 of the order to the k_next after them."""
+        """The cut's bandwidth (`CostModel.cut_Bps`) from the devices d .. e-1 of the order to
+        the k_next after them."""
         key = (d, e, k_next)
         if key not in self._cut_Bps:
-            self._cut_Bps[key] = self.cost.slowest_Bps(self.order[d:e], self.order[e:e + k_next])
+            self._cut_Bps[key] = self.cost.cut_Bps(self.order[d:e], self.order[e:e + k_next])
         return self._cut_Bps[key]
 
     def ending_at(self, prob: StateSums, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -352,10 +355,11 @@ def _stages_into(front: _Front, labels: list[Label], prob: StateSums, setup: _Or
         for lab in labels:
             c_s = lt = steady_cut = 0.0
             if link is not None and cut_j > 0:
-                c_s = wire_s(cut_j, link.bandwidth_Bps * max(k, lab.k_first))  # over max(k, k') links
+                cut_Bps = setup.cut_Bps(d, e, lab.k_first)
+                c_s = wire_s(cut_j, cut_Bps)
                 lt = link.latency_s
                 if setup.track_thr:
-                    steady_cut = steady_cut_s(cut_j, setup.cut_Bps(d, e, lab.k_first), min(k, lab.k_first))
+                    steady_cut = steady_cut_s(cut_j, cut_Bps)
             out = _extend(lab, (i, j, d, k), ts, rt, ar, c_s, lt, r_i, setup, m_max, bounds,
                           max(float(steady[c_idx]), steady_cut))
             if out is not None:

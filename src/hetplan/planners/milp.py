@@ -11,8 +11,9 @@ answer certifies how far any plan of the space can be from the best.
 The space: each stage runs on a *group*, a multiset of device classes (`devices.device_classes`:
 devices alike, on one host) of at most `--max-replicas` devices, mixed types and hosts allowed as
 in dp; past MAX_GROUPS multisets, r devices of one class (PipeDream's replicas). A cut's link is
-the slowest between the classes the two groups use, so the cut conflicts below are written per
-pair of class sets (one pair when every link of the cluster is the same).
+the slowest between the classes the two groups use, and the hosts' network interfaces it crosses
+cap what it carries at once (`CostModel.cut_Bps`), so the cut conflicts below are written per
+pair of class sets (one pair when every link of the cluster is the same, on one host).
 
 The optimum is one of finitely many values: a stage option's time (s = (i, j, group): compute on
 the group plus its all-reduce shared by its r devices) or a cut term 2 bytes(S_k) / (bandwidth r).
@@ -27,7 +28,8 @@ Each step asks HiGHS (`scipy.optimize.milp`) whether some plan has every term at
 
 Here in_{k,a,r} is the sum of the options that end at k on r devices of class set a, and out_{k,b}
 the sum of those that start at k on class set b. The slower of the two sides is
-2 bytes / (bandwidth min(r, r')), as in `formulas.steady_cut_s`. A program proven infeasible
+2 bytes / (bandwidth min(r, r')), as in `formulas.steady_cut_s`; the hosts' interfaces add the
+term 2 bytes / cap(a, b), a conflict whatever the sizes. A program proven infeasible
 raises the lower bound. A plan found lowers the upper bound to its own exact bottleneck. At the
 time budget the answer is the best plan with its bound and gap; otherwise it is the optimum.
 (Minimising B directly, with B >= time_s x_s, gave HiGHS a weak relaxation: resnet50 on 8
@@ -136,6 +138,9 @@ class _Rows:
 
 
 def _uniform_links(cluster: Cluster) -> bool:
+    """Every link the same and one host (so no cut goes through a host's network interface)."""
+    if len(cluster.hosts) > 1:
+        return False
     ids = cluster.ids
     links = {(cluster.link(a, b).bandwidth_Bps, cluster.link(a, b).latency_s) for a in ids for b in ids if a != b}
     return len(links) <= 1
@@ -210,7 +215,20 @@ class _Program:
                         bw = self._bandwidth(int(a), int(b))
                         for r in np.unique(np.r_[sizes[into & (keys == a)], sizes[leave & (keys == b)]]):
                             out.append((k, int(a), int(b), int(r), steady_cut_s(nbytes, bw, r)))
+                        cap = self._nic_cap(int(a), int(b))
+                        if math.isfinite(cap):  # the hosts' interfaces, whatever the sizes (size 0: any)
+                            out.append((k, int(a), int(b), 0, steady_cut_s(nbytes, cap)))
         return out
+
+    def _nic_cap(self, a: int, b: int) -> float:
+        """`CostModel.nic_cap_Bps` between groups of classes `a` and `b` (bits): it depends on
+        their hosts only, so one device per class stands for the class."""
+        if self.uniform:
+            return math.inf
+        one = [members[:1] for members in self.classes]
+        senders = [d for c, m in enumerate(one) if a >> c & 1 for d in m]
+        receivers = [d for c, m in enumerate(one) if b >> c & 1 for d in m]
+        return self.cost.nic_cap_Bps(senders, receivers)
 
     def feasibility(self, limit_s: float, cuts: list) -> tuple[np.ndarray, LinearConstraint, np.ndarray]:
         """The program "a plan whose every stage and cut takes at most limit_s": the options

@@ -71,6 +71,7 @@ def cluster_summary(cluster: Cluster) -> dict[str, Any]:
         "usd_per_hour_total": sum(d.usd_per_hour for d in cluster.devices),
         "intra_host": {"bandwidth_Bps": cluster.intra_host.bandwidth_Bps, "latency_s": cluster.intra_host.latency_s},
         "inter_host": {"bandwidth_Bps": cluster.inter_host.bandwidth_Bps, "latency_s": cluster.inter_host.latency_s},
+        "host_nic_Bps": {h: cluster.nic_Bps(h) for h in cluster.hosts},
         "links": links,
         "calibration": plain(cluster.calibration),
     }

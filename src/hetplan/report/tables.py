@@ -64,6 +64,9 @@ def show_cluster(console: Console, cluster: Cluster) -> None:
                   f"{fmt_bandwidth(cluster.intra_host.bandwidth_Bps)}, "
                   f"{fmt_seconds(cluster.intra_host.latency_s)}; between hosts "
                   f"{fmt_bandwidth(cluster.inter_host.bandwidth_Bps)}, {fmt_seconds(cluster.inter_host.latency_s)}")
+    if len(cluster.hosts) > 1:
+        console.print("hosts' network interfaces: " + ", ".join(f"{h} {fmt_bandwidth(cluster.nic_Bps(h))}"
+                                                                  for h in cluster.hosts))
     cal = cluster.calibration
     console.print(f"calibrated: {cal.source}; all-reduce curves for "
                   f"{', '.join(str(c.replicas) for c in cal.allreduce) or 'no'} workers; CPU workers side by side: "

@@ -1,18 +1,12 @@
 """Event-driven simulation of one training step, after Trinity's simulator (Zeng et al.,
 "Trinity: Neural Network Adaptive Distributed Parallel Training Method Based on Reinforcement
-Learning", 2022): every device has a run queue of compute work and every directed link a
-first-in-first-out queue of tensors to send; a device runs one action at a time, a link carries
-one transfer at a time in each direction, and communication overlaps computation.
+Learning", 2022): every device has a run queue of compute work, a device runs one action at a
+time, and communication overlaps computation.
 
-The work of each stage replica is the schedule's action order (`hetplan.schedule`), run in
-that order as hetplan's runtime runs it (`hetplan.runtime.executor`): an action starts when the
-one before it on the same stage is done and its inputs (activations for a forward pass,
-gradients for a backward pass) have arrived. A device that holds several stages (plans with `shared_devices`) runs, of
-the actions at the heads of its stages' orders, the one whose inputs arrived first (ties: the
-lower stage). After its last backward pass, a replicated stage all-reduces its gradients
-(`CostModel.allreduce_s`: the ring formula, or the curve measured on a calibrated cluster), which
-uses the network, not the device's compute; then every replica takes its optimizer step
-(`CostModel.optimizer_s`: Adam, memory-bound, or as measured on the device).
+Transfers go through interfaces (`Cluster.interfaces`): the sending device's, the receiving
+device's and, between hosts, the two hosts' network interfaces. Transfers that do not fit on an
+interface together take turns on it, and a device receives in the order its actions use the
+tensors, as hetplan's runtime does (`hetplan.sim.interfaces`).
 
 The loop is a priority queue of finish events ordered by (time, sequence number), so the
 result is deterministic; the code is written with flat lists because planners call it often.
@@ -24,13 +18,13 @@ Phases: the compute tasks of every replica (`_Tasks`), the transfers of every me
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
 from hetplan.cost.formulas import transfer_s
 from hetplan.errors import HetplanError
 from hetplan.schedule import BACKWARD, FORWARD, schedule_order
+from hetplan.sim.interfaces import Interfaces
 from hetplan.sim.model import StepModel
 
 ALLREDUCE = "AR"
@@ -41,7 +35,7 @@ OPTIMIZER = "OPT"
 class Span:
     """One piece of work on the timeline.
 
-    `resource` is a device id, or `"a->b"` for the link from device a to device b. `kind` is F
+    `resource` is a device id, or `"a->b"` for transfers from device a to device b. `kind` is F
     (a forward pass, or activations on a link), B (a backward pass, or gradients on a link) or AR
     (the stage's gradient all-reduce, drawn on each replica's row) or OPT (the optimizer step after
     the last backward pass and the all-reduce). `stage` is the stage doing the
@@ -83,7 +77,7 @@ class EventResult:
 def run_events(model: StepModel, cluster: Cluster, record: bool = True) -> EventResult:
     """Simulate the step; with `record`, keep the timeline of every action."""
     tasks = _Tasks(model)
-    transfers = _Transfers()
+    transfers = _Transfers(cluster)
     for msg in model.messages:
         _add_transfers(msg, cluster, tasks, transfers)
     loop = _EventLoop(tasks, transfers, record)
@@ -166,12 +160,19 @@ class _Tasks:
 
 
 class _Transfers:
-    """The transfers of every message, as parallel lists indexed by transfer id."""
+    """The transfers of every message, as parallel lists indexed by transfer id; `links` are the
+    pairs of devices that talk (a timeline row each) and `ports` each pair's interfaces, numbered."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
         self.links: list[str] = []
         self.link_index: dict[tuple[str, str], int] = {}
+        self.ports: list[tuple[int, ...]] = []  # per link: its interfaces' numbers
+        self.needs: list[tuple[float, ...]] = []  # per link: the bandwidth it takes of each
+        self.port_index: dict[tuple[str, str], int] = {}
+        self.capacity: list[float] = []  # per interface: its bandwidth
         self.link: list[int] = []
+        self.src: list[int] = []  # the task that makes it
         self.dur: list[float] = []
         self.bytes: list[float] = []
         self.dst: list[int] = []  # the task that waits for it
@@ -180,10 +181,36 @@ class _Transfers:
         self.to: list[int] = []
         self.mb: list[int] = []
 
+    def turns(self, tasks: _Tasks) -> list[list[list[int]] | None]:
+        """Per interface, the groups of transfers it carries one group after the other when that
+        order is fixed (the receiving side of a device holding one stage replica: the inputs of
+        each of its actions, in the order of its actions), else None (served as issued)."""
+        members: list[list[int]] = [[] for _ in self.port_index]
+        for x, lk in enumerate(self.link):
+            for p in self.ports[lk]:
+                members[p].append(x)
+        out: list[list[list[int]] | None] = [None] * len(self.port_index)
+        for (kind, name), p in self.port_index.items():
+            dev = tasks.dev_index.get(name)
+            if kind == "receive" and dev is not None and len(tasks.programs[dev]) == 1:
+                groups: dict[int, list[int]] = {}
+                for x in members[p]:
+                    groups.setdefault(self.dst[x], []).append(x)
+                out[p] = [groups[t] for t in sorted(groups)]
+        return out
+
     def link_id(self, src: str, dst: str) -> int:
         if (src, dst) not in self.link_index:
             self.link_index[(src, dst)] = len(self.links)
             self.links.append(f"{src}->{dst}")
+            ports = self.cluster.interfaces(src, dst)
+            for p in ports:
+                if p not in self.port_index:
+                    self.port_index[p] = len(self.port_index)
+                    self.capacity.append(self.cluster.interface_Bps(p))
+            self.ports.append(tuple(self.port_index[p] for p in ports))
+            rate = self.cluster.link(src, dst).bandwidth_Bps
+            self.needs.append(tuple(min(rate, self.capacity[self.port_index[p]]) for p in ports))
         return self.link_index[(src, dst)]
 
 
@@ -203,6 +230,7 @@ def _add_transfers(msg, cluster: Cluster, tasks: _Tasks, xs: _Transfers) -> None
                 tasks.succ_c[producer].append(consumer)
                 continue
             tasks.succ_x[producer].append(len(xs.link))
+            xs.src.append(producer)
             xs.link.append(lid)
             xs.dur.append(transfer_s(msg.bytes_mb[i], link.bandwidth_Bps, link.latency_s))
             xs.bytes.append(msg.bytes_mb[i])
@@ -214,9 +242,9 @@ def _add_transfers(msg, cluster: Cluster, tasks: _Tasks, xs: _Transfers) -> None
 
 
 class _EventLoop:
-    """Devices run their tasks and links carry their transfers, first in first out, in time
-    order of finish events. The task and transfer lists are bound to attributes of the loop
-    itself: this is the simulator's hot path."""
+    """Devices run their tasks and interfaces carry transfers, in time order of finish events.
+    The task and transfer lists are bound to attributes of the loop itself: this is the
+    simulator's hot path."""
 
     def __init__(self, tasks: _Tasks, xs: _Transfers, record: bool) -> None:
         self.programs, self.wait, self.ready = tasks.programs, tasks.wait, tasks.ready
@@ -230,8 +258,8 @@ class _EventLoop:
         self.dev_act = [0.0] * nd
         self.dev_peak = [0.0] * nd
         self.pointers = [[0] * len(tasks.programs[d]) for d in range(nd)]
-        self.link_busy = [False] * nl
-        self.link_queue: list[deque[int]] = [deque() for _ in range(nl)]
+        self.interfaces = Interfaces([xs.ports[lk] for lk in xs.link], [xs.needs[lk] for lk in xs.link],
+                                     xs.capacity, xs.turns(tasks))
         self.link_busy_s = [0.0] * nl
         self.link_bytes = [0.0] * nl
         self.c_end = [-1.0] * tasks.count  # -1: not run
@@ -280,11 +308,12 @@ class _EventLoop:
             self.started.append((tid, now, end))
 
     def send(self, x: int, now: float) -> None:
+        """Transfer x is ready: it starts now if its interfaces let it, else when they do."""
+        if self.interfaces.issue(x):
+            self._start(x, now)
+
+    def _start(self, x: int, now: float) -> None:
         link = self.x_link[x]
-        if self.link_busy[link]:
-            self.link_queue[link].append(x)
-            return
-        self.link_busy[link] = True
         dur = self.x_dur[x]
         end = now + dur
         self.link_busy_s[link] += dur
@@ -314,14 +343,12 @@ class _EventLoop:
             self.try_device(self.dev[c], now)
 
     def _transfer_ended(self, x: int, now: float) -> None:
-        link = self.x_link[x]
-        self.link_busy[link] = False
         c = self.x_dst[x]
         self.wait[c] -= 1
         if now > self.ready[c]:
             self.ready[c] = now
-        if self.link_queue[link]:
-            self.send(self.link_queue[link].popleft(), now)
+        for y in self.interfaces.release(x):
+            self._start(y, now)
         self.try_device(self.dev[c], now)
 
     def run(self) -> float:

@@ -7,15 +7,22 @@ the event simulator's timeline is the longest-path recurrence
 
     F(r, i) = max(previous action of stage r, activations of i from stage r - 1) + fwd_r * f_i
     B(r, i) = max(previous action of stage r, gradients of i from stage r + 1) + bwd_r * f_i
-    send(r, i) = max(the action that made it, send(r, i - 1)) + latency + bytes_r * f_i / bandwidth
+    send = max(the action that made it, the sender's previous send, the receiver's previous
+               receipt) + latency + bytes_r * f_i / bandwidth
 
 evaluated in a topological order of the actions that depends only on the shape (stages,
 micro-batch sizes, schedule). `ChainProgram` compiles that order once and evaluates it for a
-whole batch of plans at once, one numpy operation per action over the batch. For chains of
-single-device stages under `relay` routing this is exactly the event simulator (a test checks
-it); replicated stages are folded into one stage (the slowest replica's share, the slowest
-pair's transfer), and tensors that skip stages are relayed, so the fast path ranks plans rather
-than timing them, and a planner's final choice is re-scored by `hetplan.sim.simulate`.
+whole batch of plans at once, one numpy operation per action over the batch. Interfaces
+(`hetplan.sim.engine`): a device sends in the order its actions make tensors and receives in the
+order its actions use them, so each transfer also waits for the one before it on the sender's
+interface and on the receiver's; the hosts' network interfaces only cap a transfer's bandwidth
+(`Cluster.link`). For chains of single-device stages under `relay` routing, where no host's
+network interface carries the tensors of two pairs of devices (a chain on one host, or crossing
+each host once), this is exactly the event simulator (a test checks it). Otherwise the event
+simulator also makes transfers of two pairs take turns on a host's interface; replicated stages
+are folded into one stage (the slowest replica's share, the cut's bytes at `CostModel.cut_Bps`),
+and tensors that skip stages are relayed. So the fast path ranks such plans rather than timing
+them, and a planner's final choice is re-scored by `hetplan.sim.simulate`.
 
 `ChainScorer` builds the inputs for plans written as cut points in a topological order plus one
 device per stage, from prefix sums, so a batch of such plans is scored without a Python loop
@@ -35,7 +42,7 @@ from hetplan.cost import CostModel, formulas, in_flight_share, microbatch_fracti
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
-from hetplan.schedule import BACKWARD, FORWARD, schedule_order
+from hetplan.schedule import FORWARD, schedule_order
 from hetplan.sim.model import build_step_model
 
 
@@ -46,7 +53,7 @@ class ChainProgram:
     stages: int
     fractions: tuple[float, ...]
     schedule: str
-    ops: tuple[tuple[int, int, int], ...] = field(init=False, repr=False)  # (event, dep, dep or -1)
+    ops: tuple[tuple[int, tuple[int, ...]], ...] = field(init=False, repr=False)  # (event, what it waits for)
     last: tuple[int, ...] = field(init=False, repr=False)  # each stage's last action
 
     def __post_init__(self) -> None:
@@ -58,29 +65,33 @@ class ChainProgram:
                                                for r in range(n)))
 
     def _dependencies(self, orders) -> list[list[int]]:
-        """What each event waits for: the action before it on its stage and its input's transfer;
-        a transfer waits for the action that made it and the link's previous transfer."""
+        """What each event waits for: an action, the action before it on its stage and its
+        input's transfer; a transfer, the action that made it and the transfers before it on the
+        sender's interface (in the order the sender makes them) and on the receiver's (in the
+        order the receiver uses them)."""
         n, m = self.stages, len(self.fractions)
         deps: list[list[int]] = [[] for _ in range(2 * n * m + 2 * (n - 1) * m)]
         for r, order in enumerate(orders):
-            prev = -1
+            prev = sent = received = -1
             for action in order:
                 i = action.microbatch
                 e = self._event(action.kind, r, i)
                 if prev >= 0:
                     deps[e].append(prev)
-                if action.kind == FORWARD and r > 0:
-                    deps[e].append(self._send_f(r - 1, i))
-                if action.kind != FORWARD and r < n - 1:
-                    deps[e].append(self._send_b(r + 1, i))
                 prev = e
-        for r in range(n - 1):
-            for i in range(m):  # a link sends in the order its stage produces: micro-batch order
-                deps[self._send_f(r, i)].append(self._event(FORWARD, r, i))
-                deps[self._send_b(r + 1, i)].append(self._event(BACKWARD, r + 1, i))
-                if i:
-                    deps[self._send_f(r, i)].append(self._send_f(r, i - 1))
-                    deps[self._send_b(r + 1, i)].append(self._send_b(r + 1, i - 1))
+                fwd = action.kind == FORWARD
+                if (r > 0) if fwd else (r < n - 1):  # its input, in the order stage r uses them
+                    x = self._send_f(r - 1, i) if fwd else self._send_b(r + 1, i)
+                    deps[e].append(x)
+                    if received >= 0:
+                        deps[x].append(received)
+                    received = x
+                if (r < n - 1) if fwd else (r > 0):  # its output, in the order stage r makes them
+                    x = self._send_f(r, i) if fwd else self._send_b(r, i)
+                    deps[x].append(e)
+                    if sent >= 0:
+                        deps[x].append(sent)
+                    sent = x
         return deps
 
     def _event(self, kind: str, r: int, i: int) -> int:
@@ -122,13 +133,15 @@ class ChainProgram:
             parts += [comm, comm]
         dur = np.concatenate([x.reshape(-1, p) for x in parts])
         t = np.empty_like(dur)
-        for e, a, b in self.ops:
-            if a < 0:
+        for e, ds in self.ops:
+            if not ds:
                 t[e] = dur[e]
-            elif b < 0:
-                np.add(t[a], dur[e], out=t[e])
+            elif len(ds) == 1:
+                np.add(t[ds[0]], dur[e], out=t[e])
             else:
-                np.maximum(t[a], t[b], out=t[e])
+                np.maximum(t[ds[0]], t[ds[1]], out=t[e])
+                for d in ds[2:]:
+                    np.maximum(t[e], t[d], out=t[e])
                 t[e] += dur[e]
         ends = t[list(self.last)]
         if allreduce_s is not None:
@@ -138,9 +151,9 @@ class ChainProgram:
         return ends.max(axis=0)
 
 
-def _topological(deps: list[list[int]]) -> list[tuple[int, int, int]]:
-    """Kahn's algorithm: (event, dependency, dependency or -1) in an order in which every event
-    comes after what it waits for (at most two dependencies each)."""
+def _topological(deps: list[list[int]]) -> list[tuple[int, tuple[int, ...]]]:
+    """Kahn's algorithm: (event, what it waits for) in an order in which every event comes after
+    what it waits for."""
     users: list[list[int]] = [[] for _ in deps]
     missing = [len(d) for d in deps]
     for e, ds in enumerate(deps):
@@ -151,7 +164,7 @@ def _topological(deps: list[list[int]]) -> list[tuple[int, int, int]]:
     while queue:
         e = queue.popleft()
         ds = deps[e]
-        ops.append((e, ds[0] if ds else -1, ds[1] if len(ds) > 1 else -1))
+        ops.append((e, tuple(ds)))
         for u in users[e]:
             missing[u] -= 1
             if missing[u] == 0:
@@ -285,17 +298,20 @@ class ChainScorer:
 
 
 def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | None = None) -> dict[str, np.ndarray]:
-    """The `ChainProgram.step_s` inputs of any plan: replicated stages folded into one stage and
-    skipping tensors relayed (an approximation where the plan has either; exact otherwise)."""
-    model = build_step_model(graph, cluster, plan, "relay", cost)
+    """The `ChainProgram.step_s` inputs of any plan: replicated stages folded into one stage (the
+    slowest replica; a cut's bytes at its bandwidth, `CostModel.cut_Bps`) and skipping tensors
+    relayed (an approximation where the plan has either; exact otherwise)."""
+    cm = cost or CostModel(graph, cluster)
+    model = build_step_model(graph, cluster, plan, "relay", cm)
     n = len(model.stages)
-    send, lat = np.zeros(n - 1), np.zeros(n - 1)
+    nbytes, lat = np.zeros(n - 1), np.zeros(n - 1)
     for msg in model.messages:
         k = msg.src_stage
         if msg.src != msg.dst and msg.bytes_per_batch > 0:
-            link = cluster.link(msg.src, msg.dst)
-            send[k] = max(send[k], formulas.wire_s(msg.bytes_per_batch, link.bandwidth_Bps))
-            lat[k] = max(lat[k], link.latency_s)
+            nbytes[k] += msg.bytes_per_batch
+            lat[k] = max(lat[k], cluster.link(msg.src, msg.dst).latency_s)
+    send = np.array([formulas.wire_s(nbytes[k], cm.cut_Bps(plan.stages[k].devices, plan.stages[k + 1].devices))
+                     if nbytes[k] > 0 else 0.0 for k in range(n - 1)])
     return {
         "fwd_s": np.array([max(r.fwd_s for r in st.replicas) for st in model.stages]),
         "bwd_s": np.array([max(r.bwd_s for r in st.replicas) for st in model.stages]),
