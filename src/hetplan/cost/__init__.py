@@ -19,7 +19,7 @@ The simulators (`hetplan.sim`) put these costs together into the timeline of a t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -284,6 +284,21 @@ class CostModel:
         sends at once."""
         return formulas.shared_Bps(self.slowest_Bps(senders, receivers), min(len(senders), len(receivers)),
                                    self.nic_cap_Bps(senders, receivers))
+
+    def busiest_interface_s(self, pair_bytes: Mapping[tuple[str, str], float]) -> float:
+        """How long the busiest interface (`Cluster.interfaces`) is busy carrying `pair_bytes`
+        ((sender, receiver) -> bytes), each transfer at its link's bandwidth and taking that much
+        of the interface: a lower bound on the time to carry them all, as the simulator's
+        interfaces share them; for one pair, bytes / its link's bandwidth."""
+        load: dict[tuple[str, str], float] = {}
+        for (a, b), nbytes in pair_bytes.items():
+            if a == b or nbytes <= 0:
+                continue
+            rate = self.cluster.link(a, b).bandwidth_Bps
+            for port in self.cluster.interfaces(a, b):
+                cap = self.cluster.interface_Bps(port)
+                load[port] = load.get(port, 0.0) + formulas.wire_s(nbytes, rate) * min(rate, cap) / cap
+        return max(load.values(), default=0.0)
 
     def bottleneck_s(self, plan: Plan) -> float:
         """PipeDream's steady-state time per batch (the `throughput` objective): the slowest of

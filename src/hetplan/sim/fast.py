@@ -20,8 +20,8 @@ interface and on the receiver's; the hosts' network interfaces only cap a transf
 network interface carries the tensors of two pairs of devices (a chain on one host, or crossing
 each host once), this is exactly the event simulator (a test checks it). Otherwise the event
 simulator also makes transfers of two pairs take turns on a host's interface; replicated stages
-are folded into one stage (the slowest replica's share, the cut's bytes at `CostModel.cut_Bps`),
-and tensors that skip stages are relayed. So the fast path ranks such plans rather than timing
+are folded into one stage (the slowest replica's share, a cut's transfers as long as its busiest
+interface is busy), and tensors that skip stages are relayed. So the fast path ranks such plans rather than timing
 them, and a planner's final choice is re-scored by `hetplan.sim.simulate`.
 
 `ChainScorer` builds the inputs for plans written as cut points in a topological order plus one
@@ -299,19 +299,20 @@ class ChainScorer:
 
 def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | None = None) -> dict[str, np.ndarray]:
     """The `ChainProgram.step_s` inputs of any plan: replicated stages folded into one stage (the
-    slowest replica; a cut's bytes at its bandwidth, `CostModel.cut_Bps`) and skipping tensors
-    relayed (an approximation where the plan has either; exact otherwise)."""
+    slowest replica; a cut's transfers as long as its busiest interface is busy,
+    `CostModel.busiest_interface_s`) and skipping tensors relayed (an approximation where the
+    plan has either; exact otherwise)."""
     cm = cost or CostModel(graph, cluster)
     model = build_step_model(graph, cluster, plan, "relay", cm)
     n = len(model.stages)
-    nbytes, lat = np.zeros(n - 1), np.zeros(n - 1)
+    pairs: list[dict[tuple[str, str], float]] = [{} for _ in range(n - 1)]
+    lat = np.zeros(n - 1)
     for msg in model.messages:
         k = msg.src_stage
         if msg.src != msg.dst and msg.bytes_per_batch > 0:
-            nbytes[k] += msg.bytes_per_batch
+            pairs[k][(msg.src, msg.dst)] = pairs[k].get((msg.src, msg.dst), 0.0) + msg.bytes_per_batch
             lat[k] = max(lat[k], cluster.link(msg.src, msg.dst).latency_s)
-    send = np.array([formulas.wire_s(nbytes[k], cm.cut_Bps(plan.stages[k].devices, plan.stages[k + 1].devices))
-                     if nbytes[k] > 0 else 0.0 for k in range(n - 1)])
+    send = np.array([cm.busiest_interface_s(p) for p in pairs])
     return {
         "fwd_s": np.array([max(r.fwd_s for r in st.replicas) for st in model.stages]),
         "bwd_s": np.array([max(r.bwd_s for r in st.replicas) for st in model.stages]),
