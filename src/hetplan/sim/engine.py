@@ -185,18 +185,15 @@ class _Transfers:
         """Per interface, the groups of transfers it carries one group after the other when that
         order is fixed (the receiving side of a device holding one stage replica: the inputs of
         each of its actions, in the order of its actions), else None (served as issued)."""
-        members: list[list[int]] = [[] for _ in self.port_index]
+        single = [len(progs) == 1 for progs in tasks.programs]
+        by_port: dict[int, dict[int, list[int]]] = {}
         for x, lk in enumerate(self.link):
-            for p in self.ports[lk]:
-                members[p].append(x)
+            task = self.dst[x]
+            if single[tasks.dev[task]]:  # the receiving side is second on a path (`Cluster.interfaces`)
+                by_port.setdefault(self.ports[lk][1], {}).setdefault(task, []).append(x)
         out: list[list[list[int]] | None] = [None] * len(self.port_index)
-        for (kind, name), p in self.port_index.items():
-            dev = tasks.dev_index.get(name)
-            if kind == "receive" and dev is not None and len(tasks.programs[dev]) == 1:
-                groups: dict[int, list[int]] = {}
-                for x in members[p]:
-                    groups.setdefault(self.dst[x], []).append(x)
-                out[p] = [groups[t] for t in sorted(groups)]
+        for p, groups in by_port.items():
+            out[p] = [groups[t] for t in sorted(groups)]
         return out
 
     def link_id(self, src: str, dst: str) -> int:

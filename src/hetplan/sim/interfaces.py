@@ -28,77 +28,97 @@ class Interfaces:
     """The interfaces of one step: what each transfer takes of each, what is free, whose turn it
     is and who waits. Transfers and interfaces are numbered; `ports[x]` and `needs[x]` are the
     interfaces of transfer x and the bandwidth it takes of each, `turns[p]` the groups of
-    transfers interface p carries one group after the other (None: served as issued)."""
+    transfers interface p carries one group after the other (None: served as issued).
+
+    A transfer issued before its group's turn waits for the turn only; once in turn, it starts
+    if every interface on its path has room, else it queues at each of them (so a transfer
+    queued anywhere is always in turn, and a release looks only at what could start)."""
 
     def __init__(self, ports: Sequence[tuple[int, ...]], needs: Sequence[tuple[float, ...]],
                  capacity: Sequence[float], turns: Sequence[list[list[int]] | None]) -> None:
         self.ports, self.needs, self.turns = ports, needs, turns
         self.free = list(capacity)  # bandwidth not in use
         self.slack = [c * 1e-9 for c in capacity]  # so that n transfers of capacity / n fit
-        self.queue: list[deque[int]] = [deque() for _ in capacity]  # waiting, in the order issued
-        self.started = [False] * len(ports)
-        self.issued = [False] * len(ports)
+        self.queue: list[deque[int]] = [deque() for _ in capacity]  # in turn and waiting, in the order issued
+        self.pending = [0] * len(capacity)  # how many of those are still waiting
+        self.state = [NEW] * len(ports)
         self.turn = [0] * len(capacity)  # on an interface with turns, the group whose turn it is
-        self.group = [0] * len(ports)  # a transfer's group on the interface with turns of its path
+        self.turn_port = [-1] * len(ports)  # the interface with turns on a transfer's path, or -1
+        self.group = [0] * len(ports)  # its group there
         self.left = [[len(g) for g in groups] if groups is not None else [] for groups in turns]
-        for groups in turns:
+        for p, groups in enumerate(turns):
             for k, members in enumerate(groups or ()):
                 for x in members:
-                    self.group[x] = k
-
-    def can_start(self, x: int) -> bool:
-        """Every interface on x's path has room for it, and it is x's turn on those with turns."""
-        free, slack, turns, turn = self.free, self.slack, self.turns, self.turn
-        for p, need in zip(self.ports[x], self.needs[x], strict=True):
-            if need > free[p] + slack[p] or (turns[p] is not None and self.group[x] != turn[p]):
-                return False
-        return True
+                    self.group[x], self.turn_port[x] = k, p
 
     def issue(self, x: int) -> bool:
-        """Transfer x is ready to go: True if it starts now (taken), else it waits."""
-        self.issued[x] = True
-        if self.can_start(x):
-            self._take(x)
-            return True
-        for p in self.ports[x]:
-            if self.turns[p] is None:
-                self.queue[p].append(x)
-        return False
+        """Transfer x is ready to go: True if it starts now, else it waits (for its turn, or
+        for room)."""
+        t = self.turn_port[x]
+        if t >= 0 and self.group[x] != self.turn[t]:
+            self.state[x] = AWAITING_TURN
+            return False
+        return self._start_or_queue(x)
 
     def release(self, x: int) -> list[int]:
-        """Transfer x ended: the transfers that start now in its place (taken)."""
-        free, turns = self.free, self.turns
-        for p, need in zip(self.ports[x], self.needs[x], strict=True):
+        """Transfer x ended: the transfers that start now in its place."""
+        free, out, ports = self.free, [], self.ports[x]
+        for p, need in zip(ports, self.needs[x]):  # noqa: B905 (hot loop; same lengths by construction)
             free[p] += need
-            if turns[p] is not None:
-                left = self.left[p]
-                left[self.group[x]] -= 1
-                if not left[self.group[x]]:
-                    self.turn[p] += 1
-        out: list[int] = []
-        for p in self.ports[x]:
-            if turns[p] is not None or self.queue[p]:
+        t = self.turn_port[x]
+        if t >= 0:
+            left, k = self.left[t], self.group[x]
+            left[k] -= 1
+            if not left[k]:
+                self.turn[t] = k + 1
+                groups = self.turns[t]
+                for y in groups[k + 1] if k + 1 < len(groups) else ():
+                    if self.state[y] == AWAITING_TURN and self._start_or_queue(y):
+                        out.append(y)
+        pending = self.pending
+        for p in ports:
+            if pending[p]:
                 self._next_on(p, out)
         return out
 
-    def _take(self, x: int) -> None:
-        self.started[x] = True
-        for p, need in zip(self.ports[x], self.needs[x], strict=True):
+    def _fits(self, x: int) -> bool:
+        free, slack = self.free, self.slack
+        return all(need <= free[p] + slack[p] for p, need in zip(self.ports[x], self.needs[x]))  # noqa: B905
+
+    def _start_or_queue(self, x: int) -> bool:
+        ports, needs, free, slack = self.ports[x], self.needs[x], self.free, self.slack
+        for p, need in zip(ports, needs):  # noqa: B905 (hot loop)
+            if need > free[p] + slack[p]:
+                break
+        else:
+            self.state[x] = STARTED
+            for p, need in zip(ports, needs):  # noqa: B905
+                free[p] -= need
+            return True
+        self.state[x] = QUEUED
+        for p in self.ports[x]:
+            self.pending[p] += 1
+            self.queue[p].append(x)
+        return False
+
+    def _hold(self, x: int) -> None:
+        self.state[x] = STARTED
+        for p, need in zip(self.ports[x], self.needs[x]):  # noqa: B905 (hot loop)
             self.free[p] -= need
 
     def _next_on(self, port: int, out: list[int]) -> None:
-        """Take what can start on `port` (into `out`): of the group whose turn it is, or on an
-        interface served as issued, of the transfers waiting, in order."""
-        groups, started, issued = self.turns[port], self.started, self.issued
-        if groups is not None:
-            k = self.turn[port]
-            waiting = groups[k] if k < len(groups) else ()
-        else:
-            waiting = self.queue[port]
-            while waiting and started[waiting[0]]:
-                waiting.popleft()
-            waiting = tuple(waiting)
-        for x in waiting:
-            if issued[x] and not started[x] and self.can_start(x):
-                self._take(x)
+        """Start (into `out`) the transfers queued at `port` that fit now, in the order issued."""
+        queue, state, free, slack = self.queue[port], self.state, self.free, self.slack
+        while queue and state[queue[0]] == STARTED:
+            queue.popleft()
+        for x in queue:  # not changed below: starting a transfer only marks it
+            if free[port] <= slack[port]:
+                return
+            if state[x] == QUEUED and self._fits(x):
+                self._hold(x)
+                for p in self.ports[x]:
+                    self.pending[p] -= 1
                 out.append(x)
+
+
+NEW, AWAITING_TURN, QUEUED, STARTED = range(4)
