@@ -12,14 +12,14 @@ import pytest
 from hetplan.cost import CostModel
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.graph import Edge, Graph, Node
-from hetplan.io.clusters import cluster_from_spec
+from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.io.pipedream import import_pipedream
 from hetplan.plan import Plan, Stage
 from hetplan.planners import PlanOptions, make_plan
 from hetplan.planners.exact import _assignments, count_assignments, count_single_devices
 from hetplan.planners.randomized import random_problem
 from hetplan.planners.scoring import Scorer
-from strategies import V
+from strategies import V, chain
 from test_search_planners import all_plans
 
 # ---- exact's counts ---------------------------------------------------------------------------
@@ -229,3 +229,26 @@ def test_dp_is_never_worse_than_the_baselines(profiles):
     assert scorer.value(plan) == pytest.approx(0.10022, rel=1e-3)
     fixed = make_plan(graph, cluster, "dp", PlanOptions(microbatches=4))
     assert fixed.microbatches == 4  # the baselines compete with the user's micro-batches, not their own
+
+
+def test_known_plans_tighten_dp_s_first_bound():
+    """The smaller clusters' plans bound the bigger cluster's program (bench/dp_scale.py: 29 s
+    -> 13 s on 32 devices): the first bound is the best simulated step of the baselines and the
+    known plans, with the program's slack; a known plan the options do not allow is ignored."""
+    from hetplan.planners.dp import BASELINE_SLACK, _baseline_bound_s, baseline_plans
+
+    graph = chain(6, fwd=0.01, bwd=0.02, edge_bytes=2**20, params=2**24)
+    cluster = load_cluster("hetero-4")
+    options = PlanOptions()
+    scorer = Scorer(graph, cluster, options)
+    baselines = _baseline_bound_s(graph, cluster, options, scorer)
+    assert baselines == pytest.approx(min(scorer.estimate(p).step_s for p in baseline_plans(graph, cluster, options))
+                                      * (1 + BASELINE_SLACK))
+    fast = make_plan(graph, cluster, "local-search", PlanOptions(max_iters=200))  # 0.065 s against 0.107 s
+    assert scorer.estimate(fast).step_s * (1 + BASELINE_SLACK) < baselines
+    bound = _baseline_bound_s(graph, cluster, options, scorer, known=[fast])
+    assert bound == pytest.approx(scorer.estimate(fast).step_s * (1 + BASELINE_SLACK))
+    assert max(len(st.devices) for st in fast.stages) > 1  # so a straight pipeline's bound ignores it
+    capped = PlanOptions(max_replicas=1)
+    assert _baseline_bound_s(graph, cluster, capped, scorer, known=[fast]) == pytest.approx(
+        _baseline_bound_s(graph, cluster, capped, scorer))

@@ -61,10 +61,12 @@ steps, then the best of the orders already done, with 5% slack because the model
 
 Big clusters: past 8 devices a stage takes at most 4 replicas, and past 16 the program keeps
 64 cut states. So that more devices never give a worse plan, dp also plans on the first 1, 2,
-4, ... hosts of a cluster of more than 8 devices, up to 16 devices (`host_prefixes`), and the
-candidates of every run compete in the end, with the baselines' plans (one device, data
-parallelism, time-balanced stages, with the user's micro-batches), which dp simulates anyway
-for its first bound: so it never returns a plan worse than theirs.
+4, ... hosts of a cluster of more than 8 devices, up to 16 devices (`host_prefixes`), smallest
+first, and the candidates of every run compete in the end, with the baselines' plans (one
+device, data parallelism, time-balanced stages, with the user's micro-batches) of every
+cluster, which dp simulates anyway for its first bound: so it never returns a plan worse than
+theirs. The plans of the smaller clusters also tighten the bigger ones' first bound, which
+halves the time on 32 and 64 devices (`bench/dp_scale.py`).
 
 Finally the best 256 (label, m) pairs by T(m) (or price, for `cost`) over all orders are turned
 into plans and re-ranked by the fast path (`hetplan.sim.fast`, the schedule's exact recurrence
@@ -80,6 +82,7 @@ simulator's re-scoring corrects these for the plans it sees, not for the ones th
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -389,15 +392,16 @@ def baseline_plans(graph: Graph, cluster: Cluster, options: PlanOptions) -> list
     return plans
 
 
-def _baseline_bound_s(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer) -> float:
-    """The first bound on the step: for time, the baselines' simulated steps (with slack: the
-    program's model may see them slower); for cost, the floor (slower plans are infeasible);
-    for throughput, the bound on the steady state: the baselines' own."""
+def _baseline_bound_s(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer,
+                      known: Sequence[Plan] = ()) -> float:
+    """The first bound on the step: for time, the simulated steps of the baselines and of the
+    `known` plans (with slack: the program's model may see them slower); for cost, the floor
+    (slower plans are infeasible); for throughput, the bound on the steady state: theirs."""
     if options.objective == "cost":
         return graph.batch_size / options.min_samples_per_s
     bound = math.inf
     if options.objective in ("time", "throughput"):
-        for plan in baseline_plans(graph, cluster, replace(options, microbatches=None)):
+        for plan in [*baseline_plans(graph, cluster, replace(options, microbatches=None)), *known]:
             est = scorer.estimate(plan)
             if est.feasible and options.allows(plan):
                 # the steady state is the program's exact model; the step is not (slack)
@@ -407,13 +411,13 @@ def _baseline_bound_s(graph: Graph, cluster: Cluster, options: PlanOptions, scor
 
 
 def _pool(prob: StateSums, scorer: Scorer, orders: list[tuple[str, ...]], choices: tuple[int, ...],
-          options: PlanOptions) -> list[tuple]:
+          options: PlanOptions, known: Sequence[Plan] = ()) -> list[tuple]:
     """(key, order, label, m) of every front label and allowed m over all orders, best first by
     the program's model. Bounds cut every partial plan that cannot beat the best found so far:
     the first bound, then the best step (time) or price x step above the floor (cost) of the
     orders done."""
     graph = scorer.graph
-    bound, bound_usd, bound_thr = _baseline_bound_s(graph, scorer.cluster, options, scorer), math.inf, math.inf
+    bound, bound_usd, bound_thr = _baseline_bound_s(graph, scorer.cluster, options, scorer, known), math.inf, math.inf
     if options.objective == "throughput":
         bound, bound_thr = math.inf, bound
     pool = []
@@ -463,16 +467,18 @@ def _rerank(graph: Graph, cluster: Cluster, plans: list[Plan], options: PlanOpti
 
 
 def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer | None = None,
-                  top_k: int = TOP_K, max_states: int = MAX_STATES) -> tuple[list[Plan], dict]:
+                  top_k: int = TOP_K, max_states: int = MAX_STATES,
+                  known: Sequence[Plan] = ()) -> tuple[list[Plan], dict]:
     """The dynamic program's best plans by its own model (at most `top_k`), and facts about the
     run for the plan's meta. The program's model ranks the pool; the fast path re-ranks the best
-    POOL of them; the event simulator (the caller) scores the top_k of those."""
+    POOL of them; the event simulator (the caller) scores the top_k of those. `known` plans (of
+    this cluster) tighten the first bound, as the baselines do."""
     scorer = scorer or Scorer(graph, cluster, options)
     prob = StateSums(graph, scorer.cost, max_states)
     speed = {t: 1.0 / max(float(prob.time[t][-1]), 1e-30) for t in prob.types}
     orders = device_orders(cluster, speed, options.objective)
     plans, seen = [], set()
-    for _, order, lab, m in _pool(prob, scorer, orders, microbatch_choices(graph, options), options):
+    for _, order, lab, m in _pool(prob, scorer, orders, microbatch_choices(graph, options), options, known):
         plan = _plan(prob, order, lab, m, options)
         k = Scorer.key(plan)
         if k not in seen:
@@ -507,20 +513,28 @@ def host_prefixes(cluster: Cluster) -> list[Cluster]:
 def dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
     scorer = Scorer(graph, cluster, options)
     states = MAX_STATES if len(cluster.devices) <= SUB_CLUSTER else BIG_CLUSTER_STATES
-    plans, meta = dp_candidates(graph, cluster, options, scorer, max_states=states)
-    subs = host_prefixes(cluster)
+    # the smaller clusters first, each bounded by the ones before (their plans run here too)
+    subs, found = host_prefixes(cluster), []
     for sub in subs:
-        plans += dp_candidates(graph, sub, options)[0]
+        found += dp_candidates(graph, sub, options, known=found)[0] + _baselines_as_dp(graph, sub, options)
+    plans, meta = dp_candidates(graph, cluster, options, scorer, max_states=states, known=found)
+    plans += found
     meta["sub_clusters"] = [len(sub.devices) for sub in subs]
-    # the baselines compete too: the program's model can rank a pipeline above data parallelism
-    # that the simulator finds slower (resnet18 on 8 V100s: 108.7 ms against 100.2 ms)
-    plans += [replace(p, planner="dp", objective=options.objective) for p in baseline_plans(graph, cluster, options)
-              if options.objective != "cost"]
+    plans += _baselines_as_dp(graph, cluster, options)
     if not plans and options.objective == "cost":  # the floor cut everything: say how fast it can go
         fastest, _ = dp_candidates(graph, cluster, replace(options, objective="time", min_samples_per_s=None))
         raise scorer.infeasible(fastest, "dp")
     best = scorer.best(plans, "dp")
     return replace(best, meta={**best.meta, "dp": meta})
+
+
+def _baselines_as_dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> list[Plan]:
+    """The baselines' plans, as dp's candidates: the program's model can rank a pipeline above
+    data parallelism that the simulator finds slower (resnet18 on 8 V100s: 108.7 ms against
+    100.2 ms). Not for cost, whose floor the program applies itself."""
+    if options.objective == "cost":
+        return []
+    return [replace(p, planner="dp", objective=options.objective) for p in baseline_plans(graph, cluster, options)]
 
 
 def warm_start(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan | None:
