@@ -63,7 +63,7 @@ class Interfaces:
     def release(self, x: int) -> list[int]:
         """Transfer x ended: the transfers that start now in its place."""
         free, out, ports = self.free, [], self.ports[x]
-        for p, need in zip(ports, self.needs[x]):  # noqa: B905 (hot loop; same lengths by construction)
+        for p, need in zip(ports, self.needs[x]):  # noqa: B905 (same lengths by construction; hot loop)
             free[p] += need
         t = self.turn_port[x]
         if t >= 0:
@@ -86,14 +86,8 @@ class Interfaces:
         return all(need <= free[p] + slack[p] for p, need in zip(self.ports[x], self.needs[x]))  # noqa: B905
 
     def _start_or_queue(self, x: int) -> bool:
-        ports, needs, free, slack = self.ports[x], self.needs[x], self.free, self.slack
-        for p, need in zip(ports, needs):  # noqa: B905 (hot loop)
-            if need > free[p] + slack[p]:
-                break
-        else:
-            self.state[x] = STARTED
-            for p, need in zip(ports, needs):  # noqa: B905
-                free[p] -= need
+        if self._fits(x):
+            self._hold(x)
             return True
         self.state[x] = QUEUED
         for p in self.ports[x]:
