@@ -7,9 +7,17 @@ from hetplan.errors import HetplanError
 from hetplan.zoo import ZOO, load_model, zoo_names
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _click_log_cache(tmp_path_factory):
+    """ctr-dnn writes its click log under $HETPLAN_CACHE: a temporary folder, not the user's home."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HETPLAN_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 def test_the_zoo_has_the_models_users_ask_for():
     assert set(zoo_names()) == {"gpt2", "gpt2-tiny", "bert-base", "llama-tiny", "resnet50", "vit-base",
-                                "inception-tiny", "mlp"}
+                                "inception-tiny", "mlp", "ctr-dnn"}
     assert all(entry.summary for entry in ZOO.values())
 
 
@@ -22,6 +30,7 @@ def test_the_zoo_has_the_models_users_ask_for():
     ("llama-tiny", (0.5, 1.5), {"seq_len": 8}),
     ("inception-tiny", (0.01, 0.5), {}),
     ("mlp", (3.9, 4.0), {}),
+    ("ctr-dnn", (89.49, 89.50), {}),                   # 5.57M table rows x 16 + the MLP (test below)
 ])
 def test_models_are_the_real_architectures(name, params_m, kw):
     zm = load_model(name, batch_size=1, **kw)
@@ -32,6 +41,21 @@ def test_models_are_the_real_architectures(name, params_m, kw):
         loss = zm.step.eval()(**zm.batch)
     assert loss.dim() == 0 and math.isfinite(loss.item())
     assert zm.block_classes
+
+
+def test_ctr_dnn_has_the_capped_kaggle_tables():
+    """26 tables: the Kaggle data set's ids per field, capped at 1M rows (5.57M rows, 356 MB at fp32),
+    with 16 dimensions; then the 429-512-256-128-1 MLP."""
+    from hetplan.zoo.criteo import DEFAULT_TABLES, KAGGLE_ROWS
+
+    assert tuple(min(r, 1_000_000) for r in KAGGLE_ROWS) == DEFAULT_TABLES and sum(DEFAULT_TABLES) == 5_569_296
+    zm = load_model("ctr-dnn", batch_size=2)
+    bags = {n: m for n, m in zm.step.named_modules() if isinstance(m, torch.nn.EmbeddingBag)}
+    assert sorted(m.num_embeddings for m in bags.values()) == sorted(DEFAULT_TABLES)
+    mlp = (13 + 26 * 16) * 512 + 512 + 512 * 256 + 256 + 256 * 128 + 128 + 128 + 1
+    assert sum(p.numel() for p in zm.step.parameters()) == sum(DEFAULT_TABLES) * 16 + mlp == 89_493_249
+    assert zm.batch["lines"].dtype == torch.uint8 and zm.batch["lines"].shape == (2, 384)
+    assert ZOO["ctr-dnn"].default_batch_size == 256 and not ZOO["ctr-dnn"].language_model
 
 
 def test_batches_follow_the_requested_shape():

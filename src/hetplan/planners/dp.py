@@ -25,10 +25,12 @@ set S_k minus S_(k-1). We extend both papers:
   transfer time across cut k for the whole batch and m micro-batches,
 
       T(m) = ( sum_k (t_k + 2 c_k) + (m - 1) * P ) / m  +  2 sum latency  +  max_k (AR_k + OPT_k)
-      P    = max( t_k, c_k, and under 1F1B  sum_{j >= k} (t_j + 2 c_j) / (n - k) )
+      P    = max( t_k, c_(k-1) + c_k, and under 1F1B  sum_{j >= k} (t_j + 2 c_j) / (n - k) )
 
   where AR_k is the ring all-reduce of a replicated stage, OPT_k its optimizer step (Adam,
-  memory-bound, on the slowest replica), and the last term of P says that under
+  memory-bound, on the slowest replica), c_(k-1) + c_k says that a stage's devices receive the
+  activations of the cut before them and the gradients of the cut after them through one
+  interface (and send through one), and the last term of P says that under
   1F1B stage k has at most n - k micro-batches in flight, so one round trip through the rest of
   the pipeline is shared by at most n - k of them (it matters when links are slow). T is not a
   sum of per-stage terms, so the program keeps, per state, a Pareto front of labels (sum, P,
@@ -82,6 +84,7 @@ simulator's re-scoring corrects these for the plans it sees, not for the ones th
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import NamedTuple
@@ -117,6 +120,7 @@ TOP_K = 12
 BOUND_SLACK = 0.05  # partial plans within this of the best found so far are kept (the model is not exact)
 BASELINE_SLACK = 0.25  # the program's model may find a baseline's plan this much slower than simulated
 POOL = 256  # candidates the fast path re-ranks before the event simulator scores TOP_K of them
+PER_SHAPE = 32  # of those, at most this many with the same replicas per stage (so the pool is not one shape's)
 SMALL_CLUSTER = 8  # up to this many devices a stage may take any number of them as replicas
 BIG_CLUSTER_REPLICAS = 4  # on bigger clusters, at most this many
 SUB_CLUSTER = 16  # dp also plans on the first hosts of a big cluster, up to this many devices
@@ -136,9 +140,10 @@ class Label(NamedTuple):
     lat_s: float  # latencies along its cuts
     stage: tuple[int, int, int, int] | None  # its first stage: (state i, state j, position d, replicas k)
     parent: Label | None
-    rank: float  # the step at m_max (times the price for cost): which labels a full front drops
+    rank: float  # the step at the most micro-batches it can use (times the price for cost): which a full front drops
     k_max: int = 1  # its largest replica group: micro-batches need at least that many rows
     thr_s: float = 0.0  # objective throughput: its slowest stage or cut in PipeDream's steady state
+    c_first: float = 0.0  # the transfer time of the cut after its first stage
 
 
 def rows_for_replicas(batch_size: int, m: int, k_max: int, choices: tuple[int, ...]) -> bool:
@@ -167,6 +172,11 @@ class _Order:
         self.dtype = [tindex[d.type] for d in self.dev]
         self.times = np.array([prob.time[t] for t in prob.types])  # (types, states)
         self.bounded = get_schedule(options.schedule).bounded  # in flight bounded by the stages after
+        # a full front drops the label whose step is worst at the most micro-batches it can use:
+        # the most whose micro-batches have a row for each replica of its widest stage
+        choices = microbatch_choices(scorer.graph, options)
+        self.rank_m = [max([m for m in choices if rows_for_replicas(scorer.graph.batch_size, m, k, choices)],
+                           default=max(choices)) for k in range(self.D + 1)]
         self.max_replicas = min(self.D if self.D <= SMALL_CLUSTER else BIG_CLUSTER_REPLICAS,
                                 options.max_replicas or self.D)
         # the stages after a stage matter only through 1F1B's memory; skip them when all fits anyway
@@ -245,8 +255,12 @@ class _Front:
             return
         labels[:] = [o for o in labels if not self._covers(lab, o, 1.0)]
         labels.append(lab)
-        if len(labels) > self.max_labels:  # keep the most promising: drop the worst by the step at m_max
-            labels.remove(max(labels, key=lambda o: o.rank))
+        if len(labels) > self.max_labels:  # keep the most promising: drop the worst by its rank,
+            # but keep the best of each first-stage width (the model can misjudge one width for
+            # all its labels: resnet50 on 4 V100 at 1 GB/s, bench/dp_no_miss.py)
+            widths = Counter(o.k_first for o in labels)
+            shared = [o for o in labels if widths[o.k_first] > 1] or labels
+            labels.remove(max(shared, key=lambda o: o.rank))
 
 
 def _after_stage(cost, devices: tuple[str, ...], per_step_s: float):
@@ -308,7 +322,9 @@ def _extend(lab: Label, stage: tuple[int, int, int, int], ts: float, rt: float, 
         if mr > m_max:
             return None
     s2 = lab.sum_s + ts + 2 * c_s
-    mx2 = max(lab.max_s, ts, c_s)
+    # a device sends and receives through one interface each: the first stage of `lab` receives
+    # the activations of this cut and the gradients of its next one, one after the other
+    mx2 = max(lab.max_s, ts, c_s + lab.c_first)
     if setup.bounded:
         # 1F1B lets this stage have r + 1 micro-batches in flight, so one round trip through the
         # rest of the pipeline is shared by at most r + 1 of them
@@ -320,8 +336,9 @@ def _extend(lab: Label, stage: tuple[int, int, int, int], ts: float, rt: float, 
     if low > bound_s or (setup.track_price and usd_per_step(lab.usd_per_hour, low) > bound_usd):
         return None
     out = Label(s2, mx2, max(lab.ar_s, ar), lab.after + 1, mr, lab.usd_per_hour, stage[3], lab.lat_s + lt, stage,
-                lab, 0.0, max(lab.k_max, stage[3]), thr)
-    rank = thr if setup.track_thr else model_step_s(out, m_max) * (out.usd_per_hour if setup.track_price else 1.0)
+                lab, 0.0, max(lab.k_max, stage[3]), thr, c_s)
+    m = min(m_max, max(mr, setup.rank_m[out.k_max]))
+    rank = thr if setup.track_thr else model_step_s(out, m) * (out.usd_per_hour if setup.track_price else 1.0)
     return out._replace(rank=rank)
 
 
@@ -477,12 +494,13 @@ def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: 
     prob = StateSums(graph, scorer.cost, max_states)
     speed = {t: 1.0 / max(float(prob.time[t][-1]), 1e-30) for t in prob.types}
     orders = device_orders(cluster, speed, options.objective)
-    plans, seen = [], set()
+    plans, seen, shapes = [], set(), Counter()
     for _, order, lab, m in _pool(prob, scorer, orders, microbatch_choices(graph, options), options, known):
         plan = _plan(prob, order, lab, m, options)
-        k = Scorer.key(plan)
-        if k not in seen:
+        k, shape = Scorer.key(plan), tuple(len(st.devices) for st in plan.stages)
+        if k not in seen and shapes[shape] < PER_SHAPE:
             seen.add(k)
+            shapes[shape] += 1
             plans.append(plan)
             if len(plans) >= POOL:
                 break

@@ -43,23 +43,26 @@ def _write(path: Path, obj: Any) -> None:
 
 
 def _batches(spec: RunSpec, zoo_model, step: int):
-    """The batch of a step: synthetic (shaped like the profiled batch, following a hidden rule a
-    model can learn) or a window of the text corpus (language models); `hetplan.runtime.data`."""
+    """The batch of a step: the model's own data when it has some (ctr-dnn's click log), else
+    synthetic (shaped like the profiled batch, following a hidden rule a model can learn) or a
+    window of the text corpus (language models); `hetplan.runtime.data`."""
     from hetplan.runtime.data import input_vocab, synthetic_batch, text_batch
 
+    if zoo_model.batches is not None:
+        return zoo_model.batches(step, spec.seed)
     if spec.data == "text":
         return text_batch(zoo_model.batch, step, seed=spec.seed, vocab=input_vocab(zoo_model.step))
     return synthetic_batch(zoo_model.batch, step, seed=spec.seed)
 
 
 def _optimizer(spec: RunSpec, params: list):
-    import torch
+    """Adam or SGD over the stage's parameters, SparseAdam beside Adam for embedding tables with
+    sparse gradients (`hetplan.runtime.optim`)."""
+    from hetplan.runtime.optim import StageOptimizer
 
     if not params:  # a stage without parameters (a lone GELU, a reshape) has nothing to update
         return None
-    if spec.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=spec.lr)
-    return torch.optim.Adam(params, lr=spec.lr)
+    return StageOptimizer(params, spec.optimizer, spec.lr)
 
 
 def build_rank(spec: RunSpec, rank: int, heartbeat=None):

@@ -7,6 +7,7 @@ and `MLP` are written here.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -174,11 +175,92 @@ def mlp(batch_size: int, seq_len: int, seed: int) -> ZooModel:
     return ZooModel("", TrainStep(MLP(), _classifier_loss), batch, ("Linear",))
 
 
+class EmbeddingShard(nn.Module):
+    """Some of the embedding tables, looked up together: one block at `--granularity block`,
+    so a plan can put the shards on different workers (as HeterPS spreads a CTR model's tables
+    over CPU servers). Each table is a module of its own, named by its Criteo field (C1-C26),
+    and is one node at `--granularity layer`."""
+
+    def __init__(self, fields: tuple[int, ...], tables: tuple[int, ...], dim: int, sparse: bool):
+        super().__init__()
+        self.fields = fields
+        self.tables = nn.ModuleDict({f"C{f + 1}": nn.EmbeddingBag(tables[f], dim, mode="sum", sparse=sparse)
+                                     for f in fields})
+
+    def forward(self, ids: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        # ids: the 26 columns [B] of 32-bit hashes; the hashing trick folds them into each table's
+        # rows, and a [B, 1] input makes every bag look up one id per sample.
+        return torch.cat([bag((ids[f] % bag.num_embeddings).unsqueeze(1))
+                          for f, bag in zip(self.fields, self.tables.values(), strict=True)], dim=1)
+
+
+def _shards(tables: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The fields grouped into shards of at most the largest table's rows (first fit, biggest
+    table first): with the default tables, each 1M-row table alone and the 21 small ones together,
+    so the shards hold similar memory. Fields keep their order within a shard and shards are
+    ordered by their first field."""
+    cap = max(tables)
+    shards: list[list[int]] = []
+    for f in sorted(range(len(tables)), key=lambda f: (-tables[f], f)):
+        room = next((s for s in shards if sum(tables[g] for g in s) + tables[f] <= cap), None)
+        if room is None:
+            shards.append([f])
+        else:
+            room.append(f)
+    return sorted(tuple(sorted(s)) for s in shards)
+
+
+class CTRDNN(nn.Module):
+    """The CTR model of HeterPS's case: raw Criteo lines -> parser -> one embedding bag per
+    categorical field -> concatenated with the 13 dense features -> MLP -> click logit."""
+
+    def __init__(self, tables: tuple[int, ...], dim: int, hidden: tuple[int, ...], sparse: bool):
+        super().__init__()
+        from hetplan.zoo.criteo import DENSE_FIELDS, CriteoParser
+
+        self.parser = CriteoParser(columns=True)
+        self.shards = nn.ModuleList([EmbeddingShard(s, tables, dim, sparse) for s in _shards(tables)])
+        self.mlp = MLP((DENSE_FIELDS + len(tables) * dim, *hidden, 1))
+
+    def forward(self, lines: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels [B], logits [B])."""
+        labels, dense, ids = self.parser(lines)
+        x = torch.cat([dense, *(shard(ids) for shard in self.shards)], dim=1)
+        return labels, self.mlp(x).squeeze(1)
+
+
+def _click_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    labels, logits = model(batch["lines"])
+    return nn.functional.binary_cross_entropy_with_logits(logits, labels)
+
+
+def ctr_dnn(batch_size: int, seq_len: int, seed: int, *, tables: tuple[int, ...] | None = None, dim: int = 16,
+            hidden: tuple[int, ...] = (512, 256, 128), sparse: bool = True) -> ZooModel:
+    """The CTR model on a synthetic Criteo log (`hetplan.zoo.criteo`); `tables` are the rows of
+    the 26 embedding tables (default: the Kaggle data set's, capped at 1M rows). With `sparse`,
+    the tables' gradients are sparse tensors: an optimizer must accept them (SGD, SparseAdam)."""
+    from hetplan.zoo.criteo import DEFAULT_TABLES, click_batch
+
+    tables = tuple(DEFAULT_TABLES if tables is None else tables)
+    batch = click_batch(batch_size, 0, seed, tables)  # checks the tables
+    torch.manual_seed(seed)
+    model = CTRDNN(tables, dim, tuple(hidden), sparse)
+    return ZooModel("", TrainStep(model, _click_loss), batch, ("EmbeddingShard",),
+                    batches=functools.partial(_click_batches, batch_size, tables))
+
+
 def _check_seq(seq_len: int, limit: int) -> None:
     if not 1 <= seq_len <= limit:
         raise HetplanError(f"--seq-len {seq_len}: this model takes 1 to {limit} positions")
 
 
+
+
+def _click_batches(batch_size: int, tables, step: int, seed: int) -> dict:
+    """ctr-dnn's data for `hetplan run`: the step's lines of the synthetic click log."""
+    from hetplan.zoo.criteo import click_batch
+
+    return click_batch(batch_size, step, seed, tables)
 
 
 def user_model(ref: str, batch_size: int | None, seq_len: int | None) -> ZooModel:
@@ -193,7 +275,7 @@ def user_model(ref: str, batch_size: int | None, seq_len: int | None) -> ZooMode
     kwargs = {k: v for k, v in (("batch_size", batch_size), ("seq_len", seq_len)) if v}
     made = factory(**kwargs)
     if isinstance(made, ZooModel):
-        return ZooModel(made.name or ref, made.step, made.batch, made.block_classes)
+        return ZooModel(made.name or ref, made.step, made.batch, made.block_classes, made.batches)
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and isinstance(made[1], Mapping):
         model, batch = made
         return ZooModel(ref, TrainStep(model, _output_loss), dict(batch), ())

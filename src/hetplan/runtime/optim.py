@@ -1,0 +1,56 @@
+"""A stage's optimizer, for dense and sparse gradients alike.
+
+Embedding tables built with `sparse=True` (`nn.EmbeddingBag`, as in click-through-rate models:
+HeterPS's workload) produce sparse gradients: only the rows a batch looked up. torch's Adam
+refuses them; `torch.optim.SparseAdam` takes only them. So a stage trained with Adam gets Adam
+over its parameters with dense gradients and SparseAdam over those with sparse ones (the lazy
+variant of Adam that updates the moments of the rows looked up, as large-scale CTR training
+does). Which parameters are which shows only once a backward pass has made their gradients, so
+the two are made at the first step; a checkpoint records the split, so a resumed run makes them
+before its first step. SGD accepts both kinds and is one optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+class StageOptimizer:
+    """`step`, `state_dict` and `load_state_dict` over a stage's parameters, whatever the kind of
+    their gradients (see the module's docstring); `kind` is "adam" or "sgd"."""
+
+    def __init__(self, params: Iterable[nn.Parameter], kind: str, lr: float) -> None:
+        self.params, self.kind, self.lr = list(params), kind, lr
+        self.sparse: list[bool] | None = None  # per parameter, once known
+        self.optimizers: list[torch.optim.Optimizer] = []
+        if kind == "sgd":
+            self._make([False] * len(self.params))
+
+    def _make(self, sparse: list[bool]) -> None:
+        self.sparse = sparse
+        if self.kind == "sgd":
+            self.optimizers = [torch.optim.SGD(self.params, lr=self.lr)]
+            return
+        dense = [p for p, s in zip(self.params, sparse, strict=True) if not s]
+        rows = [p for p, s in zip(self.params, sparse, strict=True) if s]
+        self.optimizers = ([torch.optim.Adam(dense, lr=self.lr)] if dense else []) + (
+            [torch.optim.SparseAdam(rows, lr=self.lr)] if rows else [])
+
+    def step(self) -> None:
+        if self.sparse is None:
+            self._make([p.grad is not None and p.grad.is_sparse for p in self.params])
+        for opt in self.optimizers:
+            opt.step()
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "sparse": self.sparse, "optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("sparse") is None:  # saved before any step: nothing to restore
+            return
+        self._make(list(state["sparse"]))
+        for opt, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(saved)

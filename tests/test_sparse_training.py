@@ -1,0 +1,110 @@
+"""Sparse gradients in the runtime (issue 17): embedding tables built with sparse=True train with
+SparseAdam beside Adam, and replicas sum their sparse gradients into the union of their rows."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from hetplan.runtime.executor import reduce_gradients
+from hetplan.runtime.optim import StageOptimizer
+from hetplan.runtime.transport import LocalHub
+
+
+def _model(sparse: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"bag": nn.EmbeddingBag(50, 4, mode="sum", sparse=sparse), "head": nn.Linear(4, 1)})
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model["head"](model["bag"](ids)).square().mean()
+
+
+def test_adam_on_sparse_tables_is_sparse_adam_beside_adam():
+    """Adam refuses sparse gradients; the stage's optimizer gives the table SparseAdam (lazy Adam:
+    only the rows looked up move) and the dense layer Adam, exactly as the two torch optimizers."""
+    ids = torch.tensor([[1, 2], [2, 7]])
+    model, reference = _model(sparse=True), _model(sparse=True)
+    with pytest.raises(RuntimeError, match="sparse"):
+        _loss(reference, ids).backward()
+        torch.optim.Adam(reference.parameters(), lr=0.1).step()
+    reference = _model(sparse=True)
+    ref_opts = [torch.optim.SparseAdam([reference["bag"].weight], lr=0.1),
+                torch.optim.Adam(reference["head"].parameters(), lr=0.1)]
+    opt = StageOptimizer(model.parameters(), "adam", 0.1)
+    for _ in range(3):
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+            _loss(m, ids).backward()
+        opt.step()
+        for o in ref_opts:
+            o.step()
+    assert opt.sparse == [True, False, False]
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(a, b)
+    untouched = [r for r in range(50) if r not in (1, 2, 7)]
+    assert torch.equal(model["bag"].weight[untouched], _model(sparse=True)["bag"].weight[untouched])
+
+
+def test_the_optimizer_state_survives_a_checkpoint():
+    ids = torch.tensor([[3, 4]])
+    model = _model(sparse=True)
+    opt = StageOptimizer(model.parameters(), "adam", 0.1)
+    _loss(model, ids).backward()
+    opt.step()
+    saved = opt.state_dict()
+    again = StageOptimizer(model.parameters(), "adam", 0.1)
+    again.load_state_dict(saved)  # before any step: the split comes from the checkpoint
+    assert again.sparse == [True, False, False]
+    assert torch.equal(again.optimizers[1].state_dict()["state"][0]["exp_avg"],
+                       opt.optimizers[1].state_dict()["state"][0]["exp_avg"])
+    fresh = StageOptimizer(model.parameters(), "adam", 0.1)
+    fresh.load_state_dict(StageOptimizer(model.parameters(), "adam", 0.1).state_dict())
+    assert fresh.sparse is None
+
+
+def test_sgd_takes_sparse_and_dense_gradients():
+    model, dense = _model(sparse=True), _model(sparse=False)
+    ids = torch.tensor([[1, 9]])
+    for m in (model, dense):
+        _loss(m, ids).backward()
+    StageOptimizer(model.parameters(), "sgd", 0.5).step()
+    torch.optim.SGD(dense.parameters(), lr=0.5).step()
+    for a, b in zip(model.parameters(), dense.parameters(), strict=True):
+        assert torch.allclose(a, b)
+
+
+def _reduce_on_two_ranks(grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    hub, out = LocalHub(2), [None, None]
+
+    def rank(r: int) -> None:
+        prm = nn.Parameter(torch.zeros(6, 2))
+        prm.grad = grads[r]
+        reduce_gradients([((0, 1), [prm])], hub.transport(r))
+        out[r] = prm.grad
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _rows(rows: list[int], value: float) -> torch.Tensor:
+    return torch.sparse_coo_tensor(torch.tensor([rows]), torch.full((len(rows), 2), value), (6, 2))
+
+
+def test_replicas_sum_sparse_gradients_into_the_union_of_their_rows():
+    """Replicas of a stage that hold a table looked up different rows: the sum is sparse (for
+    SparseAdam) with the rows either looked up; a replica without a gradient agrees."""
+    a, b = _reduce_on_two_ranks([_rows([0, 2], 1.0), _rows([2, 5], 2.0)])
+    for g in (a, b):
+        assert g.is_sparse
+        assert g.coalesce().indices().flatten().tolist() == [0, 2, 5]
+        assert torch.equal(g.to_dense(), _rows([0, 2], 1.0).to_dense() + _rows([2, 5], 2.0).to_dense())
+    a, b = _reduce_on_two_ranks([_rows([4], 3.0), None])
+    assert a.is_sparse and b.is_sparse and torch.equal(a.to_dense(), b.to_dense())
+    dense = _reduce_on_two_ranks([torch.ones(6, 2), torch.ones(6, 2)])
+    assert not dense[0].is_sparse and torch.equal(dense[0], torch.full((6, 2), 2.0))
