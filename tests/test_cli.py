@@ -357,6 +357,12 @@ def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
         assert s[key] is not None, key
     assert s["steps"] == 3 and len(s["losses"]) == 3 and 4.5 < s["loss_first"] < 6.5  # ln 256 = 5.5
     assert s["relative_error"] == pytest.approx(s["measured_step_s"] / s["predicted_step_s"] - 1)
+    # the price of 1,000 samples, measured and predicted (issue 17): the devices' hourly price x the step
+    from hetplan.io.clusters import load_cluster
+
+    hourly = sum(load_cluster("local").device(d).usd_per_hour for d in serde.load(p).devices)
+    for key in ("measured", "predicted"):
+        assert s[f"{key}_usd_per_1k_samples"] == pytest.approx(1000 * hourly * s[f"{key}_step_s"] / 3600 / 8)
     r = cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--dry-run", "--out", out)
     assert r.code == 0 and "torchrun --nnodes 1 --node-rank 0 --nproc-per-node 2" in r.out
     r = cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--resume", "--out", out)

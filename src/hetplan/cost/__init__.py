@@ -52,7 +52,7 @@ def in_flight_share(schedule: str, stages: int, stage_index: int, batch_size: in
 
 
 __all__ = ["WEIGHT_COPIES", "CostModel", "formulas", "in_flight_share", "inflight_microbatches",
-           "microbatch_fractions", "weight_bytes"]
+           "microbatch_fractions", "usd_per_step", "weight_bytes"]
 
 
 @dataclass(frozen=True)
@@ -315,5 +315,10 @@ class CostModel:
         return worst
 
     def usd_per_step(self, devices: Sequence[str], step_s: float) -> float:
-        return formulas.usd_per_step(math.fsum(self.cluster.device(d).usd_per_hour for d in devices), step_s)
+        return usd_per_step(self.cluster, devices, step_s)
+
+
+def usd_per_step(cluster: Cluster, devices: Sequence[str], step_s: float) -> float:
+    """The price of a step of `step_s` on `devices` (a measured step needs no graph)."""
+    return formulas.usd_per_step(math.fsum(cluster.device(d).usd_per_hour for d in devices), step_s)
 

@@ -287,6 +287,10 @@ def show_run(console: Console, s: dict, plan: Plan) -> None:
     table.add_row("step (median)", fmt_seconds(s["measured_step_s"]), fmt_seconds(pred) if pred else "-",
                   f"{s['relative_error']:+.1%}" if s["relative_error"] is not None else "-")
     table.add_row("samples/s", f"{s['measured_samples_per_s']:,.1f}", "-", "-")
+    paid, priced = s.get("measured_usd_per_1k_samples"), s.get("predicted_usd_per_1k_samples")
+    if paid is not None:
+        table.add_row("$ per 1,000 samples", f"{paid:.6f}", f"{priced:.6f}" if priced is not None else "-",
+                      f"{paid / priced - 1:+.1%}" if priced else "-")
     console.print(table)
     mem = Table(title="peak memory per worker", title_justify="left")
     for col in ("worker", "measured (process RSS)", "predicted (model state + activations)"):

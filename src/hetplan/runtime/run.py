@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hetplan.cluster import Cluster
-from hetplan.cost import CostModel
+from hetplan.cost import usd_per_step
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Estimate, Plan, validate_plan
@@ -72,6 +72,8 @@ class RunReport:
             "first_step": self.first_step, "warmup": r.warmup, "measured_step_s": m.step_s,
             "measured_samples_per_s": m.samples_per_s if m.step_s > 0 else None,
             "predicted_step_s": p.step_s if p else None, "relative_error": self.relative_error,
+            "measured_usd_per_1k_samples": m.usd_per_1k_samples if m.step_s > 0 else None,
+            "predicted_usd_per_1k_samples": p.usd_per_1k_samples if p else None,
             "step_times_s": list(r.step_times_s), "losses": list(r.losses),
             "loss_first": r.losses[0] if r.losses else None, "loss_last": r.losses[-1] if r.losses else None,
             "peak_mem_bytes": {f"{x['rank']}:{x['device']}": x["peak_mem_bytes"] for x in r.ranks},
@@ -138,16 +140,14 @@ def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = 
     return spec, first
 
 
-def measured_estimate(result: RunResult, plan: Plan, cluster: Cluster, graph: Graph | None,
-                      batch_size: int) -> Estimate:
+def measured_estimate(result: RunResult, plan: Plan, cluster: Cluster, batch_size: int) -> Estimate:
     """What a run measured, as an Estimate: step time, samples per second, peak memory per device
     and the price of the step. Busy times and link traffic are not measured (left empty), nor the
     bubble (0.0 here means "not measured", not "none")."""
     step = result.measured_step_s
-    usd = CostModel(graph, cluster).usd_per_step(plan.devices, step) if graph is not None else 0.0
     return Estimate(step_s=step, samples_per_s=batch_size / step if step > 0 else 0.0, busy_s={},
-                    peak_mem_bytes=result.peak_mem_bytes, bubble_fraction=0.0, link_bytes={}, usd_per_step=usd,
-                    feasible=True, method="measured")
+                    peak_mem_bytes=result.peak_mem_bytes, bubble_fraction=0.0, link_bytes={},
+                    usd_per_step=usd_per_step(cluster, plan.devices, step), feasible=True, method="measured")
 
 
 def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = None,
@@ -161,7 +161,7 @@ def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = Non
 
         sim = simulate(graph, cluster, plan, timeline=True)  # the stage table's prediction needs it
         predicted, sim_timeline = sim.estimate, sim.timeline
-    measured = measured_estimate(result, plan, cluster, graph, spec.batch_size)
+    measured = measured_estimate(result, plan, cluster, spec.batch_size)
     files = write_trace(result, spec, sim_timeline) if spec.trace else ()
     return RunReport(plan=plan, model=model, result=result, measured=measured, predicted=predicted, first_step=first,
                      trace_files=files, stages=stage_times(plan, result, sim_timeline))
