@@ -93,7 +93,8 @@ def _reduce_on_two_ranks(grads: list[torch.Tensor | None]) -> list[torch.Tensor]
 
 
 def _rows(rows: list[int], value: float) -> torch.Tensor:
-    return torch.sparse_coo_tensor(torch.tensor([rows]), torch.full((len(rows), 2), value), (6, 2))
+    return torch.sparse_coo_tensor(torch.tensor([rows]), torch.full((len(rows), 2), value), (6, 2),
+                                   check_invariants=True)
 
 
 def test_replicas_sum_sparse_gradients_into_the_union_of_their_rows():

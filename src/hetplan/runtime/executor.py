@@ -258,4 +258,5 @@ def reduce_gradients(groups: Sequence[tuple[tuple[int, ...], Sequence[nn.Paramet
 def _rows_sparse(dense: torch.Tensor) -> torch.Tensor:
     """A sparse tensor of the rows of `dense` that are not all zero (an embedding gradient's form)."""
     rows = torch.nonzero(dense.reshape(dense.shape[0], -1).abs().sum(dim=1)).flatten()
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), dense[rows], dense.shape).coalesce()
+    # the indices are torch.nonzero's, sorted and in range: no need for torch's invariant checks
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), dense[rows], dense.shape, check_invariants=False).coalesce()
