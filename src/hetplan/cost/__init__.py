@@ -296,8 +296,9 @@ class CostModel:
                 continue
             rate = self.cluster.link(a, b).bandwidth_Bps
             for port in self.cluster.interfaces(a, b):
+                # bytes / rate seconds holding min(rate, cap) of the interface's cap: bytes / max(rate, cap)
                 cap = self.cluster.interface_Bps(port)
-                load[port] = load.get(port, 0.0) + formulas.wire_s(nbytes, rate) * min(rate, cap) / cap
+                load[port] = load.get(port, 0.0) + formulas.wire_s(nbytes, max(rate, cap))
         return max(load.values(), default=0.0)
 
     def bottleneck_s(self, plan: Plan) -> float:

@@ -179,5 +179,4 @@ def shared_Bps(link_Bps, lanes, cap_Bps=math.inf):
     has replicas (each device sends and receives through one interface), each at the slowest
     link's bandwidth, and no more than the hosts' network interfaces it crosses carry together
     (`cap_Bps`) (numbers or arrays)."""
-    return np.minimum(np.asarray(link_Bps, dtype=float) * lanes, cap_Bps) if np.ndim(link_Bps) or np.ndim(lanes) \
-        else min(link_Bps * lanes, cap_Bps)
+    return np.minimum(np.multiply(link_Bps, lanes, dtype=float), cap_Bps)

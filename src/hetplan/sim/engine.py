@@ -8,6 +8,16 @@ device's and, between hosts, the two hosts' network interfaces. Transfers that d
 interface together take turns on it, and a device receives in the order its actions use the
 tensors, as hetplan's runtime does (`hetplan.sim.interfaces`).
 
+The work of each stage replica is the schedule's action order (`hetplan.schedule`), run in
+that order as hetplan's runtime runs it (`hetplan.runtime.executor`): an action starts when the
+one before it on the same stage is done and its inputs (activations for a forward pass,
+gradients for a backward pass) have arrived. A device that holds several stages (plans with
+`shared_devices`) runs, of the actions at the heads of its stages' orders, the one whose inputs
+arrived first (ties: the lower stage). After its last backward pass, a replicated stage
+all-reduces its gradients (`CostModel.allreduce_s`: the ring formula, or the curve measured on a
+calibrated cluster), which uses the network, not the device's compute; then every replica takes
+its optimizer step (`CostModel.optimizer_s`: Adam, memory-bound, or as measured on the device).
+
 The loop is a priority queue of finish events ordered by (time, sequence number), so the
 result is deterministic; the code is written with flat lists because planners call it often.
 Phases: the compute tasks of every replica (`_Tasks`), the transfers of every message
@@ -172,7 +182,6 @@ class _Transfers:
         self.port_index: dict[tuple[str, str], int] = {}
         self.capacity: list[float] = []  # per interface: its bandwidth
         self.link: list[int] = []
-        self.src: list[int] = []  # the task that makes it
         self.dur: list[float] = []
         self.bytes: list[float] = []
         self.dst: list[int] = []  # the task that waits for it
@@ -227,7 +236,6 @@ def _add_transfers(msg, cluster: Cluster, tasks: _Tasks, xs: _Transfers) -> None
                 tasks.succ_c[producer].append(consumer)
                 continue
             tasks.succ_x[producer].append(len(xs.link))
-            xs.src.append(producer)
             xs.link.append(lid)
             xs.dur.append(transfer_s(msg.bytes_mb[i], link.bandwidth_Bps, link.latency_s))
             xs.bytes.append(msg.bytes_mb[i])
