@@ -21,12 +21,16 @@ def graphs(draw, min_nodes=1, max_nodes=12, types=("v100-16gb",)):
     edges = sorted({(min(a, b), max(a, b)) for a, b in pairs if a != b})
     nodes = []
     for i in range(n):
+        params = draw(sizes)
         nodes.append(Node(
             id=ids[i], op=draw(st.sampled_from(OPS)),
             fwd_s={t: draw(times) for t in types}, bwd_s={t: draw(times) for t in types},
-            flops=draw(st.floats(0, 1e15)), param_bytes=draw(sizes), out_bytes=draw(sizes),
+            flops=draw(st.floats(0, 1e15)), param_bytes=params, out_bytes=draw(sizes),
             act_bytes=draw(sizes), module=tuple(draw(st.lists(st.sampled_from(["h.0", "h.1", "ln_f"]), max_size=2))),
             is_input=(i == 0 and draw(st.booleans())),
+            runs_on_host=draw(st.booleans()),
+            updated_bytes=draw(st.none() | st.integers(0, params)),  # a sparse table's looked-up rows
+            opt_s={t: draw(times) for t in types} if draw(st.booleans()) else {},  # optimizer step, measured
         ))
     listed = draw(st.permutations(nodes))
     return Graph(

@@ -78,7 +78,7 @@ def test_count_custom_types_and_price_overrides():
 
 def test_presets():
     names = presets()
-    for required in ("v100x4", "v100x8", "hetero-4", "a100+v100-8", "cloud-mix", "local"):
+    for required in ("v100x4", "v100x8", "hetero-4", "a100+v100-8", "cloud-mix", "cloud-ctr", "local"):
         assert required in names
     h = load_cluster("hetero-4")
     assert [h.device(d).type for d in h.ids] == ["a100-40gb", "v100-32gb", "t4-16gb", "t4-16gb"]

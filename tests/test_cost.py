@@ -5,6 +5,7 @@ from hetplan.cost import CostModel, inflight_microbatches, microbatch_fractions
 from hetplan.cost.projection import project_s
 from hetplan.graph import Graph, Node
 from hetplan.io.clusters import load_cluster
+from hetplan.plan import Plan, Stage
 from strategies import V, chain, one_per_stage
 
 
@@ -66,3 +67,66 @@ def test_roofline_projection():
     assert (fwd, bwd) == pytest.approx((0.1 * v100.peak_flops / t4.peak_flops, 0.2 * v100.peak_flops / t4.peak_flops))
 
 
+
+
+def test_host_work_takes_its_measured_time_on_every_device_type():
+    """A node that runs on the host (input parsing) is as slow on a GPU's stage as measured on a
+    CPU; the same node without the flag is projected (roofline, here peak FLOP/s)."""
+    cpu = catalog.cpu_type(1)
+    host = Node("parse", "CriteoParser", {cpu.name: 0.002}, {cpu.name: 0.0}, runs_on_host=True)
+    plain = Node("mlp", "MLP", {cpu.name: 0.002}, {cpu.name: 0.0})
+    g = Graph("g", (host, plain), (), batch_size=8, profiled_on=cpu.name)
+    cm = CostModel(g, load_cluster("cloud-mix"))
+    for dtype in ("t4-16gb", "a100-40gb", "cpu-16t"):
+        times = cm.node_times_s(dtype)
+        assert times["parse"] == (0.002, 0.0)
+        assert times["mlp"][0] == pytest.approx(0.002 * cpu.peak_flops / catalog.lookup(dtype).peak_flops)
+
+
+def test_a_sparse_tables_optimizer_step_costs_its_looked_up_rows():
+    """The optimizer of a table with sparse gradients updates `updated_bytes`, not the table:
+    the simulated step is shorter by exactly the difference of the two optimizer steps."""
+    from hetplan.sim import simulate
+
+    cluster = load_cluster("cloud-mix")
+    table = Node("t", "EmbeddingBag", {V: 0.001}, {V: 0.001}, param_bytes=4 * 10**8)
+    g_dense = Graph("g", (table,), (), batch_size=8, profiled_on=V)
+    g_sparse = Graph("g", (Node(**{**table.__dict__, "updated_bytes": 4 * 10**4}),), (), batch_size=8, profiled_on=V)
+    plan = Plan((Stage(("t",), ("c0",)),), 1, "1f1b", "test")
+    steps = [simulate(g, cluster, plan).estimate.step_s for g in (g_dense, g_sparse)]
+    cm = CostModel(g_dense, cluster)
+    assert CostModel(g_sparse, cluster).optimizer_bytes(("t",)) == 4 * 10**4
+    assert steps[0] - steps[1] == pytest.approx(cm.optimizer_s(4 * 10**8, "c0") - cm.optimizer_s(4 * 10**4, "c0"))
+    assert steps[0] - steps[1] > 0.01  # Adam over 400 MB on a 16-thread CPU: about 17 ms
+
+
+def test_updated_bytes_are_checked_and_kept():
+    from hetplan.errors import GraphError
+    from hetplan.io import serde
+
+    with pytest.raises(GraphError, match="updated_bytes"):
+        Node("t", "EmbeddingBag", {V: 0.0}, {V: 0.0}, param_bytes=10, updated_bytes=11)
+    node = Node("t", "EmbeddingBag", {V: 0.0}, {V: 0.0}, param_bytes=10, updated_bytes=4, runs_on_host=True)
+    g = Graph("g", (node,), (), batch_size=8, profiled_on=V)
+    back = serde.loads(serde.dumps(g))
+    assert back.node("t") == node and back.node("t").optimizer_bytes == 4
+
+
+def test_a_measured_optimizer_step_takes_precedence_over_the_formula():
+    """On a device type where the profiler timed each node's optimizer step, a stage's step is
+    their sum; elsewhere the formula of the bytes it updates."""
+    from hetplan.sim import simulate
+
+    cluster = load_cluster("cloud-mix")  # c0: cpu-16t, t0: t4-16gb
+    nodes = (Node("a", "EmbeddingBag", {"cpu-16t": 0.001}, {"cpu-16t": 0.001}, param_bytes=10**6,
+                  updated_bytes=10**3, opt_s={"cpu-16t": 0.004}),
+             Node("b", "Linear", {"cpu-16t": 0.001}, {"cpu-16t": 0.001}, param_bytes=10**6, opt_s={"cpu-16t": 0.002}))
+    g = Graph("g", nodes, (), batch_size=8, profiled_on="cpu-16t")
+    cm = CostModel(g, cluster)
+    assert cm.stage_optimizer_s(("a", "b"), "c0") == pytest.approx(0.006)
+    assert cm.stage_optimizer_s(("a", "b"), "t0") == pytest.approx(cm.optimizer_s(10**3 + 10**6, "t0"))
+    plain = Graph("g", tuple(Node(**{**n.__dict__, "opt_s": {}}) for n in nodes), (), batch_size=8,
+                  profiled_on="cpu-16t")
+    plan = Plan((Stage(("a", "b"), ("c0",)),), 1, "1f1b", "test")
+    steps = [simulate(x, cluster, plan).estimate.step_s for x in (g, plain)]
+    assert steps[0] - steps[1] == pytest.approx(0.006 - cm.optimizer_s(10**3 + 10**6, "c0"))

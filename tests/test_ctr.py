@@ -28,14 +28,6 @@ SMALL = (2000,) * 4 + (100,) * 22  # small tables: fast to build and to learn
 HEX = re.compile(rb"[0-9a-f]{8}")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _click_log_cache(tmp_path_factory):
-    """The builder writes its click log under $HETPLAN_CACHE: a temporary folder, not the user's home."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HETPLAN_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
-
-
 @pytest.fixture
 def small_log(tmp_path):
     return write_click_log(tmp_path / "small.tsv", 400, 5, SMALL).read_bytes().splitlines()
@@ -202,3 +194,23 @@ def test_ctr_dnn_profiles_with_a_parser_node():
                          fixed=False).graph
     # the four 2,000-row tables alone, the 22 small ones in shards of at most 2,000 rows
     assert [n.op for n in block.nodes] == ["Input", "CriteoParser", *["EmbeddingShard"] * 6, "MLP"]
+
+
+def test_the_profile_marks_the_parser_as_host_work_and_counts_the_looked_up_rows():
+    """The parser runs on the host whatever the stage's device; a table's optimizer updates the
+    rows the batch looked up (its sparse gradient's distinct rows), not the whole table."""
+    zm = ctr_dnn(16, 0, 0, tables=SMALL, hidden=(64, 32))
+    graph = profile_step(zm.step, zm.batch, name="ctr-dnn", repeats=1, fixed=False).graph
+    assert graph.node("parser").runs_on_host
+    assert not any(n.runs_on_host for n in graph.nodes if n.id != "parser")
+    _, _, ids = parse_lines(decode_lines(zm.batch["lines"]))
+    bags = {n.id.rsplit(".", 1)[-1]: n for n in graph.nodes if n.op == "EmbeddingBag"}
+    for field in range(26):
+        node = bags[f"C{field + 1}"]
+        assert node.updated_bytes == len(np.unique(ids[:, field] % SMALL[field])) * 16 * 4  # hashing trick
+        assert node.optimizer_bytes == node.updated_bytes < node.param_bytes
+    mlp = graph.node("mlp.0")
+    assert mlp.updated_bytes is None and mlp.optimizer_bytes == mlp.param_bytes
+    # the optimizer step of every node with parameters, measured: SparseAdam on a table's rows
+    assert all(n.opt_s[t] > 0 for n in graph.nodes if n.param_bytes for t in n.fwd_s)
+    assert not any(n.opt_s for n in graph.nodes if not n.param_bytes)

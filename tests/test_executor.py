@@ -48,11 +48,13 @@ def chain_plan(names, replicas, m, schedule, cuts=None):
                       for k, r in enumerate(replicas)), m, schedule, "test")
 
 
-def reference_step(zm, batch, m, lr):
+def reference_step(zm, batch, m, lr, optimizer="sgd"):
     """Single process: the micro-batches one after the other (batch norm sees micro-batches, as
-    in the pipeline), each loss weighted by its share of the batch, one SGD step."""
-    opt = torch.optim.SGD(zm.step.parameters(), lr=lr)
-    opt.zero_grad()
+    in the pipeline), each loss weighted by its share of the batch, one step of SGD, or of Adam
+    on the dense gradients and SparseAdam on the sparse ones (torch's own, made here)."""
+    params = list(zm.step.parameters())
+    for p in params:
+        p.grad = None
     size = next(iter(batch.values())).shape[0]
     chunks = {k: v.tensor_split(m) for k, v in batch.items()}
     total = 0.0
@@ -61,12 +63,18 @@ def reference_step(zm, batch, m, lr):
         loss = zm.step(**part) * (next(iter(part.values())).shape[0] / size)
         loss.backward()
         total += loss.item()
-    opt.step()
+    if optimizer == "sgd":
+        torch.optim.SGD(params, lr=lr).step()
+        return total
+    sparse = [p for p in params if p.grad is not None and p.grad.is_sparse]
+    torch.optim.Adam([p for p in params if not any(p is q for q in sparse)], lr=lr).step()
+    if sparse:
+        torch.optim.SparseAdam(sparse, lr=lr).step()
     return total
 
 
 def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=None, cuts=None, names_of=None,
-                        bindings=None, ref_device="cpu"):
+                        bindings=None, ref_device="cpu", optimizer="sgd"):
     """Run one step pipelined (threads) and single-process (on `ref_device`); returns the largest
     weight difference, the largest weight change, the two losses, the plan and the run's results."""
     lr = 0.1
@@ -75,13 +83,13 @@ def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=Non
     names = [p.name for p in split.pieces]
     plan = chain_plan(names, replicas, m, schedule, cuts=names_of(names) if names_of else cuts)
     spec = run_spec(plan, cpus(sum(replicas), bindings), ref, batch_size=batch, seq_len=seq, granularity="layer",
-                    steps=1, warmup=0, optimizer="sgd", lr=lr, out_dir="unused", no_dropout=True)
+                    steps=1, warmup=0, optimizer=optimizer, lr=lr, out_dir="unused", no_dropout=True)
     if weights:
         spec = replace(spec, replica_weights=weights)
     results = run_threads(spec)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     zm.step.to(ref_device)  # in place: the stage modules below share these parameters
-    ref_loss = reference_step(zm, {k: v.to(ref_device) for k, v in _batches(spec, zm, 0).items()}, m, lr)
+    ref_loss = reference_step(zm, {k: v.to(ref_device) for k, v in _batches(spec, zm, 0).items()}, m, lr, optimizer)
     modules = stage_modules(split, plan)
     worst = moved = 0.0
     for rank, res in enumerate(results):
@@ -99,17 +107,34 @@ def check(worst, moved, loss, ref_loss, *_, tol=1e-5):
     assert loss == pytest.approx(ref_loss, rel=tol)
 
 
-@pytest.mark.parametrize("name", list(ZOO))
+# gpt2 is gpt2-tiny's builder and classes at 124M parameters: 22 s of the suite for no other code
+@pytest.mark.parametrize("name", [name for name in ZOO if name != "gpt2"])
 def test_two_stages_of_every_zoo_model_equal_single_process(name):
     schedule = "1f1b" if list(ZOO).index(name) % 2 else "gpipe"
     check(*pipelined_vs_single(name, [1, 1], 2, schedule))
 
 
+@pytest.mark.parametrize("replicas", [[1, 1], [2, 1]])
+def test_ctr_tables_and_mlp_on_different_workers_equal_single_process_with_adam(replicas):
+    """Issue 17: ctr-dnn's parser and 26 tables (sparse gradients) on one stage, replicated or
+    not (replicas sum their sparse gradients), its MLP on another; one step of Adam, SparseAdam
+    on the tables, equals torch's own Adam and SparseAdam in one process."""
+    def at_the_mlp(names):
+        return [next(i for i, n in enumerate(names) if n.startswith("mlp"))]
+
+    worst, moved, loss, ref_loss, plan, *_ = pipelined_vs_single(
+        "user_models:ctr_small", replicas, 2, "1f1b", batch=16, names_of=at_the_mlp, optimizer="adam")
+    assert [n for n in plan.stages[0].nodes if n.startswith("shards")] and plan.stages[1].nodes[0] == "mlp.0"
+    assert not any(n.startswith(("shards", "parser")) for n in plan.stages[1].nodes)
+    check(worst, moved, loss, ref_loss)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_transformers_families_run_in_two_three_and_four_stages(family):
+def test_transformers_families_run_in_two_and_four_stages(family):
     """The families of issue 12 (grouped-query attention and rotary tables, an encoder-decoder,
-    masks that cross boundaries as views, a CNN), as 2-, 3- and 4-stage pipelines."""
-    for stages, schedule in ((2, "gpipe"), (3, "1f1b"), (4, "1f1b")):
+    masks that cross boundaries as views, a CNN), as 2- and 4-stage pipelines (a middle stage,
+    receiving and sending, is in the 4-stage one)."""
+    for stages, schedule in ((2, "gpipe"), (4, "1f1b")):
         check(*pipelined_vs_single(f"hf_families:{family}", [1] * stages, 2, schedule))
 
 

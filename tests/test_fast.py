@@ -1,12 +1,15 @@
 """The numpy fast path against the event simulator: exact on chains of single-device stages
 where no host's network interface carries two streams, the same ranking on any plans."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
+from hetplan.graph import Edge
 from hetplan.io.clusters import load_cluster
 from hetplan.io.pipedream import import_pipedream
 from hetplan.plan import Plan, Stage
@@ -40,6 +43,21 @@ def test_fast_path_equals_the_event_simulator_on_chains(case):
     assume(one_stream_per_host_interface(CLUSTER, [s.devices[0] for s in plan.stages]))
     event = simulate(graph, CLUSTER, plan, routing="relay", timeline=False).estimate.step_s
     assert fast_step_s(graph, CLUSTER, [plan])[0] == pytest.approx(event, rel=1e-9, abs=1e-12)
+
+
+def test_a_boundary_carrying_nothing_takes_no_turn_on_an_interface():
+    """Found by the test above in CI: stage 0 sends nothing to stage 1, which sends 1 byte to
+    stage 2. Stage 1 receives stage 2's gradient of micro-batch 0 while stage 0 still runs; the
+    fast path made that gradient wait for stage 0's (empty) second forward, so the step ended
+    one latency late. Step: stage 0's four actions, 4 x 0.5 x (15.7 / 19.5)."""
+    graph = chain(3, fwd=0.0, bwd=0.0, batch=2)
+    nodes = list(graph.nodes)
+    nodes[0] = dataclasses.replace(nodes[0], fwd_s={"v100-16gb": 1.0}, bwd_s={"v100-16gb": 1.0})
+    graph = dataclasses.replace(graph, nodes=tuple(nodes), edges=(Edge("n1", "n2", 1),))
+    plan = one_per_stage(3, 2, "1f1b", ["a0", "a1", "v0"])
+    event = simulate(graph, CLUSTER, plan, routing="relay", timeline=False).estimate.step_s
+    assert event == pytest.approx(2 * 15.7 / 19.5, rel=1e-12)
+    assert fast_step_s(graph, CLUSTER, [plan])[0] == pytest.approx(event, rel=1e-12)
 
 
 @pytest.mark.parametrize("n,m", [(1, 1), (2, 4), (4, 8), (8, 16)])

@@ -72,7 +72,7 @@ LAYERS = (
     "hetplan.graph hetplan.cluster hetplan.plan",
     "hetplan.cost hetplan.io",
     "hetplan.sim hetplan.runtime.support",  # what the runtime can execute: data the planners read
-    "hetplan.planners hetplan.zoo hetplan.profile",
+    "hetplan.planners hetplan.zoo hetplan.profile hetplan.runtime.optim",  # the optimizer, which the profiler times
     "hetplan.runtime hetplan.report",
     "hetplan.demo hetplan.cli hetplan.__main__ hetplan",
 )

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -289,3 +290,67 @@ def test_a_non_finite_loss_or_gradient_skips_the_update_and_lowers_the_step():
     assert torch.equal(w.detach(), torch.ones(3)) and opt.param_groups[0]["lr"] == pytest.approx(0.025)
     assert guarded_update(opt, (2 * w).sum())  # a finite one updates
     assert torch.allclose(w.detach(), torch.full((3,), 1 - 0.025 * 2))
+
+
+def _ctr_problem():
+    """HeterPS's case in small: parsing (host work, as slow anywhere), a 2 GiB embedding table
+    (sparse, memory-bound) and a compute-heavy MLP, on cheap 4-thread CPU workers, a cheap GPU
+    whose 1 GiB cannot hold the table and a large GPU priced ten times as much."""
+    from hetplan.graph import Edge, Graph, Node
+    from hetplan.io.clusters import cluster_from_spec
+
+    cpu = "cpu-4t"
+    gib = 2**30
+    nodes = (Node("input", "Input", {cpu: 0.0}, {cpu: 0.0}, out_bytes=256 * 384, is_input=True),
+             Node("parse", "CriteoParser", {cpu: 0.002}, {cpu: 0.0}, out_bytes=256 * 26 * 8, runs_on_host=True),
+             Node("table", "EmbeddingBag", {cpu: 0.0002}, {cpu: 0.0002}, param_bytes=2 * gib,
+                  out_bytes=256 * 26 * 16 * 4, act_bytes=256 * 26 * 16 * 4, updated_bytes=256 * 26 * 64),
+             Node("mlp", "MLP", {cpu: 0.03}, {cpu: 0.06}, flops=3e10, param_bytes=4 * 10**6,
+                  out_bytes=1024, act_bytes=256 * 2048 * 4))
+    edges = (Edge("input", "parse", 256 * 384), Edge("parse", "table", 256 * 26 * 8),
+             Edge("table", "mlp", 256 * 26 * 16 * 4))
+    graph = Graph("ctr", nodes, edges, batch_size=256, profiled_on=cpu)
+    cluster = cluster_from_spec({
+        "types": {"small-gpu": {"base": "t4-16gb", "memory": "1GiB", "usd_per_hour": 0.3},
+                  "big-gpu": {"base": "a100-40gb", "usd_per_hour": 3.0}},
+        "devices": [{"id": "c", "type": "cpu", "threads": 4, "memory": "64GiB", "host": "cpus", "count": 4},
+                    {"id": "g0", "type": "small-gpu", "host": "gpus"}, {"id": "b0", "type": "big-gpu", "host": "gpus"}],
+        "network": {"intra_host": {"bandwidth": "12GB/s", "latency": "10us"},
+                    "inter_host": {"bandwidth": "25Gbit/s", "latency": "50us"}},
+    }, "ctr-test")
+    return graph, cluster
+
+
+@pytest.mark.parametrize("planner", ["heterps", "dp"])
+def test_the_tables_go_to_the_cpus_when_gpu_memory_costs_more(planner):
+    """At 20,000 samples/s the CPUs alone are too slow for the MLP, the cheap GPU cannot hold the
+    table and the large one costs $3/h: the cheapest plan parses and looks up on a CPU worker and
+    runs the MLP on the cheap GPU ($0.46/h)."""
+    graph, cluster = _ctr_problem()
+    options = PlanOptions(objective="cost", min_samples_per_s=20_000, max_iters=20, seed=0)
+    plan = make_plan(graph, cluster, planner, options)
+    device_type = {v: cluster.device(st.devices[0]).type for st in plan.stages for v in st.nodes}
+    assert device_type["table"] == device_type["parse"] == "cpu-4t"
+    assert device_type["mlp"] == "small-gpu"
+    assert sorted(cluster.device(d).type for d in plan.devices) == ["cpu-4t", "small-gpu"]  # no more
+    assert plan.predicted.samples_per_s >= 20_000
+    for t in ("cpu-4t", "big-gpu"):
+        one = all_one_type(graph, cluster, options, t)
+        est = simulate(graph, cluster, one).estimate
+        assert not (est.feasible and est.samples_per_s >= 20_000) or est.usd_per_step > plan.predicted.usd_per_step
+
+
+def test_dp_for_cost_finds_what_dp_for_time_finds():
+    """ctr-dnn (profiled on one thread, tests/data) on cloud-ctr's eight CPU workers: dp for time
+    finds 154,000 samples/s; dp for cost at a floor of 145,000 found nothing, its program's model
+    seeing that plan as too slow. Now the fastest plans are its candidates too."""
+    from hetplan.io import serde
+
+    graph = serde.load(Path(__file__).parent / "data" / "ctr-dnn-cpu1.json", expect="graph")
+    cloud = load_cluster("cloud-ctr")
+    cpus = cloud.subset([d.id for d in cloud.devices if d.type == "cpu-4t"])
+    fastest = make_plan(graph, cpus, "dp", PlanOptions(objective="time"))
+    floor = 0.95 * fastest.predicted.samples_per_s
+    cheapest = make_plan(graph, cpus, "dp", PlanOptions(objective="cost", min_samples_per_s=floor))
+    assert cheapest.predicted.samples_per_s >= floor
+    assert cheapest.predicted.usd_per_step <= fastest.predicted.usd_per_step * (1 + 1e-9)

@@ -89,10 +89,12 @@ def test_uneven_replicas_of_different_thread_counts_equal_single_process(tmp_pat
                                                                                  r["replica"]) > 0]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_stage_without_parameters_passes_integers_across_two_boundaries(tmp_path, schedule):
+def test_a_stage_without_parameters_passes_integers_across_two_boundaries(tmp_path):
     """gpt2-tiny in three worker processes, the middle stage a lone dropout (no parameters, no
-    optimizer), so token ids and labels (int64) cross two boundaries, on torch >= 2.11."""
+    optimizer), so token ids and labels (int64) cross two boundaries, on torch >= 2.11. One
+    schedule: what crosses a boundary does not depend on it (the executor's test in threads
+    runs 1F1B with more and fewer micro-batches than stages)."""
+    schedule = "gpipe"
     names = [p.name for p in split_step(model("gpt2-tiny").step, model("gpt2-tiny").batch).pieces]
     middle = names.index("transformer.drop")
     run_and_compare(tmp_path, "gpt2-tiny", [1, 1, 1], [1, 1, 1], 4, schedule, batch_size=8,

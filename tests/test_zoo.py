@@ -7,14 +7,6 @@ from hetplan.errors import HetplanError
 from hetplan.zoo import ZOO, load_model, zoo_names
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _click_log_cache(tmp_path_factory):
-    """ctr-dnn writes its click log under $HETPLAN_CACHE: a temporary folder, not the user's home."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HETPLAN_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
-
-
 def test_the_zoo_has_the_models_users_ask_for():
     assert set(zoo_names()) == {"gpt2", "gpt2-tiny", "bert-base", "llama-tiny", "resnet50", "vit-base",
                                 "inception-tiny", "mlp", "ctr-dnn"}

@@ -16,6 +16,13 @@ class Tiny(nn.Module):
         return self.fc2(h) + x[:, :1]  # a skip from the input to the output
 
 
+def ctr_small(batch_size=16, seq_len=None):
+    """hetplan's ctr-dnn with small tables (four of 2,000 rows, 22 of 100) and a small MLP."""
+    from hetplan.zoo.models import ctr_dnn
+
+    return ctr_dnn(batch_size, 0, 0, tables=(2000,) * 4 + (100,) * 22, hidden=(64, 32))
+
+
 def make(batch_size=4, seq_len=None):
     torch.manual_seed(0)
     return Tiny(), {"x": torch.randn(batch_size, 8)}

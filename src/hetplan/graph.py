@@ -51,6 +51,14 @@ class Node:
     the profiler measured them, are the part of a pass that does not shrink with the batch (the
     cost of calling the node's operators): a micro-batch of b samples takes
     `fixed + (time - fixed) * b / batch_size`; missing types mean 0.
+
+    `runs_on_host`: the node's work is Python on the host CPU whatever device its stage is on
+    (parsing input records): its time does not change with the device type (`hetplan.cost`).
+    `updated_bytes`: the parameter bytes its optimizer step updates per batch, where that is less
+    than `param_bytes` (an embedding table with sparse gradients: only the rows the batch looked
+    up); None means all of them (`optimizer_bytes`). `opt_s`: per device type where the profiler
+    measured it, the time of the optimizer step (Adam, SparseAdam on sparse gradients) over the
+    node's parameters.
     """
 
     id: str
@@ -65,12 +73,15 @@ class Node:
     is_input: bool = False
     fwd_fixed_s: Mapping[str, float] = field(default_factory=FrozenMap)
     bwd_fixed_s: Mapping[str, float] = field(default_factory=FrozenMap)
+    runs_on_host: bool = False
+    updated_bytes: int | None = None
+    opt_s: Mapping[str, float] = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
             raise GraphError(f"node id must be a non-empty string, got {self.id!r}")
         who = f"node {self.id!r}"
-        for name in ("fwd_s", "bwd_s"):
+        for name in ("fwd_s", "bwd_s", "opt_s"):
             times = getattr(self, name)
             if not isinstance(times, Mapping):
                 raise GraphError(f"{who}: {name} must map device types to seconds, got {times!r}")
@@ -85,6 +96,7 @@ class Node:
         for name in ("flops", "param_bytes", "out_bytes", "act_bytes"):
             _check_number(getattr(self, name), f"{who}: {name}")
         object.__setattr__(self, "module", tuple(self.module))
+        self._check_updated(who)
         for name, whole in (("fwd_fixed_s", self.fwd_s), ("bwd_fixed_s", self.bwd_s)):
             fixed = getattr(self, name)
             for dtype, t in fixed.items():
@@ -93,6 +105,18 @@ class Node:
                     raise GraphError(f"{who}: {name}[{dtype!r}] is {t}, more than the whole pass "
                                      f"({whole.get(dtype)}); the fixed part is a part of it")
             object.__setattr__(self, name, FrozenMap({k: float(v) for k, v in fixed.items()}))
+
+    def _check_updated(self, who: str) -> None:
+        if self.updated_bytes is not None:
+            _check_number(self.updated_bytes, f"{who}: updated_bytes")
+            if self.updated_bytes > self.param_bytes:
+                raise GraphError(f"{who}: updated_bytes ({self.updated_bytes}) is more than param_bytes "
+                                 f"({self.param_bytes}); the optimizer updates a part of the parameters")
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """The parameter bytes the optimizer step reads and writes per batch."""
+        return self.param_bytes if self.updated_bytes is None else self.updated_bytes
 
     def time_s(self, device_type: str) -> float:
         """Forward plus backward time on `device_type` (measured; KeyError if not profiled)."""

@@ -116,8 +116,10 @@ class CostModel:
                 raise HetplanError(f"unknown device type {device_type!r}")
             src = self._source_type(target)
             traffic = self._traffic_bytes
+            # a node that runs on the host takes its measured time on any device type
             times = {
-                n.id: (project_s(n.fwd_s[src.name], n.flops, traffic[n.id], src, target),
+                n.id: (n.fwd_s[src.name], n.bwd_s[src.name]) if n.runs_on_host else
+                      (project_s(n.fwd_s[src.name], n.flops, traffic[n.id], src, target),
                        project_s(n.bwd_s[src.name], n.flops, traffic[n.id], src, target))
                 for n in graph.nodes
             }
@@ -161,10 +163,40 @@ class CostModel:
         fwd, bwd = self.stage_times_s(nodes, self.cluster.device(device_id).type)
         return fwd + bwd
 
+    def measured_optimizer_s(self, device_type: str) -> dict[str, float] | None:
+        """Per node, its optimizer step as the profiler measured it on this device type (0 for a
+        node without parameters), or None if the graph has none measured there. Measured steps
+        take precedence over `optimizer_s`: they include the cost per tensor (SparseAdam on a
+        table's looked-up rows) that a formula of the bytes misses."""
+        if device_type not in self._opt_measured:
+            nodes = self.graph.nodes
+            self._opt_measured[device_type] = ({n.id: n.opt_s.get(device_type, 0.0) for n in nodes}
+                                               if any(device_type in n.opt_s for n in nodes) else None)
+        return self._opt_measured[device_type]
+
+    @cached_property
+    def _opt_measured(self) -> dict[str, dict[str, float] | None]:
+        return {}  # device type -> `measured_optimizer_s`; filled on first use of each type
+
+    def stage_optimizer_s(self, nodes: Sequence[str], device_id: str) -> float:
+        """The optimizer step of these nodes' parameters on a device: measured by the profiler
+        on its type, else `optimizer_s` of the bytes it updates."""
+        measured = self.measured_optimizer_s(self.cluster.device(device_id).type)
+        if measured is not None:
+            return math.fsum(measured[n] for n in nodes)
+        return self.optimizer_s(self.optimizer_bytes(nodes), device_id)
+
+    def optimizer_bytes(self, nodes: Sequence[str]) -> int:
+        """The parameter bytes the optimizer step of these nodes updates (`Node.optimizer_bytes`:
+        only the looked-up rows of a table with sparse gradients)."""
+        by_id = self.graph.by_id
+        return sum(by_id[n].optimizer_bytes for n in nodes)
+
     def optimizer_s(self, param_bytes, device_id: str):
         """Time of the optimizer step over `param_bytes` of weights (a number or an array) on a
         device: read off what `hetplan calibrate` measured there, else Adam's memory-bound
-        formula on its type."""
+        formula on its type. Pass `optimizer_bytes`, not the parameters' size: sparse
+        gradients update fewer."""
         dev = self.cluster.device(device_id)
         if dev.optimizer_points:
             return formulas.measured_s(param_bytes, dev.optimizer_points)

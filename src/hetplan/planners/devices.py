@@ -3,8 +3,10 @@ are interchangeable, and the sequences of devices along which stages take their 
 
 Every distinct order of the cluster's device classes (devices of one type, host, memory, price
 and threads, with no link of their own) when there are at most `MAX_ORDERS`; otherwise orders
-that keep types and hosts together, one per order of the types (fastest first, ...), plus
-cheapest-per-speed first for the cost objective.
+that keep types and hosts together, one per order of the types (fastest first, ...), plus for
+the cost objective cheapest-per-speed first and, per order of the types, 1, 2, 4, ... devices of
+the first type and then the types taken in turn (a plan uses a prefix of an order: so it can take
+a few devices of each type).
 """
 
 from __future__ import annotations
@@ -83,4 +85,16 @@ def device_orders(cluster: Cluster, speed: dict[str, float], objective: str,
     if objective == "cost":  # cheapest work first: price per unit of speed
         seq = sorted(classes, key=lambda c: (cluster.device(classes[c][0]).usd_per_hour / speed[c[0]], c))
         orders.append(realise([c for c in seq for _ in classes[c]]))
+        # k = 1, 2, 4, ... devices of the first type, then the types taken in turn: a plan uses a
+        # prefix of an order, and with the types kept together one cheap GPU after eight CPU
+        # workers comes only with all eight (issue 17: parsing on two CPUs, the MLP on a GPU)
+        for tord in type_orders:
+            queues = [[key for key, ids in sorted(classes.items(), key=lambda kv: kv[0][1:]) if key[0] == t
+                       for _ in ids] for t in tord]
+            k = 1
+            while k < len(queues[0]):
+                rest = [*queues[1:], queues[0][k:]]  # the next type right after the k
+                orders.append(realise(queues[0][:k] + [q[i] for i in range(max(map(len, rest)))
+                                                       for q in rest if i < len(q)]))
+                k *= 2
     return list(dict.fromkeys(orders))[:limit]

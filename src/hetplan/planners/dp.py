@@ -202,13 +202,16 @@ class _Order:
             self._cut_Bps[key] = self.cost.cut_Bps(self.order[d:e], self.order[e:e + k_next])
         return self._cut_Bps[key]
 
-    def ending_at(self, prob: StateSums, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def ending_at(self, prob: StateSums, j: int) -> tuple[np.ndarray, ...]:
         """For stages S_j - S_i over every earlier state i: the i, the stage's time per device
-        type (types, candidates), its parameter bytes and its activation bytes (kept for the last j)."""
+        type (types, candidates), its parameter bytes, its activation bytes and what its optimizer
+        step needs (the bytes it updates, and its measured time per device type where the
+        profiler measured it) (kept for the last j)."""
         if self._ending[0] != j:
             below = prob.below_arr[j]
+            opt = (prob.updated[j] - prob.updated[below], {t: o[j] - o[below] for t, o in prob.opt.items()})
             self._ending = (j, (below, self.times[:, j][:, None] - self.times[:, below],
-                                prob.params[j] - prob.params[below], prob.acts[j] - prob.acts[below]))
+                                prob.params[j] - prob.params[below], prob.acts[j] - prob.acts[below], opt))
         return self._ending[1]
 
     def _group(self, prob: StateSums, scorer: Scorer, d: int, k: int) -> tuple:
@@ -264,7 +267,8 @@ class _Front:
 
 
 def _after_stage(cost, devices: tuple[str, ...], per_step_s: float):
-    """What a stage on `devices` costs after its last action, for an array of its weights' bytes:
+    """What a stage on `devices` costs after its last action, for arrays of its weights' bytes and
+    of what its optimizer step needs (`_Order.ending_at`):
     the all-reduce over its replicas, then the slowest replica's optimizer step and the runtime's
     cost per step (replicas on the same optimizer figures are asked once)."""
     ones = {}
@@ -272,8 +276,10 @@ def _after_stage(cost, devices: tuple[str, ...], per_step_s: float):
         d = cost.cluster.device(dev)
         ones.setdefault((d.type, d.optimizer_points), dev)
 
-    def after(w_stage: np.ndarray) -> np.ndarray:
-        opt = np.max([cost.optimizer_s(w_stage, dev) for dev in ones.values()], axis=0)
+    def after(w_stage: np.ndarray, opt_needs: tuple) -> np.ndarray:
+        u_stage, measured = opt_needs  # as `CostModel.stage_optimizer_s`: measured, else from the bytes
+        opt = np.max([measured[t] if t in measured else cost.optimizer_s(u_stage, dev)
+                      for (t, _), dev in ones.items()], axis=0)
         return cost.allreduce_s(w_stage, devices) + opt + per_step_s
 
     return after
@@ -284,7 +290,7 @@ def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound
     i are allowed (time bound, memory, devices left), the stage's time, its memory need over
     what is free (the worst replica type), its all-reduce + optimizer step, and (objective
     throughput) its steady-state time per batch."""
-    below, diff, w_stage, a_stage = setup.ending_at(prob, j)
+    below, diff, w_stage, a_stage, opt_needs = setup.ending_at(prob, j)
     cnt, mem, after_stage, devices = setup.groups[(d, k)]
     with np.errstate(divide="ignore", invalid="ignore"):
         used = [ti for ti, c in enumerate(cnt) if c]
@@ -301,7 +307,7 @@ def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound
     ok = (t <= bound_s) & fits & ((ratio <= 1.0) | setup.bounded)
     ok &= (below == 0) if d == 0 else (below != 0)  # with d == 0 no devices are left for nodes before
     ok &= setup.rest[below, d] <= bound_s  # the slowest stage before takes at least that
-    ar = after_stage(w_stage)
+    ar = after_stage(w_stage, opt_needs)
     steady = steady_stage_s(t, setup.cost.allreduce_s(w_stage, devices), k) if setup.track_thr else t
     return np.nonzero(ok)[0], below, t, ratio, ar, steady
 
@@ -539,9 +545,13 @@ def dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
     plans += found
     meta["sub_clusters"] = [len(sub.devices) for sub in subs]
     plans += _baselines_as_dp(graph, cluster, options)
-    if not plans and options.objective == "cost":  # the floor cut everything: say how fast it can go
-        fastest, _ = dp_candidates(graph, cluster, replace(options, objective="time", min_samples_per_s=None))
-        raise scorer.infeasible(fastest, "dp")
+    if options.objective == "cost":
+        # the fastest plans are candidates too: the program's model, against which the floor is
+        # checked first, can see a plan that reaches it as too slow (ctr-dnn on eight CPU
+        # workers: 154,000 samples/s simulated, and nothing found at a floor of 145,000)
+        fastest, _ = dp_candidates(graph, cluster, replace(options, objective="time", min_samples_per_s=None),
+                                   max_states=states, known=found)
+        plans += [replace(p, objective="cost") for p in fastest]
     best = scorer.best(plans, "dp")
     return replace(best, meta={**best.meta, "dp": meta})
 

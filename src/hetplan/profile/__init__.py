@@ -17,7 +17,7 @@ import contextlib
 import copy
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,7 @@ from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.profile.devices import ProfileDevice, parse_device
 from hetplan.profile.split import GRANULARITIES, SplitStep, split_step, tensor_bytes
-from hetplan.profile.timing import Timing, time_in_sequence, warm_pass
+from hetplan.profile.timing import Timing, optimizer_times, time_in_sequence, warm_pass
 
 __all__ = ["GRANULARITIES", "ProfileReport", "profile", "profile_step"]
 
@@ -88,6 +88,8 @@ class _Measured:
     whole_s: list[float]  # per repeat, the unsplit step (with check)
     repeats: int
     fixed: dict[str, tuple[float, float]] | None = None  # per node, the fixed parts (`_fixed_parts`)
+    opt_s: dict[str, float] = field(default_factory=dict)  # per node with parameters, its optimizer step
+    updated: dict[str, int | None] = field(default_factory=dict)  # per node, `_updated_bytes`
 
 
 def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
@@ -131,7 +133,10 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
                              progress=(lambda msg: progress(f"{device.device_type}: {msg}")) if progress else None,
                              also=[small[1:]] if small else [])
     parts = _fixed_parts(timed.times, timed.also[0], batch_size, small[0]) if small else None
-    return _Measured(split, values, timed.times, flops, acts, timed.totals_s, timed.whole_s, repeats, parts)
+    updated = {p.name: _updated_bytes(p.module.parameters()) for p in split.pieces}  # before the steps below
+    opt = optimizer_times(split, device.torch_device, repeats)
+    return _Measured(split, values, timed.times, flops, acts, timed.totals_s, timed.whole_s, repeats, parts, opt,
+                     updated)
 
 
 def profile_step(
@@ -179,7 +184,7 @@ def profile_step(
                         "try a smaller --batch-size"
                     ) from None
                 raise
-    graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, fixed_parts)
+    graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, fixed_parts, host_modules(step))
     return _report(graph, start, measured)
 
 
@@ -231,9 +236,31 @@ def _fixed_parts(full: Mapping[str, Any], part: Mapping[str, Any], big: int,
     return out
 
 
+def host_modules(step: nn.Module) -> tuple[str, ...]:
+    """Qualified names (as `Node.module` writes them) of the modules whose work runs on the host
+    whatever the device: those with a true `runs_on_host` attribute (`CriteoParser`)."""
+    return tuple(q.removeprefix("model.") for q, m in step.named_modules() if getattr(m, "runs_on_host", False))
+
+
+def _updated_bytes(params: Iterable[torch.Tensor]) -> int | None:
+    """The bytes of these parameters the optimizer updates, from the gradients the profiled step
+    left: the looked-up rows of a sparse one (`Node.updated_bytes`); None if that is all."""
+    total, sparse = 0, False
+    for p in params:
+        g = p.grad
+        if g is not None and g.is_sparse:
+            sparse = True
+            rows = g.coalesce().indices().shape[1]  # the distinct rows the batch looked up
+            total += rows * (p.numel() // max(p.shape[0], 1)) * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total if sparse else None
+
+
 def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence[ProfileDevice],
                  batch: Mapping[str, Any], batch_size: int, granularity: str,
-                 fixed_parts: Mapping[str, Mapping[str, tuple[float, float]]] | None = None) -> Graph:
+                 fixed_parts: Mapping[str, Mapping[str, tuple[float, float]]] | None = None,
+                 host: Sequence[str] = ()) -> Graph:
     first = measured[devices[0].device_type]
     split = first.split
     names = [p.name for p in split.pieces]
@@ -265,6 +292,9 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
             out_bytes=tensor_bytes([values[o] for o in piece.outputs]),
             act_bytes=first.act_bytes[piece.name],
             module=piece.modules,
+            runs_on_host=any(m == h or m.startswith(h + ".") for m in piece.modules for h in host),
+            updated_bytes=first.updated[piece.name],
+            opt_s={t: m.opt_s[piece.name] for t, m in measured.items() if piece.name in m.opt_s},
             fwd_fixed_s={t: f[piece.name][0] for t, f in (fixed_parts or {}).items() if piece.name in f},
             bwd_fixed_s={t: f[piece.name][1] for t, f in (fixed_parts or {}).items() if piece.name in f},
         ))

@@ -54,23 +54,28 @@ class ChainProgram:
     fractions: tuple[float, ...]
     schedule: str
     ops: tuple[tuple[int, tuple[int, ...]], ...] = field(init=False, repr=False)  # (event, what it waits for)
+    sides: dict[int, tuple[int, int, int]] = field(init=False, repr=False)  # `_dependencies`' second result
     last: tuple[int, ...] = field(init=False, repr=False)  # each stage's last action
 
     def __post_init__(self) -> None:
         n, m = self.stages, len(self.fractions)
         orders = schedule_order(self.schedule, n, m)
-        ops = _topological(self._dependencies(orders))
-        object.__setattr__(self, "ops", tuple(ops))
+        deps, sides = self._dependencies(orders)
+        object.__setattr__(self, "ops", tuple(_topological(deps)))
+        object.__setattr__(self, "sides", sides)
         object.__setattr__(self, "last", tuple(self._event(orders[r][-1].kind, r, orders[r][-1].microbatch)
                                                for r in range(n)))
 
-    def _dependencies(self, orders) -> list[list[int]]:
+    def _dependencies(self, orders) -> tuple[list[list[int]], dict[int, tuple[int, int, int]]]:
         """What each event waits for: an action, the action before it on its stage and its
         input's transfer; a transfer, the action that made it and the transfers before it on the
         sender's interface (in the order the sender makes them) and on the receiver's (in the
-        order the receiver uses them)."""
+        order the receiver uses them). The second result names, per transfer, (the action, the
+        previous transfer on the sender's interface, the previous one on the receiver's), -1
+        where there is none."""
         n, m = self.stages, len(self.fractions)
         deps: list[list[int]] = [[] for _ in range(2 * n * m + 2 * (n - 1) * m)]
+        sides: dict[int, list[int]] = {}
         for r, order in enumerate(orders):
             prev = sent = received = -1
             for action in order:
@@ -83,16 +88,15 @@ class ChainProgram:
                 if (r > 0) if fwd else (r < n - 1):  # its input, in the order stage r uses them
                     x = self._send_f(r - 1, i) if fwd else self._send_b(r + 1, i)
                     deps[e].append(x)
-                    if received >= 0:
-                        deps[x].append(received)
+                    sides.setdefault(x, [-1, -1, -1])[2] = received
                     received = x
                 if (r < n - 1) if fwd else (r > 0):  # its output, in the order stage r makes them
                     x = self._send_f(r, i) if fwd else self._send_b(r, i)
-                    deps[x].append(e)
-                    if sent >= 0:
-                        deps[x].append(sent)
+                    sides.setdefault(x, [-1, -1, -1])[:2] = [e, sent]
                     sent = x
-        return deps
+        for x, side in sides.items():
+            deps[x].extend(d for d in side if d >= 0)
+        return deps, {x: tuple(side) for x, side in sides.items()}
 
     def _event(self, kind: str, r: int, i: int) -> int:
         m = len(self.fractions)
@@ -132,9 +136,33 @@ class ChainProgram:
             comm = formulas.action_s(lat[:, None, :], send[:, None, :], f[None, :, None])  # latency + share of bytes
             parts += [comm, comm]
         dur = np.concatenate([x.reshape(-1, p) for x in parts])
+        t = self._times(dur, None if n == 1 else np.tile(np.repeat(send > 0, len(f), axis=0), (2, 1)))
+        ends = t[list(self.last)]
+        if allreduce_s is not None:
+            ends = ends + np.asarray(allreduce_s, dtype=float).reshape(p, n).T
+        if optimizer_s is not None:
+            ends = ends + np.asarray(optimizer_s, dtype=float).reshape(p, n).T
+        return ends.max(axis=0)
+
+    def _times(self, dur: np.ndarray, sent: np.ndarray | None) -> np.ndarray:
+        """Each event's end, (events, P). sent: (transfers, P), False where a boundary carries
+        nothing: then the stage after it still waits for the stage before it (`relay`), but
+        nothing takes a turn on an interface (as in the event simulator), so the transfers
+        around it on either interface wait for each other as if it were not there."""
         t = np.empty_like(dur)
+        careful = sent is not None and not sent.all()
+        # when each interface is free after a transfer; where every transfer holds both, its end
+        free_s, free_r = (np.zeros_like(dur), np.zeros_like(dur)) if careful else (t, t)
+        first = 2 * self.stages * len(self.fractions)  # transfers come after the actions
         for e, ds in self.ops:
-            if not ds:
+            if careful and e >= first:
+                made, ps, pr = self.sides[e]
+                start = np.maximum(free_s[ps] if ps >= 0 else 0.0, free_r[pr] if pr >= 0 else 0.0)
+                on = sent[e - first]
+                t[e] = np.where(on, np.maximum(start, t[made]) + dur[e], t[made])
+                free_s[e] = np.where(on, t[e], free_s[ps] if ps >= 0 else 0.0)
+                free_r[e] = np.where(on, t[e], free_r[pr] if pr >= 0 else 0.0)
+            elif not ds:
                 t[e] = dur[e]
             elif len(ds) == 1:
                 np.add(t[ds[0]], dur[e], out=t[e])
@@ -143,12 +171,7 @@ class ChainProgram:
                 for d in ds[2:]:
                     np.maximum(t[e], t[d], out=t[e])
                 t[e] += dur[e]
-        ends = t[list(self.last)]
-        if allreduce_s is not None:
-            ends = ends + np.asarray(allreduce_s, dtype=float).reshape(p, n).T
-        if optimizer_s is not None:
-            ends = ends + np.asarray(optimizer_s, dtype=float).reshape(p, n).T
-        return ends.max(axis=0)
+        return t
 
 
 def _topological(deps: list[list[int]]) -> list[tuple[int, tuple[int, ...]]]:
@@ -208,6 +231,10 @@ class ChainScorer:
         self._ffix, self._bfix = self._prefix(fixed, 0), self._prefix(fixed, 1)
         by_id = graph.by_id
         self._params = np.concatenate([zero, np.cumsum([by_id[v].param_bytes for v in self.order], dtype=float)])
+        self._updated = np.concatenate([zero, np.cumsum([by_id[v].optimizer_bytes for v in self.order], dtype=float)])
+        # per device type, prefix sums of the optimizer steps the profiler measured there (None: not measured)
+        self._opt = [None if m is None else np.concatenate([zero, np.cumsum([m[v] for v in self.order])])
+                     for m in (cm.measured_optimizer_s(t) for t in sorted(set(types)))]
         self._acts = np.concatenate([zero, np.cumsum([by_id[v].act_bytes for v in self.order], dtype=float)])
         # crossing[c]: bytes of the edges cut when a stage boundary falls before position c
         delta = np.zeros(len(self.order) + 2)
@@ -231,12 +258,18 @@ class ChainScorer:
         slowdown = cluster.calibration.corun_slowdown if cluster.calibration is not None else ()
         self._corun = np.array([formulas.corun_factor(k, slowdown) for k in range(len(cluster.devices) + 2)])
 
-    def _optimizer_s(self, params: np.ndarray, devices: np.ndarray) -> np.ndarray:
-        """(P, stages) optimizer step of each stage's weights on its device."""
-        out = np.zeros(params.shape)
+    def _optimizer_s(self, lo: np.ndarray, hi: np.ndarray, devices: np.ndarray) -> np.ndarray:
+        """(P, stages) optimizer step of each stage's weights on its device (as
+        `CostModel.stage_optimizer_s`: measured on its type, else from the bytes it updates)."""
+        out = np.zeros(devices.shape)
         for dev in np.unique(devices):
             where = devices == dev
-            out[where] = self._cm.optimizer_s(params[where], self.cluster.devices[dev].id)
+            measured = self._opt[self._type_of[dev]]
+            if measured is not None:
+                out[where] = measured[hi[where]] - measured[lo[where]]
+            else:
+                out[where] = self._cm.optimizer_s(self._updated[hi[where]] - self._updated[lo[where]],
+                                                  self.cluster.devices[dev].id)
         return out
 
     def _corun_factor(self, devices: np.ndarray) -> np.ndarray:
@@ -281,7 +314,7 @@ class ChainScorer:
         send = formulas.wire_s(nbytes, self._bw[src, dst])
         lat = np.where(nbytes > 0, self._lat[src, dst], 0.0)
         params = self._params[hi] - self._params[lo]
-        opt = self._optimizer_s(params, devices) * slow + self._step_overhead[devices]
+        opt = self._optimizer_s(lo, hi, devices) * slow + self._step_overhead[devices]
         step = self.program(n, microbatches, schedule).step_s(fwd, bwd, send, lat, fwd_fixed_s=ffix,
                                                               bwd_fixed_s=bfix, optimizer_s=opt)
         share = np.array([in_flight_share(schedule, n, r, self.graph.batch_size, microbatches) for r in range(n)])

@@ -121,7 +121,7 @@ class StepModel:
 
 
 def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: int, acts: int,
-             params: int, used: tuple[str, ...]) -> Replica:
+             used: tuple[str, ...]) -> Replica:
     d = stage.devices[p]
     dtype = cluster.device(d).type
     slow = cm.corun_factor(d, used)  # other CPU workers of the plan on its host (calibrated clusters)
@@ -131,7 +131,7 @@ def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: 
     frac = [rows.rows(k, j, p) / rows.batch_size for j in range(len(rows.micro))]
     share = sum(frac)
     return Replica(d, share, share * (fwd - ffix), share * (bwd - bfix), share * acts, ffix + extra, bfix + extra,
-                   slow * cm.optimizer_s(params, d) + cluster.device(d).step_overhead_s,
+                   slow * cm.stage_optimizer_s(stage.nodes, d) + cluster.device(d).step_overhead_s,
                    tuple(action_s(ffix + extra, fwd - ffix, f) if f > 0 else 0.0 for f in frac),
                    tuple(action_s(bfix + extra, bwd - bfix, f) if f > 0 else 0.0 for f in frac),
                    tuple(acts * f for f in frac))
@@ -147,7 +147,7 @@ def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = 
     for k, stage in enumerate(plan.stages):
         acts = sum(by_id[n].act_bytes for n in stage.nodes)
         params = sum(by_id[n].param_bytes for n in stage.nodes)
-        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, params, plan.devices)
+        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, plan.devices)
                          for p in range(len(stage.devices)))
         stages.append(StageWork(k, replicas, params, cm.allreduce_s(params, stage.devices)))
     messages = []

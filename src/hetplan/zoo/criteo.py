@@ -276,6 +276,8 @@ class CriteoParser(nn.Module):
     run in this leaf, so each table's node reads only its own column and the profiled graph's
     edges carry B x 8 bytes per table, not the whole [B, 26] block to every table."""
 
+    runs_on_host = True  # Python on the CPU whatever the stage's device (`Node.runs_on_host`)
+
     def __init__(self, columns: bool = False):
         super().__init__()
         self.columns = columns
