@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from results_file import write_results
@@ -52,8 +53,10 @@ BATCH = 256
 METHODS = ("heterps", "dp", "cheapest all-one-type", "cheapest one-type dp", "data parallelism")
 
 
-def per_1k(cluster, plan, step_s: float) -> float:
-    return usd_per_step(cluster, plan.devices, step_s) / BATCH * 1000
+def measured_per_1k(est, cluster, plan, step_s: float) -> float:
+    """The predicted estimate with the measured step: its price per 1,000 samples."""
+    return replace(est, step_s=step_s, samples_per_s=BATCH / step_s,
+                   usd_per_step=usd_per_step(cluster, plan.devices, step_s)).usd_per_1k_samples
 
 
 def cheapest_one_type(graph, cluster, options):
@@ -113,7 +116,7 @@ def row_for(method, graph, cluster, floor, seed, cluster_name):
     row = {"cluster": cluster_name, "floor": floor, "method": method, "how": how, "plan": describe(plan),
            "devices": len(plan.devices), "usd_per_hour": sum(cluster.device(d).usd_per_hour for d in plan.devices),
            "predicted_samples_per_s": est.samples_per_s, "meets_floor": bool(est.samples_per_s >= floor * (1 - 1e-9)),
-           "feasible": est.feasible, "predicted_usd_per_1k": per_1k(cluster, plan, est.step_s)}
+           "feasible": est.feasible, "predicted_usd_per_1k": est.usd_per_1k_samples}
     return row, plan
 
 
@@ -166,7 +169,8 @@ def main() -> None:
                     step_s = min(measured[key])  # the run least disturbed
                     row["measured_steps_s"] = measured[key]
                     row["measured_samples_per_s"] = BATCH / step_s
-                    row["measured_usd_per_1k"] = per_1k(local, plan, step_s)
+                    row["measured_usd_per_1k"] = measured_per_1k(
+                        simulate(graph, local, plan, timeline=False).estimate, local, plan, step_s)
                     row["measured_meets_floor"] = bool(BATCH / step_s >= floor)
                 rows.append(row)
                 print(row)

@@ -182,9 +182,15 @@ class CostModel:
         """The optimizer step of these nodes' parameters on a device: measured by the profiler
         on its type, else `optimizer_s` of the bytes it updates."""
         measured = self.measured_optimizer_s(self.cluster.device(device_id).type)
-        if measured is not None:
-            return math.fsum(measured[n] for n in nodes)
-        return self.optimizer_s(self.optimizer_bytes(nodes), device_id)
+        return self.optimizer_step_s(self.optimizer_bytes(nodes), device_id,
+                                     None if measured is None else math.fsum(measured[n] for n in nodes))
+
+    def optimizer_step_s(self, updated_bytes, device_id: str, measured_s=None):
+        """A stage's optimizer step (numbers or arrays): `measured_s`, the profiler's measured
+        steps summed over its nodes on the device's type, where there are some; else
+        `optimizer_s` of the bytes it updates. The one place that rule is written: the
+        simulator, the fast path and dp's program all come here."""
+        return self.optimizer_s(updated_bytes, device_id) if measured_s is None else measured_s
 
     def optimizer_bytes(self, nodes: Sequence[str]) -> int:
         """The parameter bytes the optimizer step of these nodes updates (`Node.optimizer_bytes`:

@@ -277,9 +277,8 @@ def _after_stage(cost, devices: tuple[str, ...], per_step_s: float):
         ones.setdefault((d.type, d.optimizer_points), dev)
 
     def after(w_stage: np.ndarray, opt_needs: tuple) -> np.ndarray:
-        u_stage, measured = opt_needs  # as `CostModel.stage_optimizer_s`: measured, else from the bytes
-        opt = np.max([measured[t] if t in measured else cost.optimizer_s(u_stage, dev)
-                      for (t, _), dev in ones.items()], axis=0)
+        u_stage, measured = opt_needs  # bytes updated; measured steps per device type
+        opt = np.max([cost.optimizer_step_s(u_stage, dev, measured.get(t)) for (t, _), dev in ones.items()], axis=0)
         return cost.allreduce_s(w_stage, devices) + opt + per_step_s
 
     return after

@@ -16,7 +16,9 @@ gradients for a backward pass) have arrived. A device that holds several stages 
 arrived first (ties: the lower stage). After its last backward pass, a replicated stage
 all-reduces its gradients (`CostModel.allreduce_s`: the ring formula, or the curve measured on a
 calibrated cluster), which uses the network, not the device's compute; then every replica takes
-its optimizer step (`CostModel.optimizer_s`: Adam, memory-bound, or as measured on the device).
+its optimizer step (`CostModel.stage_optimizer_s`: as the profiler measured it on the device's
+type, else Adam's memory-bound formula of the bytes it updates, or as `hetplan calibrate`
+measured it on the device).
 
 The loop is a priority queue of finish events ordered by (time, sequence number), so the
 result is deterministic; the code is written with flat lists because planners call it often.

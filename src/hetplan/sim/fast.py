@@ -265,11 +265,9 @@ class ChainScorer:
         for dev in np.unique(devices):
             where = devices == dev
             measured = self._opt[self._type_of[dev]]
-            if measured is not None:
-                out[where] = measured[hi[where]] - measured[lo[where]]
-            else:
-                out[where] = self._cm.optimizer_s(self._updated[hi[where]] - self._updated[lo[where]],
-                                                  self.cluster.devices[dev].id)
+            out[where] = self._cm.optimizer_step_s(
+                self._updated[hi[where]] - self._updated[lo[where]], self.cluster.devices[dev].id,
+                None if measured is None else measured[hi[where]] - measured[lo[where]])
         return out
 
     def _corun_factor(self, devices: np.ndarray) -> np.ndarray:
