@@ -100,6 +100,8 @@ def check(commands: list[Command]) -> list[str]:
         if cmd.kind != "sh" or skipped(cmd) or not cmd.text.startswith("hetplan "):
             continue
         argv = shlex.split(cmd.text)
+        redirected = argv[argv.index(">") + 1:argv.index(">") + 2] if ">" in argv else []  # `--json > F` writes F
+        argv = argv[:argv.index(">")] if ">" in argv else argv
         try:
             parser.parse_args(argv[1:])
         except SystemExit:
@@ -113,7 +115,7 @@ def check(commands: list[Command]) -> list[str]:
                 problems.append(f"README line {cmd.line}: reads {path}, which no earlier command wrote")
             elif made[path] and cluster and made[path] != aliases.get(cluster, cluster):
                 problems.append(f"README line {cmd.line}: {path} was planned for {made[path]}, used with {cluster}")
-        for path in writes:
+        for path in writes + redirected:
             made[path] = cluster if argv[1] == "plan" else None
             if argv[1] == "calibrate" and cluster:
                 aliases[path] = cluster

@@ -357,6 +357,13 @@ def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
         assert s[key] is not None, key
     assert s["steps"] == 3 and len(s["losses"]) == 3 and 4.5 < s["loss_first"] < 6.5  # ln 256 = 5.5
     assert s["relative_error"] == pytest.approx(s["measured_step_s"] / s["predicted_step_s"] - 1)
+    # the run folder keeps what its page shows (issue 18), and the page itself
+    assert s["report"] == str(out / "report.html") and (out / "report.html").stat().st_size > 1e6
+    assert json.loads((out / "summary.json").read_text())["measured_step_s"] == s["measured_step_s"]
+    assert serde.load(out / "graph.json").name == serde.load(g).name
+    (tmp_path / "run.json").write_text(r.out)  # `run --json`'s output names its folder: its page is the run's
+    page = cli("report", tmp_path / "run.json", "-o", tmp_path / "run.html", "--json")
+    assert page.code == 0 and page.json()["of"] == "run", page.err
     # the price of 1,000 samples, measured and predicted (issue 17): the devices' hourly price x the step
     from hetplan.io.clusters import load_cluster
 

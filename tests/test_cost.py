@@ -130,3 +130,15 @@ def test_a_measured_optimizer_step_takes_precedence_over_the_formula():
     plan = Plan((Stage(("a", "b"), ("c0",)),), 1, "1f1b", "test")
     steps = [simulate(x, cluster, plan).estimate.step_s for x in (g, plain)]
     assert steps[0] - steps[1] == pytest.approx(0.006 - cm.optimizer_s(10**3 + 10**6, "c0"))
+
+
+def test_a_graph_profiled_under_a_type_alias_is_projected_from_its_own_times():
+    """'cpu' is the catalog's alias of cpu-1t; the node times stay keyed 'cpu' (this raised a
+    KeyError 'cpu-1t' in `hetplan plan` before)."""
+    nodes = [Node(f"n{i}", "Linear", {"cpu": 1e-3}, {"cpu": 2e-3}, flops=1e9) for i in range(2)]
+    graph = Graph("g", nodes, (), batch_size=4, profiled_on="cpu")
+    cm = CostModel(graph, load_cluster("hetero-4"))
+    assert cm.projected_types()["a100-40gb"] == "cpu"
+    fwd, bwd = cm.node_times_s("a100-40gb")["n0"]
+    src = catalog.find("cpu")
+    assert fwd == project_s(1e-3, 1e9, 0, src, catalog.find("a100-40gb")) and 0 < fwd < bwd

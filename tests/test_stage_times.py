@@ -8,7 +8,7 @@ from hetplan.plan import Plan, Stage
 from hetplan.profile.split import split_step
 from hetplan.report import tables
 from hetplan.runtime.launch import RunResult
-from hetplan.runtime.stage_times import StageTime, predicted_replica, stage_times
+from hetplan.runtime.stage_times import StageTime, predicted_replica, replica_times, stage_times
 from hetplan.runtime.worker import step_busy_comm
 from hetplan.sim.engine import Span, Timeline
 from hetplan.zoo import load_model
@@ -60,6 +60,13 @@ def test_stage_rows_average_replicas_and_take_the_median_after_warm_up():
                     StageTime(1, ("d1", "d2"), 3.0, 1.5, 3.0 / 8, 1.5 / 4))
     # without a graph nothing is predicted; without the workers' numbers nothing is measured
     assert stage_times(PLAN, result(ranks))[1] == StageTime(1, ("d1", "d2"), None, 1.5, None, 1.5 / 4)
+    # per replica (the report page's device table): each worker's own row, named by its device or,
+    # when it does not say, by its place among the stage's ranks
+    assert replica_times(PLAN, result(ranks), timeline())[1:] == (
+        StageTime(1, ("d1",), 3.5, 1.0, 2.5 / 8, 2.0 / 4), StageTime(1, ("d2",), 2.5, 2.0, 3.5 / 8, 1.0 / 4))
+    named = [{**ranks[0], "device": "d0"}, {**ranks[2], "device": "d1"}, {**ranks[1], "device": "d2"}]
+    assert [r.measured_busy_s for r in replica_times(PLAN, result(named))] == [2.5, 2.0, 1.0]
+    assert replica_times(PLAN, None, timeline())[0] == StageTime(0, ("d0",), 4.5, None, 3.0 / 8, None)
     bare = [{"rank": r["rank"], "stage": r["stage"]} for r in ranks]
     assert stage_times(PLAN, result(bare), timeline())[0] == StageTime(0, ("d0",), 4.5, None, 3.0 / 8, None)
 

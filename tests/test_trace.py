@@ -4,6 +4,8 @@ in the simulator's format and order."""
 import json
 from pathlib import Path
 
+import pytest
+
 from hetplan.cluster import Cluster
 from hetplan.io.clusters import cluster_from_spec
 from hetplan.profile.split import split_step
@@ -18,18 +20,26 @@ TWO_CPUS: Cluster = cluster_from_spec({"name": "two", "devices": [
     {"id": f"c{i}", "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for i in range(2)]}, "two")
 
 
-def test_a_traced_run_records_every_action_once_per_worker_in_the_simulators_order(tmp_path):
-    batch, m = 4, 2
+M = 2
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """gpt2-tiny in two stages on two CPU workers, its last step traced; the run folder and report."""
+    batch, out = 4, tmp_path_factory.mktemp("traced") / "run"
     zm = load_model("gpt2-tiny", batch_size=batch, seq_len=16, seed=0)
     split = split_step(zm.step, zm.batch)
-    plan = chain_plan([p.name for p in split.pieces], [1, 1], m, "1f1b")
-    graph = graph_of(split, batch)
-    settings = RunSettings(steps=2, warmup=1, batch_size=batch, seq_len=16, granularity="layer",
-                           out_dir=tmp_path / "run", trace=True)
-    report = run_plan(plan, TWO_CPUS, "gpt2-tiny", graph, settings)
+    plan = chain_plan([p.name for p in split.pieces], [1, 1], M, "1f1b")
+    settings = RunSettings(steps=2, warmup=1, batch_size=batch, seq_len=16, granularity="layer", out_dir=out,
+                           trace=True)
+    return out, run_plan(plan, TWO_CPUS, "gpt2-tiny", graph_of(split, batch), settings)
 
+
+def test_a_traced_run_records_every_action_once_per_worker_in_the_simulators_order(traced):
+    run_dir, report = traced
+    m = M
     orders = schedule_order("1f1b", 2, m)
-    timeline = measured_timeline(report.result, report_spec(tmp_path / "run"))
+    timeline = measured_timeline(report.result, report_spec(run_dir))
     assert timeline.devices == ("c0", "c1") and set(timeline.links) == {"c0->c1", "c1->c0"}
     for stage, device in enumerate(("c0", "c1")):
         actions = sorted((s for s in timeline.spans if s.resource == device and s.kind in "FB"),
@@ -56,3 +66,33 @@ def report_spec(run_dir):
     from hetplan.runtime.spec import RunSpec
 
     return RunSpec.from_json((run_dir / "run.json").read_text())
+
+
+def test_the_page_of_a_traced_run_draws_the_prediction_above_what_was_measured(traced, tmp_path, cli):
+    from browser import render
+    from hetplan.io.graphs import load_graph
+    from hetplan.sim import simulate
+    from hetplan.units import fmt_seconds
+    from test_report_page import GRAPH_POINTS, TIMELINE_BARS, bars, figure_data, markers
+
+    run_dir, report = traced
+    page = tmp_path / "run.html"
+    r = cli("report", run_dir, "-o", page, "--json")  # the run folder holds its graph, cluster and summary
+    assert r.code == 0 and r.json()["of"] == "run", r.err
+    graph = load_graph(run_dir / "graph.json")
+    predicted = simulate(graph, TWO_CPUS, report.plan).timeline
+    measured = measured_timeline(report.result, report_spec(run_dir))
+    fig = figure_data(page, "timeline")
+    assert [a["text"].split(":")[0] for a in fig["layout"]["annotations"]] == [
+        "predicted (simulator)", "measured (last step of the run)"]
+    panel = {axis: sum(len(t["x"]) for t in fig["data"] if t["yaxis"] == axis) for axis in ("y", "y2")}
+    assert panel == {"y": len(predicted.spans), "y2": len(measured.spans)}
+    assert len(markers(figure_data(page, "graph"))) == len(graph.nodes)
+    text = page.read_text()
+    for row in report.replicas:  # the device table: predicted and measured busy time per device
+        assert f">{fmt_seconds(row.measured_busy_s)}<" in text and f">{fmt_seconds(row.predicted_busy_s)}<" in text
+
+    shown = render(page, tmp_path / "run.png", (GRAPH_POINTS, TIMELINE_BARS, "#runs tbody tr", "#devices tbody tr"))
+    assert shown.errors == []
+    assert shown.counts[TIMELINE_BARS] == bars(fig) and shown.counts[GRAPH_POINTS] == len(graph.nodes)
+    assert shown.counts["#runs tbody tr"] == 1 and shown.counts["#devices tbody tr"] == 2

@@ -5,8 +5,9 @@
 3. Run the best plan the runtime can execute, and the `uniform` and `data-parallel` baselines,
    for a few steps each on real worker processes.
 4. Print predicted against measured step time and the chosen plan's measured speed-up, and
-   write a report folder: report.md, the chosen plan's Gantt chart, the graph, the plans and the
-   runs' results.
+   write a report folder: report.html (`hetplan report`: the chosen plan on the graph, its step
+   predicted above measured, the runs and the planners' tables), report.md, the chosen plan's
+   Gantt chart, the graph, the cluster, the plans and the runs' folders.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
 from hetplan.planners import BASELINES, PlanOptions, make_plan
 from hetplan.planners.compare import compare
+from hetplan.report.page import write_page
+from hetplan.report.sources import load_report
 from hetplan.sim import simulate
 from hetplan.units import fmt_seconds
 
@@ -48,7 +51,7 @@ def run_demo(out_dir: Path, steps: int = 12, budget_s: float = 3.0,
              say: Callable[[str], None] = print) -> dict:
     from hetplan.profile import profile_step
     from hetplan.report.gantt import draw_gantt
-    from hetplan.runtime.launch import launch, run_spec
+    from hetplan.runtime.run import RunSettings, run_plan
     from hetplan.zoo import load_model
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -57,6 +60,7 @@ def run_demo(out_dir: Path, steps: int = 12, budget_s: float = 3.0,
     zoo_model = load_model(MODEL, batch_size=BATCH, seq_len=SEQ)
     graph = profile_step(zoo_model.step, zoo_model.batch, name=MODEL, devices=["cpu:1"]).graph
     serde.dump(graph, out_dir / "graph.json")
+    serde.dump(cluster, out_dir / "cluster.json")
     say(f"2/4 comparing planners on {cluster.name} ({len(cluster.devices)} workers)")
     options = PlanOptions(budget_s=budget_s)
     comparison = compare(graph, cluster, [*BASELINES, "dp", "local-search"], options)
@@ -81,12 +85,12 @@ def run_demo(out_dir: Path, steps: int = 12, budget_s: float = 3.0,
         say(f"3/4 running {label} ({len(plan.stages)} stage(s), {len(plan.devices)} worker(s), "
             f"{plan.microbatches} micro-batches) for {steps} steps")
         serde.dump(plan, out_dir / f"plan-{i}.json")
-        spec = run_spec(plan, cluster, MODEL, batch_size=BATCH, seq_len=SEQ, granularity="layer", steps=steps,
-                        warmup=min(3, steps - 1), data="text", out_dir=out_dir / f"run-{i}", graph=graph)
-        result = launch(spec)
-        predicted = plan.predicted.step_s  # make_plan's event simulation of this plan on this cluster
-        runs.append(DemoRun(label, plan.planner, len(plan.stages), len(plan.devices), plan.microbatches, predicted,
-                            result.measured_step_s, result.losses[-1] if result.losses else None))
+        settings = RunSettings(steps=steps, warmup=min(3, steps - 1), batch_size=BATCH, seq_len=SEQ,
+                               granularity="layer", data="text", out_dir=out_dir / f"run-{i}", trace=i == 0)
+        report = run_plan(plan, cluster, MODEL, graph, settings)  # its prediction: the event simulation
+        runs.append(DemoRun(label, plan.planner, len(plan.stages), len(plan.devices), plan.microbatches,
+                            report.predicted.step_s, report.measured.step_s,
+                            report.result.losses[-1] if report.result.losses else None))
     say("4/4 writing the report")
     sim = simulate(graph, cluster, chosen.plan)
     title = f"{MODEL} on {cluster.name}: {chosen.planner} plan, predicted step {fmt_seconds(sim.estimate.step_s)}"
@@ -117,4 +121,5 @@ def run_demo(out_dir: Path, steps: int = 12, budget_s: float = 3.0,
               "(this 2-vCPU machine's timings vary by 10-25% between runs; see BENCHMARKS.md).", "",
               "![the chosen plan's simulated step](chosen-plan.png)", ""]
     (out_dir / "report.md").write_text("\n".join(lines))
+    write_page(load_report(out_dir), out_dir / "report.html")
     return summary

@@ -9,6 +9,7 @@ from pathlib import Path
 from hetplan.cli.describe import cmd_catalog, cmd_import_pipedream, cmd_info
 from hetplan.cli.planning import cmd_compare, cmd_plan, cmd_simulate
 from hetplan.cli.profiling import cmd_profile
+from hetplan.cli.reporting import cmd_report
 from hetplan.cli.running import cmd_calibrate, cmd_demo, cmd_run
 from hetplan.graph import GRANULARITIES
 from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, INPUT_TIMES
@@ -29,6 +30,7 @@ workflow:
                             hetplan compare r50.json --cluster hetero-4              (all planners)
   4. its predicted step:    hetplan simulate plan.json --graph r50.json --cluster hetero-4 --gantt step.png
   5. a look at any of them: hetplan info r50.json | hetplan info hetero-4 | hetplan info plan.json
+                            hetplan report plan.json    (one HTML page: graph, timeline, tables)
   6. a real run:            hetplan run plan.json --model gpt2-tiny --graph g.json   (a plan for local CPU
                             workers or a cluster file with bindings; predicted against measured)
 
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub, common)
     _add_calibrate(sub, common)
     _add_demo(sub, common)
+    _add_report(sub, common)
     _add_profile(sub, common)
     _add_catalog(sub, common)
     return parser
@@ -216,6 +219,21 @@ def _add_demo(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=12, help="training steps per run, 3 of them warm-up (default: 12)")
     p.add_argument("--budget-s", type=float, default=3.0, help="local-search's budget (default: 3)")
     p.set_defaults(func=cmd_demo)
+
+
+def _add_report(sub: Subparsers, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("report", parents=[common], help="one HTML page of a plan, run, comparison or demo",
+                       description="Write a self-contained HTML page (no network needed): the plan on the model's "
+                                   "graph, the step's timeline (predicted, and measured for a run), the planners' "
+                                   "table and the RL planners' learning curves.")
+    p.add_argument("path", metavar="PATH", help="a plan file, a compare --json output, a run folder (hetplan run "
+                                                "--out) or a demo folder")
+    p.add_argument("-o", "--output", type=Path, help="the page to write (default: PATH/report.html for a folder, "
+                                                     "else PATH with .html)")
+    p.add_argument("--graph", metavar="G", help="the graph JSON (default: the one the plan or comparison was made "
+                                                "from)")
+    p.add_argument("--cluster", metavar="C", help="cluster file or preset (default: the plan's)")
+    p.set_defaults(func=cmd_report)
 
 
 def _add_profile(sub: Subparsers, common: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from hetplan.cli._shared import _console, _emit_json, _note_estimates, _options, _progress_bar
 from hetplan.io import serde
@@ -12,7 +13,7 @@ from hetplan.io.graphs import load_graph
 from hetplan.plan import validate_plan
 from hetplan.planners import PLANNERS, RL_PLANNERS, get_planner, make_plan
 from hetplan.report import tables
-from hetplan.report.summary import plan_summary
+from hetplan.report.summary import input_refs, plan_summary
 from hetplan.units import fmt_seconds
 
 
@@ -29,6 +30,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             task = bar.add_task(f"planning with {args.planner}", total=1.0)
             plan = make_plan(graph, cluster, args.planner, options,
                              progress=lambda done: bar.update(task, completed=done))
+    plan = replace(plan, meta={**plan.meta, **input_refs(args.graph, args.cluster)})  # for `hetplan report`
     curve_files = []
     if args.curve:
         from hetplan.report.curve import write_curve
@@ -72,7 +74,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
             result = compare(graph, cluster, names, options, progress=step)
     if args.json:
-        _emit_json(result.to_json())
+        _emit_json({**result.to_json(), **input_refs(args.graph, args.cluster)})
         return 0
     tables.show_comparison(_console(), result, graph, cluster)
     return 0

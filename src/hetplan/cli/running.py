@@ -47,13 +47,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             report = run_plan(plan, cluster, args.model, graph, settings, source=str(args.plan),
                               progress=lambda done, total: bar.update(task, completed=done))
     summary = report.summary(str(args.plan))
+    page = _write_page(args.out)
     if args.json:
-        _emit_json(summary)
+        _emit_json({**summary, "report": page})
         return 0
     tables.show_run(_console(), summary, plan)
     if report.trace_files:
         _console().print(f"trace of the last step: {', '.join(report.trace_files)}")
+    _console().print(f"report: {page}")
     return 0
+
+
+def _write_page(folder) -> str:
+    from hetplan.report.page import write_page
+    from hetplan.report.sources import load_report
+
+    return str(write_page(load_report(folder), folder / "report.html"))
 
 
 def _dry_run(args: argparse.Namespace, spec: RunSpec) -> int:
@@ -130,5 +139,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
                       fmt_seconds(r["predicted_step_s"]), fmt_seconds(r["measured_step_s"]), f"{r['error']:+.0%}")
     console.print(table)
     console.print(f"measured speed-up of the chosen plan ({summary['chosen']}) over the faster other baseline: "
-                  f"{summary['speedup_over_best_baseline']:.2f}x; report in {args.out}/report.md")
+                  f"{summary['speedup_over_best_baseline']:.2f}x; report in {args.out}/report.html (and report.md)")
     return 0

@@ -66,8 +66,10 @@ class CostModel:
         return self.cluster.types.get(name) or catalog.find(name)
 
     @cached_property
-    def _measured_types(self) -> tuple[DeviceType, ...]:
-        found = tuple(t for t in (self._type(n) for n in self.graph.device_types) if t is not None)
+    def _measured_types(self) -> tuple[tuple[str, DeviceType], ...]:
+        """(the graph's name, the device type) of each type the graph has times for: a name may be
+        an alias ('cpu' is the catalog's cpu-1t), and the node times are keyed by the graph's."""
+        found = tuple((n, t) for n, t in ((n, self._type(n)) for n in self.graph.device_types) if t is not None)
         if not found:
             raise HetplanError(
                 f"graph {self.graph.name!r} was profiled on {self.graph.profiled_on!r}, which is not "
@@ -76,8 +78,8 @@ class CostModel:
             )
         return found
 
-    def _source_type(self, target: DeviceType) -> DeviceType:
-        same_kind = [t for t in self._measured_types if t.kind == target.kind]
+    def _source_type(self, target: DeviceType) -> tuple[str, DeviceType]:
+        same_kind = [(n, t) for n, t in self._measured_types if t.kind == target.kind]
         return (same_kind or list(self._measured_types))[0]
 
     def projected_types(self) -> dict[str, str]:
@@ -88,7 +90,7 @@ class CostModel:
         for dev in self.cluster.devices:
             target = self._type(dev.type)
             if dev.type not in measured and target is not None:
-                out[dev.type] = self._source_type(target).name
+                out[dev.type] = self._source_type(target)[0]
         return out
 
     @cached_property
@@ -114,13 +116,13 @@ class CostModel:
             target = self._type(device_type)
             if target is None:
                 raise HetplanError(f"unknown device type {device_type!r}")
-            src = self._source_type(target)
+            name, src = self._source_type(target)
             traffic = self._traffic_bytes
             # a node that runs on the host takes its measured time on any device type
             times = {
-                n.id: (n.fwd_s[src.name], n.bwd_s[src.name]) if n.runs_on_host else
-                      (project_s(n.fwd_s[src.name], n.flops, traffic[n.id], src, target),
-                       project_s(n.bwd_s[src.name], n.flops, traffic[n.id], src, target))
+                n.id: (n.fwd_s[name], n.bwd_s[name]) if n.runs_on_host else
+                      (project_s(n.fwd_s[name], n.flops, traffic[n.id], src, target),
+                       project_s(n.bwd_s[name], n.flops, traffic[n.id], src, target))
                 for n in graph.nodes
             }
         self._node_times[device_type] = times

@@ -11,6 +11,7 @@ from typing import Any
 from hetplan.cluster import Cluster
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
+from hetplan.io.serde import to_dict
 from hetplan.plan import Plan
 from hetplan.planners import BASELINES, PlanOptions, make_plan, objectives
 from hetplan.planners.objectives import memory_share
@@ -62,6 +63,7 @@ class Comparison:
                     "peak_mem_share": r.plan.meta.get("peak_mem_share"), "planning_s": r.planning_s,
                     "objective_value": r.value if math.isfinite(r.value) else None,
                     "gain_over_best_baseline": self.gain_over_baselines(r),
+                    "plan": to_dict(r.plan),  # drawn by `hetplan report`
                 })
             else:
                 out.update({"stages": None, "step_s": None, "samples_per_s": None, "usd_per_step": None,

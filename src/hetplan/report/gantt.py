@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hetplan.errors import InputError
 from hetplan.io.serde import atomic_write_text
-from hetplan.sim.engine import ALLREDUCE, OPTIMIZER, Timeline
+from hetplan.sim.engine import ALLREDUCE, OPTIMIZER, Span, Timeline
 
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", ALLREDUCE: "#9A9A9A", OPTIMIZER: "#55A868"}
 NAMES = {"F": "forward / activations", "B": "backward / gradients", ALLREDUCE: "gradient all-reduce",
@@ -105,8 +105,25 @@ def chrome_trace(timeline: Timeline) -> dict:
     for s in timeline.spans:
         events.append({"ph": "X", "pid": 0, "tid": index[s.resource], "name": s.label,
                        "cat": NAMES[s.kind], "ts": s.start_s * 1e6, "dur": (s.end_s - s.start_s) * 1e6,
-                       "args": {"stage": s.stage, "microbatch": s.microbatch}})
+                       "args": {"stage": s.stage, "microbatch": s.microbatch, "to_stage": s.to_stage}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def timeline_from_trace(trace: dict, source: str = "<trace>") -> Timeline:
+    """The Timeline a `chrome_trace` holds (a row named "a → b" is the link a->b); the inverse of
+    `chrome_trace`, so that a run's measured step can be drawn again (`hetplan report`)."""
+    kinds = {name: kind for kind, name in NAMES.items()}
+    try:
+        rows = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M"}
+        spans = [Span(rows[e["tid"]].replace(" → ", "->"), kinds[e["cat"]], int(e["args"]["stage"]),
+                      int(e["args"]["microbatch"]), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6,
+                      int(e["args"].get("to_stage", -1)))
+                 for e in trace["traceEvents"] if e.get("ph") == "X"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{source}: not a trace hetplan wrote ({type(exc).__name__}: {exc})") from None
+    names = [rows[t].replace(" → ", "->") for t in sorted(rows)]
+    return Timeline(tuple(spans), tuple(n for n in names if "->" not in n), tuple(n for n in names if "->" in n),
+                    max((s.end_s for s in spans), default=0.0))
 
 
 def write_chrome_trace(timeline: Timeline, path: str | Path) -> Path:

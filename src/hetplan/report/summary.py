@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from hetplan.cluster import Cluster
@@ -11,6 +12,7 @@ from hetplan.graph import Graph
 from hetplan.io.serde import plain, to_dict
 from hetplan.plan import Estimate, Plan
 
+GRAPH_FILE, CLUSTER_REF = "graph_file", "cluster_ref"  # what plan and compare record of their inputs
 PAIRS_LISTED_UP_TO = 64  # devices; above, `links` lists only the pairs a cluster file sets
 
 
@@ -96,3 +98,11 @@ def estimate_summary(est: Estimate) -> dict[str, Any]:
         "utilisation": est.link_busy_s.get(peak[0], 0.0) / est.step_s if est.step_s else 0.0,
     }
     return body
+
+
+def input_refs(graph_ref: str, cluster_ref: str) -> dict[str, str]:
+    """The graph file and cluster (a file's absolute path, or a preset's name) a plan or comparison
+    was made from, recorded in it so that `hetplan report` can draw it again."""
+    cluster = Path(cluster_ref)
+    return {GRAPH_FILE: str(Path(graph_ref).resolve()),
+            CLUSTER_REF: str(cluster.resolve()) if cluster.is_file() else cluster_ref}

@@ -10,6 +10,7 @@ time and the share of the step spent communicating, both ways (`hetplan.runtime.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,10 +20,12 @@ from hetplan.cluster import Cluster
 from hetplan.cost import usd_per_step
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
+from hetplan.io import serde
+from hetplan.io.serde import atomic_write_text
 from hetplan.plan import Estimate, Plan, validate_plan
 from hetplan.runtime.launch import RunResult, launch, run_spec
 from hetplan.runtime.spec import RunSpec
-from hetplan.runtime.stage_times import StageTime, stage_times
+from hetplan.runtime.stage_times import StageTime, replica_times, stage_times
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class RunReport:
     first_step: int
     trace_files: tuple[str, ...] = ()  # with `trace`: the measured Chrome trace and the two Gantt charts
     stages: tuple[StageTime, ...] = ()  # per stage, busy time and share of the step communicating (`stage_times`)
+    replicas: tuple[StageTime, ...] = ()  # the same per stage replica, one device each (`replica_times`)
 
     @property
     def relative_error(self) -> float | None:
@@ -80,6 +84,7 @@ class RunReport:
             "predicted_peak_mem_bytes": dict(p.peak_mem_bytes) if p else None, "out_dir": r.out_dir,
             "trace_files": list(self.trace_files),
             "stages": [{**asdict(row), "devices": list(row.devices)} for row in self.stages],
+            "replicas": [{**asdict(row), "devices": list(row.devices)} for row in self.replicas],
         }
 
 
@@ -163,8 +168,22 @@ def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = Non
         predicted, sim_timeline = sim.estimate, sim.timeline
     measured = measured_estimate(result, plan, cluster, spec.batch_size)
     files = write_trace(result, spec, sim_timeline) if spec.trace else ()
-    return RunReport(plan=plan, model=model, result=result, measured=measured, predicted=predicted, first_step=first,
-                     trace_files=files, stages=stage_times(plan, result, sim_timeline))
+    report = RunReport(plan=plan, model=model, result=result, measured=measured, predicted=predicted,
+                       first_step=first, trace_files=files, stages=stage_times(plan, result, sim_timeline),
+                       replicas=replica_times(plan, result, sim_timeline))
+    keep(report, spec.out_dir, graph, cluster, source)
+    return report
+
+
+def keep(report: RunReport, out_dir: Path, graph: Graph | None, cluster: Cluster, source: str | None) -> None:
+    """What the run folder keeps beside run.json for `hetplan report` to draw it again: the summary
+    (summary.json) and the graph and cluster it was predicted on (graph.json, cluster.json)."""
+    atomic_write_text(out_dir / "summary.json", json.dumps(report.summary(source or ""), indent=1, allow_nan=False))
+    serde.dump(cluster, out_dir / "cluster.json")
+    if graph is not None:
+        serde.dump(graph, out_dir / "graph.json")
+    else:
+        (out_dir / "graph.json").unlink(missing_ok=True)  # a graph of an earlier run in the folder is not this one's
 
 
 def write_trace(result: RunResult, spec: RunSpec, predicted=None) -> tuple[str, ...]:

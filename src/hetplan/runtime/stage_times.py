@@ -58,34 +58,54 @@ def _median(values: Sequence[float], warmup: int) -> float:
     return statistics.median(list(values[warmup:]) or list(values))
 
 
-def measured_replicas(result: RunResult) -> dict[int, list[tuple[float, float]]]:
-    """Per stage, each reporting worker's median (busy_s, comm_s) over the steps after the warm-up."""
-    out: dict[int, list[tuple[float, float]]] = {}
-    for rank in result.ranks:
+def measured_replicas(result: RunResult, plan: Plan) -> dict[tuple[int, str], tuple[float, float]]:
+    """Per (stage, device), the reporting worker's median (busy_s, comm_s) over the steps after the
+    warm-up. A worker names its device; one that does not is the stage's replica in rank order."""
+    out: dict[tuple[int, str], tuple[float, float]] = {}
+    seen: dict[int, int] = {}
+    for rank in sorted(result.ranks, key=lambda r: r["rank"]):
+        k = rank["stage"]
+        place = seen[k] = seen.get(k, -1) + 1
+        device = rank.get("device") or plan.stages[k].devices[place]
         if rank.get("busy_s") and rank.get("comm_s"):
-            out.setdefault(rank["stage"], []).append((_median(rank["busy_s"], result.warmup),
-                                                      _median(rank["comm_s"], result.warmup)))
+            out[(k, device)] = (_median(rank["busy_s"], result.warmup), _median(rank["comm_s"], result.warmup))
     return out
 
 
-def _mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+def _mean(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def _share(seconds: float | None, step_s: float) -> float | None:
     return seconds / step_s if seconds is not None and step_s > 0 else None
 
 
-def stage_times(plan: Plan, result: RunResult, timeline: Timeline | None = None) -> tuple[StageTime, ...]:
-    """A row per stage of `plan`: measured from `result`, predicted from the simulated `timeline`."""
-    measured = measured_replicas(result)
+def replica_times(plan: Plan, result: RunResult | None,
+                  timeline: Timeline | None = None) -> tuple[StageTime, ...]:
+    """A row per stage replica (`devices` holds its one device): measured from `result`,
+    predicted from the simulated `timeline` (either may be missing)."""
+    measured = measured_replicas(result, plan) if result is not None else {}
     rows = []
     for k, stage in enumerate(plan.stages):
-        m = measured.get(k, [])
-        p = [predicted_replica(timeline, k, d) for d in stage.devices] if timeline is not None else []
+        for d in stage.devices:
+            p = predicted_replica(timeline, k, d) if timeline is not None else (None, None)
+            m = measured.get((k, d), (None, None))
+            rows.append(StageTime(
+                stage=k, devices=(d,), predicted_busy_s=p[0], measured_busy_s=m[0],
+                predicted_comm_share=_share(p[1], timeline.step_s if timeline else 0.0),
+                measured_comm_share=_share(m[1], result.measured_step_s if result is not None else 0.0)))
+    return tuple(rows)
+
+
+def stage_times(plan: Plan, result: RunResult | None, timeline: Timeline | None = None) -> tuple[StageTime, ...]:
+    """A row per stage of `plan`: the mean over its replicas of `replica_times`."""
+    replicas = replica_times(plan, result, timeline)
+    rows = []
+    for k, stage in enumerate(plan.stages):
+        mine = [r for r in replicas if r.stage == k]
         rows.append(StageTime(
             stage=k, devices=tuple(stage.devices),
-            predicted_busy_s=_mean([b for b, _ in p]), measured_busy_s=_mean([b for b, _ in m]),
-            predicted_comm_share=_share(_mean([c for _, c in p]), timeline.step_s if timeline else 0.0),
-            measured_comm_share=_share(_mean([c for _, c in m]), result.measured_step_s if m else 0.0)))
+            **{name: _mean([getattr(r, name) for r in mine]) for name in (
+                "predicted_busy_s", "measured_busy_s", "predicted_comm_share", "measured_comm_share")}))
     return tuple(rows)

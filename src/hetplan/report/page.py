@@ -1,0 +1,309 @@
+"""The report page: one self-contained HTML file per plan, run, comparison or demo (issue 18).
+
+`ReportData` is what a page shows; `render_html` writes it. Everything is inlined: the figures as
+plotly JSON, and plotly.js itself, gzip-compressed and base64-encoded (1.5 of its 4.8 MB), which
+the page inflates with the browser's own `DecompressionStream` before drawing. So the file opens
+without a network and a 200-node graph's page stays near 2 MB. The tables are HTML (sortable by a
+click on a column's header, printable as they are); when the figures are drawn, the page marks
+`<body data-rendered="yes">` ("failed", and a line on the page, when they cannot be).
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import html
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import plotly.io
+
+from hetplan.cluster import Cluster
+from hetplan.graph import Graph
+from hetplan.io.serde import atomic_write_text
+from hetplan.plan import Plan
+from hetplan.report import figures
+from hetplan.runtime.stage_times import StageTime
+from hetplan.sim.engine import Timeline
+from hetplan.units import fmt_seconds
+
+
+@dataclass(frozen=True)
+class ReportData:
+    """What one page shows. `kind`: plan, run, comparison or demo; `plan`: the plan drawn on the
+    graph and whose step is drawn; `facts`: the headline figures as (name, value) pairs;
+    `replicas`: per stage replica (one device each), busy time and communication share
+    (`hetplan.runtime.stage_times.replica_times`); `comparison`: `Comparison.to_json()`; `runs`:
+    predicted-against-measured rows (label, stages, devices, microbatches, predicted_step_s,
+    measured_step_s, loss_last); `curve`: an RL planner's learning curve (`hetplan.report.curve`
+    rows); `notes`: what the reader should know."""
+
+    kind: str
+    title: str
+    source: str
+    graph: Graph | None = None
+    cluster: Cluster | None = None
+    plan: Plan | None = None
+    predicted: Timeline | None = None
+    measured: Timeline | None = None
+    facts: tuple[tuple[str, str], ...] = ()
+    replicas: tuple[StageTime, ...] = ()
+    comparison: Mapping[str, Any] | None = None
+    runs: tuple[Mapping[str, Any], ...] = ()
+    curve: tuple[tuple[float | None, ...], ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def device_labels(plan: Plan | None, cluster: Cluster | None) -> dict[str, str]:
+    """'dev (type) · stage k' per device of the plan, as the timelines' rows name them."""
+    if plan is None:
+        return {}
+    out = {}
+    for k, stage in enumerate(plan.stages):
+        for d in stage.devices:
+            dtype = f" ({cluster.device(d).type})" if cluster is not None and d in cluster.ids else ""
+            out[d] = f"{d}{dtype} · stage {k}"
+    return out
+
+
+def _cell(text: str, value: float | str | None = None, cls: str = "") -> str:
+    sort = "" if value is None else f' data-value="{html.escape(str(value))}"'
+    klass = f' class="{cls}"' if cls else ""
+    return f"<td{sort}{klass}>{html.escape(text)}</td>"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def _secs(x: float | None) -> str:
+    return "-" if x is None else fmt_seconds(x)
+
+
+def _table(table_id: str, headers: Sequence[str], rows: Sequence[str], caption: str = "") -> str:
+    head = "".join(f'<th title="sort by {html.escape(h)}">{html.escape(h)}</th>' for h in headers)
+    cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
+    return (f'<table class="sortable" id="{table_id}">{cap}<thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+COMPARISON_HEADERS = ("planner", "stages", "devices", "micro-batches", "step", "samples/s", "$ per 1,000 samples",
+                      "peak memory share", "fits", "planning time", "gain over best baseline")
+
+
+def _comparison_row(r: Mapping[str, Any], best: str | None) -> str:
+    if r.get("step_s") is None:
+        return (f'<tr class="failed">{_cell(r["planner"])}'
+                f'<td class="text" colspan="{len(COMPARISON_HEADERS) - 1}">'
+                f'{html.escape(str(r.get("error") or "no plan"))}</td></tr>')
+    is_best = r["planner"] == best
+    cells = [
+        _cell(("★ " if is_best else "") + r["planner"], r["planner"]),
+        _cell(str(r["stages"]), r["stages"]), _cell(str(r["devices"]), r["devices"]),
+        _cell(str(r["microbatches"]), r["microbatches"]), _cell(_secs(r["step_s"]), r["step_s"]),
+        _cell(_num(r["samples_per_s"], ",.1f"), r["samples_per_s"]),
+        _cell(_num(r.get("usd_per_1k_samples"), ".4g"), r.get("usd_per_1k_samples")),
+        _cell(_num(r.get("peak_mem_share"), ".0%"), r.get("peak_mem_share")),
+        _cell("yes" if r.get("fits_memory") else "no"), _cell(_secs(r.get("planning_s")), r.get("planning_s")),
+        _cell(_num(r.get("gain_over_best_baseline"), "+.0%"), r.get("gain_over_best_baseline")),
+    ]
+    return f'<tr class="{"best" if is_best else ""}">{"".join(cells)}</tr>'
+
+
+def comparison_table(comparison: Mapping[str, Any]) -> str:
+    best = comparison.get("best")
+    rows = [_comparison_row(r, best) for r in comparison.get("rows", ())]
+    caption = (f"{comparison.get('graph', '')} on {comparison.get('cluster', '')}, objective: "
+               f"{comparison.get('objective_is') or comparison.get('objective', '')}; ★ best")
+    return _table("comparison", COMPARISON_HEADERS, rows, caption)
+
+
+def runs_table(runs: Sequence[Mapping[str, Any]]) -> str:
+    rows = []
+    for r in runs:
+        p, m = r.get("predicted_step_s"), r.get("measured_step_s")
+        error = m / p - 1 if p and m else None
+        loss = r.get("loss_last")
+        rows.append("<tr>" + "".join([
+            _cell(r["label"], r["label"]), _cell(str(r["stages"]), r["stages"]),
+            _cell(str(r["devices"]), r["devices"]), _cell(str(r["microbatches"]), r["microbatches"]),
+            _cell(_secs(p), p), _cell(_secs(m), m), _cell(_num(error, "+.0%"), error),
+            _cell(_num(loss, ".3f"), loss)]) + "</tr>")
+    return _table("runs", ("plan", "stages", "workers", "micro-batches", "predicted step", "measured step",
+                           "error", "last loss"), rows, "predicted against measured step time")
+
+
+def replicas_table(replicas: Sequence[StageTime]) -> str:
+    rows = []
+    for s in replicas:
+        rows.append("<tr>" + "".join([
+            _cell(str(s.stage), s.stage), _cell(", ".join(s.devices), cls="text"),
+            _cell(_secs(s.predicted_busy_s), s.predicted_busy_s), _cell(_secs(s.measured_busy_s), s.measured_busy_s),
+            _cell(_num(s.predicted_comm_share, ".0%"), s.predicted_comm_share),
+            _cell(_num(s.measured_comm_share, ".0%"), s.measured_comm_share)]) + "</tr>")
+    return _table("devices", ("stage", "device", "busy, predicted", "busy, measured", "communicating, predicted",
+                             "communicating, measured"), rows,
+                  "per device: compute busy time per step and the share of the step spent communicating (TAPP's "
+                  "measure: receiving, waits included, and the all-reduce); measured: the median over the run's "
+                  "steps after the warm-up")
+
+
+def _figure_json(fig) -> str:
+    # "</" would end the <script> element the JSON sits in
+    return plotly.io.to_json(fig, validate=False, pretty=False).replace("</", "<\\/")
+
+
+def _plotly_bundle() -> str:
+    from plotly.offline import get_plotlyjs
+
+    return base64.b64encode(gzip.compress(get_plotlyjs().encode(), 6)).decode()
+
+
+def _figures(data: ReportData) -> list[tuple[str, str, object]]:
+    """(id, caption, figure) of each figure the data has."""
+    out: list[tuple[str, str, object]] = []
+    if data.graph is not None:
+        out.append(("graph", "Each node is a piece of the model, coloured by its stage; red "
+                    "edges cross stages and carry the bytes shown. Hover for a node's times and sizes; drag to zoom, "
+                    "double-click to see it all.", figures.graph_figure(data.graph, data.plan, data.cluster)))
+    charts = [(t, title) for t, title in ((data.predicted, "predicted (simulator)"),
+                                          (data.measured, "measured (last step of the run)")) if t is not None]
+    if charts:
+        charts = [(t, f"{title}: step {fmt_seconds(t.step_s)}") for t, title in charts]
+        out.append(("timeline", "One row per device, then one per link; hover a bar for its action, "
+                    "micro-batch, start and duration.",
+                    figures.timeline_figure(charts, device_labels(data.plan, data.cluster))))
+    if data.curve and data.plan is not None:
+        out.append(("curve", f"{data.plan.planner}'s learning curve: the objective of the plans it sampled, per "
+                    "iteration, and of the best plan that fits so far.",
+                    figures.curve_figure(data.curve, data.plan)))
+    return out
+
+
+SECTION_OF = {"graph": "The plan on the model", "timeline": "The step", "curve": "The search"}
+
+
+def _body(data: ReportData) -> str:
+    parts = [f"<header><h1>{html.escape(data.title)}</h1><p class=source>{html.escape(data.source)}</p></header>"]
+    if data.notes:
+        parts.append("<ul class=notes>" + "".join(f"<li>{html.escape(n)}</li>" for n in data.notes) + "</ul>")
+    if data.facts:
+        parts.append("<dl class=facts>" + "".join(f"<div><dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd></div>"
+                                                  for k, v in data.facts) + "</dl>")
+    for fig_id, caption, fig in _figures(data):
+        parts.append(f'<section id="section-{fig_id}"><h2>{SECTION_OF[fig_id]}</h2><p>{html.escape(caption)}</p>'
+                     f'<div class="figure" id="fig-{fig_id}" data-figure="data-{fig_id}"></div>'
+                     f'<script type="application/json" id="data-{fig_id}">{_figure_json(fig)}</script>')
+        if fig_id == "timeline" and data.replicas:
+            parts.append(replicas_table(data.replicas))
+        parts.append("</section>")
+    if data.comparison or data.runs:
+        parts.append('<section id="section-comparison"><h2>The comparison</h2><p>Click a column\'s header to '
+                     "sort by it.</p>")
+        parts.append(runs_table(data.runs) if data.runs else "")
+        parts.append(comparison_table(data.comparison) if data.comparison else "")
+        parts.append("</section>")
+    return "\n".join(parts)
+
+
+STYLE = """
+body { font: 14px/1.45 system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif; color: #222;
+       margin: 24px auto; max-width: 1280px; padding: 0 16px; }
+h1 { font-size: 22px; margin: 0; }
+h2 { font-size: 18px; margin: 28px 0 6px; border-bottom: 1px solid #ddd; }
+.source { color: #666; margin: 2px 0 12px; }
+.notes { background: #fff8e1; border-left: 4px solid #f0b400; padding: 8px 8px 8px 28px; }
+.facts { display: flex; flex-wrap: wrap; gap: 10px; margin: 12px 0; }
+.facts div { border: 1px solid #ddd; border-radius: 6px; padding: 6px 12px; }
+.facts dt { color: #666; font-size: 12px; }
+.facts dd { margin: 0; font-size: 17px; font-weight: 600; }
+table { border-collapse: collapse; margin: 10px 0; font-variant-numeric: tabular-nums; max-width: 100%; }
+caption { text-align: left; color: #666; padding: 4px 0; }
+th, td { border-bottom: 1px solid #e5e5e5; padding: 4px 10px; text-align: right; white-space: nowrap; }
+th:first-child, td:first-child, td.text { text-align: left; }
+td.text { white-space: normal; }
+th { cursor: pointer; background: #f6f6f6; user-select: none; white-space: normal; vertical-align: bottom; }
+tr.best td { font-weight: 600; background: #eef6ee; }
+tr.failed td { color: #999; }
+.figure { width: 100%; min-height: 120px; }
+#status { color: #b00; }
+@media print {
+  body { max-width: none; margin: 0; }
+  th { cursor: auto; }
+  section, .figure { break-inside: avoid; }
+}
+"""
+
+# Sorting a table by a click on its header; then inflating plotly.js and drawing each figure.
+SCRIPT = """
+function sortTable(th) {
+  const body = th.closest('table').tBodies[0];
+  const k = [...th.parentNode.children].indexOf(th);
+  const up = th.dataset.dir !== 'up';
+  th.dataset.dir = up ? 'up' : 'down';
+  const key = row => {
+    const cell = row.children[k];
+    if (!cell) return '';
+    const v = cell.dataset.value;
+    return v !== undefined && v !== '' && !isNaN(+v) ? +v : (v ?? cell.textContent);
+  };
+  [...body.rows].sort((a, b) => (key(a) > key(b) ? 1 : key(a) < key(b) ? -1 : 0) * (up ? 1 : -1))
+    .forEach(row => body.appendChild(row));
+}
+document.querySelectorAll('table.sortable th').forEach(th => th.addEventListener('click', () => sortTable(th)));
+
+(async () => {
+  try {
+    const raw = atob(document.getElementById('plotly-gz').textContent.trim());
+    const bytes = new Uint8Array(raw.length);
+    for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
+    const gunzip = new Blob([bytes]).stream().pipeThrough(new DecompressionStream('gzip'));
+    const script = document.createElement('script');
+    script.textContent = await new Response(gunzip).text();
+    document.head.appendChild(script);
+    for (const el of document.querySelectorAll('[data-figure]')) {
+      const fig = JSON.parse(document.getElementById(el.dataset.figure).textContent);
+      await Plotly.newPlot(el, fig.data, fig.layout, {responsive: true, displaylogo: false});
+    }
+    document.body.dataset.rendered = 'yes';
+  } catch (e) {
+    document.getElementById('status').textContent = 'The figures could not be drawn here: ' + e;
+    document.body.dataset.rendered = 'failed';
+    throw e;
+  }
+})();
+"""
+
+
+def render_html(data: ReportData) -> str:
+    """The page as one string (no file or network is read when it is opened)."""
+    return (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(data.title)}</title>"
+            f'<meta name=viewport content="width=device-width,initial-scale=1"><style>{STYLE}</style></head>'
+            f'<body data-kind="{data.kind}"><p id="status"></p>{_body(data)}'
+            f'<script type="application/octet-stream" id="plotly-gz">{_plotly_bundle()}</script>'
+            f"<script>{SCRIPT}</script></body></html>")
+
+
+def write_page(data: ReportData, path: str | Path) -> Path:
+    path = Path(path)
+    atomic_write_text(path, render_html(data))
+    return path
+
+
+def facts_of(plan: Plan, measured_step_s: float | None = None) -> tuple[tuple[str, str], ...]:
+    """The headline figures of a plan (and of its run)."""
+    est = plan.predicted
+    out = [("planner", plan.planner), ("stages", str(len(plan.stages))), ("devices", str(len(plan.devices))),
+           ("micro-batches", f"{plan.microbatches} ({plan.schedule})")]
+    if est is not None:
+        out += [("predicted step", fmt_seconds(est.step_s)), ("predicted samples/s", f"{est.samples_per_s:,.1f}"),
+                ("$ per 1,000 samples", f"{est.usd_per_1k_samples:.4g}"), ("bubble", f"{est.bubble_fraction:.0%}"),
+                ("fits in memory", "yes" if est.feasible else "no")]
+    if measured_step_s:
+        out.append(("measured step", fmt_seconds(measured_step_s)))
+        if est is not None:
+            out.append(("measured / predicted", f"{measured_step_s / est.step_s - 1:+.0%}"))
+    return tuple(out)

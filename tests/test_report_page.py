@@ -1,0 +1,161 @@
+"""`hetplan report` (issue 18): one self-contained HTML page per plan, comparison or run (the run's
+page is checked in test_trace.py, on the traced run made there), opened in headless Chromium."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from browser import render
+from hetplan.graph import Edge, Graph, Node
+from hetplan.io import serde
+from hetplan.io.clusters import load_cluster
+from hetplan.io.graphs import load_graph
+from hetplan.report.gantt import chrome_trace, timeline_from_trace
+from hetplan.sim import simulate
+
+GRAPH_POINTS = "#fig-graph .scatterlayer .trace.scatter .point"
+TIMELINE_BARS = "#fig-timeline .barlayer .point"
+
+
+def figure_data(page: Path, name: str) -> dict:
+    """The plotly figure the page inlines as JSON under id data-NAME."""
+    found = re.search(rf'<script type="application/json" id="data-{name}">(.*?)</script>', page.read_text(), re.S)
+    assert found, f"no {name} figure in {page}"
+    return json.loads(found[1].replace("<\\/", "</"))
+
+
+def bars(fig: dict) -> int:
+    return sum(len(t["x"]) for t in fig["data"] if t["type"] == "bar")
+
+
+def markers(fig: dict) -> list[str]:
+    """The hover texts of the graph's nodes (marker traces)."""
+    return [h for t in fig["data"] if t.get("mode") == "markers" for h in t["hovertext"]]
+
+
+@pytest.fixture(scope="module")
+def resnet(tmp_path_factory, profiles) -> Path:
+    from hetplan.cli import main
+
+    path = tmp_path_factory.mktemp("graphs") / "r50.json"
+    assert main(["import", "pipedream", str(profiles / "resnet50" / "graph.txt"), "-o", str(path)]) == 0
+    return path
+
+
+def test_a_plans_page_draws_every_node_and_every_action_of_its_step(tmp_path, cli, resnet):
+    plan_path, page = tmp_path / "plan.json", tmp_path / "plan.html"
+    assert cli("plan", resnet, "--cluster", "hetero-4", "-o", plan_path).code == 0
+    r = cli("report", plan_path, "-o", page, "--json")  # the plan names its graph and cluster
+    assert r.code == 0 and r.json()["of"] == "plan", r.err
+    graph, cluster, plan = load_graph(resnet), load_cluster("hetero-4"), serde.load(plan_path)
+    spans = simulate(graph, cluster, plan).timeline.spans
+    nodes = markers(figure_data(page, "graph"))
+    assert len(nodes) == len(graph.nodes)
+    assert {h.split("<b>")[1].split("</b>")[0] for h in nodes} == {n.id for n in graph.nodes}
+    assert bars(figure_data(page, "timeline")) == len(spans)
+    assert page.stat().st_size < 3e6
+
+    shown = render(page, tmp_path / "plan.png", (GRAPH_POINTS, TIMELINE_BARS, "#devices tbody tr", "#fig-curve"))
+    assert shown.errors == []
+    assert shown.counts[GRAPH_POINTS] == len(graph.nodes)
+    assert shown.counts[TIMELINE_BARS] == len(spans)
+    assert shown.counts["#devices tbody tr"] == sum(len(st.devices) for st in plan.stages)
+    assert shown.counts["#fig-curve"] == 0
+    assert shown.screenshot.stat().st_size > 10_000
+
+
+def test_a_comparisons_page_marks_the_best_sorts_and_draws_the_best_plan(tmp_path, cli, resnet):
+    from playwright.sync_api import sync_playwright
+
+    from browser import chromium
+
+    out = cli("compare", resnet, "--cluster", "hetero-4", "--planners", "single,uniform,dp", "--json")
+    assert out.code == 0, out.err
+    comparison = tmp_path / "compare.json"
+    comparison.write_text(out.out)
+    page = tmp_path / "compare.html"
+    assert cli("report", comparison, "-o", page).code == 0
+    best = out.json()["best"]
+    text = page.read_text()
+    assert text.count('<tr class="best">') == 1 and f"★ {best}" in text
+
+    shown = render(page, tmp_path / "compare.png", (GRAPH_POINTS, TIMELINE_BARS, "#comparison tbody tr"))
+    assert shown.errors == [] and shown.counts["#comparison tbody tr"] == 3
+    assert shown.counts[GRAPH_POINTS] > 0 and shown.counts[TIMELINE_BARS] > 0
+    with sync_playwright() as p:  # a click on "step" sorts the rows by it, a second click the other way
+        browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox", "--disable-gpu"])
+        tab = browser.new_page()
+        tab.goto(page.resolve().as_uri())
+        tab.click("#comparison th:nth-child(5)")
+        up = [float(v) for v in tab.eval_on_selector_all("#comparison tbody td:nth-child(5)",
+                                                          "cells => cells.map(c => c.dataset.value)")]
+        tab.click("#comparison th:nth-child(5)")
+        down = [float(v) for v in tab.eval_on_selector_all("#comparison tbody td:nth-child(5)",
+                                                            "cells => cells.map(c => c.dataset.value)")]
+        browser.close()
+    assert up == sorted(up) and down == sorted(up, reverse=True) and len(set(up)) > 1
+
+
+def test_an_rl_plans_page_has_its_learning_curve(tmp_path, cli, resnet):
+    plan_path, page = tmp_path / "plan.json", tmp_path / "plan.html"
+    assert cli("plan", resnet, "--cluster", "hetero-4", "--planner", "reinforce", "--max-iters", "4",
+               "-o", plan_path).code == 0
+    assert cli("report", plan_path, "-o", page).code == 0
+    curve = figure_data(page, "curve")
+    assert [len(t["x"]) for t in curve["data"]] == [4, 4]
+
+
+def chain_graph(n: int) -> Graph:
+    """n nodes in a chain with a skip edge every third node, sizes of a real layer."""
+    nodes = [Node(f"n{i}", "Linear", {"v100-16gb": 1e-3}, {"v100-16gb": 2e-3}, flops=1e9, param_bytes=4 << 20,
+                  out_bytes=1 << 20, act_bytes=2 << 20) for i in range(n)]
+    edges = [Edge(f"n{i}", f"n{i + 1}", 1 << 20) for i in range(n - 1)]
+    edges += [Edge(f"n{i}", f"n{i + 3}", 1 << 20) for i in range(0, n - 3, 3)]
+    return Graph("chain", tuple(nodes), tuple(edges), batch_size=32, profiled_on="v100-16gb")
+
+
+def test_the_page_of_a_240_node_graph_stays_under_three_mb(tmp_path, cli):
+    graph = tmp_path / "g.json"
+    serde.dump(chain_graph(240), graph)
+    plan, page = tmp_path / "plan.json", tmp_path / "plan.html"
+    assert cli("plan", graph, "--cluster", "hetero-4", "--planner", "uniform", "--microbatches", "8",
+               "-o", plan).code == 0
+    assert cli("report", plan, "-o", page).code == 0
+    assert len(markers(figure_data(page, "graph"))) == 240
+    assert page.stat().st_size < 3e6, page.stat().st_size
+
+
+def test_a_chrome_trace_reads_back_as_the_timeline_it_was_written_from(resnet):
+    graph, cluster = load_graph(resnet), load_cluster("hetero-4")
+    from hetplan.planners import make_plan
+
+    timeline = simulate(graph, cluster, make_plan(graph, cluster, "uniform")).timeline
+    back = timeline_from_trace(json.loads(json.dumps(chrome_trace(timeline))))
+    assert back.devices == timeline.devices and back.links == timeline.links
+    assert len(back.spans) == len(timeline.spans)
+    for a, b in zip(back.spans, timeline.spans, strict=True):
+        assert (a.resource, a.kind, a.stage, a.microbatch, a.to_stage) == (b.resource, b.kind, b.stage, b.microbatch,
+                                                                           b.to_stage)
+        assert a.start_s == pytest.approx(b.start_s, abs=1e-12) and a.end_s == pytest.approx(b.end_s, abs=1e-12)
+
+
+def test_bad_input_is_one_line_and_status_2(tmp_path, cli, resnet):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "list.json").write_text("[1, 2]")
+    plan = tmp_path / "plan.json"
+    assert cli("plan", resnet, "--cluster", "hetero-4", "--planner", "single", "-o", plan).code == 0
+    moved = tmp_path / "moved.json"
+    data = json.loads(plan.read_text())
+    data["meta"]["graph_file"] = str(tmp_path / "gone.json")
+    moved.write_text(json.dumps(data))
+    for path, says in ((resnet, "a graph file, not a plan file"), (tmp_path / "list.json", "not a plan file"),
+                       (tmp_path / "empty", "no run.json in it"), (tmp_path / "none", "no such file or folder"),
+                       (moved, "which is not there any more; pass --graph")):
+        r = cli("report", path, "-o", tmp_path / "x.html")
+        assert r.code == 2 and r.out == "" and len(r.err.strip().splitlines()) == 1, (path, r.err)
+        assert says in r.err, r.err
+    assert not (tmp_path / "x.html").exists()
+    r = cli("report", moved, "--graph", resnet, "-o", tmp_path / "x.html")  # --graph says where it is now
+    assert r.code == 0, r.err
