@@ -5,11 +5,13 @@ few MB for a 200-node graph").
 
 For each graph (resnet50 and vgg16 imported from PipeDream's profiles; chains of 240 and 1,000
 nodes with a skip edge every third node), dp's plan on hetero-4 (uniform for the chains), then
-`load_report` + `write_page` timed, and the page's bytes split into plotly.js and the rest.
+`plan_data` + `write_page` timed, and the page's bytes split into plotly.js and the rest; then the
+time headless Chromium takes from opening the file to the figures drawn (`body[data-rendered=yes]`).
 """
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -36,6 +38,21 @@ def graphs():
         yield f"chain-{n}", chain_graph(n), "uniform"
 
 
+def drawn_s(page: Path) -> float:
+    """Seconds from opening the page in headless Chromium to every figure drawn."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox", "--disable-gpu"])
+        tab = browser.new_page(viewport={"width": 1300, "height": 900})
+        t0 = time.perf_counter()
+        tab.goto(page.resolve().as_uri())
+        tab.wait_for_selector("body[data-rendered=yes]", timeout=120_000)
+        took = time.perf_counter() - t0
+        browser.close()
+    return took
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-o", "--output", type=Path, default=REPO / "bench" / "results" / "report_size.json")
@@ -48,13 +65,15 @@ def main() -> None:
             t0 = time.perf_counter()
             page = write_page(plan_data(plan, graph, cluster, name), Path(tmp) / f"{name}.html")
             took = time.perf_counter() - t0
-            size = page.stat().st_size
+            size, drawn = page.stat().st_size, drawn_s(page)
             rows.append({"graph": name, "nodes": len(graph.nodes), "edges": len(graph.edges), "planner": planner,
                          "stages": len(plan.stages), "microbatches": plan.microbatches, "page_bytes": size,
-                         "plotly_bytes": plotly_bytes, "data_bytes": size - plotly_bytes, "write_s": took})
+                         "plotly_bytes": plotly_bytes, "data_bytes": size - plotly_bytes, "write_s": took,
+                         "drawn_in_chromium_s": drawn})
             print(f"{name:>10}: {len(graph.nodes):5d} nodes, {len(plan.stages)} stages x {plan.microbatches} "
                   f"micro-batches: page {size / 1e6:.2f} MB (plotly.js {plotly_bytes / 1e6:.2f} MB, the rest "
-                  f"{(size - plotly_bytes) / 1e6:.2f} MB), written in {took:.2f} s", flush=True)
+                  f"{(size - plotly_bytes) / 1e6:.2f} MB), written in {took:.2f} s, drawn in Chromium in {drawn:.2f} s",
+                  flush=True)
     serde.atomic_write_text(args.output, json.dumps(rows, indent=1))
 
 
