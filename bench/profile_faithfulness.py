@@ -10,7 +10,7 @@ the median of the repeat-by-repeat ratios, and the sum of node medians over the 
 step). With `--profiling-time`, also times a plain profile of gpt2 at batch 8, sequence 128
 (no --check) from the shell, model construction and start-up included.
 
-    .venv/bin/python bench/profile_faithfulness.py [--out bench/results/profile_faithfulness_insequence.json]
+    .venv/bin/python bench/profile_faithfulness.py [--repeats N] [--out bench/results/F.json]
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/results/profile_faithfulness_insequence.json"))
     parser.add_argument("--profiling-time", action="store_true", help="also time plain profiles of gpt2")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="hetplan profile --repeats (5: what --check takes at least; more: less noise)")
     args = parser.parse_args()
     rows = []
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -54,7 +56,7 @@ def main() -> None:
         # speed drifts, and the spread between the rounds shows by how much.
         for model, batch, seq, gran in CASES * 2:
             cmd = ["profile", model, "--batch-size", str(batch), "--device", "cpu", "--granularity", gran,
-                   "--check", "-o", f"{tmp}/{model}-{gran}.json"]
+                   "--check", "--repeats", str(args.repeats), "-o", f"{tmp}/{model}-{gran}.json"]
             if seq:
                 cmd[4:4] = ["--seq-len", str(seq)]
             info, wall = run(cmd)

@@ -96,3 +96,26 @@ def test_the_page_of_a_traced_run_draws_the_prediction_above_what_was_measured(t
     assert shown.errors == []
     assert shown.counts[TIMELINE_BARS] == bars(fig) and shown.counts[GRAPH_POINTS] == len(graph.nodes)
     assert shown.counts["#runs tbody tr"] == 1 and shown.counts["#devices tbody tr"] == 2
+
+
+def test_a_demo_folders_page_shows_its_runs_and_the_chosen_plans_step(traced, tmp_path, cli):
+    """What `hetplan demo` leaves (demo.json, and run-0, the chosen plan's traced run), read back."""
+    import shutil
+
+    from test_report_page import figure_data
+
+    run_dir, report = traced
+    demo = tmp_path / "demo"
+    shutil.copytree(run_dir, demo / "run-0")
+    runs = [{"label": "chosen: test", "stages": 2, "devices": 2, "microbatches": M, "predicted_step_s": 0.02,
+             "measured_step_s": 0.03, "loss_last": 5.0},
+            {"label": "uniform", "stages": 2, "devices": 2, "microbatches": 4, "predicted_step_s": 0.04,
+             "measured_step_s": 0.035, "loss_last": None}]
+    (demo / "demo.json").write_text(json.dumps({"kind": "demo", "model": "gpt2-tiny", "cluster": "two",
+                                                "speedup_over_best_baseline": 1.17, "runs": runs}))
+    r = cli("report", demo, "--json")  # the page goes into the folder by default
+    assert r.code == 0 and r.json() == {"kind": "report", "of": "demo", "output": str(demo / "report.html"),
+                                        "bytes": (demo / "report.html").stat().st_size}, r.err
+    text = (demo / "report.html").read_text()
+    assert text.count("<tr><td data-value=\"chosen: test\">") == 1 and ">+50%<" in text and ">-12%<" in text
+    assert "1.17x" in text and len(figure_data(demo / "report.html", "timeline")["layout"]["annotations"]) == 2

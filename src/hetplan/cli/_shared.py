@@ -12,7 +12,6 @@ from typing import Any
 from rich.console import Console
 
 from hetplan.cluster import Cluster
-from hetplan.cost import CostModel
 from hetplan.errors import HetplanError, InputError
 from hetplan.graph import Graph
 from hetplan.io import serde
@@ -85,17 +84,8 @@ def _progress_bar():
 
 
 def _note_estimates(args: argparse.Namespace, graph: Graph, cluster: Cluster) -> None:
-    """Which device types' times are projected, not measured (a graph profiled on cpu-2t and
-    planned on cpu-1t workers is otherwise silently a guess), and whether a cluster of real
-    workers was calibrated: a line each, said after the command has succeeded (`main`), so that
-    an error stays the only line."""
-    projected = CostModel(graph, cluster).projected_types()
-    if projected:
-        pairs = ", ".join(f"{target} (from {source})" for target, source in projected.items())
-        args.notes.append(f"graph '{graph.name}' has no times measured on {pairs}: they are projected by the "
-                          "roofline model; profile on those devices to measure them")
-    if cluster.calibration is None and any(d.binding is not None for d in cluster.devices):
-        args.notes.append(f"cluster '{cluster.name}' is not calibrated: the prediction uses catalog figures for "
-                          "its links, all-reduces and optimizer steps and no runtime costs; run `hetplan calibrate "
-                          f"--cluster {getattr(args, 'cluster', None) or cluster.name} -o cal.json` and pass "
-                          "--cluster cal.json")
+    """`estimate_notes`, a line each, said after the command has succeeded (`main`), so that an
+    error stays the only line."""
+    from hetplan.report.summary import estimate_notes
+
+    args.notes.extend(estimate_notes(graph, cluster, getattr(args, "cluster", None)))

@@ -28,7 +28,7 @@ from hetplan.plan import Plan, validate_plan
 from hetplan.report.curve import curve_rows
 from hetplan.report.gantt import timeline_from_trace
 from hetplan.report.page import ReportData, facts_of
-from hetplan.report.summary import CLUSTER_REF, GRAPH_FILE
+from hetplan.report.summary import CLUSTER_REF, GRAPH_FILE, estimate_notes
 from hetplan.runtime.stage_times import StageTime, replica_times
 from hetplan.sim import simulate
 from hetplan.sim.engine import Timeline
@@ -66,20 +66,6 @@ def _curve(plan: Plan) -> tuple[tuple[float | None, ...], ...]:
         return ()
 
 
-def _notes(graph: Graph, cluster: Cluster) -> tuple[str, ...]:
-    from hetplan.cost import CostModel
-
-    notes = []
-    projected = CostModel(graph, cluster).projected_types()
-    if projected:
-        notes.append("Times on " + ", ".join(f"{t} (from {s})" for t, s in projected.items())
-                     + " are projected by the roofline model, not measured.")
-    if cluster.calibration is None:
-        notes.append(f"Cluster '{cluster.name}' is not calibrated: links, all-reduces and optimizer steps are "
-                     "catalog figures, and the runtime's own costs are not counted (hetplan calibrate).")
-    return tuple(notes)
-
-
 def plan_data(plan: Plan, graph: Graph, cluster: Cluster, source: str) -> ReportData:
     """The page of a plan: its stages on the graph and its simulated step."""
     validate_plan(plan, graph, cluster, source=source)
@@ -88,7 +74,7 @@ def plan_data(plan: Plan, graph: Graph, cluster: Cluster, source: str) -> Report
     return ReportData(kind="plan", title=f"{graph.name} on {cluster.name}: the {plan.planner} plan", source=source,
                       graph=graph, cluster=cluster, plan=plan, predicted=sim.timeline, facts=facts_of(plan),
                       replicas=replica_times(plan, None, sim.timeline), curve=_curve(plan),
-                      notes=_notes(graph, cluster))
+                      notes=tuple(estimate_notes(graph, cluster)))
 
 
 def load_plan(path: Path, graph_ref: str | None, cluster_ref: str | None) -> ReportData:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hetplan.cluster import Cluster
+from hetplan.cost import CostModel
 from hetplan.graph import Graph
 from hetplan.io.serde import plain, to_dict
 from hetplan.plan import Estimate, Plan
@@ -106,3 +107,21 @@ def input_refs(graph_ref: str, cluster_ref: str) -> dict[str, str]:
     cluster = Path(cluster_ref)
     return {GRAPH_FILE: str(Path(graph_ref).resolve()),
             CLUSTER_REF: str(cluster.resolve()) if cluster.is_file() else cluster_ref}
+
+
+def estimate_notes(graph: Graph, cluster: Cluster, cluster_ref: str | None = None) -> list[str]:
+    """What a prediction on this graph and cluster rests on that was not measured: the device
+    types whose times are projected (a graph profiled on cpu-2t and planned on cpu-1t workers is
+    otherwise silently a guess), and a cluster of real workers that was not calibrated. Said by
+    the commands after they succeed and shown on the report page."""
+    notes = []
+    projected = CostModel(graph, cluster).projected_types()
+    if projected:
+        pairs = ", ".join(f"{target} (from {source})" for target, source in projected.items())
+        notes.append(f"graph '{graph.name}' has no times measured on {pairs}: they are projected by the "
+                     "roofline model; profile on those devices to measure them")
+    if cluster.calibration is None and any(d.binding is not None for d in cluster.devices):
+        notes.append(f"cluster '{cluster.name}' is not calibrated: the prediction uses catalog figures for its "
+                     "links, all-reduces and optimizer steps and no runtime costs; run `hetplan calibrate "
+                     f"--cluster {cluster_ref or cluster.name} -o cal.json` and pass --cluster cal.json")
+    return notes
