@@ -159,3 +159,27 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, cli, resnet):
     assert not (tmp_path / "x.html").exists()
     r = cli("report", moved, "--graph", resnet, "-o", tmp_path / "x.html")  # --graph says where it is now
     assert r.code == 0, r.err
+
+
+def test_a_plan_that_does_not_fit_says_why_on_its_page(tmp_path, cli):
+    from hetplan.plan import Plan, Stage
+
+    graph = chain_graph(30)
+    big = Graph("big", tuple(Node(n.id, n.op, n.fwd_s, n.bwd_s, param_bytes=1 << 30) for n in graph.nodes),
+                graph.edges, 32, "v100-16gb")
+    g, plan = tmp_path / "big.json", tmp_path / "plan.json"
+    serde.dump(big, g)
+    serde.dump(Plan((Stage(big.topo_order, ("t0",)),), 1, "1f1b", "hand"), plan)
+    r = cli("report", plan, "--graph", g, "--cluster", "hetero-4", "-o", tmp_path / "p.html")
+    assert r.code == 0, r.err
+    text = (tmp_path / "p.html").read_text()
+    assert "<dt>fits in memory</dt><dd>no</dd>" in text and "stage 0 on t0 (t4-16gb) needs" in text
+
+
+def test_a_bar_on_a_link_says_what_it_carries_between_which_stages():
+    from hetplan.report.figures import span_hover
+    from hetplan.sim.engine import Span
+
+    assert span_hover(Span("a->b", "B", 2, 3, 0.0, 1.0, 1)) == "gradients of micro-batch 3, stage 2 → stage 1"
+    assert span_hover(Span("a", "F", 0, 1, 0.0, 1.0)) == "stage 0: forward of micro-batch 1"
+    assert span_hover(Span("a", "AR", 0, -1, 0.0, 1.0)) == "stage 0: gradient all-reduce"

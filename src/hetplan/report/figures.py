@@ -19,7 +19,7 @@ from hetplan.cluster import Cluster
 from hetplan.graph import Graph, Node
 from hetplan.plan import Plan
 from hetplan.report.gantt import COLOURS, NAMES
-from hetplan.sim.engine import ALLREDUCE, OPTIMIZER, Timeline
+from hetplan.sim.engine import ALLREDUCE, OPTIMIZER, Span, Timeline
 from hetplan.units import fmt_bytes, fmt_seconds
 
 STAGE_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
@@ -122,6 +122,16 @@ def _rows(timeline: Timeline, labels: Mapping[str, str]) -> list[str]:
     return [labels.get(d, d) for d in timeline.devices] + [link.replace("->", " → ") for link in timeline.links]
 
 
+def span_hover(s: Span) -> str:
+    """What a bar is: the stage's action, or on a link what is sent from which stage to which."""
+    if "->" in s.resource:
+        sent = "activations" if s.kind == "F" else "gradients"
+        return f"{sent} of micro-batch {s.microbatch}, stage {s.stage} → stage {s.to_stage}"
+    if s.kind in (ALLREDUCE, OPTIMIZER):
+        return f"stage {s.stage}: {NAMES[s.kind]}"
+    return f"stage {s.stage}: {NAMES[s.kind].split(' / ')[0]} of micro-batch {s.microbatch}"
+
+
 def _bar_traces(timeline: Timeline, labels: Mapping[str, str], seen: set[str]) -> list[go.Bar]:
     """One horizontal bar trace per kind of action (times in ms)."""
     traces = []
@@ -130,9 +140,7 @@ def _bar_traces(timeline: Timeline, labels: Mapping[str, str], seen: set[str]) -
         if not spans:
             continue
         rows = [labels.get(s.resource, s.resource.replace("->", " → ")) for s in spans]
-        what = [f"{'stage ' + str(s.stage)} {NAMES[kind]}" + ("" if s.kind in (ALLREDUCE, OPTIMIZER)
-                                                              else f", micro-batch {s.microbatch}")
-                for s in spans]
+        what = [span_hover(s) for s in spans]
         traces.append(go.Bar(
             y=rows, x=[(s.end_s - s.start_s) * 1e3 for s in spans], base=[s.start_s * 1e3 for s in spans],
             orientation="h", marker={"color": COLOURS[kind], "line": {"width": 0}}, name=NAMES[kind],

@@ -74,7 +74,7 @@ def plan_data(plan: Plan, graph: Graph, cluster: Cluster, source: str) -> Report
     return ReportData(kind="plan", title=f"{graph.name} on {cluster.name}: the {plan.planner} plan", source=source,
                       graph=graph, cluster=cluster, plan=plan, predicted=sim.timeline, facts=facts_of(plan),
                       replicas=replica_times(plan, None, sim.timeline), curve=_curve(plan),
-                      notes=tuple(estimate_notes(graph, cluster)))
+                      notes=(*estimate_notes(graph, cluster), *sim.estimate.violations))
 
 
 def load_plan(path: Path, graph_ref: str | None, cluster_ref: str | None) -> ReportData:
