@@ -28,17 +28,26 @@ CUT_COLOUR = "#C44E52"
 FONT = {"family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif", "size": 12}
 
 
+WRAP = 36  # topological generations per row: a longer graph turns back under itself
+
+
 def _layout(graph: Graph) -> dict[str, tuple[float, float]]:
-    """(x, y) per node: x its topological generation, y its place in it, centred on 0."""
+    """(x, y) per node: x its topological generation, y its place in it, centred on the row's
+    line. Past `WRAP` generations the graph continues on the next row down, right to left, then
+    left to right again (as a snake: the row's last node sits just above the next row's first),
+    so that resnet50's ~110 generations fill three rows instead of one thin band."""
     g = nx.DiGraph()
     g.add_nodes_from(n.id for n in graph.nodes)
     g.add_edges_from((e.src, e.dst) for e in graph.edges)
     order = {n: k for k, n in enumerate(graph.topo_order)}
+    layers = [sorted(layer, key=order.__getitem__) for layer in nx.topological_generations(g)]
+    tallest, width = max(len(layer) for layer in layers), min(len(layers), WRAP)
     pos = {}
-    for x, layer in enumerate(nx.topological_generations(g)):
-        layer = sorted(layer, key=order.__getitem__)
+    for x, layer in enumerate(layers):
+        row, col = divmod(x, WRAP)
+        col = width - 1 - col if row % 2 else col
         for y, node in enumerate(layer):
-            pos[node] = (float(x), (len(layer) - 1) / 2 - y)
+            pos[node] = (float(col), (len(layer) - 1) / 2 - y - row * (tallest + 1.5))
     return pos
 
 
@@ -104,17 +113,18 @@ def graph_figure(graph: Graph, plan: Plan | None = None, cluster: Cluster | None
             marker={"size": 10, "color": STAGE_COLOURS[k % len(STAGE_COLOURS)] if k >= 0 else "#FFFFFF",
                     "line": {"color": "#333333", "width": 0.8}},
             hovertext=[node_hover(n, name) for n in nodes], hoverinfo="text"))
-    for k, nodes in groups.items():  # each stage named on the graph itself (a printed page has no hover)
+    order = {n: i for i, n in enumerate(graph.topo_order)}
+    for k, nodes in groups.items():  # each stage named at its first node (a printed page has no hover)
         if plan is not None and k >= 0:
-            x, y = min((pos[n.id] for n in nodes), key=lambda p: (p[0], -p[1]))
+            x, y = pos[min((n.id for n in nodes), key=order.__getitem__)]
             fig.add_annotation(x=x, y=y, text=f"<b>stage {k}</b>: {', '.join(plan.stages[k].devices)}",
                                showarrow=True, arrowhead=0, ax=0, ay=-28, xanchor="left",
                                font={"color": STAGE_COLOURS[k % len(STAGE_COLOURS)], "size": 12})
-    spread = max((abs(y) for _, y in pos.values()), default=0)
+    low, high = min(y for _, y in pos.values()), max(y for _, y in pos.values())
     fig.update_layout(
-        font=FONT, height=int(200 + 40 * min(spread, 12)), margin={"l": 10, "r": 10, "t": 30, "b": 10},
+        font=FONT, height=int(200 + 30 * min(high - low, 40)), margin={"l": 10, "r": 10, "t": 30, "b": 10},
         plot_bgcolor="white", hovermode="closest", legend={"orientation": "h", "y": -0.02, "yanchor": "top"},
-        xaxis={"visible": False}, yaxis={"visible": False, "range": [-spread - 0.6, spread + 1.2]})
+        xaxis={"visible": False}, yaxis={"visible": False, "range": [low - 0.6, high + 1.2]})
     return fig
 
 
