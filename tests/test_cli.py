@@ -350,7 +350,7 @@ def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
     assert cli("plan", g, "--cluster", "local", "--planner", "uniform", "--microbatches", "4", "-o", p).code == 0
     ckpt = tmp_path / "ckpt"
     r = cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--steps", "3", "--warmup", "1", "--out", out, "--json",
-            "--checkpoint-dir", ckpt, "--checkpoint-every", "3")
+            "--checkpoint-dir", ckpt, "--checkpoint-every", "3", "--trace")  # a switch, once taken for a path
     assert r.code == 0, r.err
     s = r.json()
     for key in ("measured_step_s", "predicted_step_s", "steps", "loss_first", "loss_last", "relative_error"):
@@ -359,6 +359,7 @@ def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
     assert s["relative_error"] == pytest.approx(s["measured_step_s"] / s["predicted_step_s"] - 1)
     # the run folder keeps what its page shows (issue 18), and the page itself
     assert s["report"] == str(out / "report.html") and (out / "report.html").stat().st_size > 1e6
+    assert "measured (last step of the run)" in (out / "report.html").read_text()  # the traced step, on the page
     assert json.loads((out / "summary.json").read_text())["measured_step_s"] == s["measured_step_s"]
     assert serde.load(out / "graph.json").name == serde.load(g).name
     (tmp_path / "run.json").write_text(r.out)  # `run --json`'s output names its folder: its page is the run's

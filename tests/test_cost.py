@@ -142,3 +142,14 @@ def test_a_graph_profiled_under_a_type_alias_is_projected_from_its_own_times():
     fwd, bwd = cm.node_times_s("a100-40gb")["n0"]
     src = catalog.find("cpu")
     assert fwd == project_s(1e-3, 1e9, 0, src, catalog.find("a100-40gb")) and 0 < fwd < bwd
+
+
+def test_an_alias_is_the_type_it_names_not_a_type_to_project_to():
+    """Times under 'cpu' are cpu-1t's: not projected (from cpu-2t or anything else), no note."""
+    nodes = [Node("n0", "Linear", {"cpu": 1e-3, "cpu-2t": 4e-3}, {"cpu": 2e-3, "cpu-2t": 8e-3}, flops=1e9,
+                  fwd_fixed_s={"cpu": 1e-4}, opt_s={"cpu": 5e-4})]
+    graph = Graph("g", nodes, (), batch_size=4, profiled_on="cpu")
+    cm = CostModel(graph, load_cluster("local"))  # cpu-1t workers
+    assert cm.projected_types() == {} and cm.measured_name("cpu-1t") == "cpu"
+    assert cm.node_times_s("cpu-1t")["n0"] == (1e-3, 2e-3) and cm.node_fixed_s("cpu-1t")["n0"] == (1e-4, 0.0)
+    assert cm.measured_optimizer_s("cpu-1t") == {"n0": 5e-4}

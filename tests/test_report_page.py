@@ -196,3 +196,77 @@ def test_a_long_graph_snakes_down_in_rows_each_node_beside_the_next():
     for i in range(99):  # along a row one column on; at a turn straight down
         (x0, y0), (x1, y1) = pos[f"n{i}"], pos[f"n{i + 1}"]
         assert (abs(x1 - x0), y1 - y0) in ((1.0, 0.0), (0.0, -2.5)), i
+
+
+def kept_run(folder: Path, losses: tuple[float, ...], traced: bool):
+    """A run folder as `run_plan` leaves it, from a made-up result (no workers): two stages on
+    cpu0 and cpu1 of `local`, no graph given."""
+    from hetplan.plan import Estimate, Plan, Stage
+    from hetplan.runtime.launch import RunResult
+    from hetplan.runtime.run import RunReport, keep
+    from hetplan.runtime.spec import RunSpec
+
+    plan = Plan((Stage(("a",), ("cpu0",)), Stage(("b",), ("cpu1",))), 2, "1f1b", "hand",
+                predicted=Estimate(0.348, 23.0, {}, {}, 0.0, {}, 0.0, True))  # for another cluster, say
+    ranks = tuple({"rank": k, "stage": k, "device": f"cpu{k}", "busy_s": [0.01, 0.02], "comm_s": [0.005, 0.005],
+                   "peak_mem_bytes": 1 << 20}
+                  for k in range(2))
+    result = RunResult(2, 0, (0.03, 0.03), losses, {}, str(folder), ranks)
+    measured = Estimate(0.03, 266.7, {}, {}, 0.0, {}, 0.0, True, method="measured")
+    from hetplan.runtime.stage_times import replica_times
+
+    report = RunReport(plan, "mlp", result, measured, None, 0, ("trace",) if traced else (),
+                       replicas=replica_times(plan, result))
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = RunSpec(plan, "mlp", 8, None, "layer", folder, ((1.0,), (1.0,)), ())
+    (folder / "run.json").write_text(spec.to_json())
+    keep(report, folder, None, load_cluster("local"), "p.json")
+    return report
+
+
+def test_a_run_without_a_graph_shows_what_was_measured_and_predicts_nothing(tmp_path, cli):
+    folder = tmp_path / "run"
+    (folder).mkdir()
+    (folder / "trace_measured.json").write_text("{}")  # an earlier traced run's, in the same folder
+    (folder / "graph.json").write_text("{}")
+    kept_run(folder, (5.5, float("nan")), traced=False)  # the loss went NaN: the summary still is JSON
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["losses"] == [5.5, None] and summary["loss_last"] is None
+    assert not (folder / "trace_measured.json").exists() and not (folder / "graph.json").exists()
+    r = cli("report", folder, "-o", tmp_path / "run.html")
+    assert r.code == 0, r.err
+    text = (tmp_path / "run.html").read_text()
+    assert "<dt>predicted step</dt>" not in text and "nothing was predicted" in text  # not the plan file's estimate
+    assert 'id="section-devices"' in text
+    assert text.count("15 ms") == 2  # each device's measured busy time (the median of 10 and 20 ms)
+    assert 'id="fig-timeline"' not in text
+
+
+def test_a_shared_device_is_named_with_every_stage_it_holds():
+    from hetplan.plan import Plan, Stage
+    from hetplan.report.page import device_labels
+
+    plan = Plan((Stage(("a",), ("cpu0",)), Stage(("b",), ("cpu1",)), Stage(("c",), ("cpu0",))), 2, "gpipe",
+                "hand", shared_devices=True)
+    assert device_labels(plan, load_cluster("local")) == {"cpu0": "cpu0 (cpu-1t) · stages 0, 2",
+                                                          "cpu1": "cpu1 (cpu-1t) · stage 1"}
+
+
+def test_files_hetplan_did_not_write_are_one_line_too(tmp_path, cli):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "run.json").write_text("[]")
+    (folder / "summary.json").write_text("{}")
+    rows = tmp_path / "compare.json"
+    rows.write_text(json.dumps({"kind": "comparison", "rows": [{"no": "planner"}]}))
+    moved = tmp_path / "moved.json"
+    moved.write_text(json.dumps({"kind": "comparison", "best": "dp", "graph_file": str(tmp_path / "gone.json"),
+                                 "rows": [{"planner": "dp", "plan": {"kind": "plan"}}]}))
+    run_out = tmp_path / "out.json"
+    run_out.write_text(json.dumps({"kind": "run", "out_dir": "nowhere"}))
+    for path, says in ((folder, "not what hetplan writes there (a JSON list)"),
+                       (rows, "not as hetplan writes it (KeyError"), (run_out, "names the run folder nowhere")):
+        r = cli("report", path, "-o", tmp_path / "x.html")
+        assert r.code == 2 and len(r.err.strip().splitlines()) == 1 and says in r.err, r.err
+    r = cli("report", moved, "-o", tmp_path / "x.html")  # the table, and a note that the plan is not drawn
+    assert r.code == 0 and "its graph " in (tmp_path / "x.html").read_text(), r.err

@@ -21,6 +21,7 @@ from pathlib import Path
 from hetplan.errors import HetplanError
 from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
+from hetplan.plan import prediction_error
 from hetplan.planners import BASELINES, PlanOptions, make_plan
 from hetplan.planners.compare import compare
 from hetplan.report.page import write_page
@@ -44,7 +45,7 @@ class DemoRun:
 
     @property
     def error(self) -> float:
-        return self.measured_step_s / self.predicted_step_s - 1
+        return prediction_error(self.measured_step_s, self.predicted_step_s)
 
 
 def run_demo(out_dir: Path, steps: int = 12, budget_s: float = 3.0,

@@ -43,6 +43,14 @@ class Stage:
             raise PlanError(f"the stage starting at node {self.nodes[0]!r} has no device")
 
 
+def prediction_error(measured_s: float | None, predicted_s: float | None) -> float | None:
+    """measured / predicted - 1 of a step time (+0.25: the step took 25% longer than predicted);
+    None unless both are known and the prediction is not zero."""
+    if measured_s is None or not predicted_s:
+        return None
+    return measured_s / predicted_s - 1
+
+
 @dataclass(frozen=True)
 class Estimate:
     """What a plan is predicted (or measured) to do in one training step.

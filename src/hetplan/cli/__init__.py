@@ -27,7 +27,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
     checked before any work (`serde.check_output`), so that a refused command changes nothing."""
     inputs = [getattr(args, k, None) for k in ("path", "plan", "graph", "cluster", "target")]
     inputs = [i for i in inputs if isinstance(i, str | Path) and Path(i).exists()]  # a preset is a name
-    outputs = [getattr(args, k, None) for k in ("output", "gantt", "trace")]
+    # (`run --trace` is a switch, not a file: only paths count)
+    outputs = [o for o in (getattr(args, k, None) for k in ("output", "gantt", "trace")) if isinstance(o, str | Path)]
     curve = getattr(args, "curve", None)
     if curve:
         outputs += [f"{curve}.csv", f"{curve}.png"]

@@ -29,7 +29,7 @@ def _console() -> Console:
 
 
 def _emit_json(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj, indent=1, allow_nan=False) + "\n")
+    sys.stdout.write(json.dumps(serde.finite_or_null(obj), indent=1, allow_nan=False) + "\n")
 
 
 def load_any(ref: str) -> Graph | Cluster | Plan:

@@ -82,14 +82,21 @@ class CostModel:
         same_kind = [(n, t) for n, t in self._measured_types if t.kind == target.kind]
         return (same_kind or list(self._measured_types))[0]
 
+    def measured_name(self, device_type: str) -> str | None:
+        """The graph's name for a device type it has times for: the type itself, or an alias of
+        it (a graph timed as 'cpu' has cpu-1t's times), else None."""
+        if device_type in self.graph.device_types:
+            return device_type
+        target = self._type(device_type)
+        return next((n for n, t in self._measured_types if target is not None and t.name == target.name), None)
+
     def projected_types(self) -> dict[str, str]:
         """The cluster's device types the graph has no times for, each with the measured type
         its times are projected from (roofline model, `hetplan.cost.projection`)."""
-        measured = set(self.graph.device_types)
         out = {}
         for dev in self.cluster.devices:
             target = self._type(dev.type)
-            if dev.type not in measured and target is not None:
+            if target is not None and self.measured_name(dev.type) is None:
                 out[dev.type] = self._source_type(target)[0]
         return out
 
@@ -109,9 +116,9 @@ class CostModel:
         """Forward and backward time of every node on a device type (measured or projected)."""
         if device_type in self._node_times:
             return self._node_times[device_type]
-        graph = self.graph
-        if device_type in graph.device_types:
-            times = {n.id: (n.fwd_s[device_type], n.bwd_s[device_type]) for n in graph.nodes}
+        graph, own = self.graph, self.measured_name(device_type)
+        if own is not None:
+            times = {n.id: (n.fwd_s[own], n.bwd_s[own]) for n in graph.nodes}
         else:
             target = self._type(device_type)
             if target is None:
@@ -137,10 +144,10 @@ class CostModel:
         micro-batch, on a device type: measured by the profiler there, 0 where it was not (a
         projected type has none: the roofline projection covers the whole time)."""
         if device_type not in self._node_fixed:
-            measured = device_type in self.graph.device_types
+            own = self.measured_name(device_type)
             self._node_fixed[device_type] = {
-                n.id: (n.fwd_fixed_s.get(device_type, 0.0) if measured else 0.0,
-                       n.bwd_fixed_s.get(device_type, 0.0) if measured else 0.0) for n in self.graph.nodes}
+                n.id: (n.fwd_fixed_s.get(own, 0.0) if own else 0.0,
+                       n.bwd_fixed_s.get(own, 0.0) if own else 0.0) for n in self.graph.nodes}
         return self._node_fixed[device_type]
 
     def stage_fixed_s(self, nodes: Sequence[str], device_type: str) -> tuple[float, float]:
@@ -171,9 +178,9 @@ class CostModel:
         take precedence over `optimizer_s`: they include the cost per tensor (SparseAdam on a
         table's looked-up rows) that a formula of the bytes misses."""
         if device_type not in self._opt_measured:
-            nodes = self.graph.nodes
-            self._opt_measured[device_type] = ({n.id: n.opt_s.get(device_type, 0.0) for n in nodes}
-                                               if any(device_type in n.opt_s for n in nodes) else None)
+            nodes, own = self.graph.nodes, self.measured_name(device_type) or device_type
+            self._opt_measured[device_type] = ({n.id: n.opt_s.get(own, 0.0) for n in nodes}
+                                               if any(own in n.opt_s for n in nodes) else None)
         return self._opt_measured[device_type]
 
     @cached_property

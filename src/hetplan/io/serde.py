@@ -47,6 +47,18 @@ def plain(value: Any) -> Any:
     return value
 
 
+def finite_or_null(value: Any) -> Any:
+    """A JSON value with every non-finite number made null: what a report says of a run whose
+    loss became NaN (JSON has no NaN, and `allow_nan=False` refused the whole summary)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
 def to_dict(obj: Any) -> dict[str, Any]:
     """The JSON-ready dict of a Graph, Cluster, Plan or Estimate."""
     kind = _KIND_OF.get(type(obj))

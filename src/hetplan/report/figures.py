@@ -10,6 +10,7 @@ chart's (`hetplan.report.gantt.COLOURS`), so the PNG and the page read alike.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import networkx as nx
 import plotly.graph_objects as go
@@ -25,7 +26,7 @@ from hetplan.units import fmt_bytes, fmt_seconds
 STAGE_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
                  "#CCB974", "#64B5CD")
 CUT_COLOUR = "#C44E52"
-FONT = {"family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif", "size": 12}
+FONT = MappingProxyType({"family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif", "size": 12})
 
 
 WRAP = 36  # topological generations per row: a longer graph turns back under itself
@@ -62,12 +63,14 @@ def node_hover(node: Node, where: str) -> str:
             f"activations kept: {fmt_bytes(node.act_bytes)}; output: {fmt_bytes(node.out_bytes)}")
 
 
+def device_name(device: str, cluster: Cluster | None) -> str:
+    """'dev (type)', or the id alone where the cluster is not known."""
+    return f"{device} ({cluster.device(device).type})" if cluster is not None and device in cluster.ids else device
+
+
 def stage_label(plan: Plan, k: int, cluster: Cluster | None) -> str:
     """'stage k: dev (type), ...' as the legend and hovers name a stage."""
-    devices = plan.stages[k].devices
-    if cluster is not None:
-        devices = tuple(f"{d} ({cluster.device(d).type})" if d in cluster.ids else d for d in devices)
-    return f"stage {k}: {', '.join(devices)}"
+    return f"stage {k}: {', '.join(device_name(d, cluster) for d in plan.stages[k].devices)}"
 
 
 def _edge_traces(graph: Graph, pos: Mapping[str, tuple[float, float]], stage_of: Mapping[str, int]) -> list:
@@ -122,7 +125,7 @@ def graph_figure(graph: Graph, plan: Plan | None = None, cluster: Cluster | None
                                font={"color": STAGE_COLOURS[k % len(STAGE_COLOURS)], "size": 12})
     low, high = min(y for _, y in pos.values()), max(y for _, y in pos.values())
     fig.update_layout(
-        font=FONT, height=int(200 + 30 * min(high - low, 40)), margin={"l": 10, "r": 10, "t": 30, "b": 10},
+        font=dict(FONT), height=int(200 + 30 * min(high - low, 40)), margin={"l": 10, "r": 10, "t": 30, "b": 10},
         plot_bgcolor="white", hovermode="closest", legend={"orientation": "h", "y": -0.02, "yanchor": "top"},
         xaxis={"visible": False}, yaxis={"visible": False, "range": [low - 0.6, high + 1.2]})
     return fig
@@ -181,7 +184,7 @@ def timeline_figure(charts: Sequence[tuple[Timeline, str]], labels: Mapping[str,
     fig.update_xaxes(title_text="time (ms)", row=len(charts), col=1, showgrid=True, gridcolor="#E5E5E5")
     plot_px = 60 + 28 * sum(heights) + 40 * len(charts)
     # the legend under the time axis, where no panel's title can meet it whatever the page's width
-    fig.update_layout(font=FONT, barmode="overlay", bargap=0.25, height=plot_px + 130, plot_bgcolor="white",
+    fig.update_layout(font=dict(FONT), barmode="overlay", bargap=0.25, height=plot_px + 130, plot_bgcolor="white",
                       margin={"l": 10, "r": 10, "t": 40, "b": 90},
                       legend={"orientation": "h", "y": -55 / plot_px, "yanchor": "top", "x": 0.0})
     return fig
@@ -197,7 +200,7 @@ def curve_figure(rows: Sequence[Sequence[float | None]], plan: Plan) -> go.Figur
         go.Scatter(x=iters, y=[r[4] for r in rows], mode="lines", name="best so far (fits in memory)",
                    line={"width": 2.5, "color": "#DD8452"}),
     ])
-    fig.update_layout(font=FONT, height=360, margin={"l": 10, "r": 10, "t": 10, "b": 40}, plot_bgcolor="white",
+    fig.update_layout(font=dict(FONT), height=360, margin={"l": 10, "r": 10, "t": 10, "b": 40}, plot_bgcolor="white",
                       xaxis={"title": "iteration", "gridcolor": "#E5E5E5"},
                       yaxis={"title": f"{plan.objective} (fast path; lower is better)", "type": "log",
                              "gridcolor": "#E5E5E5"},

@@ -17,14 +17,16 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import plotly.io
 
+from hetplan._frozen import freeze
 from hetplan.cluster import Cluster
 from hetplan.graph import Graph
 from hetplan.io.serde import atomic_write_text
-from hetplan.plan import Plan
+from hetplan.plan import Plan, prediction_error
 from hetplan.report import figures
 from hetplan.runtime.stage_times import StageTime
 from hetplan.sim.engine import Timeline
@@ -56,17 +58,23 @@ class ReportData:
     curve: tuple[tuple[float | None, ...], ...] = ()
     notes: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.comparison is not None:
+            object.__setattr__(self, "comparison", freeze(self.comparison))
+        object.__setattr__(self, "runs", tuple(freeze(r) for r in self.runs))
+
 
 def device_labels(plan: Plan | None, cluster: Cluster | None) -> dict[str, str]:
-    """'dev (type) · stage k' per device of the plan, as the timelines' rows name them."""
+    """'dev (type) · stage k' per device of the plan, as the timelines' rows name them ('stages
+    0, 2' for a device that holds several)."""
     if plan is None:
         return {}
-    out = {}
+    stages: dict[str, list[int]] = {}
     for k, stage in enumerate(plan.stages):
         for d in stage.devices:
-            dtype = f" ({cluster.device(d).type})" if cluster is not None and d in cluster.ids else ""
-            out[d] = f"{d}{dtype} · stage {k}"
-    return out
+            stages.setdefault(d, []).append(k)
+    return {d: f"{figures.device_name(d, cluster)} · stage{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}"
+            for d, ks in stages.items()}
 
 
 def _cell(text: str, value: float | str | None = None, cls: str = "") -> str:
@@ -75,12 +83,18 @@ def _cell(text: str, value: float | str | None = None, cls: str = "") -> str:
     return f"<td{sort}{klass}>{html.escape(text)}</td>"
 
 
+def _txt(x: Any) -> str:
+    return "-" if x is None else str(x)
+
+
 def _num(x: float | None, fmt: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+    if not isinstance(x, int | float) or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return format(x, fmt)
 
 
 def _secs(x: float | None) -> str:
-    return "-" if x is None else fmt_seconds(x)
+    return fmt_seconds(x) if isinstance(x, int | float) and math.isfinite(x) else "-"
 
 
 def _table(table_id: str, headers: Sequence[str], rows: Sequence[str], caption: str = "") -> str:
@@ -96,15 +110,15 @@ COMPARISON_HEADERS = ("planner", "stages", "devices", "micro-batches", "step", "
 
 def _comparison_row(r: Mapping[str, Any], best: str | None) -> str:
     if r.get("step_s") is None:
-        return (f'<tr class="failed">{_cell(r["planner"])}'
+        return (f'<tr class="failed">{_cell(_txt(r.get("planner")))}'
                 f'<td class="text" colspan="{len(COMPARISON_HEADERS) - 1}">'
                 f'{html.escape(str(r.get("error") or "no plan"))}</td></tr>')
-    is_best = r["planner"] == best
+    is_best = r.get("planner") == best
     cells = [
-        _cell(("★ " if is_best else "") + r["planner"], r["planner"]),
-        _cell(str(r["stages"]), r["stages"]), _cell(str(r["devices"]), r["devices"]),
-        _cell(str(r["microbatches"]), r["microbatches"]), _cell(_secs(r["step_s"]), r["step_s"]),
-        _cell(_num(r["samples_per_s"], ",.1f"), r["samples_per_s"]),
+        _cell(("★ " if is_best else "") + _txt(r.get("planner")), r.get("planner")),
+        *(_cell(_txt(r.get(k)), r.get(k)) for k in ("stages", "devices", "microbatches")),
+        _cell(_secs(r.get("step_s")), r.get("step_s")),
+        _cell(_num(r.get("samples_per_s"), ",.1f"), r.get("samples_per_s")),
         _cell(_num(r.get("usd_per_1k_samples"), ".4g"), r.get("usd_per_1k_samples")),
         _cell(_num(r.get("peak_mem_share"), ".0%"), r.get("peak_mem_share")),
         _cell("yes" if r.get("fits_memory") else "no"), _cell(_secs(r.get("planning_s")), r.get("planning_s")),
@@ -121,15 +135,18 @@ def comparison_table(comparison: Mapping[str, Any]) -> str:
     return _table("comparison", COMPARISON_HEADERS, rows, caption)
 
 
+RUN_ROW_KEYS = ("label", "stages", "devices", "microbatches", "predicted_step_s", "measured_step_s", "loss_last")
+
+
 def runs_table(runs: Sequence[Mapping[str, Any]]) -> str:
+    """A row per run (`RUN_ROW_KEYS`): predicted against measured step time."""
     rows = []
     for r in runs:
         p, m = r.get("predicted_step_s"), r.get("measured_step_s")
-        error = m / p - 1 if p and m else None
+        error = prediction_error(m, p) if all(isinstance(v, int | float) for v in (m, p)) else None
         loss = r.get("loss_last")
         rows.append("<tr>" + "".join([
-            _cell(r["label"], r["label"]), _cell(str(r["stages"]), r["stages"]),
-            _cell(str(r["devices"]), r["devices"]), _cell(str(r["microbatches"]), r["microbatches"]),
+            *(_cell(_txt(r.get(k)), r.get(k)) for k in ("label", "stages", "devices", "microbatches")),
             _cell(_secs(p), p), _cell(_secs(m), m), _cell(_num(error, "+.0%"), error),
             _cell(_num(loss, ".3f"), loss)]) + "</tr>")
     return _table("runs", ("plan", "stages", "workers", "micro-batches", "predicted step", "measured step",
@@ -183,7 +200,7 @@ def _figures(data: ReportData) -> list[tuple[str, str, object]]:
     return out
 
 
-SECTION_OF = {"graph": "The plan on the model", "timeline": "The step", "curve": "The search"}
+SECTION_OF = MappingProxyType({"graph": "The plan on the model", "timeline": "The step", "curve": "The search"})
 
 
 def _body(data: ReportData) -> str:
@@ -193,13 +210,16 @@ def _body(data: ReportData) -> str:
     if data.facts:
         parts.append("<dl class=facts>" + "".join(f"<div><dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd></div>"
                                                   for k, v in data.facts) + "</dl>")
-    for fig_id, caption, fig in _figures(data):
+    figures_ = _figures(data)
+    for fig_id, caption, fig in figures_:
         parts.append(f'<section id="section-{fig_id}"><h2>{SECTION_OF[fig_id]}</h2><p>{html.escape(caption)}</p>'
                      f'<div class="figure" id="fig-{fig_id}" data-figure="data-{fig_id}"></div>'
                      f'<script type="application/json" id="data-{fig_id}">{_figure_json(fig)}</script>')
         if fig_id == "timeline" and data.replicas:
             parts.append(replicas_table(data.replicas))
         parts.append("</section>")
+    if data.replicas and not any(fig_id == "timeline" for fig_id, _, _ in figures_):
+        parts.append(f'<section id="section-devices"><h2>The step</h2>{replicas_table(data.replicas)}</section>')
     if data.comparison or data.runs:
         parts.append('<section id="section-comparison"><h2>The comparison</h2><p>Click a column\'s header to '
                      "sort by it.</p>")
@@ -304,6 +324,7 @@ def facts_of(plan: Plan, measured_step_s: float | None = None) -> tuple[tuple[st
                 ("fits in memory", "yes" if est.feasible else "no")]
     if measured_step_s:
         out.append(("measured step", fmt_seconds(measured_step_s)))
-        if est is not None:
-            out.append(("measured / predicted", f"{measured_step_s / est.step_s - 1:+.0%}"))
+        error = prediction_error(measured_step_s, est.step_s if est is not None else None)
+        if error is not None:
+            out.append(("measured / predicted", f"{error:+.0%}"))
     return tuple(out)

@@ -11,7 +11,6 @@ and the runs' folders).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import replace
@@ -27,8 +26,9 @@ from hetplan.io.graphs import load_graph
 from hetplan.plan import Plan, validate_plan
 from hetplan.report.curve import curve_rows
 from hetplan.report.gantt import timeline_from_trace
-from hetplan.report.page import ReportData, facts_of
+from hetplan.report.page import RUN_ROW_KEYS, ReportData, facts_of
 from hetplan.report.summary import CLUSTER_REF, GRAPH_FILE, estimate_notes
+from hetplan.runtime.run import TRACE_FILES
 from hetplan.runtime.stage_times import StageTime, replica_times
 from hetplan.sim import simulate
 from hetplan.sim.engine import Timeline
@@ -100,29 +100,42 @@ def comparison_data(comparison: Mapping[str, Any], graph: Graph | None, cluster:
 
 def load_comparison(path: Path, data: Mapping[str, Any], graph_ref: str | None,
                     cluster_ref: str | None) -> ReportData:
-    what = f"comparison {path}"
-    graph = _graph(graph_ref, data.get(GRAPH_FILE), what) if graph_ref or data.get(GRAPH_FILE) else None
-    cluster = (_cluster(cluster_ref, data.get(CLUSTER_REF) or data.get("cluster"), what)
-               if graph is not None else None)
+    """A comparison's table, with its best plan drawn when its graph can be found (a recorded
+    graph that has moved leaves the table and a note; `--graph` finds it)."""
+    what, recorded = f"comparison {path}", data.get(GRAPH_FILE)
+    if not graph_ref and not (recorded and Path(str(recorded)).is_file()):
+        page = comparison_data(data, None, None, str(path))
+        if recorded and page.notes:
+            page = replace(page, notes=(f"The best plan is not drawn: its graph {recorded} is not there any more; "
+                                        "pass --graph and --cluster.",))
+        return page
+    graph = _graph(graph_ref, recorded, what)
+    cluster = _cluster(cluster_ref, data.get(CLUSTER_REF) or data.get("cluster"), what)
     return comparison_data(data, graph, cluster, str(path))
 
 
-def _read(folder: Path, name: str) -> Any:
+def _read(folder: Path, name: str, kind: type = dict) -> Any:
     path = folder / name
     if not path.is_file():
         raise InputError(f"{folder}: no {name} in it; {WHAT} is what hetplan report takes")
-    return serde.read_json(path)
+    data = serde.read_json(path)
+    if not isinstance(data, kind):
+        raise InputError(f"{path}: not what hetplan writes there (a JSON {type(data).__name__})")
+    return data
 
 
-def _measured(folder: Path) -> Timeline | None:
-    path = folder / "trace_measured.json"
-    return timeline_from_trace(serde.read_json(path), str(path)) if path.is_file() else None
+def _measured(folder: Path, summary: Mapping[str, Any]) -> Timeline | None:
+    """The run's measured last step, when this run traced it (an earlier run's trace in the
+    same folder is not this one's)."""
+    path = folder / TRACE_FILES[0]
+    if not summary.get("trace_files") or not path.is_file():
+        return None
+    return timeline_from_trace(serde.read_json(path), str(path))
 
 
 def _run_row(label: str, plan: Plan, summary: Mapping[str, Any]) -> dict[str, Any]:
-    return {"label": label, "stages": len(plan.stages), "devices": len(plan.devices),
-            "microbatches": plan.microbatches, "predicted_step_s": summary.get("predicted_step_s"),
-            "measured_step_s": summary.get("measured_step_s"), "loss_last": summary.get("loss_last")}
+    row = {"label": label, "stages": len(plan.stages), "devices": len(plan.devices), "microbatches": plan.microbatches}
+    return {k: row.get(k, summary.get(k)) for k in RUN_ROW_KEYS}
 
 
 def _stage_rows(rows: list[Mapping[str, Any]]) -> tuple[StageTime, ...]:
@@ -130,28 +143,26 @@ def _stage_rows(rows: list[Mapping[str, Any]]) -> tuple[StageTime, ...]:
 
 
 def load_run(folder: Path) -> ReportData:
-    """The page of a run: the plan on the graph, predicted above measured, the stage table."""
+    """The page of a run: the plan on the graph, predicted above measured, the device table."""
     spec, summary = _read(folder, "run.json"), _read(folder, "summary.json")
-    plan = serde.from_dict(spec["plan"], source=str(folder / "run.json"), expect="plan")
-    measured, title = _measured(folder), f"{summary.get('model', '')}: a run of the {plan.planner} plan"
-    base = ReportData(kind="run", title=title, source=str(folder), plan=plan, measured=measured,
-                      runs=(_run_row(plan.planner, plan, summary),), replicas=_stage_rows(summary.get("replicas", [])),
-                      facts=facts_of(plan, summary.get("measured_step_s")))
-    if not (folder / "graph.json").is_file():
-        return replace(base, notes=("No graph was given to the run (--graph), so nothing was predicted.",))
+    plan = serde.from_dict(spec.get("plan"), source=str(folder / "run.json"), expect="plan")
+    title, measured_s = f"{summary.get('model', '')}: a run of the {plan.planner} plan", summary.get("measured_step_s")
+    base = ReportData(kind="run", title=title, source=str(folder), plan=plan, measured=_measured(folder, summary),
+                      runs=(_run_row(plan.planner, plan, summary),), replicas=_stage_rows(summary.get("replicas", [])))
+    if not (folder / "graph.json").is_file():  # the plan file's own estimate may be for another cluster: not shown
+        return replace(base, facts=facts_of(replace(plan, predicted=None), measured_s),
+                       notes=("No graph was given to the run (--graph), so nothing was predicted.",))
     graph = load_graph(folder / "graph.json")
-    cluster = load_cluster(folder / "cluster.json")
-    page = plan_data(plan, graph, cluster, str(folder))
-    return replace(page, kind="run", title=title, measured=measured, runs=base.runs,
-                   replicas=base.replicas or page.replicas, facts=facts_of(page.plan, summary.get("measured_step_s")))
+    page = plan_data(plan, graph, load_cluster(folder / "cluster.json"), str(folder))
+    return replace(page, kind="run", title=title, measured=base.measured, runs=base.runs,
+                   replicas=base.replicas or page.replicas, facts=facts_of(page.plan, measured_s))
 
 
 def load_demo(folder: Path) -> ReportData:
     """The page of `hetplan demo`: the chosen plan (run 0) with its runs and the planners' table."""
     demo = _read(folder, "demo.json")
     run = load_run(folder / "run-0")
-    runs = tuple({k: r.get(k) for k in ("label", "stages", "devices", "microbatches", "predicted_step_s",
-                                        "measured_step_s", "loss_last")} for r in demo.get("runs", ()))
+    runs = tuple({k: r.get(k) for k in RUN_ROW_KEYS} for r in demo.get("runs", ()))
     speedup = demo.get("speedup_over_best_baseline")
     facts = (*run.facts, ("measured speed-up over the faster baseline",
                           f"{speedup:.2f}x" if isinstance(speedup, float) and math.isfinite(speedup) else "-"))
@@ -159,13 +170,19 @@ def load_demo(folder: Path) -> ReportData:
                    source=str(folder), runs=runs, comparison=demo.get("comparison"), facts=facts)
 
 
-def load_report(path: str | Path, graph_ref: str | None = None, cluster_ref: str | None = None) -> ReportData:
-    """What the page of PATH shows (see the module docstring); one-line errors otherwise."""
-    path = Path(path)
+def _run_folder(path: Path, data: Mapping[str, Any]) -> Path:
+    """The folder `hetplan run --json`'s output names: as written (from where the run was
+    started), else beside the JSON file."""
+    named = Path(str(data.get("out_dir")))
+    for folder in (named, path.parent / named):
+        if folder.is_dir():
+            return folder
+    raise InputError(f"{path}: names the run folder {named}, which is not there (from here or beside the file)")
+
+
+def _load(path: Path, graph_ref: str | None, cluster_ref: str | None) -> ReportData:
     if path.is_dir():
-        if (path / "demo.json").is_file():
-            return load_demo(path)
-        return load_run(path)
+        return load_demo(path) if (path / "demo.json").is_file() else load_run(path)
     if not path.is_file():
         raise InputError(f"{path}: no such file or folder")
     data = serde.read_json(path)
@@ -174,6 +191,20 @@ def load_report(path: str | Path, graph_ref: str | None = None, cluster_ref: str
         return load_plan(path, graph_ref, cluster_ref)
     if kind == "comparison":
         return load_comparison(path, data, graph_ref, cluster_ref)
-    if kind == "run" and isinstance(data.get("out_dir"), str) and Path(data["out_dir"]).is_dir():
-        return load_run(Path(data["out_dir"]))  # `hetplan run --json`'s output names its folder
-    raise InputError(f"{path}: a {kind or json.dumps(type(data).__name__)} file, not {WHAT}")
+    if kind == "run" and data.get("out_dir"):
+        return load_run(_run_folder(path, data))
+    what = f"a {kind} file" if isinstance(kind, str) else f"a JSON {type(data).__name__}"
+    raise InputError(f"{path}: {what}, not {WHAT}")
+
+
+def load_report(path: str | Path, graph_ref: str | None = None, cluster_ref: str | None = None) -> ReportData:
+    """What the page of PATH shows (see the module docstring); one-line errors otherwise, a
+    file hetplan did not write as it does included."""
+    path = Path(path)
+    try:
+        return _load(path, graph_ref, cluster_ref)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        if isinstance(exc, HetplanError):
+            raise
+        raise InputError(f"{path}: not as hetplan writes it ({type(exc).__name__}: {exc}); {WHAT} is what "
+                         "hetplan report takes") from None

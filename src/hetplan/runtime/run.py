@@ -22,10 +22,12 @@ from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.io import serde
 from hetplan.io.serde import atomic_write_text
-from hetplan.plan import Estimate, Plan, validate_plan
+from hetplan.plan import Estimate, Plan, prediction_error, validate_plan
 from hetplan.runtime.launch import RunResult, launch, run_spec
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.stage_times import StageTime, replica_times, stage_times
+
+TRACE_FILES = ("trace_measured.json", "gantt.png")  # what `--trace` writes into the run folder
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class RunReport:
     @property
     def relative_error(self) -> float | None:
         """measured / predicted - 1 of the step time; None without a prediction."""
-        return self.measured.step_s / self.predicted.step_s - 1 if self.predicted else None
+        return prediction_error(self.measured.step_s, self.predicted.step_s if self.predicted else None)
 
     def summary(self, plan_path: str = "") -> dict[str, Any]:
         """The JSON object `hetplan run --json` prints."""
@@ -177,13 +179,16 @@ def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = Non
 
 def keep(report: RunReport, out_dir: Path, graph: Graph | None, cluster: Cluster, source: str | None) -> None:
     """What the run folder keeps beside run.json for `hetplan report` to draw it again: the summary
-    (summary.json) and the graph and cluster it was predicted on (graph.json, cluster.json)."""
-    atomic_write_text(out_dir / "summary.json", json.dumps(report.summary(source or ""), indent=1, allow_nan=False))
+    (summary.json, a NaN loss as null) and the graph and cluster it was predicted on (graph.json,
+    cluster.json). What an earlier run in the folder left and this one did not make goes."""
+    summary = serde.finite_or_null(report.summary(source or ""))
+    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=1, allow_nan=False))
     serde.dump(cluster, out_dir / "cluster.json")
     if graph is not None:
         serde.dump(graph, out_dir / "graph.json")
-    else:
-        (out_dir / "graph.json").unlink(missing_ok=True)  # a graph of an earlier run in the folder is not this one's
+    stale = (["graph.json"] if graph is None else []) + ([] if report.trace_files else list(TRACE_FILES))
+    for name in stale:
+        (out_dir / name).unlink(missing_ok=True)
 
 
 def write_trace(result: RunResult, spec: RunSpec, predicted=None) -> tuple[str, ...]:
@@ -193,9 +198,9 @@ def write_trace(result: RunResult, spec: RunSpec, predicted=None) -> tuple[str, 
     from hetplan.runtime.trace import measured_timeline
 
     measured = measured_timeline(result, spec)
-    trace = write_chrome_trace(measured, spec.out_dir / "trace_measured.json")
+    trace = write_chrome_trace(measured, spec.out_dir / TRACE_FILES[0])
     charts = [(measured, f"measured, last step ({measured.step_s * 1e3:.1f} ms)")]
     if predicted is not None:
         charts.insert(0, (predicted, f"predicted ({predicted.step_s * 1e3:.1f} ms)"))
-    gantt = draw_gantts(charts, spec.out_dir / "gantt.png")
+    gantt = draw_gantts(charts, spec.out_dir / TRACE_FILES[1])
     return str(trace), str(gantt)
