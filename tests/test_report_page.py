@@ -191,8 +191,9 @@ def test_a_long_graph_snakes_down_in_rows_each_node_beside_the_next():
     graph = Graph("chain", tuple(Node(f"n{i}", "Linear", {"cpu": 1.0}, {"cpu": 1.0}) for i in range(100)),
                   tuple(Edge(f"n{i}", f"n{i + 1}") for i in range(99)), 1, "cpu")
     pos = _layout(graph)
-    assert len(set(pos.values())) == 100 and len({y for _, y in pos.values()}) == -(-100 // WRAP)
-    assert {x for x, _ in pos.values()} == {float(c) for c in range(WRAP)}
+    rows = -(-100 // WRAP)  # 3 rows of 34, 34 and 32 columns
+    assert len(set(pos.values())) == 100 and len({y for _, y in pos.values()}) == rows == 3
+    assert {x for x, _ in pos.values()} == {float(c) for c in range(34)}
     for i in range(99):  # along a row one column on; at a turn straight down
         (x0, y0), (x1, y1) = pos[f"n{i}"], pos[f"n{i + 1}"]
         assert (abs(x1 - x0), y1 - y0) in ((1.0, 0.0), (0.0, -2.5)), i

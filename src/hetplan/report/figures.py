@@ -29,23 +29,25 @@ CUT_COLOUR = "#C44E52"
 FONT = MappingProxyType({"family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif", "size": 12})
 
 
-WRAP = 36  # topological generations per row: a longer graph turns back under itself
+WRAP = 36  # topological generations per row at most: a longer graph turns back under itself
 
 
 def _layout(graph: Graph) -> dict[str, tuple[float, float]]:
     """(x, y) per node: x its topological generation, y its place in it, centred on the row's
     line. Past `WRAP` generations the graph continues on the next row down, right to left, then
     left to right again (as a snake: the row's last node sits just above the next row's first),
-    so that resnet50's ~110 generations fill three rows instead of one thin band."""
+    the rows of equal length, so that resnet50's ~110 generations fill four rows of 28 instead
+    of one thin band."""
     g = nx.DiGraph()
     g.add_nodes_from(n.id for n in graph.nodes)
     g.add_edges_from((e.src, e.dst) for e in graph.edges)
     order = {n: k for k, n in enumerate(graph.topo_order)}
     layers = [sorted(layer, key=order.__getitem__) for layer in nx.topological_generations(g)]
-    tallest, width = max(len(layer) for layer in layers), min(len(layers), WRAP)
+    rows = -(-len(layers) // WRAP)
+    tallest, width = max(len(layer) for layer in layers), -(-len(layers) // rows)  # rows of equal length
     pos = {}
     for x, layer in enumerate(layers):
-        row, col = divmod(x, WRAP)
+        row, col = divmod(x, width)
         col = width - 1 - col if row % 2 else col
         for y, node in enumerate(layer):
             pos[node] = (float(col), (len(layer) - 1) / 2 - y - row * (tallest + 1.5))
