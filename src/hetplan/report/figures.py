@@ -36,7 +36,7 @@ def _layout(graph: Graph) -> dict[str, tuple[float, float]]:
     """(x, y) per node: x its topological generation, y its place in it, centred on the row's
     line. Past `WRAP` generations the graph continues on the next row down, right to left, then
     left to right again (as a snake: the row's last node sits just above the next row's first),
-    the rows of equal length, so that resnet50's ~110 generations fill four rows of 28 instead
+    the rows of equal length, so that resnet50's 169 generations fill five rows of 34 instead
     of one thin band."""
     g = nx.DiGraph()
     g.add_nodes_from(n.id for n in graph.nodes)
