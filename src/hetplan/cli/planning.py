@@ -92,10 +92,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sim = simulate(graph, cluster, plan, routing=args.routing, timeline=bool(args.gantt or args.trace))
     est = sim.estimate
     if args.gantt:
-        from hetplan.report.gantt import draw_gantt
+        from hetplan.report.gantt import device_labels, draw_gantt
 
-        labels = {d: f"{d} ({cluster.device(d).type}) · stage {i}"
-                  for i, stage in enumerate(plan.stages) for d in stage.devices}
+        labels = device_labels(plan, cluster)
         title = (f"{graph.name} on {cluster.name}: {plan.planner} plan, {len(plan.stages)} stages, "
                  f"{plan.microbatches} micro-batches, {plan.schedule}; step {fmt_seconds(est.step_s)}, "
                  f"bubble {est.bubble_fraction:.0%}")

@@ -19,7 +19,7 @@ from plotly.subplots import make_subplots
 from hetplan.cluster import Cluster
 from hetplan.graph import Graph, Node
 from hetplan.plan import Plan
-from hetplan.report.gantt import COLOURS, NAMES
+from hetplan.report.gantt import COLOURS, NAMES, device_name
 from hetplan.sim.engine import ALLREDUCE, OPTIMIZER, Span, Timeline
 from hetplan.units import fmt_bytes, fmt_seconds
 
@@ -63,11 +63,6 @@ def node_hover(node: Node, where: str) -> str:
     return (f"<b>{node.id}</b> ({node.op})<br>{where}<br>forward: {_times(node.fwd_s)}<br>"
             f"backward: {_times(node.bwd_s)}<br>parameters: {fmt_bytes(node.param_bytes)}<br>"
             f"activations kept: {fmt_bytes(node.act_bytes)}; output: {fmt_bytes(node.out_bytes)}")
-
-
-def device_name(device: str, cluster: Cluster | None) -> str:
-    """'dev (type)', or the id alone where the cluster is not known."""
-    return f"{device} ({cluster.device(device).type})" if cluster is not None and device in cluster.ids else device
 
 
 def stage_label(plan: Plan, k: int, cluster: Cluster | None) -> str:

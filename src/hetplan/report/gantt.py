@@ -12,13 +12,33 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+from hetplan.cluster import Cluster
 from hetplan.errors import InputError
 from hetplan.io.serde import atomic_write_text
+from hetplan.plan import Plan
 from hetplan.sim.engine import ALLREDUCE, OPTIMIZER, Span, Timeline
 
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", ALLREDUCE: "#9A9A9A", OPTIMIZER: "#55A868"}
 NAMES = {"F": "forward / activations", "B": "backward / gradients", ALLREDUCE: "gradient all-reduce",
          OPTIMIZER: "optimizer step"}
+
+
+def device_name(device: str, cluster: Cluster | None) -> str:
+    """'dev (type)', or the id alone where the cluster is not known."""
+    return f"{device} ({cluster.device(device).type})" if cluster is not None and device in cluster.ids else device
+
+
+def device_labels(plan: Plan | None, cluster: Cluster | None) -> dict[str, str]:
+    """'dev (type) · stage k' per device of the plan, as the timelines' rows name them ('stages
+    0, 2' for a device that holds several): the Gantt chart's and the report page's."""
+    if plan is None:
+        return {}
+    stages: dict[str, list[int]] = {}
+    for k, stage in enumerate(plan.stages):
+        for d in stage.devices:
+            stages.setdefault(d, []).append(k)
+    return {d: f"{device_name(d, cluster)} · stage{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}"
+            for d, ks in stages.items()}
 
 
 def _rows(timeline: Timeline, device_labels: Mapping[str, str] | None) -> list[tuple[str, str]]:

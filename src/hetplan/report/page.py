@@ -28,6 +28,7 @@ from hetplan.graph import Graph
 from hetplan.io.serde import atomic_write_text
 from hetplan.plan import Plan, prediction_error
 from hetplan.report import figures
+from hetplan.report.gantt import device_labels
 from hetplan.runtime.stage_times import StageTime
 from hetplan.sim.engine import Timeline
 from hetplan.units import fmt_seconds
@@ -62,19 +63,6 @@ class ReportData:
         if self.comparison is not None:
             object.__setattr__(self, "comparison", freeze(self.comparison))
         object.__setattr__(self, "runs", tuple(freeze(r) for r in self.runs))
-
-
-def device_labels(plan: Plan | None, cluster: Cluster | None) -> dict[str, str]:
-    """'dev (type) · stage k' per device of the plan, as the timelines' rows name them ('stages
-    0, 2' for a device that holds several)."""
-    if plan is None:
-        return {}
-    stages: dict[str, list[int]] = {}
-    for k, stage in enumerate(plan.stages):
-        for d in stage.devices:
-            stages.setdefault(d, []).append(k)
-    return {d: f"{figures.device_name(d, cluster)} · stage{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}"
-            for d, ks in stages.items()}
 
 
 def _cell(text: str, value: float | str | None = None, cls: str = "") -> str:

@@ -25,7 +25,7 @@ from hetplan.io.serde import atomic_write_text
 from hetplan.plan import Estimate, Plan, prediction_error, validate_plan
 from hetplan.runtime.launch import RunResult, launch, run_spec
 from hetplan.runtime.spec import RunSpec
-from hetplan.runtime.stage_times import StageTime, replica_times, stage_times
+from hetplan.runtime.stage_times import StageTime, replica_times, stages_of
 
 TRACE_FILES = ("trace_measured.json", "gantt.png")  # what `--trace` writes into the run folder
 
@@ -62,8 +62,13 @@ class RunReport:
     predicted: Estimate | None
     first_step: int
     trace_files: tuple[str, ...] = ()  # with `trace`: the measured Chrome trace and the two Gantt charts
-    stages: tuple[StageTime, ...] = ()  # per stage, busy time and share of the step communicating (`stage_times`)
-    replicas: tuple[StageTime, ...] = ()  # the same per stage replica, one device each (`replica_times`)
+    replicas: tuple[StageTime, ...] = ()  # per stage replica (one device each): busy time and share of the
+    # step communicating, predicted and measured (`replica_times`)
+
+    @property
+    def stages(self) -> tuple[StageTime, ...]:
+        """The same per stage, its replicas averaged (`stages_of`)."""
+        return stages_of(self.plan, self.replicas)
 
     @property
     def relative_error(self) -> float | None:
@@ -171,8 +176,7 @@ def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = Non
     measured = measured_estimate(result, plan, cluster, spec.batch_size)
     files = write_trace(result, spec, sim_timeline) if spec.trace else ()
     report = RunReport(plan=plan, model=model, result=result, measured=measured, predicted=predicted,
-                       first_step=first, trace_files=files, stages=stage_times(plan, result, sim_timeline),
-                       replicas=replica_times(plan, result, sim_timeline))
+                       first_step=first, trace_files=files, replicas=replica_times(plan, result, sim_timeline))
     keep(report, spec.out_dir, graph, cluster, source)
     return report
 

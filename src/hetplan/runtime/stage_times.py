@@ -98,9 +98,8 @@ def replica_times(plan: Plan, result: RunResult | None,
     return tuple(rows)
 
 
-def stage_times(plan: Plan, result: RunResult | None, timeline: Timeline | None = None) -> tuple[StageTime, ...]:
-    """A row per stage of `plan`: the mean over its replicas of `replica_times`."""
-    replicas = replica_times(plan, result, timeline)
+def stages_of(plan: Plan, replicas: Sequence[StageTime]) -> tuple[StageTime, ...]:
+    """A row per stage of `plan`: the mean over its replicas' rows (`replica_times`)."""
     rows = []
     for k, stage in enumerate(plan.stages):
         mine = [r for r in replicas if r.stage == k]
@@ -109,3 +108,8 @@ def stage_times(plan: Plan, result: RunResult | None, timeline: Timeline | None 
             **{name: _mean([getattr(r, name) for r in mine]) for name in (
                 "predicted_busy_s", "measured_busy_s", "predicted_comm_share", "measured_comm_share")}))
     return tuple(rows)
+
+
+def stage_times(plan: Plan, result: RunResult | None, timeline: Timeline | None = None) -> tuple[StageTime, ...]:
+    """A row per stage of `plan`: the mean over its replicas of `replica_times`."""
+    return stages_of(plan, replica_times(plan, result, timeline))
