@@ -100,6 +100,41 @@ def test_a_sparse_tables_optimizer_step_costs_its_looked_up_rows():
     assert steps[0] - steps[1] > 0.01  # Adam over 400 MB on a 16-thread CPU: about 17 ms
 
 
+def test_replicas_of_a_sparse_table_sum_its_looked_up_rows_not_the_table():
+    """Replicas of a table with sparse gradients exchange its looked-up rows (`runtime.gradients`):
+    an all-reduce of the bytes the optimizer updates, and two before it, of each replica's row
+    count (8 bytes each) and of the rows' indices (8 bytes a row). A dense table: one all-reduce
+    of all of it. The simulator, the bottleneck and the array form charge the same."""
+    import numpy as np
+
+    from hetplan.sim.model import build_step_model
+
+    cluster = load_cluster("cloud-mix")
+    pair = ("t0", "t1")
+    table = Node("t", "EmbeddingBag", {V: 0.001}, {V: 0.001}, param_bytes=4 * 10**8)
+    sparse = Node(**{**table.__dict__, "updated_bytes": 4 * 10**4, "sparse_rows": 10**3})
+    plan = Plan((Stage(("t",), pair),), 1, "1f1b", "test")
+    charged = []
+    for node in (sparse, table):
+        g = Graph("g", (node,), (), batch_size=8, profiled_on=V)
+        cm = CostModel(g, cluster)
+        charged.append(cm.stage_sync_s(("t",), pair))
+        assert build_step_model(g, cluster, plan, cost=cm).stages[0].allreduce_s == charged[-1]
+    rows = cm.allreduce_s(4 * 10**4, pair) + cm.allreduce_s(8 * 10**3, pair) + cm.allreduce_s(16.0, pair)
+    assert charged == [pytest.approx(rows), pytest.approx(cm.allreduce_s(4 * 10**8, pair))]
+    assert charged[1] > 100 * charged[0]
+    both = cm.gradient_sync_s(np.array([4e4, 4e8]), np.array([8e3, 0.0]), pair)
+    assert both == pytest.approx(charged)
+    assert cm.gradient_sync_s(4e4, 8e3, ("t0",)) == 0.0
+
+
+def test_sparse_rows_need_updated_bytes():
+    from hetplan.errors import GraphError
+
+    with pytest.raises(GraphError, match="sparse_rows"):
+        Node("t", "EmbeddingBag", {V: 0.0}, {V: 0.0}, param_bytes=10, sparse_rows=3)
+
+
 def test_updated_bytes_are_checked_and_kept():
     from hetplan.errors import GraphError
     from hetplan.io import serde

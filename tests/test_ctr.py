@@ -198,7 +198,8 @@ def test_ctr_dnn_profiles_with_a_parser_node():
 
 def test_the_profile_marks_the_parser_as_host_work_and_counts_the_looked_up_rows():
     """The parser runs on the host whatever the stage's device; a table's optimizer updates the
-    rows the batch looked up (its sparse gradient's distinct rows), not the whole table."""
+    rows the batch looked up (its sparse gradient's distinct rows), not the whole table, and its
+    replicas exchange those rows and their indices (`sparse_rows`)."""
     zm = ctr_dnn(16, 0, 0, tables=SMALL, hidden=(64, 32))
     graph = profile_step(zm.step, zm.batch, name="ctr-dnn", repeats=1, fixed=False).graph
     assert graph.node("parser").runs_on_host
@@ -207,10 +208,11 @@ def test_the_profile_marks_the_parser_as_host_work_and_counts_the_looked_up_rows
     bags = {n.id.rsplit(".", 1)[-1]: n for n in graph.nodes if n.op == "EmbeddingBag"}
     for field in range(26):
         node = bags[f"C{field + 1}"]
-        assert node.updated_bytes == len(np.unique(ids[:, field] % SMALL[field])) * 16 * 4  # hashing trick
+        rows = len(np.unique(ids[:, field] % SMALL[field]))  # hashing trick
+        assert node.updated_bytes == rows * 16 * 4 and node.sparse_rows == rows
         assert node.optimizer_bytes == node.updated_bytes < node.param_bytes
     mlp = graph.node("mlp.0")
-    assert mlp.updated_bytes is None and mlp.optimizer_bytes == mlp.param_bytes
+    assert mlp.updated_bytes is None and mlp.optimizer_bytes == mlp.param_bytes and mlp.sparse_rows == 0
     # the optimizer step of every node with parameters, measured: SparseAdam on a table's rows
     assert all(n.opt_s[t] > 0 for n in graph.nodes if n.param_bytes for t in n.fwd_s)
     assert not any(n.opt_s for n in graph.nodes if not n.param_bytes)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetplan.runtime.executor import reduce_gradients
+from hetplan.runtime.gradients import reduce_gradients, sparse_parameter_ids
 from hetplan.runtime.optim import StageOptimizer
 from hetplan.runtime.transport import LocalHub
 
@@ -75,21 +75,36 @@ def test_sgd_takes_sparse_and_dense_gradients():
         assert torch.allclose(a, b)
 
 
-def _reduce_on_two_ranks(grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    hub, out = LocalHub(2), [None, None]
+class _Counting:
+    """A rank's transport that records the number of elements of every all-reduce it joins."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.rank, self.sizes = inner, inner.rank, []
+
+    def all_reduce(self, tensor, ranks):
+        self.sizes.append(tensor.numel())
+        self.inner.all_reduce(tensor, ranks)
+
+
+def _reduce_on_ranks(grads: list[torch.Tensor | None], table: bool = True, shape=(6, 2)) -> tuple[list, list]:
+    """Each rank holds one parameter of `shape` (a table with sparse gradients, or a dense one)
+    with the given gradient; returns the summed gradients and each rank's all-reduce sizes."""
+    n = len(grads)
+    hub, out, sizes = LocalHub(n), [None] * n, [None] * n
 
     def rank(r: int) -> None:
-        prm = nn.Parameter(torch.zeros(6, 2))
+        prm = nn.Parameter(torch.zeros(*shape))
         prm.grad = grads[r]
-        reduce_gradients([((0, 1), [prm])], hub.transport(r))
-        out[r] = prm.grad
+        transport = _Counting(hub.transport(r))
+        reduce_gradients([(tuple(range(n)), [prm])], transport, {id(prm)} if table else set())
+        out[r], sizes[r] = prm.grad, transport.sizes
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return out
+    return out, sizes
 
 
 def _rows(rows: list[int], value: float) -> torch.Tensor:
@@ -99,13 +114,49 @@ def _rows(rows: list[int], value: float) -> torch.Tensor:
 
 def test_replicas_sum_sparse_gradients_into_the_union_of_their_rows():
     """Replicas of a stage that hold a table looked up different rows: the sum is sparse (for
-    SparseAdam) with the rows either looked up; a replica without a gradient agrees."""
-    a, b = _reduce_on_two_ranks([_rows([0, 2], 1.0), _rows([2, 5], 2.0)])
+    SparseAdam) over the union of the rows, as the whole batch's gradient in one process; a
+    replica without a gradient agrees; a dense parameter is summed densely."""
+    (a, b), _ = _reduce_on_ranks([_rows([0, 2], 1.0), _rows([2, 5], 2.0)])
     for g in (a, b):
         assert g.is_sparse
         assert g.coalesce().indices().flatten().tolist() == [0, 2, 5]
         assert torch.equal(g.to_dense(), _rows([0, 2], 1.0).to_dense() + _rows([2, 5], 2.0).to_dense())
-    a, b = _reduce_on_two_ranks([_rows([4], 3.0), None])
+    (a, b), _ = _reduce_on_ranks([_rows([4], 3.0), None])
     assert a.is_sparse and b.is_sparse and torch.equal(a.to_dense(), b.to_dense())
-    dense = _reduce_on_two_ranks([torch.ones(6, 2), torch.ones(6, 2)])
+    assert a.coalesce().indices().flatten().tolist() == [4]
+    (a, b), _ = _reduce_on_ranks([None, None])
+    assert a is None and b is None  # no row anywhere: nothing for the optimizer to update
+    dense, _ = _reduce_on_ranks([torch.ones(6, 2), torch.ones(6, 2)], table=False)
     assert not dense[0].is_sparse and torch.equal(dense[0], torch.full((6, 2), 2.0))
+
+
+def test_a_row_that_sums_to_zero_stays_in_the_gradient():
+    """One process on the whole batch gets every looked-up row in its gradient, even one whose
+    gradients cancel; SparseAdam then moves its moments. The replicas' sum keeps it too."""
+    (a, _), _ = _reduce_on_ranks([_rows([1, 3], 1.0), _rows([3], -1.0)])
+    assert a.coalesce().indices().flatten().tolist() == [1, 3]
+    assert a.coalesce().values()[1].abs().sum() == 0
+
+
+def test_replicas_exchange_the_rows_not_the_table():
+    """A 100,000-row table of which three replicas looked up 2, 3 and 1 rows: what they all-reduce
+    is the counts (one per replica), the indices (6) and the union's values (4 rows of 4), never
+    the table's 400,000 numbers."""
+    shape = (100_000, 4)
+
+    def rows(idx, value):
+        return torch.sparse_coo_tensor(torch.tensor([idx]), torch.full((len(idx), 4), value), shape)
+
+    grads = [rows([7, 99_999], 1.0), rows([7, 50, 51], 2.0), rows([51], 3.0)]
+    out, sizes = _reduce_on_ranks(grads, shape=shape)
+    assert sizes == [[3, 6, 16]] * 3
+    expected = sum(g.to_dense() for g in grads)
+    for g in out:
+        assert g.coalesce().indices().flatten().tolist() == [7, 50, 51, 99_999]
+        assert torch.equal(g.to_dense(), expected)
+
+
+def test_sparse_parameters_are_the_tables_built_sparse():
+    model = nn.ModuleDict({"a": nn.EmbeddingBag(10, 2, sparse=True), "b": nn.Embedding(10, 2, sparse=True),
+                           "c": nn.Embedding(10, 2), "d": nn.Linear(2, 2)})
+    assert sparse_parameter_ids(model) == {id(model["a"].weight), id(model["b"].weight)}

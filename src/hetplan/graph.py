@@ -56,7 +56,9 @@ class Node:
     (parsing input records): its time does not change with the device type (`hetplan.cost`).
     `updated_bytes`: the parameter bytes its optimizer step updates per batch, where that is less
     than `param_bytes` (an embedding table with sparse gradients: only the rows the batch looked
-    up); None means all of them (`optimizer_bytes`). `opt_s`: per device type where the profiler
+    up); None means all of them (`optimizer_bytes`). `sparse_rows`: how many rows of such tables
+    the batch looked up (distinct, summed over the node's tables): the indices replicas exchange
+    with the rows (`hetplan.runtime.gradients`). `opt_s`: per device type where the profiler
     measured it, the time of the optimizer step (Adam, SparseAdam on sparse gradients) over the
     node's parameters.
     """
@@ -76,6 +78,7 @@ class Node:
     runs_on_host: bool = False
     updated_bytes: int | None = None
     opt_s: Mapping[str, float] = field(default_factory=FrozenMap)
+    sparse_rows: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -107,6 +110,10 @@ class Node:
             object.__setattr__(self, name, FrozenMap({k: float(v) for k, v in fixed.items()}))
 
     def _check_updated(self, who: str) -> None:
+        _check_number(self.sparse_rows, f"{who}: sparse_rows")
+        if self.sparse_rows and self.updated_bytes is None:
+            raise GraphError(f"{who}: sparse_rows is {self.sparse_rows} but updated_bytes is not set; rows of a "
+                             "table with sparse gradients are part of the bytes its optimizer updates")
         if self.updated_bytes is not None:
             _check_number(self.updated_bytes, f"{who}: updated_bytes")
             if self.updated_bytes > self.param_bytes:

@@ -207,6 +207,31 @@ class CostModel:
         by_id = self.graph.by_id
         return sum(by_id[n].optimizer_bytes for n in nodes)
 
+    def index_bytes(self, nodes: Sequence[str]) -> int:
+        """The bytes of the row indices the replicas of these nodes exchange per step: one int64 per
+        row the batch looked up in their tables with sparse gradients (`Node.sparse_rows`)."""
+        by_id = self.graph.by_id
+        return formulas.ROW_INDEX_BYTES * sum(by_id[n].sparse_rows for n in nodes)
+
+    def gradient_sync_s(self, updated_bytes, index_bytes, devices: Sequence[str]):
+        """The sum of a stage's replicas' gradients as the runtime makes it, for numbers or arrays
+        (`hetplan.runtime.gradients`): an all-reduce of the bytes the optimizer updates
+        (`optimizer_bytes`: the looked-up rows of a table with sparse gradients, not the table),
+        and where there are such rows (`index_bytes` > 0) two before it, of each replica's row
+        count and of the rows' indices."""
+        ar = self.allreduce_s(updated_bytes, devices)
+        if len(devices) < 2:
+            return ar
+        rows = self.allreduce_s(index_bytes, devices) + self.allreduce_s(
+            float(formulas.ROW_INDEX_BYTES * len(devices)), devices)
+        if np.ndim(index_bytes) or np.ndim(updated_bytes):
+            return ar + np.where(np.asarray(index_bytes) > 0, rows, 0.0)
+        return ar + (rows if index_bytes > 0 else 0.0)
+
+    def stage_sync_s(self, nodes: Sequence[str], devices: Sequence[str]) -> float:
+        """`gradient_sync_s` of a stage of these nodes over its replicas `devices`."""
+        return self.gradient_sync_s(self.optimizer_bytes(nodes), self.index_bytes(nodes), devices)
+
     def optimizer_s(self, param_bytes, device_id: str):
         """Time of the optimizer step over `param_bytes` of weights (a number or an array) on a
         device: read off what `hetplan calibrate` measured there, else Adam's memory-bound
@@ -355,9 +380,8 @@ class CostModel:
         the narrower side's interfaces, within the hosts' network interfaces)."""
         worst = 0.0
         for st in plan.stages:
-            params = sum(self.graph.by_id[n].param_bytes for n in st.nodes)
             worst = max(worst, formulas.steady_stage_s(self.stage_compute_s(st.nodes, st.devices),
-                                                       self.allreduce_s(params, st.devices), len(st.devices)))
+                                                       self.stage_sync_s(st.nodes, st.devices), len(st.devices)))
         for k, (a, b) in enumerate(zip(plan.stages, plan.stages[1:], strict=False)):
             worst = max(worst, formulas.steady_cut_s(self.cut_bytes(plan, k), self.cut_Bps(a.devices, b.devices)))
         return worst

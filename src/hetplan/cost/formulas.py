@@ -11,6 +11,10 @@ agree with the scalar forms element by element (`tests/test_cost_formulas.py`).
 - All-reduce (ring, Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
   workstations", 2009): 2 (r - 1) steps, each moving bytes / r over the ring's slowest link and
   paying its largest latency; nothing for one replica or no bytes.
+- Gradient sum of a stage's replicas (`hetplan.runtime.gradients`): one all-reduce of the bytes
+  the optimizer updates (dense parameters; of a table with sparse gradients only the rows the
+  batch looked up), and for such tables two all-reduces before it: each replica's row count
+  (`ROW_INDEX_BYTES` per replica) and the rows' indices (`ROW_INDEX_BYTES` per row).
 - Memory of a stage replica (DESIGN.md): `WEIGHT_COPIES` times its parameter bytes (weights,
   gradients, Adam's two fp32 moments) plus the activations it stashes at its peak: its
   activation bytes for the whole batch times the share of the batch in flight
@@ -65,6 +69,9 @@ def allreduce_s(nbytes: float, replicas: int, bandwidth_Bps: float, latency_s: f
     if replicas < 2 or nbytes <= 0:
         return 0.0
     return 2 * (replicas - 1) * (latency_s + nbytes / replicas / bandwidth_Bps)
+
+
+ROW_INDEX_BYTES = 8  # an int64 row index or count, as the runtime sends them (`hetplan.runtime.gradients`)
 
 
 def allreduce_s_array(nbytes, replicas, bandwidth_Bps, latency_s) -> np.ndarray:

@@ -205,11 +205,13 @@ class _Order:
     def ending_at(self, prob: StateSums, j: int) -> tuple[np.ndarray, ...]:
         """For stages S_j - S_i over every earlier state i: the i, the stage's time per device
         type (types, candidates), its parameter bytes, its activation bytes and what its optimizer
-        step needs (the bytes it updates, and its measured time per device type where the
-        profiler measured it) (kept for the last j)."""
+        step and its replicas' gradient sum need (the bytes it updates, its measured time per
+        device type where the profiler measured it, the bytes of its sparse rows' indices) (kept
+        for the last j)."""
         if self._ending[0] != j:
             below = prob.below_arr[j]
-            opt = (prob.updated[j] - prob.updated[below], {t: o[j] - o[below] for t, o in prob.opt.items()})
+            opt = (prob.updated[j] - prob.updated[below], {t: o[j] - o[below] for t, o in prob.opt.items()},
+                   prob.indices[j] - prob.indices[below])
             self._ending = (j, (below, self.times[:, j][:, None] - self.times[:, below],
                                 prob.params[j] - prob.params[below], prob.acts[j] - prob.acts[below], opt))
         return self._ending[1]
@@ -267,19 +269,19 @@ class _Front:
 
 
 def _after_stage(cost, devices: tuple[str, ...], per_step_s: float):
-    """What a stage on `devices` costs after its last action, for arrays of its weights' bytes and
-    of what its optimizer step needs (`_Order.ending_at`):
-    the all-reduce over its replicas, then the slowest replica's optimizer step and the runtime's
+    """What a stage on `devices` costs after its last action, for arrays of what its optimizer step
+    and gradient sum need (`_Order.ending_at`): the gradient sum over its replicas
+    (`CostModel.gradient_sync_s`), then the slowest replica's optimizer step and the runtime's
     cost per step (replicas on the same optimizer figures are asked once)."""
     ones = {}
     for dev in devices:
         d = cost.cluster.device(dev)
         ones.setdefault((d.type, d.optimizer_points), dev)
 
-    def after(w_stage: np.ndarray, opt_needs: tuple) -> np.ndarray:
-        u_stage, measured = opt_needs  # bytes updated; measured steps per device type
+    def after(opt_needs: tuple) -> np.ndarray:
+        u_stage, measured, i_stage = opt_needs  # bytes updated; measured steps per device type; indices
         opt = np.max([cost.optimizer_step_s(u_stage, dev, measured.get(t)) for (t, _), dev in ones.items()], axis=0)
-        return cost.allreduce_s(w_stage, devices) + opt + per_step_s
+        return cost.gradient_sync_s(u_stage, i_stage, devices) + opt + per_step_s
 
     return after
 
@@ -306,8 +308,9 @@ def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound
     ok = (t <= bound_s) & fits & ((ratio <= 1.0) | setup.bounded)
     ok &= (below == 0) if d == 0 else (below != 0)  # with d == 0 no devices are left for nodes before
     ok &= setup.rest[below, d] <= bound_s  # the slowest stage before takes at least that
-    ar = after_stage(w_stage, opt_needs)
-    steady = steady_stage_s(t, setup.cost.allreduce_s(w_stage, devices), k) if setup.track_thr else t
+    ar = after_stage(opt_needs)
+    sync = setup.cost.gradient_sync_s(opt_needs[0], opt_needs[2], devices) if setup.track_thr else None
+    steady = steady_stage_s(t, sync, k) if setup.track_thr else t
     return np.nonzero(ok)[0], below, t, ratio, ar, steady
 
 

@@ -163,6 +163,7 @@ class StateSums:
         self.time = {t: v[keep] for t, v in self.time.items()}
         self.params = (mat @ np.array([float(by_id[v].param_bytes) for v in order]))[keep]
         self.updated = (mat @ np.array([float(by_id[v].optimizer_bytes) for v in order]))[keep]  # optimizer's
+        self.indices = (mat @ np.array([float(cost.index_bytes([v])) for v in order]))[keep]  # sparse rows' indices
         measured = {t: cost.measured_optimizer_s(t) for t in self.types}
         self.opt = {t: (mat @ np.array([m[v] for v in order]))[keep] for t, m in measured.items() if m is not None}
         self.acts = (mat @ np.array([float(by_id[v].act_bytes) for v in order]))[keep]

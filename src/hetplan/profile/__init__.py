@@ -89,7 +89,7 @@ class _Measured:
     repeats: int
     fixed: dict[str, tuple[float, float]] | None = None  # per node, the fixed parts (`_fixed_parts`)
     opt_s: dict[str, float] = field(default_factory=dict)  # per node with parameters, its optimizer step
-    updated: dict[str, int | None] = field(default_factory=dict)  # per node, `_updated_bytes`
+    updated: dict[str, tuple[int | None, int]] = field(default_factory=dict)  # per node, `_updated_bytes`
 
 
 def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
@@ -242,19 +242,21 @@ def host_modules(step: nn.Module) -> tuple[str, ...]:
     return tuple(q.removeprefix("model.") for q, m in step.named_modules() if getattr(m, "runs_on_host", False))
 
 
-def _updated_bytes(params: Iterable[torch.Tensor]) -> int | None:
+def _updated_bytes(params: Iterable[torch.Tensor]) -> tuple[int | None, int]:
     """The bytes of these parameters the optimizer updates, from the gradients the profiled step
-    left: the looked-up rows of a sparse one (`Node.updated_bytes`); None if that is all."""
-    total, sparse = 0, False
+    left: the looked-up rows of a sparse one (`Node.updated_bytes`), None if that is all; and
+    how many rows of sparse ones the batch looked up (`Node.sparse_rows`)."""
+    total, sparse, looked_up = 0, False, 0
     for p in params:
         g = p.grad
         if g is not None and g.is_sparse:
             sparse = True
             rows = g.coalesce().indices().shape[1]  # the distinct rows the batch looked up
+            looked_up += rows
             total += rows * (p.numel() // max(p.shape[0], 1)) * p.element_size()
         else:
             total += p.numel() * p.element_size()
-    return total if sparse else None
+    return (total if sparse else None), looked_up
 
 
 def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence[ProfileDevice],
@@ -293,7 +295,8 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
             act_bytes=first.act_bytes[piece.name],
             module=piece.modules,
             runs_on_host=any(m == h or m.startswith(h + ".") for m in piece.modules for h in host),
-            updated_bytes=first.updated[piece.name],
+            updated_bytes=first.updated[piece.name][0],
+            sparse_rows=first.updated[piece.name][1],
             opt_s={t: m.opt_s[piece.name] for t, m in measured.items() if piece.name in m.opt_s},
             fwd_fixed_s={t: f[piece.name][0] for t, f in (fixed_parts or {}).items() if piece.name in f},
             bwd_fixed_s={t: f[piece.name][1] for t, f in (fixed_parts or {}).items() if piece.name in f},

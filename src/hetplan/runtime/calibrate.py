@@ -127,7 +127,7 @@ def calibrate_link(repeats: int = 10) -> tuple[Link, dict]:
 
 
 def calibrate_allreduce(workers: int, repeats: int = 5) -> tuple[AllreduceCurve, ...]:
-    """gloo all-reduce times among 2 .. `workers` local processes (at least 2), at three sizes."""
+    """gloo all-reduce times among 2 .. `workers` local processes (at least 2), at four sizes."""
     from hetplan.runtime.probes import ALLREDUCE_BYTES, spawn_probe
 
     curves = []

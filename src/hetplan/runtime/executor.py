@@ -23,7 +23,7 @@ A replica with no row of micro-batch j skips F j and B j, and nobody sends to it
 values that carry a gradient (`boundary.ValueLayout.grad`) travel back. Sends are asynchronous and
 waited for at the end of the step; receives block, which the schedules allow (they are deadlock
 free with asynchronous sends; the simulator checks the same order). Gradients of replicas and of
-parameters that several stages share are summed afterwards (`reduce_gradients`): since each slice's
+parameters that several stages share are summed afterwards (`gradients.reduce_gradients`): since each slice's
 loss is weighted by its share of the batch, the sums are the whole batch's gradients.
 """
 
@@ -223,40 +223,3 @@ class StageRunner:
         for handle, _ in pending:
             handle.wait()
         return loss
-
-
-def reduce_gradients(groups: Sequence[tuple[tuple[int, ...], Sequence[nn.Parameter]]], transport: Transport) -> None:
-    """Sum each group's gradients over its ranks, one flat buffer per group (gloo pays its
-    latency once, not once per tensor); GPU gradients go through the CPU. Every rank calls its
-    groups in the same global order (see `gradient_groups`). A sparse gradient (an embedding
-    table's rows) is summed densely and made sparse again by rows, the union of the rows any
-    replica looked up, so that its optimizer (SparseAdam) still gets a sparse one; the buffer
-    also sums a flag per parameter, so a replica that made no gradient (no rows in the step)
-    agrees with the others on which are sparse."""
-    for ranks, params in groups:
-        if len(ranks) < 2 or not params:
-            continue
-        mine = [prm.grad is not None and prm.grad.is_sparse for prm in params]
-        for prm in params:
-            if prm.grad is None:
-                prm.grad = torch.zeros_like(prm)
-        flat = torch.cat([*((prm.grad.to_dense() if s else prm.grad).reshape(-1)
-                            for prm, s in zip(params, mine, strict=True)),
-                          torch.tensor(mine, dtype=params[0].dtype, device=params[0].device)]).cpu()
-        transport.all_reduce(flat, tuple(ranks))
-        sparse = (flat[-len(params):] > 0).tolist()
-        offset = 0
-        for prm, s in zip(params, sparse, strict=True):
-            summed = flat[offset:offset + prm.numel()].view_as(prm).to(prm.device)
-            if s:
-                prm.grad = _rows_sparse(summed)
-            else:
-                prm.grad.copy_(summed)
-            offset += prm.numel()
-
-
-def _rows_sparse(dense: torch.Tensor) -> torch.Tensor:
-    """A sparse tensor of the rows of `dense` that are not all zero (an embedding gradient's form)."""
-    rows = torch.nonzero(dense.reshape(dense.shape[0], -1).abs().sum(dim=1)).flatten()
-    # the indices are torch.nonzero's, sorted and in range: no need for torch's invariant checks
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), dense[rows], dense.shape, check_invariants=False).coalesce()

@@ -4,7 +4,7 @@ the model's operators (`hetplan calibrate`, `hetplan.runtime.calibrate`):
 - point-to-point: gloo send and receive between two local worker processes (a ping-pong, half
   the round trip per message), at two sizes: the link's bandwidth and latency;
 - all-reduce: gloo all-reduces among 2, 3, ... local processes (as many as the cluster has
-  workers on the host), at three sizes: the measured curve by group size;
+  workers on the host), at four sizes: the measured curve by group size;
 - optimizer: torch's Adam step over weights of three sizes, on each worker's thread count or GPU;
 - co-running: the same compute-heavy step run alone and then by 2, 3, ... CPU workers side by
   side, each on its own cores as the launcher pins them: the slowdown of each worker's compute.
@@ -30,7 +30,9 @@ from hetplan.errors import HetplanError
 
 MiB = 1 << 20
 P2P_BYTES = (1 * MiB, 16 * MiB)
-ALLREDUCE_BYTES = (1 * MiB, 8 * MiB, 32 * MiB)
+# 4 KiB: the latency floor (0.47 ms among two local gloo processes here, what the row counts and
+# indices of sparse tables cost); without it the curve went down to nothing below 1 MiB
+ALLREDUCE_BYTES = (4 * 1024, 1 * MiB, 8 * MiB, 32 * MiB)
 OPTIMIZER_PARAMS = (1 * MiB, 4 * MiB, 16 * MiB)  # parameters (fp32), in the range of stages' sizes
 PROBE_TIMEOUT_S = 300.0
 

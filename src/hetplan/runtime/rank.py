@@ -26,6 +26,7 @@ from hetplan.profile.split import split_step
 from hetplan.rows import StepRows, step_rows
 from hetplan.runtime.boundary import ValueLayout, layouts
 from hetplan.runtime.executor import Role
+from hetplan.runtime.gradients import sparse_parameter_ids
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.stages import StageModule, stage_modules
 from hetplan.schedule import schedule_order
@@ -151,6 +152,7 @@ class Prepared:
     layouts_out: tuple[ValueLayout, ...]
     groups: list[tuple[tuple[int, ...], list[nn.Parameter]]]  # all of them, mine or not
     device: torch.device
+    sparse: frozenset[int] = frozenset()  # the ids of the tables with sparse gradients (`gradients`)
 
     @property
     def own(self) -> StageModule:
@@ -187,7 +189,8 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     groups = gradient_groups(traces, table, names)
     k = role.stage
     prepared = Prepared(role, schedule_order(plan.schedule, len(plan.stages), plan.microbatches)[k], traces,
-                        bounds[k - 1] if k > 0 else (), bounds[k] if k < len(bounds) else (), groups, device)
+                        bounds[k - 1] if k > 0 else (), bounds[k] if k < len(bounds) else (), groups, device,
+                        sparse_parameter_ids(zoo_model.step))
     for rows in sorted(prepared.sizes):
         place(prepared.module_for(rows), device)
     return prepared

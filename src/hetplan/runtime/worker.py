@@ -141,10 +141,10 @@ def _reduce_and_update(prepared, opt, transport) -> tuple[float, float, float]:
     work ended (a GPU's queue drained)."""
     import torch
 
-    from hetplan.runtime.executor import reduce_gradients
+    from hetplan.runtime.gradients import reduce_gradients
 
     t_ar = time.perf_counter()
-    reduce_gradients(prepared.my_groups, transport)
+    reduce_gradients(prepared.my_groups, transport, prepared.sparse)
     t_opt = time.perf_counter()
     if opt is not None:
         opt.step()

@@ -149,7 +149,7 @@ def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = 
         params = sum(by_id[n].param_bytes for n in stage.nodes)
         replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, plan.devices)
                          for p in range(len(stage.devices)))
-        stages.append(StageWork(k, replicas, params, cm.allreduce_s(params, stage.devices)))
+        stages.append(StageWork(k, replicas, params, cm.stage_sync_s(stage.nodes, stage.devices)))
     messages = []
     for (a, b), nbytes in sorted(stage_pair_bytes(graph, plan, routing).items()):
         for p, src in enumerate(plan.stages[a].devices):

@@ -183,8 +183,7 @@ class Provisioner:
                     continue
                 st = plan.stages[k]
                 one = self.cost.device_stage_s(st.nodes, st.devices[0]) / counts[k]
-                params = sum(self.graph.by_id[v].param_bytes for v in st.nodes)
-                busy.append((one + self.cost.allreduce_s(params, st.devices), k))
+                busy.append((one + self.cost.stage_sync_s(st.nodes, st.devices), k))
             if not busy:
                 break
             _, k = max(busy)
