@@ -154,6 +154,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", help="a subset of the models, by name")
     parser.add_argument("-o", "--output", type=Path, default=HERE / "results" / "predicted_vs_measured.json")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds takes 1 or more")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     plain = load_cluster("local")
     calibrated, figures = (None, {}) if args.no_calibrate else calibrate_cluster(plain, say=print)

@@ -156,6 +156,52 @@ def test_replicas_exchange_the_rows_not_the_table():
         assert torch.equal(g.to_dense(), expected)
 
 
+def test_two_tables_and_dense_parameters_on_three_ranks():
+    """Each rank holds two tables (one of them with a gradient uncoalesced, a repeated row) and
+    two dense parameters, one of them with a sparse gradient although it is not a table: every
+    rank ends with the sums, the tables sparse over the union of their rows."""
+    def sp(rows, value, n=8):
+        return torch.sparse_coo_tensor(torch.tensor([rows]), torch.full((len(rows), 3), value), (n, 3))
+
+    grads = [[sp([1, 1, 4], 1.0), sp([0], 2.0, 5), torch.ones(2, 2), None],
+             [None, sp([4, 2], 3.0, 5), torch.ones(2, 2), sp([3], 1.0, 4).coalesce()],
+             [sp([7], 5.0), None, None, None]]
+    shapes = [(8, 3), (5, 3), (2, 2), (4, 3)]
+    hub, out = LocalHub(3), [None] * 3
+
+    def rank(r: int) -> None:
+        params = [nn.Parameter(torch.zeros(*shape)) for shape in shapes]
+        for prm, g in zip(params, grads[r], strict=True):
+            prm.grad = None if g is None else g.clone()  # the sum is written into a dense one
+        reduce_gradients([((0, 1, 2), params)], hub.transport(r), {id(params[0]), id(params[1])})
+        out[r] = [prm.grad for prm in params]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in range(len(shapes)):
+        expected = sum(g[k].to_dense() for g in grads if g[k] is not None)
+        for r in range(3):
+            assert out[r][k].is_sparse == (k < 2)
+            assert torch.equal(out[r][k].to_dense(), expected)
+    assert out[0][0].coalesce().indices().flatten().tolist() == [1, 4, 7]
+    assert out[2][1].coalesce().indices().flatten().tolist() == [0, 2, 4]
+
+
+def test_the_optimizer_knows_a_table_before_its_first_gradient():
+    """A table no replica looked up at the first step has no gradient; told which parameters are
+    tables, the stage's optimizer still gives it SparseAdam, which takes its later sparse ones."""
+    model = _model(sparse=True)
+    opt = StageOptimizer(model.parameters(), "adam", 0.1, sparse_parameter_ids(model))
+    assert opt.sparse == [True, False, False]
+    model["head"](torch.ones(1, 4)).sum().backward()  # the table takes no part
+    opt.step()
+    _loss(model, torch.tensor([[1, 2]])).backward()
+    opt.step()
+
+
 def test_sparse_parameters_are_the_tables_built_sparse():
     model = nn.ModuleDict({"a": nn.EmbeddingBag(10, 2, sparse=True), "b": nn.Embedding(10, 2, sparse=True),
                            "c": nn.Embedding(10, 2), "d": nn.Linear(2, 2)})

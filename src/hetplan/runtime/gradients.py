@@ -24,6 +24,7 @@ the two collectives more.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 
 import torch
@@ -55,9 +56,12 @@ def reduce_gradients(groups: Sequence[tuple[tuple[int, ...], Sequence[nn.Paramet
         for prm in dense:
             if prm.grad is None:
                 prm.grad = torch.zeros_like(prm)
-        flat = torch.cat([*(prm.grad.reshape(-1).cpu() for prm in dense),
-                          *(_spread(vals, idx, union, prm) for prm, (idx, vals), union
-                            in zip(tables, mine, unions, strict=True))])
+            elif prm.grad.is_sparse:  # sparse, though not a table built so (F.embedding(sparse=True))
+                prm.grad = prm.grad.to_dense()
+        # the dense gradients joined where they are (one copy off a GPU), then the tables' rows
+        joined = [torch.cat([prm.grad.reshape(-1) for prm in dense]).cpu()] if dense else []
+        flat = torch.cat([*joined, *(_spread(vals, idx, union, prm) for prm, (idx, vals), union
+                                     in zip(tables, mine, unions, strict=True))])
         if flat.numel():
             transport.all_reduce(flat, tuple(ranks))
         offset = 0
@@ -65,7 +69,7 @@ def reduce_gradients(groups: Sequence[tuple[tuple[int, ...], Sequence[nn.Paramet
             prm.grad.copy_(flat[offset:offset + prm.numel()].view_as(prm))
             offset += prm.numel()
         for prm, union in zip(tables, unions, strict=True):
-            size = len(union) * prm[0].numel()
+            size = len(union) * math.prod(prm.shape[1:])
             prm.grad = _sparse(union, flat[offset:offset + size], prm) if len(union) else None
             offset += size
 
@@ -104,14 +108,14 @@ def _union_of_rows(indices: Sequence[torch.Tensor], ranks: Sequence[int], transp
 
 def _spread(values: torch.Tensor, idx: torch.Tensor, union: torch.Tensor, prm: nn.Parameter) -> torch.Tensor:
     """This replica's rows placed at their positions in the union, zeros elsewhere, flat."""
-    out = torch.zeros((len(union), *prm.shape[1:]), dtype=values.dtype)
+    out = torch.zeros((len(union), *prm.shape[1:]), dtype=prm.dtype)
     out.index_add_(0, torch.searchsorted(union, idx), values)
     return out.reshape(-1)
 
 
 def _sparse(union: torch.Tensor, flat: torch.Tensor, prm: nn.Parameter) -> torch.Tensor:
     """The summed rows as a table's sparse gradient, on the table's device."""
-    values = flat.view((len(union), *prm.shape[1:])).to(prm.device)
+    values = flat.view((len(union), *prm.shape[1:])).to(prm.device, prm.dtype)
     # the indices are torch.unique's, sorted, distinct and in range: coalesced, nothing to check
     return torch.sparse_coo_tensor(union.unsqueeze(0).to(prm.device), values, prm.shape,
                                    check_invariants=False, is_coalesced=True)

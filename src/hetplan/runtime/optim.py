@@ -5,14 +5,16 @@ HeterPS's workload) produce sparse gradients: only the rows a batch looked up. t
 refuses them; `torch.optim.SparseAdam` takes only them. So a stage trained with Adam gets Adam
 over its parameters with dense gradients and SparseAdam over those with sparse ones (the lazy
 variant of Adam that updates the moments of the rows looked up, as large-scale CTR training
-does). Which parameters are which shows only once a backward pass has made their gradients, so
-the two are made at the first step; a checkpoint records the split, so a resumed run makes them
-before its first step. SGD accepts both kinds and is one optimizer.
+does). Which parameters are which is known from the model when it says (`sparse_ids`: the runtime
+passes its tables built with `sparse=True`, so a table no replica looked up at the first step is
+still a table); else it shows once a backward pass has made their gradients, and the two are
+made at the first step. A checkpoint records the split, so a resumed run makes them before its
+first step. SGD accepts both kinds and is one optimizer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import nn
@@ -22,12 +24,15 @@ class StageOptimizer:
     """`step`, `state_dict` and `load_state_dict` over a stage's parameters, whatever the kind of
     their gradients (see the module's docstring); `kind` is "adam" or "sgd"."""
 
-    def __init__(self, params: Iterable[nn.Parameter], kind: str, lr: float) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], kind: str, lr: float,
+                 sparse_ids: Collection[int] | None = None) -> None:
         self.params, self.kind, self.lr = list(params), kind, lr
         self.sparse: list[bool] | None = None  # per parameter, once known
         self.optimizers: list[torch.optim.Optimizer] = []
         if kind == "sgd":
             self._make([False] * len(self.params))
+        elif sparse_ids is not None:  # known from the model (`gradients.sparse_parameter_ids`)
+            self._make([id(p) in sparse_ids for p in self.params])
 
     def _make(self, sparse: list[bool]) -> None:
         self.sparse = sparse

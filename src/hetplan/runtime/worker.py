@@ -55,14 +55,14 @@ def _batches(spec: RunSpec, zoo_model, step: int):
     return synthetic_batch(zoo_model.batch, step, seed=spec.seed)
 
 
-def _optimizer(spec: RunSpec, params: list):
+def _optimizer(spec: RunSpec, params: list, sparse_ids=None):
     """Adam or SGD over the stage's parameters, SparseAdam beside Adam for embedding tables with
     sparse gradients (`hetplan.runtime.optim`)."""
     from hetplan.runtime.optim import StageOptimizer
 
     if not params:  # a stage without parameters (a lone GELU, a reshape) has nothing to update
         return None
-    return StageOptimizer(params, spec.optimizer, spec.lr)
+    return StageOptimizer(params, spec.optimizer, spec.lr, sparse_ids)
 
 
 def build_rank(spec: RunSpec, rank: int, heartbeat=None):
@@ -82,7 +82,7 @@ def build_rank(spec: RunSpec, rank: int, heartbeat=None):
     device = torch.device(me.binding if me.on_cuda else "cpu")
     on_trace = (lambda rows: heartbeat(f"tracing {rows} rows", -1)) if heartbeat is not None else None
     prepared = prepare(spec, rank, zoo_model, spec.plan, device, on_trace)
-    return zoo_model, prepared, _optimizer(spec, prepared.parameters())
+    return zoo_model, prepared, _optimizer(spec, prepared.parameters(), prepared.sparse)
 
 
 def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbeat=None) -> dict:
