@@ -94,7 +94,7 @@ def _predicted(batch_size: int, cluster_file: Path) -> dict:
     graph = profile_step(zm.step, zm.batch, name="ctr-dnn", devices=["cpu:1"], repeats=1, fixed=False).graph
     cluster = load_cluster(str(cluster_file))
     cm, pair, nodes = CostModel(graph, cluster), tuple(cluster.ids[:2]), graph.topo_order
-    params = sum(n.param_bytes for n in graph.nodes)
+    params = graph.param_bytes_total
     return {"param_bytes": params, "updated_bytes": cm.optimizer_bytes(nodes), "index_bytes": cm.index_bytes(nodes),
             "sparse_rows": sum(n.sparse_rows for n in graph.nodes),
             "predicted_tables_s": cm.allreduce_s(params, pair), "predicted_rows_s": cm.stage_sync_s(nodes, pair)}

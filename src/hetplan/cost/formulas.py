@@ -63,15 +63,15 @@ def transfer_s_array(nbytes, bandwidth_Bps, latency_s) -> np.ndarray:
         return np.where(nbytes > 0, latency_s + wire_s(nbytes, bandwidth_Bps), 0.0)
 
 
+ROW_INDEX_BYTES = 8  # an int64 row index or count, as the runtime sends them (`hetplan.runtime.gradients`)
+
+
 def allreduce_s(nbytes: float, replicas: int, bandwidth_Bps: float, latency_s: float) -> float:
     """Ring all-reduce of `nbytes` over `replicas` devices, the ring's slowest link's bandwidth
     and largest latency given."""
     if replicas < 2 or nbytes <= 0:
         return 0.0
     return 2 * (replicas - 1) * (latency_s + nbytes / replicas / bandwidth_Bps)
-
-
-ROW_INDEX_BYTES = 8  # an int64 row index or count, as the runtime sends them (`hetplan.runtime.gradients`)
 
 
 def allreduce_s_array(nbytes, replicas, bandwidth_Bps, latency_s) -> np.ndarray:

@@ -269,19 +269,19 @@ class _Front:
 
 
 def _after_stage(cost, devices: tuple[str, ...], per_step_s: float):
-    """What a stage on `devices` costs after its last action, for arrays of what its optimizer step
-    and gradient sum need (`_Order.ending_at`): the gradient sum over its replicas
-    (`CostModel.gradient_sync_s`), then the slowest replica's optimizer step and the runtime's
+    """What a stage on `devices` costs after its last action, for arrays of its gradient sum over
+    its replicas (`CostModel.gradient_sync_s`) and of what its optimizer step needs
+    (`_Order.ending_at`): the sum, then the slowest replica's optimizer step and the runtime's
     cost per step (replicas on the same optimizer figures are asked once)."""
     ones = {}
     for dev in devices:
         d = cost.cluster.device(dev)
         ones.setdefault((d.type, d.optimizer_points), dev)
 
-    def after(opt_needs: tuple) -> np.ndarray:
-        u_stage, measured, i_stage = opt_needs  # bytes updated; measured steps per device type; indices
+    def after(sync_s: np.ndarray, opt_needs: tuple) -> np.ndarray:
+        u_stage, measured, _ = opt_needs  # bytes updated; measured steps per device type
         opt = np.max([cost.optimizer_step_s(u_stage, dev, measured.get(t)) for (t, _), dev in ones.items()], axis=0)
-        return cost.gradient_sync_s(u_stage, i_stage, devices) + opt + per_step_s
+        return sync_s + opt + per_step_s
 
     return after
 
@@ -308,8 +308,8 @@ def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound
     ok = (t <= bound_s) & fits & ((ratio <= 1.0) | setup.bounded)
     ok &= (below == 0) if d == 0 else (below != 0)  # with d == 0 no devices are left for nodes before
     ok &= setup.rest[below, d] <= bound_s  # the slowest stage before takes at least that
-    ar = after_stage(opt_needs)
-    sync = setup.cost.gradient_sync_s(opt_needs[0], opt_needs[2], devices) if setup.track_thr else None
+    sync = setup.cost.gradient_sync_s(opt_needs[0], opt_needs[2], devices)  # bytes updated, index bytes
+    ar = after_stage(sync, opt_needs)
     steady = steady_stage_s(t, sync, k) if setup.track_thr else t
     return np.nonzero(ok)[0], below, t, ratio, ar, steady
 

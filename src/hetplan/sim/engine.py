@@ -14,8 +14,9 @@ one before it on the same stage is done and its inputs (activations for a forwar
 gradients for a backward pass) have arrived. A device that holds several stages (plans with
 `shared_devices`) runs, of the actions at the heads of its stages' orders, the one whose inputs
 arrived first (ties: the lower stage). After its last backward pass, a replicated stage
-all-reduces its gradients (`CostModel.allreduce_s`: the ring formula, or the curve measured on a
-calibrated cluster), which uses the network, not the device's compute; then every replica takes
+sums its gradients (`CostModel.gradient_sync_s`: an all-reduce by the ring formula or the curve
+measured on a calibrated cluster; of a table with sparse gradients only its looked-up rows),
+which uses the network, not the device's compute; then every replica takes
 its optimizer step (`CostModel.stage_optimizer_s`: as the profiler measured it on the device's
 type, else Adam's memory-bound formula of the bytes it updates, or as `hetplan calibrate`
 measured it on the device).

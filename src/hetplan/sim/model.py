@@ -80,7 +80,7 @@ class StageWork:
     index: int
     replicas: tuple[Replica, ...]
     param_bytes: int  # its parameters, on each replica
-    allreduce_s: float  # ring all-reduce of the gradients over the replicas (0 for one)
+    allreduce_s: float  # the replicas' gradient sum (`CostModel.stage_sync_s`; 0 for one)
 
     @property
     def weight_bytes(self) -> int:
