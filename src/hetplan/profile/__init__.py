@@ -30,6 +30,7 @@ from hetplan.graph import Edge, Graph, Node
 from hetplan.profile.devices import ProfileDevice, parse_device
 from hetplan.profile.split import GRANULARITIES, SplitStep, split_step, tensor_bytes
 from hetplan.profile.timing import Timing, optimizer_times, time_in_sequence, warm_pass
+from hetplan.runtime.hostmem import keep_freed_memory
 
 __all__ = ["GRANULARITIES", "ProfileReport", "profile", "profile_step"]
 
@@ -161,7 +162,9 @@ def profile_step(
     (in sequence too) at an eighth of the batch (a micro-batch of 8, so that the line between
     the two sizes covers the micro-batches plans use rather than extrapolates to them), and
     the two times give the part of each pass that does not shrink with the batch
-    (`Node.fwd_fixed_s`): t(b) = fixed + rate * b."""
+    (`Node.fwd_fixed_s`): t(b) = fixed + rate * b. It keeps this process's freed memory for
+    reuse, as the runtime's workers do (`hetplan.runtime.hostmem`), so both measure one allocator."""
+    keep_freed_memory()
     parsed, batch_size = _checked(granularity, repeats, devices, batch)
     start = time.perf_counter()
     measured: dict[str, _Measured] = {}

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hetplan.errors import HetplanError
+from hetplan.runtime.hostmem import keep_freed_memory
 
 MiB = 1 << 20
 P2P_BYTES = (1 * MiB, 16 * MiB)
@@ -90,6 +91,7 @@ def _entry(function: str, rank: int, world: int, params: dict):
     if os.environ.get("HETPLAN_CPUS") and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, [int(c) for c in os.environ["HETPLAN_CPUS"].split(",")])
     torch.set_num_threads(int(os.environ.get("HETPLAN_PROBE_THREADS", "1")))
+    keep_freed_memory()  # as the workers run (hostmem)
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -178,6 +178,7 @@ def step_trace(spans, tail: tuple[float, float, float], stage: int, t0: float) -
 def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     import torch
 
+    from hetplan.runtime.hostmem import keep_freed_memory
     from hetplan.runtime.transport import GlooTransport
 
     out_dir = spec.out_dir
@@ -191,6 +192,7 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     if os.environ.get("HETPLAN_CPUS"):  # the launcher's cores for this worker (see launch.pin_cores)
         os.sched_setaffinity(0, [int(c) for c in os.environ["HETPLAN_CPUS"].split(",")])
     torch.set_num_threads(me.threads)
+    keep_freed_memory()  # as the profiler measured (hostmem)
     zoo_model, prepared, opt = build_rank(spec, rank, heartbeat)  # each trace moves the heartbeat
     transport = GlooTransport(rank, world, [ranks for ranks, _ in prepared.groups if len(ranks) > 1],
                               spec.timeout_s)
