@@ -15,13 +15,16 @@ prediction.
 So the profiler and every runtime and probe process call `keep_freed_memory`: freed memory stays
 in the process for the next step (its resident size stays at its peak, which a training loop
 reaches every step anyway), and the profile and the run measure the same allocator. The setting
-is for the whole process and cannot be undone. Other C libraries are left as they are.
+is for the whole process and cannot be undone. Other C libraries are left as they are, and so is
+every process when the environment says `HETPLAN_HOST_MEMORY=system` (for a machine whose other
+jobs need the memory back; `bench/host_memory.py` compares the two).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
 
 _M_TRIM_THRESHOLD = -1  # glibc's malloc.h
@@ -33,7 +36,10 @@ TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # the largest `int` mallopt takes
 
 def keep_freed_memory() -> bool:
     """Fix glibc's mmap and trim thresholds high in this process (see the module's docstring);
-    True if they were set, False where the C library is not glibc or refused."""
+    True if they were set; False where the C library is not glibc or refused, or where
+    `HETPLAN_HOST_MEMORY=system` says to leave it."""
+    if os.environ.get("HETPLAN_HOST_MEMORY", "keep") == "system":
+        return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
