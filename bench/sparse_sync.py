@@ -43,10 +43,12 @@ def _rank(rank: int, port: int, batch_size: int, repeats: int, out: str) -> None
     import torch.distributed as dist
 
     from hetplan.runtime.gradients import reduce_gradients, sparse_parameter_ids
+    from hetplan.runtime.hostmem import keep_freed_memory
     from hetplan.runtime.transport import GlooTransport
     from hetplan.zoo import load_model
 
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the runtime's workers
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     transport = GlooTransport(rank, WORLD, [(0, 1)], timeout_s=600.0)
     zm = load_model("ctr-dnn", batch_size=batch_size)
