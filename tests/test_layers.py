@@ -72,7 +72,8 @@ LAYERS = (
     "hetplan.graph hetplan.cluster hetplan.plan",
     "hetplan.cost hetplan.io",
     "hetplan.sim hetplan.runtime.support",  # what the runtime can execute: data the planners read
-    "hetplan.planners hetplan.zoo hetplan.profile hetplan.runtime.optim",  # the optimizer, which the profiler times
+    # the optimizer, which the profiler times, and the host allocator, which it measures with
+    "hetplan.planners hetplan.zoo hetplan.profile hetplan.runtime.optim hetplan.runtime.hostmem",
     "hetplan.runtime hetplan.report",
     "hetplan.demo hetplan.cli hetplan.__main__ hetplan",
 )

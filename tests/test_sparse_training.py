@@ -206,3 +206,38 @@ def test_sparse_parameters_are_the_tables_built_sparse():
     model = nn.ModuleDict({"a": nn.EmbeddingBag(10, 2, sparse=True), "b": nn.Embedding(10, 2, sparse=True),
                            "c": nn.Embedding(10, 2), "d": nn.Linear(2, 2)})
     assert sparse_parameter_ids(model) == {id(model["a"].weight), id(model["b"].weight)}
+
+
+def test_tables_of_one_row_shape_are_exchanged_as_one():
+    """Two tables with rows of 4 and one with rows of 2, on two replicas: the first two are
+    numbered as one (the second's rows after the first's), so the replicas all-reduce one count
+    each per row shape (4), the distinct rows in that numbering (3 + 2 and 1 + 0) and the union's
+    values (4 rows of 4 and 1 of 2): not a count, a `unique` and an `index_add_` per table."""
+    shapes = [(10, 4), (6, 4), (5, 2)]
+
+    def sp(rows, value, shape):
+        return torch.sparse_coo_tensor(torch.tensor([rows]), torch.full((len(rows), shape[1]), value), shape)
+
+    grads = [[sp([3, 1, 3], 1.0, shapes[0]), sp([0], 2.0, shapes[1]), sp([2], 4.0, shapes[2])],
+             [sp([3], 5.0, shapes[0]), sp([5], 6.0, shapes[1]), None]]
+    hub, out, sizes = LocalHub(2), [None] * 2, [None] * 2
+
+    def rank(r: int) -> None:
+        params = [nn.Parameter(torch.zeros(*shape)) for shape in shapes]
+        for prm, g in zip(params, grads[r], strict=True):
+            prm.grad = g
+        transport = _Counting(hub.transport(r))
+        reduce_gradients([((0, 1), params)], transport, {id(p) for p in params})
+        out[r], sizes[r] = [prm.grad for prm in params], transport.sizes
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sizes == [[4, 6, 18]] * 2
+    for k in range(3):
+        expected = sum(g[k].to_dense() for g in grads if g[k] is not None)
+        for r in range(2):
+            assert out[r][k].is_sparse and torch.equal(out[r][k].to_dense(), expected)
+    assert [out[1][k].coalesce().indices().flatten().tolist() for k in range(3)] == [[1, 3], [0, 5], [2]]
