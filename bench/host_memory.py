@@ -45,13 +45,17 @@ def _graph(model, batch, seq):
 
 
 def _run(plan, cluster, model, batch, seq, steps, out_dir, setting) -> float:
+    before = os.environ.get("HETPLAN_HOST_MEMORY")
     os.environ["HETPLAN_HOST_MEMORY"] = setting
     try:
         spec = run_spec(plan, cluster, model, batch_size=batch, seq_len=seq, granularity="layer", steps=steps,
                         warmup=3, out_dir=out_dir)
         return launch(spec).measured_step_s
     finally:
-        os.environ.pop("HETPLAN_HOST_MEMORY", None)
+        if before is None:
+            os.environ.pop("HETPLAN_HOST_MEMORY", None)
+        else:
+            os.environ["HETPLAN_HOST_MEMORY"] = before
 
 
 def main() -> None:

@@ -3,6 +3,7 @@ page-faults nothing in its steady state; without it, glibc faulted Adam's tempor
 every step (issue 15: the perceptron's runs measured 22-54% slower than its profile)."""
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 import hetplan.profile as hp
+from hetplan.runtime import hostmem
 
 # Steps of the zoo's 784-1024x4-10 perceptron with Adam in a fresh process (the setting is for the
 # whole process and cannot be undone); prints the median minor page faults of the last steps.
@@ -35,8 +37,11 @@ print(json.dumps({"kept": kept, "faults": statistics.median(faults[4:])}))
 
 
 def _faults_per_step(mode: str) -> dict:
+    # glibc's defaults in the child: nothing of the caller's own malloc settings or opt-out
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HETPLAN_HOST_MEMORY", "GLIBC_TUNABLES") and not k.startswith("MALLOC_")}
     proc = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True, timeout=120,
-                          check=True)
+                          check=True, env=env)
     return json.loads(proc.stdout)
 
 
@@ -68,3 +73,19 @@ def test_the_profiler_measures_with_the_runtimes_allocator(monkeypatch):
 
     hp.profile_step(Loss(), {"x": torch.randn(8, 4)}, repeats=1, fixed=False)
     assert calls == [1]
+
+
+def test_the_environment_can_leave_the_c_librarys_defaults(monkeypatch):
+    monkeypatch.setenv("HETPLAN_HOST_MEMORY", "system")
+    monkeypatch.setattr(hostmem, "_mallopt", lambda: pytest.fail("mallopt called although the user said system"))
+    assert hostmem.keep_freed_memory() is False
+
+
+def test_another_c_library_is_left_as_it_is(monkeypatch):
+    monkeypatch.delenv("HETPLAN_HOST_MEMORY", raising=False)
+    hostmem._mallopt.cache_clear()
+    monkeypatch.setattr(platform, "libc_ver", lambda *a, **k: ("musl", "1.2"))
+    try:
+        assert hostmem.keep_freed_memory() is False
+    finally:
+        hostmem._mallopt.cache_clear()

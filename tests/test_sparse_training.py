@@ -241,3 +241,40 @@ def test_tables_of_one_row_shape_are_exchanged_as_one():
         for r in range(2):
             assert out[r][k].is_sparse and torch.equal(out[r][k].to_dense(), expected)
     assert [out[1][k].coalesce().indices().flatten().tolist() for k in range(3)] == [[1, 3], [0, 5], [2]]
+
+
+def test_kinds_with_an_untouched_table_a_dense_gradient_and_two_dtypes():
+    """Between two looked-up tables of one kind, a table no replica looked up stays without a
+    gradient; a float64 table whose gradient came out dense on one replica is its own kind; every
+    replica ends with the single-process sum, sparse, in each table's dtype."""
+    shapes = [((10, 4), torch.float32), ((7, 4), torch.float32), ((6, 4), torch.float32), ((3, 4), torch.float64)]
+
+    def sp(rows, value, k):
+        (n, w), dtype = shapes[k]
+        return torch.sparse_coo_tensor(torch.tensor([rows]), torch.full((len(rows), w), value, dtype=dtype), (n, w))
+
+    dense = torch.zeros(3, 4, dtype=torch.float64)
+    dense[1] = 7.0
+    grads = [[sp([9, 9], 1.0, 0), None, sp([0], 2.0, 2), dense],
+             [sp([0], 3.0, 0), None, None, sp([1, 2], 1.0, 3)]]
+    hub, out = LocalHub(2), [None] * 2
+
+    def rank(r: int) -> None:
+        params = [nn.Parameter(torch.zeros(*shape, dtype=dtype)) for shape, dtype in shapes]
+        for prm, g in zip(params, grads[r], strict=True):
+            prm.grad = g
+        reduce_gradients([((0, 1), params)], hub.transport(r), {id(p) for p in params})
+        out[r] = [prm.grad for prm in params]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(2):
+        assert out[r][1] is None
+        for k in (0, 2, 3):
+            expected = sum(g[k].to_dense() for g in grads if g[k] is not None)
+            assert out[r][k].is_sparse and out[r][k].dtype == shapes[k][1]
+            assert torch.equal(out[r][k].to_dense(), expected)
+    assert out[0][3].coalesce().indices().flatten().tolist() == [1, 2]

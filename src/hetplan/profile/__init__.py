@@ -164,8 +164,8 @@ def profile_step(
     the two times give the part of each pass that does not shrink with the batch
     (`Node.fwd_fixed_s`): t(b) = fixed + rate * b. It keeps this process's freed memory for
     reuse, as the runtime's workers do (`hetplan.runtime.hostmem`), so both measure one allocator."""
-    keep_freed_memory()
     parsed, batch_size = _checked(granularity, repeats, devices, batch)
+    keep_freed_memory()
     start = time.perf_counter()
     measured: dict[str, _Measured] = {}
     fixed_parts: dict[str, dict[str, tuple[float, float]]] = {}

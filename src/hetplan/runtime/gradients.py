@@ -82,13 +82,14 @@ def reduce_gradients(groups: Sequence[tuple[tuple[int, ...], Sequence[nn.Paramet
             offset += size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Kind:
     """Tables whose rows have one shape and dtype, numbered as one: row i of tables[k] is row
-    offsets[k] + i (offsets[-1]: the rows of them all)."""
+    offsets[k] + i (offsets[-1]: the rows of them all; `bounds`, the same as a tensor)."""
 
     tables: tuple[nn.Parameter, ...]
     offsets: tuple[int, ...]
+    bounds: torch.Tensor
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -108,14 +109,18 @@ def _kinds(tables: Sequence[nn.Parameter]) -> list[_Kind]:
     groups: dict[tuple, list[nn.Parameter]] = {}
     for prm in tables:
         groups.setdefault((tuple(prm.shape[1:]), prm.dtype), []).append(prm)
-    return [_Kind(tuple(g), tuple(itertools.accumulate((p.shape[0] for p in g), initial=0))) for g in groups.values()]
+    kinds = []
+    for group in groups.values():
+        offsets = tuple(itertools.accumulate((p.shape[0] for p in group), initial=0))
+        kinds.append(_Kind(tuple(group), offsets, torch.tensor(offsets)))
+    return kinds
 
 
 def _rows_of(kind: _Kind) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This replica's rows of a kind's tables, on the CPU, in the kind's numbering: the sorted
     distinct rows, and every row of the gradients as they came (repeats too) with its values."""
     ids, vals = [], []
-    for prm, offset in zip(kind.tables, kind.offsets, strict=False):
+    for prm, offset in zip(kind.tables, kind.offsets[:-1], strict=True):
         g = prm.grad
         if g is None:
             continue
@@ -163,8 +168,8 @@ def _give_back(kind: _Kind, union: torch.Tensor, flat: torch.Tensor) -> None:
     """Each table of the kind gets its summed rows as a sparse gradient on its device, or None
     when no replica looked any of them up."""
     values = flat.view((len(union), *kind.row_shape))
-    cuts = torch.searchsorted(union, torch.tensor(kind.offsets)).tolist()
-    for prm, offset, a, b in zip(kind.tables, kind.offsets, cuts, cuts[1:], strict=False):
+    cuts = torch.searchsorted(union, kind.bounds).tolist()
+    for prm, offset, a, b in zip(kind.tables, kind.offsets[:-1], cuts[:-1], cuts[1:], strict=True):
         if a == b:
             prm.grad = None
             continue

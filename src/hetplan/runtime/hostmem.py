@@ -23,30 +23,39 @@ jobs need the memory back; `bench/host_memory.py` compares the two).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 import platform
 
 _M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
-# glibc >= 2.35 accepts a threshold up to 1 GiB here; older ones cap it at 32 MiB (HEAP_MAX / 2)
+# glibc >= 2.35 accepts a threshold up to 1 GiB here; older ones cap it at 32 MiB (HEAP_MAX / 2),
+# and a tensor above the cap is still mapped and unmapped every step. Threads other than the main
+# one allocate from arenas whose blocks over 64 MiB are mapped whatever the threshold.
 MMAP_THRESHOLDS_BYTES = (1 << 30, 32 << 20)
 TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # the largest `int` mallopt takes
 
 
 def keep_freed_memory() -> bool:
     """Fix glibc's mmap and trim thresholds high in this process (see the module's docstring);
-    True if they were set; False where the C library is not glibc or refused, or where
-    `HETPLAN_HOST_MEMORY=system` says to leave it."""
+    True if both were set; False where the C library is not glibc, where it refused (the mmap
+    threshold may then be set alone), or where `HETPLAN_HOST_MEMORY=system` says to leave it."""
     if os.environ.get("HETPLAN_HOST_MEMORY", "keep") == "system":
         return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    if not any(mallopt(_M_MMAP_THRESHOLD, size) for size in MMAP_THRESHOLDS_BYTES):
+    mallopt = _mallopt()
+    if mallopt is None or not any(mallopt(_M_MMAP_THRESHOLD, size) for size in MMAP_THRESHOLDS_BYTES):
         return False
     return bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+@functools.cache
+def _mallopt():
+    """glibc's `mallopt` from the C library this process already has loaded; None elsewhere."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt
