@@ -86,18 +86,22 @@ class _Counting:
         self.inner.all_reduce(tensor, ranks)
 
 
-def _reduce_on_ranks(grads: list[torch.Tensor | None], table: bool = True, shape=(6, 2)) -> tuple[list, list]:
-    """Each rank holds one parameter of `shape` (a table with sparse gradients, or a dense one)
-    with the given gradient; returns the summed gradients and each rank's all-reduce sizes."""
+def _reduce_params(shapes: list, grads: list[list], tables: set[int]) -> tuple[list, list]:
+    """Each of len(grads) ranks (threads joined by a `LocalHub`) holds parameters of `shapes`
+    (a shape, or a shape and a dtype) with gradients grads[rank] (cloned: a dense sum is written
+    into its gradient); the parameters at positions `tables` are tables with sparse gradients.
+    Returns each rank's summed gradients and the sizes of the all-reduces it joined."""
     n = len(grads)
     hub, out, sizes = LocalHub(n), [None] * n, [None] * n
+    specs = [s if isinstance(s[1], torch.dtype) else (s, torch.float32) for s in shapes]
 
     def rank(r: int) -> None:
-        prm = nn.Parameter(torch.zeros(*shape))
-        prm.grad = grads[r]
+        params = [nn.Parameter(torch.zeros(*shape, dtype=dtype)) for shape, dtype in specs]
+        for prm, g in zip(params, grads[r], strict=True):
+            prm.grad = None if g is None else g.clone()
         transport = _Counting(hub.transport(r))
-        reduce_gradients([(tuple(range(n)), [prm])], transport, {id(prm)} if table else set())
-        out[r], sizes[r] = prm.grad, transport.sizes
+        reduce_gradients([(tuple(range(n)), params)], transport, {id(params[k]) for k in tables})
+        out[r], sizes[r] = [prm.grad for prm in params], transport.sizes
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
     for t in threads:
@@ -105,6 +109,13 @@ def _reduce_on_ranks(grads: list[torch.Tensor | None], table: bool = True, shape
     for t in threads:
         t.join()
     return out, sizes
+
+
+def _reduce_on_ranks(grads: list[torch.Tensor | None], table: bool = True, shape=(6, 2)) -> tuple[list, list]:
+    """Each rank holds one parameter of `shape` (a table with sparse gradients, or a dense one)
+    with the given gradient; returns the summed gradients and each rank's all-reduce sizes."""
+    out, sizes = _reduce_params([shape], [[g] for g in grads], {0} if table else set())
+    return [o[0] for o in out], sizes
 
 
 def _rows(rows: list[int], value: float) -> torch.Tensor:
@@ -167,20 +178,7 @@ def test_two_tables_and_dense_parameters_on_three_ranks():
              [None, sp([4, 2], 3.0, 5), torch.ones(2, 2), sp([3], 1.0, 4).coalesce()],
              [sp([7], 5.0), None, None, None]]
     shapes = [(8, 3), (5, 3), (2, 2), (4, 3)]
-    hub, out = LocalHub(3), [None] * 3
-
-    def rank(r: int) -> None:
-        params = [nn.Parameter(torch.zeros(*shape)) for shape in shapes]
-        for prm, g in zip(params, grads[r], strict=True):
-            prm.grad = None if g is None else g.clone()  # the sum is written into a dense one
-        reduce_gradients([((0, 1, 2), params)], hub.transport(r), {id(params[0]), id(params[1])})
-        out[r] = [prm.grad for prm in params]
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    out, _ = _reduce_params(shapes, grads, {0, 1})
     for k in range(len(shapes)):
         expected = sum(g[k].to_dense() for g in grads if g[k] is not None)
         for r in range(3):
@@ -220,21 +218,7 @@ def test_tables_of_one_row_shape_are_exchanged_as_one():
 
     grads = [[sp([3, 1, 3], 1.0, shapes[0]), sp([0], 2.0, shapes[1]), sp([2], 4.0, shapes[2])],
              [sp([3], 5.0, shapes[0]), sp([5], 6.0, shapes[1]), None]]
-    hub, out, sizes = LocalHub(2), [None] * 2, [None] * 2
-
-    def rank(r: int) -> None:
-        params = [nn.Parameter(torch.zeros(*shape)) for shape in shapes]
-        for prm, g in zip(params, grads[r], strict=True):
-            prm.grad = g
-        transport = _Counting(hub.transport(r))
-        reduce_gradients([((0, 1), params)], transport, {id(p) for p in params})
-        out[r], sizes[r] = [prm.grad for prm in params], transport.sizes
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    out, sizes = _reduce_params(shapes, grads, {0, 1, 2})
     assert sizes == [[4, 6, 18]] * 2
     for k in range(3):
         expected = sum(g[k].to_dense() for g in grads if g[k] is not None)
@@ -257,20 +241,7 @@ def test_kinds_with_an_untouched_table_a_dense_gradient_and_two_dtypes():
     dense[1] = 7.0
     grads = [[sp([9, 9], 1.0, 0), None, sp([0], 2.0, 2), dense],
              [sp([0], 3.0, 0), None, None, sp([1, 2], 1.0, 3)]]
-    hub, out = LocalHub(2), [None] * 2
-
-    def rank(r: int) -> None:
-        params = [nn.Parameter(torch.zeros(*shape, dtype=dtype)) for shape, dtype in shapes]
-        for prm, g in zip(params, grads[r], strict=True):
-            prm.grad = g
-        reduce_gradients([((0, 1), params)], hub.transport(r), {id(p) for p in params})
-        out[r] = [prm.grad for prm in params]
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    out, _ = _reduce_params(shapes, grads, {0, 1, 2, 3})
     for r in range(2):
         assert out[r][1] is None
         for k in (0, 2, 3):
