@@ -103,8 +103,9 @@ def test_a_sparse_tables_optimizer_step_costs_its_looked_up_rows():
 def test_replicas_of_a_sparse_table_sum_its_looked_up_rows_not_the_table():
     """Replicas of a table with sparse gradients exchange its looked-up rows (`runtime.gradients`):
     an all-reduce of the bytes the optimizer updates, and two before it, of each replica's row
-    count (8 bytes each) and of the rows' indices (8 bytes a row). A dense table: one all-reduce
-    of all of it. The simulator, the bottleneck and the array form charge the same."""
+    count (8 bytes each) and of the rows' indices (8 bytes a row); and the bytes updated copied
+    into the all-reduced buffer and back. A dense table: one all-reduce of all of it, and its
+    copies. The simulator, the bottleneck and the array form charge the same."""
     import numpy as np
 
     from hetplan.sim.model import build_step_model
@@ -120,8 +121,12 @@ def test_replicas_of_a_sparse_table_sum_its_looked_up_rows_not_the_table():
         cm = CostModel(g, cluster)
         charged.append(cm.stage_sync_s(("t",), pair))
         assert build_step_model(g, cluster, plan, cost=cm).stages[0].allreduce_s == charged[-1]
+    slowest = min(cluster.types[cluster.device(d).type].mem_bw_Bps for d in pair)
     rows = cm.allreduce_s(4 * 10**4, pair) + cm.allreduce_s(8 * 10**3, pair) + cm.allreduce_s(16.0, pair)
-    assert charged == [pytest.approx(rows), pytest.approx(cm.allreduce_s(4 * 10**8, pair))]
+    # and the bytes updated copied into the all-reduced buffer and back, on the slower replica
+    rows += 2 * 4 * 10**4 / slowest
+    whole = cm.allreduce_s(4 * 10**8, pair) + 2 * 4 * 10**8 / slowest
+    assert charged == [pytest.approx(rows), pytest.approx(whole)]
     assert charged[1] > 100 * charged[0]
     both = cm.gradient_sync_s(np.array([4e4, 4e8]), np.array([8e3, 0.0]), pair)
     assert both == pytest.approx(charged)

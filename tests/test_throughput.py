@@ -74,10 +74,11 @@ def test_bottleneck_closed_form():
     plan = Plan((Stage(("a",), ("d0", "d1")), Stage(("b",), ("d2",))), 2, "1f1b", "test")
     allreduce = cm.allreduce_s(400_000_000, ("d0", "d1"))
     assert allreduce == pytest.approx(0.4)  # ring: 2 (r - 1) / r x bytes / bandwidth
-    stage0 = 0.3 / 2 + allreduce / 2
+    pack = 2 * 400_000_000 / 900e9  # into the all-reduced buffer and back, at the V100's bandwidth
+    stage0 = 0.3 / 2 + (allreduce + pack) / 2
     cut = 2 * 100_000_000 / 1e9  # activations and gradients over one lane (the narrower side)
     assert cm.bottleneck_s(plan) == pytest.approx(max(stage0, 0.2, cut))
-    assert cm.bottleneck_s(plan) == pytest.approx(0.35)
+    assert cm.bottleneck_s(plan) == pytest.approx(0.35 + pack / 2)
 
 
 def _value(graph, cluster, plan, options):
@@ -138,7 +139,7 @@ def test_dp_replicates_a_sparse_table_that_is_cheap_to_sum():
     options = PlanOptions(objective="throughput")
     cm = CostModel(graph, cluster)
     rows = cm.allreduce_s(10**6, ("d0", "d1")) + cm.allreduce_s(8 * 10**4, ("d0", "d1")) + cm.allreduce_s(
-        16.0, ("d0", "d1"))
+        16.0, ("d0", "d1")) + 2 * 10**6 / 900e9  # and the rows copied into the buffer and back
     for planner in ("dp", "exact"):
         plan = make_plan(graph, cluster, planner, options)
         assert plan.stages[0].devices == ("d0", "d1")
@@ -265,7 +266,9 @@ def test_dp_is_never_worse_than_the_baselines(profiles):
     scorer = Scorer(graph, cluster, options)
     plan = make_plan(graph, cluster, "dp", options)
     assert scorer.value(plan) <= min(scorer.value(p) for p in baseline_plans(graph, cluster, options)) * (1 + 1e-12)
-    assert scorer.value(plan) == pytest.approx(0.10022, rel=1e-3)
+    # 100.2 ms in bench/dp_no_miss.py; 100.3 since the gradients' copies into the all-reduced
+    # buffer and back are charged (47 MB at the V100's 900 GB/s, twice)
+    assert scorer.value(plan) == pytest.approx(0.10032, rel=1e-3)
     fixed = make_plan(graph, cluster, "dp", PlanOptions(microbatches=4))
     assert fixed.microbatches == 4  # the baselines compete with the user's micro-batches, not their own
 

@@ -218,15 +218,28 @@ class CostModel:
         (`hetplan.runtime.gradients`): an all-reduce of the bytes the optimizer updates
         (`optimizer_bytes`: the looked-up rows of a table with sparse gradients, not the table),
         and where there are such rows (`index_bytes` > 0) two before it, of each replica's row
-        count and of the rows' indices."""
+        count and of the rows' indices; and the copies of the bytes into the all-reduced buffer
+        and back on the slowest replica (`formulas.gradient_pack_s`)."""
         ar = self.allreduce_s(updated_bytes, devices)
         if len(devices) < 2:
             return ar
+        ar = ar + formulas.gradient_pack_s(updated_bytes, self._slowest_mem_bw_Bps(tuple(devices)))
         rows = self.allreduce_s(index_bytes, devices) + self.allreduce_s(
             float(formulas.ROW_INDEX_BYTES * len(devices)), devices)
         if np.ndim(index_bytes) or np.ndim(updated_bytes):
             return ar + np.where(np.asarray(index_bytes) > 0, rows, 0.0)
         return ar + (rows if index_bytes > 0 else 0.0)
+
+    def _slowest_mem_bw_Bps(self, devices: tuple[str, ...]) -> float:
+        """The lowest memory bandwidth among `devices`' types; 0 if one is unknown."""
+        if devices not in self._mem_bw:
+            types = [self._type(self.cluster.device(d).type) for d in devices]
+            self._mem_bw[devices] = min(t.mem_bw_Bps if t is not None else 0.0 for t in types)
+        return self._mem_bw[devices]
+
+    @cached_property
+    def _mem_bw(self) -> dict[tuple[str, ...], float]:
+        return {}
 
     def stage_sync_s(self, nodes: Sequence[str], devices: Sequence[str]) -> float:
         """`gradient_sync_s` of a stage of these nodes over its replicas `devices`."""

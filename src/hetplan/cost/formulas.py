@@ -14,7 +14,8 @@ agree with the scalar forms element by element (`tests/test_cost_formulas.py`).
 - Gradient sum of a stage's replicas (`hetplan.runtime.gradients`): one all-reduce of the bytes
   the optimizer updates (dense parameters; of a table with sparse gradients only the rows the
   batch looked up), and for such tables two all-reduces before it: each replica's row count
-  (`ROW_INDEX_BYTES` per replica) and the rows' indices (`ROW_INDEX_BYTES` per row).
+  (`ROW_INDEX_BYTES` per replica) and the rows' indices (`ROW_INDEX_BYTES` per row); and on the
+  host, the gradients copied into the all-reduced buffer and back (`gradient_pack_s`).
 - Memory of a stage replica (DESIGN.md): `WEIGHT_COPIES` times its parameter bytes (weights,
   gradients, Adam's two fp32 moments) plus the activations it stashes at its peak: its
   activation bytes for the whole batch times the share of the batch in flight
@@ -64,6 +65,18 @@ def transfer_s_array(nbytes, bandwidth_Bps, latency_s) -> np.ndarray:
 
 
 ROW_INDEX_BYTES = 8  # an int64 row index or count, as the runtime sends them (`hetplan.runtime.gradients`)
+# The runtime joins a replica's gradients into one buffer for the all-reduce and copies the sum
+# back: a read and a write of the bytes each way. Measured on this VM's one-thread worker
+# (issue 15): 3.2 ms for the perceptron's 15.9 MB and 0.54 ms for gpt2-tiny's 3.6 MB, copies
+# streaming at about twice the per-thread bandwidth Adam's step gets (the catalog's
+# `mem_bw_Bps`); so two passes of it.
+GRADIENT_PACK_PASSES = 2
+
+
+def gradient_pack_s(nbytes, mem_bw_Bps: float):
+    """The host's copies of `nbytes` of gradients into the all-reduced buffer and back (numbers
+    or arrays; 0 where the bandwidth is unknown)."""
+    return GRADIENT_PACK_PASSES * nbytes / mem_bw_Bps if mem_bw_Bps > 0 else 0.0 * nbytes
 
 
 def allreduce_s(nbytes: float, replicas: int, bandwidth_Bps: float, latency_s: float) -> float:
