@@ -67,9 +67,10 @@ def reduce_gradients(groups: Sequence[tuple[tuple[int, ...], Sequence[nn.Paramet
             elif prm.grad.is_sparse:  # sparse, though not a table built so (F.embedding(sparse=True))
                 prm.grad = prm.grad.to_dense()
         # the dense gradients joined where they are (one copy off a GPU), then the tables' rows
-        joined = [torch.cat([prm.grad.reshape(-1) for prm in dense]).cpu()] if dense else []
-        flat = torch.cat([*joined, *(_spread(raw, vals, union, kind) for kind, (_, raw, vals), union
-                                     in zip(kinds, mine, unions, strict=True))])
+        parts = [torch.cat([prm.grad.reshape(-1) for prm in dense]).cpu()] if dense else []
+        parts += [_spread(raw, vals, union, kind)
+                  for kind, (_, raw, vals), union in zip(kinds, mine, unions, strict=True)]
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: no second copy of it
         if flat.numel():
             transport.all_reduce(flat, tuple(ranks))
         offset = 0
