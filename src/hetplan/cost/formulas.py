@@ -69,7 +69,10 @@ ROW_INDEX_BYTES = 8  # an int64 row index or count, as the runtime sends them (`
 # back: a read and a write of the bytes each way. Measured on this VM's one-thread worker
 # (issue 15): 3.2 ms for the perceptron's 15.9 MB and 0.54 ms for gpt2-tiny's 3.6 MB, copies
 # streaming at about twice the per-thread bandwidth Adam's step gets (the catalog's
-# `mem_bw_Bps`); so two passes of it.
+# `mem_bw_Bps`); so two passes of it. Those figures included a third copy the runtime has since
+# dropped (one part is all-reduced where it was joined); `bench/exchange_host_work.py --model
+# mlp`, gradients made afresh before each sum as after a backward pass, measures 2.5-3.0 ms
+# since (3.7-4.8 ms before): the two passes' 3.2 ms are 7-28% over it on this VM.
 GRADIENT_PACK_PASSES = 2
 
 
