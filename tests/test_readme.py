@@ -3,6 +3,7 @@ command wrote or a plan made for another cluster (the Planners section used to o
 plan.json with a plan for a100+v100-8, so the Simulating section's command failed), and the quick
 start runs. The whole walk is `bench/readme_walk.py` (minutes; its output is in the issue's note)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,21 @@ def test_the_quick_start_runs():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 problems in the README's commands, 0 commands failed" in proc.stdout
+
+
+def test_the_language_model_section_runs(tmp_path):
+    """Its five commands, verbatim: a counted OPT-350M planned on 128 mixed GPUs at a batch of 1,024."""
+    text = (REPO / "README.md").read_text().splitlines()
+    start = text.index("## Planning a language model on a big mixed cluster") + 1
+    end = next(i for i in range(start, len(text)) if text[i].startswith("## ")) + 1
+    commands = [c for c in readme_walk.blocks(REPO / "README.md") if start < c.line < end]
+    assert len(commands) == 5 and readme_walk.check(commands) == []
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    for cmd in commands:
+        proc = subprocess.run(["bash", "-c", cmd.text], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, cmd.text + "\n" + proc.stderr
+    assert "feasible: yes" in proc.stdout  # the simulation, at the plan's batch
+    plan = json.loads((tmp_path / "opt-plan.json").read_text())
+    assert plan["meta"]["batch_size"] == 1024 and plan["microbatches"] > 1
+    assert sum(len(stage["devices"]) for stage in plan["stages"]) >= 96

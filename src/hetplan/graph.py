@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import networkx as nx
@@ -349,3 +349,32 @@ class Graph:
     @property
     def act_bytes_total(self) -> int:
         return sum(n.act_bytes for n in self.nodes)
+
+
+def at_batch(graph: Graph, batch_size: int) -> Graph:
+    """The graph for a batch of `batch_size` samples, from its profile at `graph.batch_size`: a
+    pass takes its fixed part plus the rest scaled by the ratio of the batches; FLOPs, outputs,
+    stashed activations and the bytes on edges scale with it; weights do not. Tables with sparse
+    gradients look up proportionally more rows, at most all of them. `meta["profiled_batch_size"]`
+    keeps the batch the times were measured at."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_BATCH_SIZE:
+        raise GraphError(f"the batch size must be a whole number from 1 to 2**53, got {shown(batch_size)}")
+    if batch_size == graph.batch_size:
+        return graph
+    ratio = batch_size / graph.batch_size
+
+    def scaled(times: Mapping[str, float], fixed: Mapping[str, float]) -> dict[str, float]:
+        return {t: fixed.get(t, 0.0) + (s - fixed.get(t, 0.0)) * ratio for t, s in times.items()}
+
+    def node(n: Node) -> Node:
+        updated = None if n.updated_bytes is None else min(n.param_bytes, round(n.updated_bytes * ratio))
+        rows = round(n.sparse_rows * ratio) if n.updated_bytes is None or n.updated_bytes == 0 else \
+            round(n.sparse_rows * (updated or 0) / n.updated_bytes)
+        return replace(n, fwd_s=scaled(n.fwd_s, n.fwd_fixed_s), bwd_s=scaled(n.bwd_s, n.bwd_fixed_s),
+                       flops=n.flops * ratio, out_bytes=round(n.out_bytes * ratio),
+                       act_bytes=round(n.act_bytes * ratio), updated_bytes=updated, sparse_rows=rows)
+
+    meta = {**graph.meta, "profiled_batch_size": graph.meta.get("profiled_batch_size", str(graph.batch_size))}
+    return replace(graph, nodes=tuple(node(n) for n in graph.nodes),
+                   edges=tuple(replace(e, bytes=round(e.bytes * ratio)) for e in graph.edges),
+                   batch_size=batch_size, meta=meta)

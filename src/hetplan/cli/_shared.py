@@ -13,7 +13,7 @@ from rich.console import Console
 
 from hetplan.cluster import Cluster
 from hetplan.errors import HetplanError, InputError
-from hetplan.graph import Graph
+from hetplan.graph import Graph, at_batch
 from hetplan.io import serde
 from hetplan.io.clusters import cluster_from_data, load_cluster, presets
 from hetplan.io.graphs import refuse_pipedream_text
@@ -60,6 +60,15 @@ def _options(args: argparse.Namespace) -> PlanOptions:
         max_iters=args.max_iters, max_replicas=args.max_replicas,
         faithful=args.faithful,
     )
+
+
+def graph_at_batch(graph: Graph, batch: int | None) -> Graph:
+    """The graph at the batch the user trains with (`--global-batch`), or as profiled."""
+    if batch is None:
+        return graph
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise HetplanError(f"--global-batch: {batch!r} must be a whole number of samples >= 1")
+    return at_batch(graph, batch)
 
 
 def _positive_int(text: str, flag: str) -> int:

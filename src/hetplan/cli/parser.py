@@ -17,6 +17,7 @@ from hetplan.plan import OBJECTIVES, SCHEDULES
 from hetplan.planners import PLANNERS, RL_PLANNERS
 from hetplan.sim.model import ROUTINGS
 from hetplan.zoo import zoo_names
+from hetplan.zoo.llm import SHAPES as LLM_SHAPES
 
 DESCRIPTION = """\
 hetplan plans how to split the training of a PyTorch model across a mixed set of devices,
@@ -73,6 +74,10 @@ def _common_options() -> argparse.ArgumentParser:
     return common
 
 
+GLOBAL_BATCH_HELP = ("plan at a batch of N samples per step (default: the graph's): a pass takes its profiled fixed "
+                     "part plus the rest scaled by N over the profile's batch; activations scale too")
+
+
 def _planning_options() -> argparse.ArgumentParser:
     """The planning problem and the planners' settings, of `plan` and `compare`."""
     planning = argparse.ArgumentParser(add_help=False)
@@ -80,6 +85,7 @@ def _planning_options() -> argparse.ArgumentParser:
     planning.add_argument("--cluster", required=True, metavar="C", help="a cluster file or preset")
     planning.add_argument("--microbatches", metavar="M|auto",
                           help="micro-batches per step (default: auto, the planner chooses)")
+    planning.add_argument("--global-batch", type=int, metavar="N", help=GLOBAL_BATCH_HELP)
     planning.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default: 1f1b)")
     planning.add_argument("--objective", default="time", choices=OBJECTIVES,
                           help="time: shortest step; cost: lowest price per sample above --min-samples-per-s; "
@@ -162,6 +168,9 @@ def _add_simulate(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("plan", metavar="PLAN", help="a plan JSON file")
     p.add_argument("--graph", required=True, metavar="G", help="the graph JSON the plan was made for")
     p.add_argument("--cluster", required=True, metavar="C", help="a cluster file or preset")
+    p.add_argument("--global-batch", type=int, metavar="N",
+                   help="samples per step (default: the batch the plan was made at, else the graph's); "
+                        "times scaled from the profile's fixed and per-sample parts")
     p.add_argument("--routing", default="relay", choices=ROUTINGS,
                    help="relay: only neighbouring stages talk, as in hetplan's runtime (default); "
                         "direct: each tensor goes straight to the stages that use it, branches run in parallel")
@@ -180,7 +189,8 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
                                                   "or module.path:factory")
     p.add_argument("--graph", metavar="G", help="the graph the plan was made for (for the prediction and the shapes)")
     p.add_argument("--cluster", metavar="C", help="cluster file or preset (default: the plan's, e.g. local)")
-    p.add_argument("--batch-size", type=int, help="samples per step (default: the graph's)")
+    p.add_argument("--batch-size", "--global-batch", type=int, dest="batch_size",
+                   help="samples per step (default: the batch the plan was made at, else the graph's)")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the graph's)")
     p.add_argument("--granularity", choices=GRANULARITIES, help="as profiled (default: the graph's)")
     p.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
@@ -252,6 +262,10 @@ def _add_profile(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch")
     p.add_argument("--check", action="store_true",
                    help="also time the unsplit step and print the ratio of the sum of node times to it")
+    p.add_argument("--roofline", action="append", metavar="TYPE",
+                   help="count a model too big to run here instead of timing it: MODEL is a transformer shape "
+                        f"({', '.join(LLM_SHAPES)}) or a transformers config.json, times from the roofline model "
+                        "of device TYPE (a catalog name); repeat for several types")
     p.add_argument("-o", "--output", type=Path, required=True, help="the graph JSON to write")
     p.set_defaults(func=cmd_profile)
 

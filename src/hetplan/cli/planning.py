@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from hetplan.cli._shared import _console, _emit_json, _note_estimates, _options, _progress_bar
+from hetplan.cli._shared import _console, _emit_json, _note_estimates, _options, _progress_bar, graph_at_batch
 from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
 from hetplan.io.graphs import load_graph
@@ -18,7 +18,7 @@ from hetplan.units import fmt_seconds
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    graph = load_graph(args.graph)
+    graph = graph_at_batch(load_graph(args.graph), args.global_batch)
     cluster = load_cluster(args.cluster)
     _note_estimates(args, graph, cluster)
     options = _options(args)
@@ -54,7 +54,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from hetplan.planners.compare import compare
 
-    graph = load_graph(args.graph)
+    graph = graph_at_batch(load_graph(args.graph), args.global_batch)
     cluster = load_cluster(args.cluster)
     _note_estimates(args, graph, cluster)
     options = _options(args)
@@ -85,7 +85,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from hetplan.sim import simulate
 
     plan = serde.load(args.plan, expect="plan")
-    graph = load_graph(args.graph)
+    graph = graph_at_batch(load_graph(args.graph), args.global_batch or plan.meta.get("batch_size"))
     cluster = load_cluster(args.cluster)
     _note_estimates(args, graph, cluster)
     validate_plan(plan, graph, cluster, source=str(args.plan))

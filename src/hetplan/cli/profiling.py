@@ -7,11 +7,14 @@ import argparse
 from rich.console import Console
 
 from hetplan.cli._shared import _console, _emit_json
+from hetplan.errors import HetplanError
 from hetplan.io import serde
 from hetplan.report.summary import graph_summary
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    if args.roofline:
+        return _count_model(args)
     from hetplan.profile import profile_step
     from hetplan.zoo import load_model
 
@@ -44,6 +47,32 @@ def cmd_profile(args: argparse.Namespace) -> int:
         out.print(f"check on {dtype}: sum of node times / measured whole step = {ratio:.3f} repeat by repeat "
                   f"(median), {report.check_ratio_median[dtype]:.3f} comparing medians; "
                   f"whole step {_ms(report.whole_step_s[dtype])} median, {_ms(low)} to {_ms(high)}")
+    return 0
+
+
+def _count_model(args: argparse.Namespace) -> int:
+    """`profile --roofline`: a transformer counted from its shape, no torch, no device."""
+    from hetplan.zoo.llm import shape, transformer_chain
+
+    for flag in ("device", "check", "block_class"):
+        if getattr(args, flag):
+            raise HetplanError(f"--{flag.replace('_', '-')} measures a model on a device; --roofline counts it: "
+                               "give one or the other")
+    model = shape(args.model)
+    batch, seq = args.batch_size or 8, args.seq_len or 2048
+    for flag, value in (("--batch-size", batch), ("--seq-len", seq)):
+        if value < 1:
+            raise HetplanError(f"{flag}: {value} must be >= 1")
+    graph = transformer_chain(model, batch, seq, args.roofline)
+    serde.dump(graph, args.output)
+    summary = {**{k: v for k, v in graph_summary(graph).items() if k != "ops"}, "kind": "profile",
+               "output": str(args.output), "source": "analytic", "profile_s": 0.0}
+    if args.json:
+        _emit_json(summary)
+        return 0
+    _console().print(f"wrote {args.output}: {model.name} counted, not measured ({len(graph.nodes)} nodes, "
+                     f"{graph.param_bytes_total / 4e9:.2f} billion parameters, batch {batch} x {seq} tokens), "
+                     f"times from the roofline of {', '.join(args.roofline)}")
     return 0
 
 

@@ -326,15 +326,19 @@ class CostModel:
     def stage_memory_bytes(self, plan: Plan, stage_index: int, device_id: str) -> int:
         """Peak memory of one replica of a stage under the plan's schedule: at its peak a stage
         holds micro-batches 0 .. held-1, the largest ones."""
+        return self.stage_replicas_memory_bytes(plan, stage_index)[device_id]
+
+    def stage_replicas_memory_bytes(self, plan: Plan, stage_index: int) -> dict[str, int]:
+        """`stage_memory_bytes` of every replica of a stage, by device id."""
         stage = plan.stages[stage_index]
         params = sum(self.graph.by_id[n].param_bytes for n in stage.nodes)
         acts = sum(self.graph.by_id[n].act_bytes for n in stage.nodes)
         # this stage's split only: planners ask this per stage and device, in loops
         rows = step_rows(self.graph.batch_size, plan.microbatches, [self.stage_weights(stage.nodes, stage.devices)])
-        p = stage.devices.index(device_id)
         held = inflight_microbatches(plan.schedule, len(plan.stages), stage_index, plan.microbatches)
-        stashed = sum(rows.rows(0, j, p) for j in range(held)) / self.graph.batch_size
-        return formulas.stage_memory_bytes(params, acts, stashed)
+        return {dev: formulas.stage_memory_bytes(
+                    params, acts, sum(rows.rows(0, j, p) for j in range(held)) / self.graph.batch_size)
+                for p, dev in enumerate(stage.devices)}
 
     def stage_compute_s(self, nodes: Sequence[str], devices: Sequence[str]) -> float:
         """Forward + backward of the batch on a stage's replicas together (each its share)."""
@@ -346,20 +350,48 @@ class CostModel:
         where = plan.stage_of()
         return sum(e.bytes for e in self.graph.edges if where[e.src] <= k < where[e.dst])
 
+    def _host_pairs(self, senders: Sequence[str], receivers: Sequence[str]) -> tuple[dict, list[float]]:
+        """The pairs from `senders` to `receivers` counted by host pair, those with a `links`
+        entry and a device to itself left out (so that big groups cost hosts^2, not devices^2),
+        and the bandwidths of the `links` entries among them."""
+        by_host: dict[str, list[str]] = {}
+        for a in senders:
+            by_host.setdefault(self.cluster.device(a).host, []).append(a)
+        into: dict[str, list[str]] = {}
+        for b in receivers:
+            into.setdefault(self.cluster.device(b).host, []).append(b)
+        pairs = {(ha, hb): len(xs) * len(ys) for ha, xs in by_host.items() for hb, ys in into.items()}
+        for b in set(senders) & set(receivers):
+            pairs[(self.cluster.device(b).host,) * 2] -= 1
+        special: list[float] = []
+        if self.cluster.links:
+            s_set, r_set = set(senders), set(receivers)
+            for o in self.cluster.links:
+                x, y = o.between
+                for a, b in ((x, y), (y, x)) if x != y else ((x, y),):
+                    if a in s_set and b in r_set:
+                        pairs[(self.cluster.device(a).host, self.cluster.device(b).host)] -= 1
+                        special.append(o.bandwidth_Bps)
+        return {k: n for k, n in pairs.items() if n > 0}, special
+
     def slowest_Bps(self, senders: Sequence[str], receivers: Sequence[str]) -> float:
-        """The slowest link's bandwidth from any of `senders` to any of `receivers`."""
-        return min(self.cluster.link(a, b).bandwidth_Bps for a in senders for b in receivers)
+        """The slowest link's bandwidth from any of `senders` to any of `receivers` (`Cluster.link`)."""
+        generic, special = self._host_pairs(senders, receivers)
+        cluster = self.cluster
+        rates = [cluster.intra_host.bandwidth_Bps if ha == hb else
+                 cluster._between_hosts.get((ha, hb), cluster.inter_host).bandwidth_Bps for ha, hb in generic]
+        return min([*rates, *special], default=math.inf)
 
     def nic_cap_Bps(self, senders: Sequence[str], receivers: Sequence[str]) -> float:
         """What the hosts' network interfaces carry at once from `senders` to `receivers`: the
         sending hosts' together, and the receiving hosts' together, of the pairs that cross
         hosts (inf when none does)."""
         cluster = self.cluster
-        cross = [(a, b) for a in senders for b in receivers if cluster.crosses_hosts(a, b)]
+        cross = [(ha, hb) for ha, hb in self._host_pairs(senders, receivers)[0] if ha != hb]
         if not cross:
             return math.inf
-        out_hosts = {cluster.device(a).host for a, _ in cross}
-        in_hosts = {cluster.device(b).host for _, b in cross}
+        out_hosts = {ha for ha, _ in cross}
+        in_hosts = {hb for _, hb in cross}
         return min(math.fsum(cluster.nic_Bps(h) for h in out_hosts), math.fsum(cluster.nic_Bps(h) for h in in_hosts))
 
     def cut_Bps(self, senders: Sequence[str], receivers: Sequence[str]) -> float:
@@ -386,15 +418,25 @@ class CostModel:
                 load[port] = load.get(port, 0.0) + formulas.wire_s(nbytes, max(rate, cap))
         return max(load.values(), default=0.0)
 
+    def steady_sync_s(self, updated_bytes, devices: Sequence[str]):
+        """A stage's gradient sum as PipeDream's optimizer charges it, for the `throughput`
+        objective (`formulas.pipedream_allreduce_s` over the ring's slowest link; numbers or
+        arrays). The step (`time`, the simulator, the runtime) charges `gradient_sync_s`."""
+        if len(devices) < 2:
+            return 0.0 * updated_bytes
+        return formulas.pipedream_allreduce_s(updated_bytes, len(devices), self.ring_link(devices)[0])
+
     def bottleneck_s(self, plan: Plan) -> float:
         """PipeDream's steady-state time per batch (the `throughput` objective): the slowest of
-        every stage (`formulas.steady_stage_s`) and every cut (`formulas.steady_cut_s` at
-        `cut_Bps`: the slowest link between the two stages' devices, whatever their order, over
-        the narrower side's interfaces, within the hosts' network interfaces)."""
+        every stage (`formulas.steady_stage_s`, its gradient sum as PipeDream charges it:
+        `steady_sync_s`) and every cut (`formulas.steady_cut_s` at `cut_Bps`: the slowest link
+        between the two stages' devices, whatever their order, over the narrower side's
+        interfaces, within the hosts' network interfaces)."""
         worst = 0.0
         for st in plan.stages:
-            worst = max(worst, formulas.steady_stage_s(self.stage_compute_s(st.nodes, st.devices),
-                                                       self.stage_sync_s(st.nodes, st.devices), len(st.devices)))
+            sync = self.steady_sync_s(self.optimizer_bytes(st.nodes), st.devices)
+            worst = max(worst, formulas.steady_stage_s(self.stage_compute_s(st.nodes, st.devices), sync,
+                                                       len(st.devices)))
         for k, (a, b) in enumerate(zip(plan.stages, plan.stages[1:], strict=False)):
             worst = max(worst, formulas.steady_cut_s(self.cut_bytes(plan, k), self.cut_Bps(a.devices, b.devices)))
         return worst
@@ -407,3 +449,20 @@ def usd_per_step(cluster: Cluster, devices: Sequence[str], step_s: float) -> flo
     """The price of a step of `step_s` on `devices` (a measured step needs no graph)."""
     return formulas.usd_per_step(math.fsum(cluster.device(d).usd_per_hour for d in devices), step_s)
 
+
+def after_stage(cost: CostModel, devices: tuple[str, ...], per_step_s: float):
+    """What a stage on `devices` costs after its last action, for arrays of its gradient sum over
+    its replicas (`CostModel.gradient_sync_s`) and of what its optimizer step needs
+    (`hetplan.planners.dp._Order.ending_at`): the sum, then the slowest replica's optimizer step and the runtime's
+    cost per step (replicas on the same optimizer figures are asked once)."""
+    ones = {}
+    for dev in devices:
+        d = cost.cluster.device(dev)
+        ones.setdefault((d.type, d.optimizer_points), dev)
+
+    def after(sync_s: np.ndarray, opt_needs: tuple) -> np.ndarray:
+        u_stage, measured, _ = opt_needs  # bytes updated; measured steps per device type
+        opt = np.max([cost.optimizer_step_s(u_stage, dev, measured.get(t)) for (t, _), dev in ones.items()], axis=0)
+        return sync_s + opt + per_step_s
+
+    return after

@@ -90,6 +90,16 @@ def allreduce_s(nbytes: float, replicas: int, bandwidth_Bps: float, latency_s: f
     return 2 * (replicas - 1) * (latency_s + nbytes / replicas / bandwidth_Bps)
 
 
+def pipedream_allreduce_s(nbytes, replicas: int, bandwidth_Bps: float):
+    """The all-reduce PipeDream's optimizer charges a stage of `replicas` (Narayanan et al., SOSP
+    2019; `optimizer_graph_hierarchical.py`): 4 (r - 1) / r of the bytes at the bandwidth, twice
+    the ring's 2 (r - 1) / r (it counts each byte sent and received); no latency (numbers or
+    arrays). The `throughput` objective asks PipeDream's question, so it uses PipeDream's formula."""
+    if replicas < 2:
+        return 0.0 * np.asarray(nbytes, dtype=float) if np.ndim(nbytes) else 0.0
+    return 4.0 * (replicas - 1) / replicas * np.maximum(nbytes, 0.0) / bandwidth_Bps
+
+
 def allreduce_s_array(nbytes, replicas, bandwidth_Bps, latency_s) -> np.ndarray:
     """`allreduce_s` element by element."""
     nbytes = np.asarray(nbytes, dtype=float)

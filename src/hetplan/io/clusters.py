@@ -7,7 +7,7 @@ the model imports nothing of it (no import cycle: cluster <- io.serde <- io.clus
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -277,6 +277,17 @@ def cluster_from_spec(spec: object, source: str = "<cluster>") -> Cluster:
         return Cluster(name, tuple(devices), used, intra, inter, tuple(overrides), host_nic_Bps=nics)
     except ClusterError as exc:
         raise ClusterError(f"{source}: {exc}") from None
+
+
+def hosts_spec(groups: Sequence[tuple[str, int, int]], inter_host: str = "1.7GB/s", intra_host: str = "100GB/s",
+               name: str = "hosts") -> dict:
+    """The description of a cluster of whole hosts: `groups` are (device type, hosts, devices per
+    host), each host of one type (`t4-16gb`, 2, 8: hosts t4-16gb-0 and t4-16gb-1, devices
+    t4-16gb-0.0 ...); the network's two bandwidths as in a cluster file."""
+    devices = [{"id": f"{t}-{h}.", "type": t, "host": f"{t}-{h}", "count": per}
+               for t, hosts, per in groups for h in range(hosts)]
+    return {"name": name, "devices": devices,
+            "network": {"intra_host": {"bandwidth": intra_host}, "inter_host": {"bandwidth": inter_host}}}
 
 
 def presets() -> tuple[str, ...]:

@@ -109,6 +109,9 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
     is called with the fraction done by planners that search for a while."""
     spec = get_planner(planner)
     options = options or PlanOptions()
+    if options.microbatches and options.microbatches > graph.batch_size:
+        raise HetplanError(f"--microbatches: {options.microbatches} micro-batches for a batch of {graph.batch_size} "
+                           f"samples; use at most {graph.batch_size}")
     start = time.perf_counter()
     if spec.reports_progress and progress is not None:
         plan = spec.run(graph, cluster, options, progress=progress)
@@ -122,6 +125,7 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
         cluster=cluster.name,
         predicted=simulate(graph, cluster, plan, routing=options.routing, timeline=False).estimate,
         meta={**plan.meta, "planning_s": round(planning_s, 6), "seed": options.seed, "routing": options.routing,
+              "batch_size": graph.batch_size,  # the samples per step it was planned at
               # what hetplan run would say of this plan on this cluster (None: it runs)
               "runtime_refusal": runtime_refusal(plan, cluster)},
     )

@@ -158,17 +158,21 @@ def balanced_time(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
 def data_parallel(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
     """Every device that fits the whole model holds a replica; slower devices are dropped first
     when one runs out of memory (its share of the activations shrinks as others join); with
-    `--max-replicas N`, the N fastest."""
+    `--max-replicas N`, the N fastest; and no more than the rows of a micro-batch (the fastest:
+    a replica without rows would hold the weights and join the all-reduce for nothing)."""
     cm = CostModel(graph, cluster)
     nodes = graph.topo_order
     m = options.microbatches or 1
     devices = [d.id for d in cluster.devices]
-    if options.max_replicas is not None:
+    # a replica needs a row of every micro-batch: no more of them than the smallest has rows
+    most = min(options.max_replicas or len(devices), max(1, graph.batch_size // m))
+    if most < len(devices):
         fastest = sorted(devices, key=lambda d: (cm.device_stage_s(nodes, d), devices.index(d)))
-        devices = [d for d in devices if d in fastest[:options.max_replicas]]
+        devices = [d for d in devices if d in fastest[:most]]
     while devices:
         plan = Plan((Stage(nodes, tuple(devices)),), m, options.schedule, "data-parallel", options.objective)
-        short = [d for d in devices if cm.stage_memory_bytes(plan, 0, d) > cluster.device(d).mem_bytes]
+        need = cm.stage_replicas_memory_bytes(plan, 0)
+        short = [d for d in devices if need[d] > cluster.device(d).mem_bytes]
         if not short:
             return plan
         devices.remove(max(short, key=lambda d: (cm.device_stage_s(nodes, d), d)))

@@ -61,14 +61,24 @@ when a lower bound on its step (the work left, spread over the devices left, is 
 slowest stage still to come) exceeds the best step found so far (the baselines' simulated
 steps, then the best of the orders already done, with 5% slack because the model is not exact).
 
-Big clusters: past 8 devices a stage takes at most 4 replicas, and past 16 the program keeps
-64 cut states. So that more devices never give a worse plan, dp also plans on the first 1, 2,
-4, ... hosts of a cluster of more than 8 devices, up to 16 devices (`host_prefixes`), smallest
-first, and the candidates of every run compete in the end, with the baselines' plans (one
-device, data parallelism, time-balanced stages, with the user's micro-batches) of every
-cluster, which dp simulates anyway for its first bound: so it never returns a plan worse than
-theirs. The plans of the smaller clusters also tighten the bigger ones' first bound, which
-halves the time on 32 and 64 devices (`bench/dp_scale.py`).
+Micro-batches: the program tries every label with the usual counts, 1 to 32 (its model has no
+fixed cost per micro-batch beyond the profile's fixed parts, and is optimistic about many small
+ones), then in a second pass the labels that memory allows only with more, each with the two
+fewest counts of `kit.microbatch_choices` it allows (up to one row per micro-batch). A plan
+tightens the bound only when its replicas get at least ROUNDING_ROWS rows of a micro-batch (the
+program splits micro-batches exactly, the runtime in whole rows).
+
+Big clusters: past 8 devices a stage takes at most 4 replicas (or `--max-replicas`), past 16
+the program keeps 64 cut states, and past 32 it runs on the host prefixes only. So that more
+devices never give a worse plan, dp also plans on the first 1, 2, 4, ... hosts of a cluster of
+more than 8 devices, up to 16 devices (`host_prefixes`), smallest first, and the best candidates
+of every run compete in the end, with the baselines' plans (one device, data parallelism,
+time-balanced stages, with the user's micro-batches) of every cluster, which dp simulates
+anyway for its first bound: so it never returns a plan worse than theirs. The plans of the
+smaller clusters also tighten the bigger ones' first bound (`bench/dp_scale.py`). Past 8
+devices the per-type program of `hetplan.planners.scale` adds its candidates: wide stages of
+one device type, any number of replicas, every micro-batch size; that is where plans for tens
+to a thousand GPUs come from (`bench/llm_plans.py`).
 
 Finally the best 256 (label, m) pairs by T(m) (or price, for `cost`) over all orders are turned
 into plans and re-ranked by the fast path (`hetplan.sim.fast`, the schedule's exact recurrence
@@ -83,6 +93,7 @@ simulator's re-scoring corrects these for the plans it sees, not for the ones th
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -92,7 +103,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.cost import CostModel
+from hetplan.cost import CostModel, after_stage
 from hetplan.cost.formulas import (
     activation_room_bytes,
     stage_memory_bytes,
@@ -108,6 +119,7 @@ from hetplan.planners import baselines
 from hetplan.planners.devices import device_orders
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
+from hetplan.planners.scale import scale_candidates
 from hetplan.planners.scoring import Scorer
 from hetplan.planners.states import StateSums
 from hetplan.schedule import get_schedule
@@ -125,6 +137,14 @@ SMALL_CLUSTER = 8  # up to this many devices a stage may take any number of them
 BIG_CLUSTER_REPLICAS = 4  # on bigger clusters, at most this many
 SUB_CLUSTER = 16  # dp also plans on the first hosts of a big cluster, up to this many devices
 BIG_CLUSTER_STATES = 64  # past SUB_CLUSTER devices, the whole cluster's program keeps this many cut states
+USUAL_MICROBATCHES = 32  # see `usual_microbatches`
+# The program gives each replica its exact share of a micro-batch; the runtime splits whole rows,
+# so with few rows per replica the program is optimistic (8 replicas of two speeds sharing 16
+# rows: 11%) and such a plan does not tighten the bound unless its replicas get this many rows
+ROUNDING_ROWS = 8
+DEVICE_PROGRAM = 32  # past this many devices, the device-order program runs on the host prefixes only
+SUB_CLUSTER_KEEP = 4  # of each host prefix's candidates, the best this many compete on the whole cluster
+SCALE_STATES = 64  # cut states of the per-type program (`hetplan.planners.scale`)
 
 
 class Label(NamedTuple):
@@ -144,6 +164,8 @@ class Label(NamedTuple):
     k_max: int = 1  # its largest replica group: micro-batches need at least that many rows
     thr_s: float = 0.0  # objective throughput: its slowest stage or cut in PipeDream's steady state
     c_first: float = 0.0  # the transfer time of the cut after its first stage
+    fix_sum_s: float = 0.0  # sum over its stages of what a micro-batch pays whatever its rows
+    fix_max_s: float = 0.0  # the largest of those
 
 
 def rows_for_replicas(batch_size: int, m: int, k_max: int, choices: tuple[int, ...]) -> bool:
@@ -154,9 +176,24 @@ def rows_for_replicas(batch_size: int, m: int, k_max: int, choices: tuple[int, .
     return batch_size // m >= k_max or not any(batch_size // c >= k_max for c in choices)
 
 
+def usual_microbatches(choices: tuple[int, ...]) -> tuple[int, ...]:
+    """The micro-batch counts the program tries for every label: up to USUAL_MICROBATCHES (its
+    model has no fixed part per micro-batch, so it would always prefer the most); more only where
+    memory needs them (`useful_microbatches`)."""
+    return tuple(m for m in choices if m <= USUAL_MICROBATCHES) or choices[:1]
+
+
+def useful_microbatches(lab: Label, choices: tuple[int, ...], batch_size: int, many: bool) -> list[int]:
+    """The counts a label is tried with: the usual ones that memory and the rows allow or, in the
+    pass for labels that memory gives more (`many`), the two fewest that it allows."""
+    fit = [m for m in choices if m >= lab.m_req and rows_for_replicas(batch_size, m, lab.k_max, choices)]
+    return fit[:2] if many else [m for m in fit if m <= USUAL_MICROBATCHES]
+
+
 def model_step_s(lab: Label, m: int) -> float:
-    """T(m) of the module's docstring: the program's step time of a label with m micro-batches."""
-    return (lab.sum_s + (m - 1) * lab.max_s) / m + 2 * lab.lat_s + lab.ar_s
+    """T(m) of the module's docstring: the program's step time of a label with m micro-batches,
+    with what every micro-batch pays whatever its rows (the profile's fixed parts)."""
+    return (lab.sum_s + (m - 1) * lab.max_s) / m + lab.fix_sum_s + (m - 1) * lab.fix_max_s + 2 * lab.lat_s + lab.ar_s
 
 
 class _Order:
@@ -171,14 +208,16 @@ class _Order:
         tindex = {t: k for k, t in enumerate(prob.types)}
         self.dtype = [tindex[d.type] for d in self.dev]
         self.times = np.array([prob.time[t] for t in prob.types])  # (types, states)
+        self.fixed = np.array([prob.fixed[t] for t in prob.types])
         self.bounded = get_schedule(options.schedule).bounded  # in flight bounded by the stages after
         # a full front drops the label whose step is worst at the most micro-batches it can use:
         # the most whose micro-batches have a row for each replica of its widest stage
-        choices = microbatch_choices(scorer.graph, options)
+        choices = usual_microbatches(microbatch_choices(scorer.graph, options))
         self.rank_m = [max([m for m in choices if rows_for_replicas(scorer.graph.batch_size, m, k, choices)],
                            default=max(choices)) for k in range(self.D + 1)]
-        self.max_replicas = min(self.D if self.D <= SMALL_CLUSTER else BIG_CLUSTER_REPLICAS,
-                                options.max_replicas or self.D)
+        # the user's --max-replicas raises the cap of big clusters too (slower: more widths to try)
+        self.max_replicas = min(options.max_replicas or (self.D if self.D <= SMALL_CLUSTER else BIG_CLUSTER_REPLICAS),
+                                self.D)
         # the stages after a stage matter only through 1F1B's memory; skip them when all fits anyway
         fits_anywhere = stage_memory_bytes(prob.params[-1], prob.acts[-1], 1.0) <= min(d.mem_bytes for d in self.dev)
         self.track_r = self.bounded and not fits_anywhere
@@ -224,7 +263,7 @@ class _Order:
             mem[self.dtype[x]] = min(mem.get(self.dtype[x], math.inf), self.dev[x].mem_bytes)
         devices = tuple(self.order[d:d + k])
         per_step = max(self.dev[x].step_overhead_s for x in range(d, d + k))
-        return cnt, mem, _after_stage(scorer.cost, devices, per_step), devices
+        return cnt, mem, after_stage(scorer.cost, devices, per_step), devices
 
     def _rest(self, types: int) -> np.ndarray:
         """rest[i, d]: the least time the nodes of state i can take on devices 0 .. d-1 together."""
@@ -268,29 +307,12 @@ class _Front:
             labels.remove(max(shared, key=lambda o: o.rank))
 
 
-def _after_stage(cost, devices: tuple[str, ...], per_step_s: float):
-    """What a stage on `devices` costs after its last action, for arrays of its gradient sum over
-    its replicas (`CostModel.gradient_sync_s`) and of what its optimizer step needs
-    (`_Order.ending_at`): the sum, then the slowest replica's optimizer step and the runtime's
-    cost per step (replicas on the same optimizer figures are asked once)."""
-    ones = {}
-    for dev in devices:
-        d = cost.cluster.device(dev)
-        ones.setdefault((d.type, d.optimizer_points), dev)
-
-    def after(sync_s: np.ndarray, opt_needs: tuple) -> np.ndarray:
-        u_stage, measured, _ = opt_needs  # bytes updated; measured steps per device type
-        opt = np.max([cost.optimizer_step_s(u_stage, dev, measured.get(t)) for (t, _), dev in ones.items()], axis=0)
-        return sync_s + opt + per_step_s
-
-    return after
-
-
 def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound_s: float) -> tuple:
     """For the stage S_j - S_i on devices d .. d+k-1, over every earlier state i at once: which
     i are allowed (time bound, memory, devices left), the stage's time, its memory need over
     what is free (the worst replica type), its all-reduce + optimizer step, and (objective
-    throughput) its steady-state time per batch."""
+    throughput) its steady-state time per batch, and what each micro-batch costs it whatever its
+    rows (its slowest replica type's fixed parts)."""
     below, diff, w_stage, a_stage, opt_needs = setup.ending_at(prob, j)
     cnt, mem, after_stage, devices = setup.groups[(d, k)]
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -310,13 +332,14 @@ def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound
     ok &= setup.rest[below, d] <= bound_s  # the slowest stage before takes at least that
     sync = setup.cost.gradient_sync_s(opt_needs[0], opt_needs[2], devices)  # bytes updated, index bytes
     ar = after_stage(sync, opt_needs)
-    steady = steady_stage_s(t, sync, k) if setup.track_thr else t
-    return np.nonzero(ok)[0], below, t, ratio, ar, steady
+    steady = steady_stage_s(t, setup.cost.steady_sync_s(opt_needs[0], devices), k) if setup.track_thr else t
+    fixed = np.max([setup.fixed[ti, j] - setup.fixed[ti, below] for ti in used], axis=0)
+    return np.nonzero(ok)[0], below, t, ratio, ar, steady, fixed
 
 
 def _extend(lab: Label, stage: tuple[int, int, int, int], ts: float, rt: float, ar: float, c_s: float, lt: float,
             r_i: float, setup: _Order, m_max: int, bounds: tuple[float, float, float],
-            steady_s: float = 0.0) -> Label | None:
+            steady_s: float = 0.0, fixed_s: float = 0.0) -> Label | None:
     """The label of `lab` with one more stage in front (time ts, memory ratio rt, all-reduce ar,
     transfer c_s and latency lt across its cut; its steady-state time, or its cut's if slower,
     steady_s), or None when memory or the bounds cut it."""
@@ -344,7 +367,7 @@ def _extend(lab: Label, stage: tuple[int, int, int, int], ts: float, rt: float, 
     if low > bound_s or (setup.track_price and usd_per_step(lab.usd_per_hour, low) > bound_usd):
         return None
     out = Label(s2, mx2, max(lab.ar_s, ar), lab.after + 1, mr, lab.usd_per_hour, stage[3], lab.lat_s + lt, stage,
-                lab, 0.0, max(lab.k_max, stage[3]), thr, c_s)
+                lab, 0.0, max(lab.k_max, stage[3]), thr, c_s, lab.fix_sum_s + fixed_s, max(lab.fix_max_s, fixed_s))
     m = min(m_max, max(mr, setup.rank_m[out.k_max]))
     rank = thr if setup.track_thr else model_step_s(out, m) * (out.usd_per_hour if setup.track_price else 1.0)
     return out._replace(rank=rank)
@@ -374,7 +397,7 @@ def _stages_into(front: _Front, labels: list[Label], prob: StateSums, setup: _Or
     """Every stage S_j - S_i on the k devices before position e, put in front of every label of
     (j, e), into the front of (i, e - k)."""
     d = e - k
-    cand, below, t, ratio, ar_all, steady = _stage_options(prob, setup, j, d, k, bounds[0])
+    cand, below, t, ratio, ar_all, steady, fixed = _stage_options(prob, setup, j, d, k, bounds[0])
     link = setup.links[e - 1] if j != len(prob.ideals) - 1 else None
     cut_j = prob.cut[j]
     for c_idx in cand.tolist():
@@ -389,7 +412,7 @@ def _stages_into(front: _Front, labels: list[Label], prob: StateSums, setup: _Or
                 if setup.track_thr:
                     steady_cut = steady_cut_s(cut_j, cut_Bps)
             out = _extend(lab, (i, j, d, k), ts, rt, ar, c_s, lt, r_i, setup, m_max, bounds,
-                          max(float(steady[c_idx]), steady_cut))
+                          max(float(steady[c_idx]), steady_cut), float(fixed[c_idx]))
             if out is not None:
                 front.add((i, d), out)
 
@@ -446,12 +469,17 @@ def _pool(prob: StateSums, scorer: Scorer, orders: list[tuple[str, ...]], choice
     if options.objective == "throughput":
         bound, bound_thr = math.inf, bound
     pool = []
-    for order in orders:
-        for lab in _run_order(prob, scorer, order, options, max(choices), bound, bound_usd=bound_usd,
+    # two passes: the usual micro-batch counts, then labels that memory allows only more of (in
+    # one pass, those would crowd the fronts: the model is optimistic about many small ones)
+    passes = [(max(usual_microbatches(choices)), False)]
+    if max(choices) > passes[0][0]:
+        passes.append((max(choices), True))
+    for order, (m_max, many) in itertools.product(orders, passes):
+        for lab in _run_order(prob, scorer, order, options, m_max, bound, bound_usd=bound_usd,
                               bound_thr=bound_thr):
-            for m in choices:
-                if m < lab.m_req or not rows_for_replicas(graph.batch_size, m, lab.k_max, choices):
-                    continue
+            if many and lab.m_req <= passes[0][0]:
+                continue
+            for m in useful_microbatches(lab, choices, graph.batch_size, many):
                 t = model_step_s(lab, m)
                 if options.objective == "cost":
                     fast_enough = graph.batch_size / max(t, 1e-30) >= 0.9 * (options.min_samples_per_s or 0)
@@ -463,7 +491,7 @@ def _pool(prob: StateSums, scorer: Scorer, orders: list[tuple[str, ...]], choice
                     bound_thr = min(bound_thr, lab.thr_s)
                 else:
                     key = (0, t)
-                    if options.objective == "time":
+                    if options.objective == "time" and graph.batch_size // m >= ROUNDING_ROWS * lab.k_max:
                         bound = min(bound, t * (1.0 + BOUND_SLACK))
                 pool.append((key, order, lab, m))
     pool.sort(key=lambda x: x[0])
@@ -542,20 +570,48 @@ def dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
     # the smaller clusters first, each bounded by the ones before (their plans run here too)
     subs, found = host_prefixes(cluster), []
     for sub in subs:
-        found += dp_candidates(graph, sub, options, known=found)[0] + _baselines_as_dp(graph, sub, options)
-    plans, meta = dp_candidates(graph, cluster, options, scorer, max_states=states, known=found)
+        found += dp_candidates(graph, sub, options, known=found)[0][:SUB_CLUSTER_KEEP]
+        found += _baselines_as_dp(graph, sub, options)
+    device_program = len(cluster.devices) <= DEVICE_PROGRAM
+    plans, meta = dp_candidates(graph, cluster, options, scorer, max_states=states, known=found) \
+        if device_program else ([], {"states": 0, "states_used": 0, "all_cuts": False, "device_orders": 0})
     plans += found
+    if len(cluster.devices) > SMALL_CLUSTER:  # wide stages of one type, counted per type (`scale`)
+        wide = scale_candidates(scorer, StateSums(graph, scorer.cost, SCALE_STATES))
+        plans += wide
+        meta["scale_candidates"] = len(wide)
     meta["sub_clusters"] = [len(sub.devices) for sub in subs]
     plans += _baselines_as_dp(graph, cluster, options)
-    if options.objective == "cost":
+    if options.objective == "cost" and device_program:
         # the fastest plans are candidates too: the program's model, against which the floor is
         # checked first, can see a plan that reaches it as too slow (ctr-dnn on eight CPU
         # workers: 154,000 samples/s simulated, and nothing found at a floor of 145,000)
         fastest, _ = dp_candidates(graph, cluster, replace(options, objective="time", min_samples_per_s=None),
                                    max_states=states, known=found)
         plans += [replace(p, objective="cost") for p in fastest]
-    best = scorer.best(plans, "dp")
+    if not any(scorer.estimate(p).feasible for p in plans) and not options.microbatches:
+        # nothing fits: so that the error names the shortfall at the smallest micro-batch, the
+        # time-balanced pipeline with one row per micro-batch is tried too
+        plans += _baselines_as_dp(graph, cluster, replace(options, microbatches=graph.batch_size))
+    best = refine_microbatches(scorer, scorer.best(plans, "dp"), microbatch_choices(graph, options))
     return replace(best, meta={**best.meta, "dp": meta})
+
+
+def refine_microbatches(scorer: Scorer, plan: Plan, choices: tuple[int, ...]) -> Plan:
+    """The plan with the neighbouring micro-batch counts of `choices`, one step at a time while
+    the simulated objective improves: the program ranks counts by a model without the rows'
+    rounding, and tries more than USUAL_MICROBATCHES only where memory needs them."""
+    best, value = plan, scorer.value(plan)
+    for step in (1, -1):
+        k = choices.index(best.microbatches) if best.microbatches in choices else None
+        while k is not None and 0 <= k + step < len(choices):
+            k += step
+            other = replace(best, microbatches=choices[k])
+            other_value = scorer.value(other)
+            if not other_value < value:
+                break
+            best, value = other, other_value
+    return best
 
 
 def _baselines_as_dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> list[Plan]:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from hetplan.graph import Graph
 from hetplan.planners.options import PlanOptions
 
-MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 SEARCH_BUDGET_S = 10.0  # local search
 LEARN_BUDGET_S = 20.0  # the RL planners, warm
 FAITHFUL_BUDGET_S = 60.0  # the RL planners as their papers set them up (cold)
@@ -18,10 +17,15 @@ WARM_NATS = 3.0  # the RL policies' bias towards the warm start's choices, in lo
 
 
 def microbatch_choices(graph: Graph, options: PlanOptions) -> tuple[int, ...]:
-    """The user's number of micro-batches, or the powers of two up to 32 that the batch allows."""
+    """The user's number of micro-batches, or 1, 2, 4, ... micro-batches and micro-batches of 1, 2,
+    4, ... rows, up to the batch (so a batch of 1,024 may run as 1,024 micro-batches where memory
+    needs it)."""
     if options.microbatches:
         return (options.microbatches,)
-    return tuple(m for m in MICROBATCH_CHOICES if m <= graph.batch_size) or (1,)
+    batch = graph.batch_size
+    counts = {1 << k for k in range(batch.bit_length())}  # 1, 2, 4, ... micro-batches
+    sizes = {math.ceil(batch / (1 << k)) for k in range(batch.bit_length())}  # of 1, 2, 4, ... rows
+    return tuple(sorted(counts | sizes))
 
 
 def learn_budget_s(options: PlanOptions) -> float:

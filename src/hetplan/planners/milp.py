@@ -169,7 +169,7 @@ class _Program:
             raise InfeasibleError("milp: the graph has no stages to plan")
         i_arr, j_arr = (np.array(x, dtype=int) for x in zip(*pairs, strict=True))
         weights = prob.params[j_arr] - prob.params[i_arr]
-        updated, indices = prob.updated[j_arr] - prob.updated[i_arr], prob.indices[j_arr] - prob.indices[i_arr]
+        updated = prob.updated[j_arr] - prob.updated[i_arr]
         # what the other stages must do: no device computes faster than the fastest type, so
         # the rest of the work over the devices left takes at least this long per stage
         fastest = np.min([prob.time[t] for t in prob.types], axis=0)
@@ -188,8 +188,7 @@ class _Program:
                 with np.errstate(divide="ignore"):
                     speed += np.where(t[j_arr] - t[i_arr] > 0, 1.0 / (t[j_arr] - t[i_arr]), np.inf)
             compute = np.where(np.isfinite(speed), 1.0 / speed, 0.0)
-            steady = steady_stage_s(compute, cost.gradient_sync_s(updated, indices, group.devices),
-                                    len(group.devices))
+            steady = steady_stage_s(compute, cost.steady_sync_s(updated, group.devices), len(group.devices))
             fits = weight_bytes(weights) <= min(cost.cluster.device(d).mem_bytes for d in group.devices)
             r = len(group.devices)
             others = total - r

@@ -48,8 +48,9 @@ class Scorer:
         return self._cache[k]
 
     def value(self, plan: Plan) -> float:
-        """The objective; infinite for a plan beyond `--max-replicas`, as for one that does not fit."""
-        if not self.options.allows(plan):
+        """The objective; infinite for a plan beyond `--max-replicas`, or with a replica that gets
+        no row of any micro-batch, as for one that does not fit."""
+        if not self.options.allows(plan) or idle_replicas(self.cost, plan):
             return math.inf
         return objectives.value(self.estimate(plan), self.options, self.cluster, self.graph.batch_size, self.t_ref_s)
 
@@ -75,11 +76,37 @@ class Scorer:
                 f"no plan {planner} found reaches {self.options.min_samples_per_s:g} samples/s; the fastest "
                 f"that fits does {self.estimate(fastest).samples_per_s:,.1f} samples/s: lower "
                 f"--min-samples-per-s or add devices")
-        return memory_infeasible(self.graph, self.cluster, self.options)
+        return memory_infeasible(self.graph, self.cluster, self.options, self.closest(plans))
+
+    def closest(self, plans: list[Plan]) -> tuple[Plan, str, int] | None:
+        """Of plans that do not fit, the one that comes closest (the least peak memory over a
+        device's memory, at its worst device), with that device and its peak."""
+        best = None
+        for plan in plans:
+            est = self.estimate(plan)
+            if not est.peak_mem_bytes:
+                continue
+            dev = max(est.peak_mem_bytes, key=lambda d: est.peak_mem_bytes[d] / self.cluster.device(d).mem_bytes)
+            ratio = est.peak_mem_bytes[dev] / self.cluster.device(dev).mem_bytes
+            if best is None or ratio < best[0]:
+                best = (ratio, plan, dev, est.peak_mem_bytes[dev])
+        return best[1:] if best else None
 
 
-def memory_infeasible(graph: Graph, cluster: Cluster, options: PlanOptions) -> InfeasibleError:
-    """Say what memory the model needs that the cluster does not have."""
+def idle_replicas(cost: CostModel, plan: Plan) -> list[tuple[int, str]]:
+    """(stage, device) of every replica that gets no row of any micro-batch (`hetplan.rows`): it
+    would hold the stage's weights and join its gradient sum for nothing."""
+    if all(len(s.devices) == 1 for s in plan.stages):
+        return []
+    rows = cost.plan_rows(plan)
+    return [(k, dev) for k, st in enumerate(plan.stages) for p, dev in enumerate(st.devices)
+            if len(st.devices) > 1 and not any(rows.rows(k, j, p) for j in range(plan.microbatches))]
+
+
+def memory_infeasible(graph: Graph, cluster: Cluster, options: PlanOptions,
+                      closest: tuple[Plan, str, int] | None = None) -> InfeasibleError:
+    """Say what memory the model needs that the cluster does not have: a node that fits on no
+    device, more than all devices hold, or else the shortfall of the `closest` plan tried."""
     worst = max(graph.nodes, key=lambda n: stage_memory_bytes(n.param_bytes, n.act_bytes, 1.0))
     biggest = max(cluster.devices, key=lambda d: d.mem_bytes)
     single = weight_bytes(worst.param_bytes)
@@ -104,6 +131,15 @@ def memory_infeasible(graph: Graph, cluster: Cluster, options: PlanOptions) -> I
             f"(weights, gradients and Adam state{', all activations' if options.schedule == 'gpipe' else ''}), "
             f"but all {len(mems)} devices together have {fmt_bytes(sum(mems))}: add devices"
             + (" or use --schedule 1f1b" if options.schedule == "gpipe" else ""))
+    if closest is not None:
+        plan, dev, peak = closest
+        rows = -(-graph.batch_size // plan.microbatches)
+        n, device = len(plan.stages), cluster.device(dev)
+        return InfeasibleError(
+            f"no plan fits in memory: the closest tried ({n} stage{'s' if n > 1 else ''}, {plan.microbatches} "
+            f"micro-batches of up to {rows} row{'s' if rows > 1 else ''}) needs {fmt_bytes(peak)} on {dev} "
+            f"({device.type}), which has {fmt_bytes(device.mem_bytes)}: add devices or devices with more memory"
+            + (", or use --schedule 1f1b" if options.schedule == "gpipe" else ""))
     return InfeasibleError(
         f"no plan fits in memory: the model needs at least {count} device{'s' if count > 1 else ''} with "
         f">= {fmt_bytes(mems[count - 1])} "

@@ -96,15 +96,38 @@ def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster:
         table.add_column("fwd+bwd", justify="right")
         table.add_column("memory", justify="right")
     for i, stage in enumerate(plan.stages):
-        row = [str(i), ", ".join(stage.devices), str(len(stage.nodes)), f"{stage.nodes[0]} .. {stage.nodes[-1]}"]
+        row = [str(i), _devices_cell(stage.devices, cluster), str(len(stage.nodes)),
+               f"{stage.nodes[0]} .. {stage.nodes[-1]}"]
         if scored:
-            row.append(" / ".join(fmt_seconds(cm.device_stage_s(stage.nodes, d)) for d in stage.devices))
-            row.append(" / ".join(fmt_bytes(cm.stage_memory_bytes(plan, i, d)) for d in stage.devices))
+            row.append(_per_replica([fmt_seconds(cm.device_stage_s(stage.nodes, d)) for d in stage.devices]))
+            memory = cm.stage_replicas_memory_bytes(plan, i)
+            row.append(_per_replica([fmt_bytes(memory[d]) for d in stage.devices]))
         table.add_row(*row)
     console.print(table)
     if plan.predicted is not None:
         show_estimate(console, plan.predicted)
     show_search(console, plan)
+
+
+def _devices_cell(devices: tuple[str, ...], cluster: Cluster | None) -> str:
+    """A stage's devices: all of them, or past 4 their count, types and first and last."""
+    if len(devices) <= 4:
+        return ", ".join(devices)
+    if cluster is None:
+        return f"{len(devices)} devices: {devices[0]} .. {devices[-1]}"
+    types = sorted({cluster.device(d).type for d in devices})
+    return f"{len(devices)} x {', '.join(types)}: {devices[0]} .. {devices[-1]}"
+
+
+def _per_replica(cells: list[str]) -> str:
+    """One value per replica, runs of equal values written once with their count (`157 s x32`)."""
+    out: list[list] = []
+    for c in cells:
+        if out and out[-1][0] == c:
+            out[-1][1] += 1
+        else:
+            out.append([c, 1])
+    return " / ".join(c if n == 1 else f"{c} x{n}" for c, n in out)
 
 
 def show_search(console: Console, plan: Plan) -> None:
@@ -159,25 +182,36 @@ def show_simulation(console: Console, plan: Plan, cluster: Cluster, est: Estimat
     for col, justify in (("device", "left"), ("type", "left"), ("stage", "left"), ("busy", "right"),
                          ("utilisation", "right"), ("peak memory", "right"), ("of", "right")):
         table.add_column(col, justify=justify)
+    rows: list[list] = []  # devices in a row whose cells read the same are one row
     for d in plan.devices:
         device = cluster.device(d)
         need = est.peak_mem_bytes.get(d, 0)
         mem = fmt_bytes(need) if need <= device.mem_bytes else f"[bold red]{fmt_bytes(need)}[/]"
         busy = est.busy_s.get(d, 0.0)
-        table.add_row(d, device.type, ", ".join(stages[d]), fmt_seconds(busy), f"{busy / step:.0%}", mem,
-                      fmt_bytes(device.mem_bytes))
+        cells = (device.type, ", ".join(stages[d]), fmt_seconds(busy), f"{busy / step:.0%}", mem,
+                 fmt_bytes(device.mem_bytes))
+        if rows and rows[-1][2] == cells:
+            rows[-1][1] = d
+        else:
+            rows.append([d, d, cells])
+    for first, last, cells in rows:
+        table.add_row(first if first == last else f"{first} .. {last}", *cells)
     console.print(table)
     if est.link_bytes:
         links = Table(title="links", title_justify="left")
         for col in ("link", "bytes per step", "busy", "utilisation"):
             links.add_column(col, justify="left" if col == "link" else "right")
-        for key, nbytes in est.link_bytes.items():
+        busiest = sorted(est.link_bytes, key=lambda k: -est.link_busy_s.get(k, 0.0))
+        for key in busiest[:SHOWN_LINKS] if len(busiest) > SHOWN_LINKS + 1 else busiest:
             busy = est.link_busy_s.get(key, 0.0)
-            links.add_row(key, fmt_bytes(nbytes), fmt_seconds(busy), f"{busy / step:.0%}")
+            links.add_row(key, fmt_bytes(est.link_bytes[key]), fmt_seconds(busy), f"{busy / step:.0%}")
+        if len(busiest) > SHOWN_LINKS + 1:
+            links.add_row(f"... {len(busiest) - SHOWN_LINKS} more", "", "", "")
         console.print(links)
     show_estimate(console, est)
 
 
+SHOWN_LINKS = 16  # the busiest links a simulation's table lists
 # Columns of `hetplan compare` that a narrow terminal goes without, least useful first.
 OPTIONAL_COMPARE_COLUMNS = ("planning", "memory", "vs baselines", "stages/devices", "m")
 _TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))

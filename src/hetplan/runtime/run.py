@@ -19,7 +19,7 @@ from typing import Any
 from hetplan.cluster import Cluster
 from hetplan.cost import usd_per_step
 from hetplan.errors import HetplanError
-from hetplan.graph import Graph
+from hetplan.graph import Graph, at_batch
 from hetplan.io import serde
 from hetplan.io.serde import atomic_write_text
 from hetplan.plan import Estimate, Plan, prediction_error, validate_plan
@@ -95,11 +95,14 @@ class RunReport:
         }
 
 
-def _sizes(graph: Graph | None, model: str, s: RunSettings) -> tuple[int, int | None, str]:
-    """Batch size, sequence length and granularity: given, else the graph's, else the zoo's."""
+def _sizes(graph: Graph | None, model: str, s: RunSettings, plan: Plan) -> tuple[int, int | None, str]:
+    """Batch size (given, else the plan's, else the graph's, else the zoo's), sequence length and
+    granularity (given, else the graph's)."""
     from hetplan.zoo import ZOO
 
-    batch_size = s.batch_size or (graph.batch_size if graph is not None else None)
+    planned = plan.meta.get("batch_size")
+    planned = planned if isinstance(planned, int) and not isinstance(planned, bool) and planned >= 1 else None
+    batch_size = s.batch_size or planned or (graph.batch_size if graph is not None else None)
     if batch_size is None:
         batch_size = ZOO[model].default_batch_size if model in ZOO else None
     if batch_size is None:
@@ -141,9 +144,9 @@ def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = 
     if s.steps < 1 or s.warmup < 0:
         raise HetplanError(f"--steps {s.steps} --warmup {s.warmup}: run at least 1 step, with 0 or more "
                            "warm-up steps")
+    batch_size, seq_len, granularity = _sizes(graph, model, s, plan)
     if graph is not None:
-        validate_plan(plan, graph, cluster, source=source)
-    batch_size, seq_len, granularity = _sizes(graph, model, s)
+        validate_plan(plan, at_batch(graph, batch_size), cluster, source=source)
     first = _resume_step(plan, s)
     spec = run_spec(plan, cluster, model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
                     steps=s.steps, warmup=s.warmup, seed=s.seed, optimizer=s.optimizer, lr=s.lr, data=s.data,
@@ -166,6 +169,7 @@ def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = Non
              settings: RunSettings = RunSettings(), progress=None, source: str | None = None) -> RunReport:
     """Train `model` under `plan` on `cluster`'s bound devices and compare with the prediction."""
     spec, first = prepare_run(plan, cluster, model, graph, settings, source)
+    graph = at_batch(graph, spec.batch_size) if graph is not None else None  # predicted at the batch it runs
     result = launch(spec, progress=progress)
     predicted, sim_timeline = None, None
     if graph is not None:

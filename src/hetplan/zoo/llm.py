@@ -1,0 +1,142 @@
+"""Transformer language models as layer chains from their shapes alone (no weights, no device).
+
+For models too big to profile on this machine: a chain `embed -> block_0 .. block_(L-1) -> head`
+whose FLOPs, parameter, activation and message bytes are counted from the configuration, and
+whose times on each device type come from the roofline model (`hetplan.cost.projection`) at a
+stated achieved fraction of the peak. The counts follow Narayanan et al., "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC 2021: 24 b s h^2 +
+4 b s^2 h FLOPs per block forward, with a 4h or `ffn` wide MLP) and Korthikanti et al.,
+"Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023: 34 s b h bytes of
+16-bit stash per block when attention's s^2 scores are not kept, as memory-efficient attention
+does).
+
+The graph says it was counted, not measured (`meta["source"] = "analytic"`); its times are as
+good as the achieved fraction. Profile a block on the real device where you can.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetplan.catalog import DeviceType, lookup
+from hetplan.cost.projection import roofline_s
+from hetplan.errors import HetplanError
+from hetplan.graph import Edge, Graph, Node
+
+# Large fp32 matrix products reach 70-90% of the datasheet peak; normalisation, softmax and the
+# element-wise ops far less. 0.6 of the peak over a whole block is the usual order of magnitude.
+ACHIEVED_FRACTION = 0.6
+# Per pass of a block, what a micro-batch pays whatever its size: about 20 kernel launches.
+BLOCK_FIXED_S = 20 * 10e-6
+BACKWARD_FLOPS = 2.0  # a backward pass does twice the forward's FLOPs
+STASH_ELEMENTS_PER_TOKEN_H = 17  # Korthikanti et al.'s 34 s b h bytes at 2 bytes an element
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The shape of a decoder-only transformer, as its transformers configuration gives it."""
+
+    name: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    vocab: int
+    kv_heads: int | None = None  # grouped-query attention; None: as many as heads
+    gated: bool = False  # a gated MLP (SwiGLU: Llama, Mistral, Qwen2): three matrices, not two
+
+    def block_params(self) -> int:
+        kv = (self.kv_heads or self.heads) * (self.hidden // self.heads)
+        attention = self.hidden * (self.hidden + 2 * kv) + self.hidden * self.hidden
+        return attention + (3 if self.gated else 2) * self.hidden * self.ffn + 4 * self.hidden
+
+    @classmethod
+    def from_config(cls, config: Mapping, name: str) -> TransformerShape:
+        """The shape a transformers configuration (its `config.json`, or `PretrainedConfig.to_dict()`)
+        describes: decoder-only models with the usual key names (OPT, GPT-2, Llama, Mistral, Qwen2)."""
+        def key(*names: str) -> int:
+            for k in names:
+                if isinstance(config.get(k), int) and not isinstance(config.get(k), bool) and config[k] > 0:
+                    return config[k]
+            raise HetplanError(f"{name}: the configuration has no whole number > 0 for {' or '.join(names)}")
+
+        hidden = key("hidden_size", "n_embd", "d_model")
+        ffn = config.get("intermediate_size") or config.get("ffn_dim") or config.get("n_inner") or 4 * hidden
+        heads = key("num_attention_heads", "n_head")
+        kv = config.get("num_key_value_heads")
+        return cls(str(config.get("_name_or_path") or config.get("model_type") or name),
+                   key("num_hidden_layers", "n_layer"), hidden, int(ffn), heads, key("vocab_size"),
+                   kv_heads=kv if isinstance(kv, int) and kv != heads else None,
+                   gated=config.get("hidden_act") in ("silu", "swiglu"))
+
+
+SHAPES = {
+    s.name: s
+    for s in (
+        TransformerShape("opt-350m", 24, 1024, 4096, 16, 50272),
+        TransformerShape("opt-1.3b", 24, 2048, 8192, 32, 50272),
+        TransformerShape("opt-2.7b", 32, 2560, 10240, 32, 50272),
+        TransformerShape("opt-6.7b", 32, 4096, 16384, 32, 50272),
+        TransformerShape("llama-3-8b", 32, 4096, 14336, 32, 128256, kv_heads=8, gated=True),
+    )
+}
+
+
+def shape(name: str) -> TransformerShape:
+    """A shape by name (`SHAPES`), or read from a transformers `config.json`."""
+    if name in SHAPES:
+        return SHAPES[name]
+    path = Path(name)
+    if path.suffix == ".json" and path.is_file():
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise HetplanError(f"{name}: cannot read a transformers configuration: {exc}") from None
+        if not isinstance(config, dict):
+            raise HetplanError(f"{name}: a transformers configuration is a JSON object")
+        return TransformerShape.from_config(config, path.stem)
+    raise HetplanError(f"unknown transformer shape {name!r}: give a config.json or one of {', '.join(SHAPES)}")
+
+
+def _times(flops: float, traffic_bytes: float, types: Sequence[DeviceType], fixed_s: float) -> dict[str, float]:
+    """The roofline time at ACHIEVED_FRACTION of the peak FLOP/s, plus the fixed part."""
+    return {t.name: fixed_s + roofline_s(flops / ACHIEVED_FRACTION, traffic_bytes, t) for t in types}
+
+
+def _node(node_id: str, op: str, flops: float, params: int, out_bytes: int, act_bytes: int,
+          types: Sequence[DeviceType], fixed_s: float) -> Node:
+    traffic = 4 * params + out_bytes + act_bytes
+    fwd = _times(flops, traffic, types, fixed_s)
+    bwd = _times(BACKWARD_FLOPS * flops, 2 * traffic, types, fixed_s)
+    return Node(node_id, op, fwd, bwd, flops=flops, param_bytes=4 * params, out_bytes=out_bytes,
+                act_bytes=act_bytes, module=(node_id,),
+                fwd_fixed_s={t.name: fixed_s for t in types}, bwd_fixed_s={t.name: fixed_s for t in types})
+
+
+def transformer_chain(model: TransformerShape | str, batch_size: int, seq_len: int,
+                      device_types: Sequence[str]) -> Graph:
+    """The chain of `model` for a batch of `batch_size` sequences of `seq_len` tokens, fp32, with
+    times on each of `device_types` (catalog names; the first is the graph's `profiled_on`)."""
+    m = shape(model) if isinstance(model, str) else model
+    if not device_types:
+        raise HetplanError("transformer_chain needs at least one device type")
+    types = [lookup(t) for t in device_types]
+    tokens, h = batch_size * seq_len, m.hidden
+    hidden_bytes = 4 * tokens * h
+    embed = _node("embed", "Embedding", 0.0, (m.vocab + seq_len) * h, hidden_bytes, 0, types, 0.0)
+    block_flops = 2.0 * tokens * m.block_params() + 4.0 * batch_size * seq_len * seq_len * h
+    stash = 4 * STASH_ELEMENTS_PER_TOKEN_H * tokens * h
+    blocks = [_node(f"block_{i}", "TransformerBlock", block_flops, m.block_params(), hidden_bytes, stash, types,
+                    BLOCK_FIXED_S) for i in range(m.layers)]
+    logits = 4 * tokens * m.vocab
+    head = _node("head", "LMHead", 2.0 * tokens * h * m.vocab, h * m.vocab + 2 * h, 4 * batch_size,
+                 hidden_bytes + logits, types, BLOCK_FIXED_S)
+    nodes = (embed, *blocks, head)
+    edges = tuple(Edge(a.id, b.id, hidden_bytes) for a, b in itertools.pairwise(nodes))
+    meta = {"source": "analytic", "granularity": "block", "seq_len": str(seq_len),
+            "achieved_fraction": str(ACHIEVED_FRACTION)}
+    return Graph(m.name, nodes, edges, batch_size, types[0].name, source="analytic", meta=meta)
