@@ -240,6 +240,21 @@ class Graph:
     def edge_bytes(self) -> Mapping[tuple[str, str], int]:
         return FrozenMap({(e.src, e.dst): e.bytes for e in self.edges})
 
+    @cached_property
+    def sent_cap_bytes(self) -> Mapping[str, float]:
+        """Per node, the most it sends across one cut: its output (`out_bytes`; unbounded where
+        that is 0, unknown). Two consumers of one tensor beyond a cut are two edges but one
+        message: the runtime sends each value once per boundary (`hetplan.runtime.stages`)."""
+        return FrozenMap({n.id: float(n.out_bytes) if n.out_bytes > 0 else math.inf for n in self.nodes})
+
+    def crossing_bytes(self, edges: Iterable[Edge]) -> float:
+        """The bytes that cross a cut whose crossing edges are `edges`: per source node, its
+        edges' bytes, at most what it outputs (`sent_cap_bytes`). Every cost of a cut comes here."""
+        per_source: dict[str, float] = {}
+        for e in edges:
+            per_source[e.src] = per_source.get(e.src, 0.0) + e.bytes
+        return math.fsum(min(b, self.sent_cap_bytes[src]) for src, b in per_source.items())
+
     def node(self, node_id: str) -> Node:
         try:
             return self.by_id[node_id]

@@ -345,10 +345,11 @@ class CostModel:
         return 1.0 / math.fsum(1.0 / max(self.device_stage_s(nodes, d), 1e-30) for d in devices)
 
     def cut_bytes(self, plan: Plan, k: int) -> int:
-        """Bytes crossing the cut after stage k, forward: every edge from before it to after it
-        (relayed), as the simulator's `relay` routing, dp and the fast path count them."""
+        """Bytes crossing the cut after stage k, forward: the edges from before it to after it
+        (relayed), each source's tensors once (`Graph.crossing_bytes`), as the simulator's `relay`
+        routing, dp and the fast path count them."""
         where = plan.stage_of()
-        return sum(e.bytes for e in self.graph.edges if where[e.src] <= k < where[e.dst])
+        return self.graph.crossing_bytes(e for e in self.graph.edges if where[e.src] <= k < where[e.dst])
 
     def _host_pairs(self, senders: Sequence[str], receivers: Sequence[str]) -> tuple[dict, list[float]]:
         """The pairs from `senders` to `receivers` counted by host pair, those with a `links`

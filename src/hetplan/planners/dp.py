@@ -14,7 +14,8 @@ set S_k minus S_(k-1). We extend both papers:
   of every micro-batch is proportional to its speed) and devices left at the end stay unused.
   Every assignment of disjoint device groups to stages is such a run of some order, so on small
   clusters, where all orders are tried, the search over devices is complete.
-- Communication: the bytes crossing each cut, sent forward and (as gradients) back, always
+- Communication: the bytes crossing each cut (each tensor once, however many consumers it has
+  beyond the cut: `Graph.crossing_bytes`), sent forward and (as gradients) back, always
   counted, at the cut's bandwidth (`CostModel.cut_Bps`: min(k, k') transfers at once, as each
   device sends and receives through one interface, at the slowest link between the two stages,
   within the hosts' network interfaces).

@@ -136,6 +136,23 @@ def subset_matrix(bits: np.ndarray) -> np.ndarray:
     return np.triu(outside, k=1)
 
 
+def cut_bytes(graph: Graph, mat: np.ndarray, order: tuple[str, ...]) -> np.ndarray:
+    """Per state ((states, nodes) membership `mat`), the bytes crossing its cut: per source
+    node, its crossing edges' bytes, at most its output (`Graph.crossing_bytes`, for all states
+    at once)."""
+    if not graph.edges:
+        return np.zeros(len(mat))
+    index = {v: k for k, v in enumerate(order)}
+    src = np.array([index[e.src] for e in graph.edges], dtype=int)
+    dst = np.array([index[e.dst] for e in graph.edges], dtype=int)
+    nbytes = np.array([float(e.bytes) for e in graph.edges])
+    crossing = (mat[:, src] > 0) & (mat[:, dst] == 0)  # (states, edges)
+    sources = np.unique(src)
+    per_source = np.stack([crossing[:, src == v] @ nbytes[src == v] for v in sources], axis=1)  # (states, sources)
+    cap = np.array([graph.sent_cap_bytes[order[v]] for v in sources])
+    return np.minimum(per_source, cap).sum(axis=1)
+
+
 class StateSums:
     """Per cut state (at most `max_states` of them after `coarsen`): the time of its nodes on each
     of the cluster's device types, its parameter and activation bytes and the bytes across its
@@ -155,11 +172,7 @@ class StateSums:
         node_fixed = {t: cost.node_fixed_s(t) for t in self.types}  # what a micro-batch pays whatever its rows
         self.fixed = {t: mat @ np.array([sum(node_fixed[t].get(v, (0.0, 0.0))) for v in order]) for t in self.types}
         ref = self.types[0]
-        index = {v: k for k, v in enumerate(order)}
-        src = np.array([index[e.src] for e in graph.edges], dtype=int)
-        dst = np.array([index[e.dst] for e in graph.edges], dtype=int)
-        nbytes = np.array([float(e.bytes) for e in graph.edges])
-        cut = ((mat[:, src] > 0) & (mat[:, dst] == 0)) @ nbytes if len(graph.edges) else np.zeros(len(states))
+        cut = cut_bytes(graph, mat, order)
         keep = coarsen(states, self.time[ref], cut, max_states)
         self.ideals = [states.ideals[k] for k in keep]
         self.time = {t: v[keep] for t, v in self.time.items()}

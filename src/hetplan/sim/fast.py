@@ -32,7 +32,7 @@ over plans.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +44,26 @@ from hetplan.graph import Graph
 from hetplan.plan import Plan
 from hetplan.schedule import FORWARD, schedule_order
 from hetplan.sim.model import build_step_model
+
+
+
+
+def chain_crossing_bytes(graph: Graph, pos: Mapping[str, int]) -> np.ndarray:
+    """crossing[c]: the bytes cut when a stage boundary falls before position c of the order
+    `pos`: per source node, its edges that reach position c or later, at most its output
+    (`Graph.crossing_bytes`)."""
+    n = len(pos)
+    crossing = np.zeros(n + 1)
+    out: dict[str, list] = {}
+    for e in graph.edges:
+        out.setdefault(e.src, []).append(e)
+    for src, edges in out.items():
+        reach = np.zeros(n + 2)  # the source's edge bytes still crossing at each position
+        for e in edges:
+            reach[pos[e.src] + 1] += e.bytes
+            reach[pos[e.dst] + 1] -= e.bytes
+        crossing += np.minimum(np.cumsum(reach)[: n + 1], graph.sent_cap_bytes[src])
+    return crossing
 
 
 @dataclass(frozen=True)
@@ -236,12 +256,7 @@ class ChainScorer:
         self._opt = [None if m is None else np.concatenate([zero, np.cumsum([m[v] for v in self.order])])
                      for m in (cm.measured_optimizer_s(t) for t in sorted(set(types)))]
         self._acts = np.concatenate([zero, np.cumsum([by_id[v].act_bytes for v in self.order], dtype=float)])
-        # crossing[c]: bytes of the edges cut when a stage boundary falls before position c
-        delta = np.zeros(len(self.order) + 2)
-        for e in graph.edges:
-            delta[pos[e.src] + 1] += e.bytes
-            delta[pos[e.dst] + 1] -= e.bytes
-        self._crossing = np.cumsum(delta)[: len(self.order) + 1]
+        self._crossing = chain_crossing_bytes(graph, pos)
         ids = cluster.ids
         self._bw = np.array([[cluster.link(a, b).bandwidth_Bps for b in ids] for a in ids])
         self._lat = np.array([[cluster.link(a, b).latency_s for b in ids] for a in ids])

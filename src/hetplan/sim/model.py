@@ -42,19 +42,20 @@ def stage_pair_bytes(graph: Graph, plan: Plan, routing: str) -> dict[tuple[int, 
     if routing not in ROUTINGS:
         raise HetplanError(f"routing {routing!r} is unknown (allowed: {', '.join(ROUTINGS)})")
     where = plan.stage_of()
-    pairs: dict[tuple[int, int], int] = {}
+    crossing: dict[tuple[int, int], list] = {}
     if routing == "relay":
-        pairs = {(k, k + 1): 0 for k in range(len(plan.stages) - 1)}
+        crossing = {(k, k + 1): [] for k in range(len(plan.stages) - 1)}
     for e in graph.edges:
         p, s = where[e.src], where[e.dst]
         if p == s:
             continue
         if routing == "direct":
-            pairs[(p, s)] = pairs.get((p, s), 0) + e.bytes
+            crossing.setdefault((p, s), []).append(e)
         else:
             for k in range(p, s):
-                pairs[(k, k + 1)] += e.bytes
-    return pairs
+                crossing[(k, k + 1)].append(e)
+    # each source's tensors once per pair of stages (`Graph.crossing_bytes`)
+    return {pair: round(graph.crossing_bytes(edges)) for pair, edges in crossing.items()}
 
 
 @dataclass(frozen=True)
