@@ -15,8 +15,8 @@ For each problem:
 - local search (`hetplan.planners.search.local_search`) from several starts, `--search-s` in all
   (split evenly): dp's plan; the best of the type-contiguous grid (every split of the layers into
   1-8 stages, each stage one device type's hosts split evenly among the type's stages, layers
-  in proportion to the stages' speed, every micro-batch count); and one stage per type (all
-  data-parallel per type).
+  in proportion to the stages' speed, the three most micro-batch counts its widest stage allows);
+  and one stage per type (all data-parallel per type).
 The row says whether any of them beat dp by more than 1%.
 """
 
@@ -27,13 +27,12 @@ import itertools
 import json
 import math
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import dp_scale
 from results_file import write_results
 
 from hetplan.errors import HetplanError
@@ -48,6 +47,7 @@ from hetplan.zoo.llm import transformer_chain
 
 HERE = Path(__file__).resolve().parent
 IB = "12.5GB/s"  # 100 Gbit/s
+GRID_COUNTS = 3  # the grid's plans try the most micro-batches their widest stage allows, and the two counts below
 PROBLEMS = {  # name: (model, [(type, hosts, per host)], between hosts)
     "opt-350m/8": ("opt-350m", [("a100-40gb", 1, 4), ("v100-16gb", 1, 4)], "1.7GB/s"),
     "opt-350m/32": ("opt-350m", [("a100-40gb", 2, 8), ("v100-16gb", 2, 8)], "1.7GB/s"),
@@ -57,18 +57,6 @@ PROBLEMS = {  # name: (model, [(type, hosts, per host)], between hosts)
     "llama-3-8b/128": ("llama-3-8b", [("h100-80gb", 8, 8), ("a100-40gb", 8, 8)], IB),
     "llama-3-8b/1024": ("llama-3-8b", [("h100-80gb", 32, 8), ("a100-40gb", 48, 8), ("v100-16gb", 48, 8)], IB),
 }
-RUN = """
-import json, resource, sys, time
-from hetplan.io import serde
-from hetplan.planners import make_plan
-graph, cluster = serde.load(sys.argv[1]), serde.load(sys.argv[2])
-start = time.perf_counter()
-plan = make_plan(graph, cluster, "dp")
-print(json.dumps({"seconds": time.perf_counter() - start, "peak_rss_mib": resource.getrusage(
-    resource.RUSAGE_SELF).ru_maxrss / 1024, "plan": serde.to_dict(plan)}))
-"""
-
-
 def problem(name: str):
     model, groups, between = PROBLEMS[name]
     graph = transformer_chain(model, 1024, 2048, [t for t, _, _ in groups])
@@ -76,22 +64,17 @@ def problem(name: str):
 
 
 def run_dp(graph, cluster, tmp: Path) -> dict:
-    files = [tmp / "graph.json", tmp / "cluster.json"]
-    serde.dump(graph, files[0])
-    serde.dump(cluster, files[1])
-    out = subprocess.run([sys.executable, "-c", RUN, *map(str, files)], capture_output=True, text=True,
-                         timeout=7200, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    if out.returncode != 0:
-        raise SystemExit(out.stderr.strip().splitlines()[-1])
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    result["plan"] = serde.from_dict(result["plan"])
-    return result
+    """dp in a process of its own (`bench/dp_scale.py`'s): seconds, peak memory, plan."""
+    graph_file = tmp / "graph.json"
+    serde.dump(graph, graph_file)
+    return dp_scale.run_dp(graph_file, cluster, tmp)
 
 
 def grid_plans(graph, cluster, scorer: Scorer) -> list[Plan]:
     """Type-contiguous pipelines of 1-8 stages (types fastest first), each type's hosts split
-    evenly among its stages, layers in proportion to the stages' speed, at the best count of
-    micro-batches for each; the feasible ones, best first."""
+    evenly among its stages, layers in proportion to the stages' speed, at the best of the
+    GRID_COUNTS most micro-batches whose rows its widest stage can share; the feasible ones,
+    best first."""
     types = sorted({d.type for d in cluster.devices}, key=lambda t: graph.fwd_s_total(t))
     devices = {t: [d.id for d in cluster.devices if d.type == t] for t in types}
     order = graph.topo_order
@@ -115,7 +98,9 @@ def grid_plans(graph, cluster, scorer: Scorer) -> list[Plan]:
             for (_, g), size in zip(groups, sizes, strict=True):
                 stages.append(Stage(order[start:start + size], tuple(g)))
                 start += size
-            plans = [Plan(tuple(stages), m, "1f1b", "grid") for m in microbatch_choices(graph, PlanOptions())]
+            widest = max(len(g) for _, g in groups)  # every replica a row of every micro-batch: m <= B / widest
+            counts = [m for m in microbatch_choices(graph, PlanOptions()) if graph.batch_size // m >= widest]
+            plans = [Plan(tuple(stages), m, "1f1b", "grid") for m in counts[-GRID_COUNTS:]]
             plans = [p for p in plans if not plan_problems(p, graph, cluster)]
             scored = [(scorer.value(p), i, p) for i, p in enumerate(plans)]
             found += [x for x in scored if math.isfinite(x[0])]

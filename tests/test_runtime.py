@@ -149,12 +149,22 @@ def test_loss_falls_on_text_and_resume_continues_the_same_run(tmp_path):
     assert checkpoint_step(ckpt, 2) == 10  # without --checkpoint-every, the last step is saved (issue 13)
 
 
-def test_torchrun_two_nodes_on_loopback(tmp_path):
-    """The worker entry point under torchrun: two "machines" (two torchrun agents on this host)
-    with one worker each, as the commands `hetplan run --dry-run` prints."""
+def run_torchrun_agents(commands):
+    """The `hetplan run --dry-run` commands, each a torchrun agent on this machine; all must end well."""
     import subprocess
     import sys
     from pathlib import Path
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    procs = [subprocess.Popen([torchrun, *cmd.split()[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for cmd in commands]
+    outs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+
+
+def test_torchrun_two_nodes_on_loopback(tmp_path):
+    """The worker entry point under torchrun: two "machines" (two torchrun agents on this host)
+    with one worker each, as the commands `hetplan run --dry-run` prints."""
 
     from hetplan.runtime.launch import torchrun_commands, write_spec
 
@@ -171,11 +181,7 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
     port = 29500 + (abs(hash(str(tmp_path))) % 1000)
     commands = torchrun_commands(path, spec, master_port=port)
     assert len(commands) == 2 and "--node-rank 1" in commands[1]
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    procs = [subprocess.Popen([torchrun, *cmd.split()[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for cmd in commands]
-    outs = [p.communicate(timeout=180)[0].decode(errors="replace") for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    run_torchrun_agents(commands)
     result = json.loads((tmp_path / "result.json").read_text())
     assert [r["device"] for r in result["ranks"]] == ["a", "b"] and len(result["ranks"][1]["losses"]) == 2
 
@@ -207,3 +213,37 @@ def test_local_cpu_workers_get_their_own_cores(monkeypatch):
     assert pin_cores([1, 2, 4]) == [[4], [5, 6], [7, 8, 9, 10]]
     assert pin_cores([4, 0, 4]) == [[4, 5, 6, 7], [], [8, 9, 10, 11]]  # a GPU worker takes no core
     assert pin_cores([4, 4, 1]) == [[], [], []]  # more threads than cores: the OS decides
+
+
+def test_torchrun_three_hosts_with_replicas_across_hosts_equals_one_process(tmp_path):
+    """Three "hosts" (three torchrun agents on this machine): stage 0's replicas on m0 and m1,
+    stage 1's on m0 and m2, so the plan goes back and forth between hosts. RUN.json lists the
+    ranks host by host, as torchrun numbers them; the weights equal one process's."""
+
+    from hetplan.runtime.launch import torchrun_commands, write_spec
+
+    hosts = {"a": "m0", "b": "m1", "c": "m0", "d": "m2"}
+    cluster = cluster_from_spec({"name": "three-hosts", "devices": [
+        {"id": d, "type": "cpu", "threads": 1, "binding": "cpu", "host": h} for d, h in hosts.items()]}, "three")
+    zm = model("gpt2-tiny", batch=8)
+    split = split_step(zm.step, zm.batch)
+    names = [p.name for p in split.pieces]
+    plan = Plan((Stage(tuple(names[:20]), ("a", "b")), Stage(tuple(names[20:]), ("c", "d"))), 2, "1f1b", "test")
+    spec = run_spec(plan, cluster, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer", steps=1, warmup=0,
+                    optimizer="sgd", lr=0.1, out_dir=tmp_path, no_dropout=True, return_weights=True,
+                    graph=graph_of(split, 8))
+    assert [r.device for r in spec.ranks] == ["a", "c", "b", "d"]  # m0's two, then m1's, then m2's
+    path = write_spec(spec)
+    port = 29500 + (abs(hash(str(tmp_path)) + 7) % 1000)
+    commands = torchrun_commands(path, spec, master_port=port)
+    assert [c.split("--nproc-per-node ")[1].split()[0] for c in commands] == ["2", "1", "1"]
+    run_torchrun_agents(commands)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert [r["device"] for r in sorted(result["ranks"], key=lambda r: r["rank"])] == ["a", "c", "b", "d"]
+    losses = [r["losses"][0] for r in result["ranks"] if r["stage"] == 1]
+    assert sum(losses) == pytest.approx(reference_step(zm, _batches(spec, zm, 0), 2, 0.1), rel=1e-5)
+    modules = stage_modules(split, plan)
+    for rank, me in enumerate(spec.ranks):
+        trained = torch.load(tmp_path / f"weights.{rank}.pt")
+        worst = max((trained[n] - p.detach()).abs().max().item() for n, p in modules[me.stage].named_parameters())
+        assert worst <= 1e-5, (rank, me.device, worst)

@@ -121,7 +121,7 @@ def test_planners_never_return_a_replica_without_rows(seed):
     rng = np.random.default_rng(seed)
     graph, cluster = random_problem(rng)
     cost = Scorer(graph, cluster, PlanOptions()).cost
-    for planner in ("dp", "data-parallel", "local-search"):
+    for planner in ("dp", "data-parallel", "local-search", "heterps"):
         try:
             plan = make_plan(graph, cluster, planner, PlanOptions(max_iters=50))
         except InfeasibleError:

@@ -308,3 +308,22 @@ def test_zeroing_the_input_never_gives_dp_a_worse_plan(profiles):
     scorer = Scorer(zeroed, cluster, options)
     before = scorer.value(make_plan(kept, cluster, "dp", options))
     assert scorer.value(make_plan(zeroed, cluster, "dp", options)) <= before * (1 + 1e-9)
+
+
+def test_the_steady_state_takes_a_calibrated_all_reduce_as_measured():
+    """Without a calibration, PipeDream's 4 (r - 1) / r over the ring's link; with a measured
+    curve for the group (one host), the curve."""
+    from dataclasses import replace as with_
+
+    from hetplan.cluster import AllreduceCurve, Calibration
+
+    graph = Graph("one", (Node("a", "Linear", {V: 0.1}, {V: 0.2}, param_bytes=4 * 10**8),), (), 8, V)
+    spec = {"devices": [{"id": f"d{i}", "type": V, "host": "h"} for i in range(2)],
+            "network": {"intra_host": {"bandwidth": "1GB/s", "latency": "0s"}}}
+    plain = cluster_from_spec(spec, "two")
+    assert CostModel(graph, plain).steady_sync_s(4e8, ("d0", "d1")) == pytest.approx(0.8)
+    curve = AllreduceCurve(2, ((1e6, 0.001), (1e9, 0.5)))
+    measured = with_(plain, calibration=Calibration("test", (curve,)))
+    cm = CostModel(graph, measured)
+    assert cm.steady_sync_s(4e8, ("d0", "d1")) == pytest.approx(cm.allreduce_s(4e8, ("d0", "d1")))
+    assert cm.steady_sync_s(4e8, ("d0", "d1")) < 0.3

@@ -403,6 +403,23 @@ class CostModel:
         return formulas.shared_Bps(self.slowest_Bps(senders, receivers), min(len(senders), len(receivers)),
                                    self.nic_cap_Bps(senders, receivers))
 
+    def routed_cut_s(self, senders: Sequence[str], receivers: Sequence[str],
+                     sender_weights: Sequence[float] | None = None,
+                     receiver_weights: Sequence[float] | None = None) -> float:
+        """Seconds to carry one byte of a micro-batch across the cut from a stage on `senders` to
+        one on `receivers`, routed as the runtime routes rows: replica p sends to replica q the
+        share of the micro-batch their slices have in common (each stage's replicas take
+        consecutive slices in proportion to their weights, equal by default: `hetplan.rows`), and
+        the transfers share the interfaces they cross (`busiest_interface_s`), none faster than
+        its own link. Replicas in line on one host talk inside it: one pipeline per host is as
+        fast as its hosts, not as the slowest link between the two stages."""
+        pairs = routed_shares(sender_weights or [1.0] * len(senders), receiver_weights or [1.0] * len(receivers))
+        share = {(senders[p], receivers[q]): f for (p, q), f in pairs.items() if senders[p] != receivers[q]}
+        if not share:
+            return 0.0
+        alone = max(f / self.cluster.link(a, b).bandwidth_Bps for (a, b), f in share.items())
+        return max(alone, self.busiest_interface_s(share))
+
     def busiest_interface_s(self, pair_bytes: Mapping[tuple[str, str], float]) -> float:
         """How long the busiest interface (`Cluster.interfaces`) is busy carrying `pair_bytes`
         ((sender, receiver) -> bytes), each transfer at its link's bandwidth and taking that much
@@ -422,9 +439,13 @@ class CostModel:
     def steady_sync_s(self, updated_bytes, devices: Sequence[str]):
         """A stage's gradient sum as PipeDream's optimizer charges it, for the `throughput`
         objective (`formulas.pipedream_allreduce_s` over the ring's slowest link; numbers or
-        arrays). The step (`time`, the simulator, the runtime) charges `gradient_sync_s`."""
+        arrays), or as `hetplan calibrate` measured it where a calibrated curve applies (a
+        measurement is what it is). The step (`time`, the simulator, the runtime) charges
+        `gradient_sync_s`."""
         if len(devices) < 2:
             return 0.0 * updated_bytes
+        if self.allreduce_curve(devices) is not None:
+            return self.allreduce_s(updated_bytes, devices)
         return formulas.pipedream_allreduce_s(updated_bytes, len(devices), self.ring_link(devices)[0])
 
     def bottleneck_s(self, plan: Plan) -> float:
@@ -449,6 +470,28 @@ class CostModel:
 def usd_per_step(cluster: Cluster, devices: Sequence[str], step_s: float) -> float:
     """The price of a step of `step_s` on `devices` (a measured step needs no graph)."""
     return formulas.usd_per_step(math.fsum(cluster.device(d).usd_per_hour for d in devices), step_s)
+
+
+def routed_shares(sender_weights: Sequence[float], receiver_weights: Sequence[float]) -> dict[tuple[int, int], float]:
+    """(p, q) -> the share of a micro-batch that replica p of one stage sends to replica q of the
+    next: the overlap of their slices, each stage's replicas taking consecutive slices in
+    proportion to their weights (the continuous form of `hetplan.rows.shared_rows`)."""
+    def edges(weights: Sequence[float]) -> np.ndarray:
+        w = np.asarray(weights, dtype=float)
+        return np.concatenate([[0.0], np.cumsum(w / w.sum())])
+
+    a, b = edges(sender_weights), edges(receiver_weights)
+    out, q = {}, 0
+    for p in range(len(a) - 1):
+        while q < len(b) - 1 and b[q + 1] <= a[p]:
+            q += 1
+        k = q
+        while k < len(b) - 1 and b[k] < a[p + 1]:
+            overlap = min(a[p + 1], b[k + 1]) - max(a[p], b[k])
+            if overlap > 1e-15:
+                out[(p, k)] = float(overlap)
+            k += 1
+    return out
 
 
 def after_stage(cost: CostModel, devices: tuple[str, ...], per_step_s: float):

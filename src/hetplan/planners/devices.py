@@ -3,7 +3,9 @@ are interchangeable, and the sequences of devices along which stages take their 
 
 Every distinct order of the cluster's device classes (devices of one type, host, memory, price
 and threads, with no link of their own) when there are at most `MAX_ORDERS`; otherwise orders
-that keep types and hosts together, one per order of the types (fastest first, ...), plus for
+that keep types together, two per order of the types (fastest first, ...): hosts one after the
+other, and hosts taking turns (so that a stage of k replicas spans k hosts and the next stage's
+replicas sit beside them: one pipeline per host), plus for
 the cost objective cheapest-per-speed first and, per order of the types, 1, 2, 4, ... devices of
 the first type and then the types taken in turn (a plan uses a prefix of an order: so it can take
 a few devices of each type).
@@ -76,12 +78,13 @@ def device_orders(cluster: Cluster, speed: dict[str, float], objective: str,
     type_orders = list(itertools.permutations(types)) if len(types) <= 3 else [tuple(types), tuple(reversed(types))]
     orders = []
     for tord in type_orders:
-        seq = []
+        seq, across = [], []  # hosts one after the other; and taking turns (one pipeline per host)
         for t in tord:
-            for key, ids in sorted(classes.items(), key=lambda kv: kv[0][1:]):
-                if key[0] == t:
-                    seq += [key] * len(ids)
-        orders.append(realise(seq))
+            queues = [[key] * len(ids) for key, ids in sorted(classes.items(), key=lambda kv: kv[0][1:])
+                      if key[0] == t]
+            seq += [key for q in queues for key in q]
+            across += [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+        orders += [realise(seq)] + ([realise(across)] if across != seq else [])
     if objective == "cost":  # cheapest work first: price per unit of speed
         seq = sorted(classes, key=lambda c: (cluster.device(classes[c][0]).usd_per_hour / speed[c[0]], c))
         orders.append(realise([c for c in seq for _ in classes[c]]))

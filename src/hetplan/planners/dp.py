@@ -16,9 +16,10 @@ set S_k minus S_(k-1). We extend both papers:
   clusters, where all orders are tried, the search over devices is complete.
 - Communication: the bytes crossing each cut (each tensor once, however many consumers it has
   beyond the cut: `Graph.crossing_bytes`), sent forward and (as gradients) back, always
-  counted, at the cut's bandwidth (`CostModel.cut_Bps`: min(k, k') transfers at once, as each
-  device sends and receives through one interface, at the slowest link between the two stages,
-  within the hosts' network interfaces).
+  counted, routed as the runtime routes rows (`CostModel.routed_cut_s`: replica p sends to the
+  replicas of the next stage whose slices of the micro-batch overlap its own, the transfers
+  sharing the interfaces they cross, so replicas in line on one host talk inside it); the
+  `throughput` objective prices a cut as `CostModel.bottleneck_s` does (`cut_Bps`).
 - Memory: a stage whose replica would not fit under the schedule (4x its parameters plus its
   stashed activations: all micro-batches under GPipe, min(m, stages after it + 1) under 1F1B)
   is not allowed.
@@ -111,7 +112,6 @@ from hetplan.cost.formulas import (
     steady_cut_s,
     steady_stage_s,
     usd_per_step,
-    wire_s,
 )
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.graph import Graph
@@ -120,6 +120,7 @@ from hetplan.planners import baselines
 from hetplan.planners.devices import device_orders
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
+from hetplan.planners.refine import polish
 from hetplan.planners.scale import scale_candidates
 from hetplan.planners.scoring import Scorer
 from hetplan.planners.states import StateSums
@@ -233,6 +234,9 @@ class _Order:
         self.rest = self._rest(len(prob.types))
         self._ending: tuple = (-1, None)
         self._cut_Bps: dict[tuple[int, int, int], float] = {}
+        self._cut_s: dict[tuple[int, int, int], float] = {}
+        # replicas' shares of a micro-batch, by their type's speed on the whole model
+        self.weight = [1.0 / max(float(prob.time[d.type][-1]), 1e-30) for d in self.dev]
 
     def cut_Bps(self, d: int, e: int, k_next: int) -> float:
         """The cut's bandwidth (`CostModel.cut_Bps`) from the devices d .. e-1 of the order to
@@ -241,6 +245,15 @@ class _Order:
         if key not in self._cut_Bps:
             self._cut_Bps[key] = self.cost.cut_Bps(self.order[d:e], self.order[e:e + k_next])
         return self._cut_Bps[key]
+
+    def cut_s_per_byte(self, d: int, e: int, k_next: int) -> float:
+        """Seconds per byte of the cut from the devices d .. e-1 of the order to the k_next after
+        them, routed as the runtime routes rows (`CostModel.routed_cut_s`)."""
+        key = (d, e, k_next)
+        if key not in self._cut_s:
+            self._cut_s[key] = self.cost.routed_cut_s(self.order[d:e], self.order[e:e + k_next],
+                                                      self.weight[d:e], self.weight[e:e + k_next])
+        return self._cut_s[key]
 
     def ending_at(self, prob: StateSums, j: int) -> tuple[np.ndarray, ...]:
         """For stages S_j - S_i over every earlier state i: the i, the stage's time per device
@@ -407,11 +420,10 @@ def _stages_into(front: _Front, labels: list[Label], prob: StateSums, setup: _Or
         for lab in labels:
             c_s = lt = steady_cut = 0.0
             if link is not None and cut_j > 0:
-                cut_Bps = setup.cut_Bps(d, e, lab.k_first)
-                c_s = wire_s(cut_j, cut_Bps)
+                c_s = cut_j * setup.cut_s_per_byte(d, e, lab.k_first)
                 lt = link.latency_s
-                if setup.track_thr:
-                    steady_cut = steady_cut_s(cut_j, cut_Bps)
+                if setup.track_thr:  # PipeDream's question: the cut as `CostModel.bottleneck_s` sees it
+                    steady_cut = steady_cut_s(cut_j, setup.cut_Bps(d, e, lab.k_first))
             out = _extend(lab, (i, j, d, k), ts, rt, ar, c_s, lt, r_i, setup, m_max, bounds,
                           max(float(steady[c_idx]), steady_cut), float(fixed[c_idx]))
             if out is not None:
@@ -594,25 +606,8 @@ def dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
         # nothing fits: so that the error names the shortfall at the smallest micro-batch, the
         # time-balanced pipeline with one row per micro-batch is tried too
         plans += _baselines_as_dp(graph, cluster, replace(options, microbatches=graph.batch_size))
-    best = refine_microbatches(scorer, scorer.best(plans, "dp"), microbatch_choices(graph, options))
+    best = polish(scorer, scorer.best(plans, "dp"), microbatch_choices(graph, options))
     return replace(best, meta={**best.meta, "dp": meta})
-
-
-def refine_microbatches(scorer: Scorer, plan: Plan, choices: tuple[int, ...]) -> Plan:
-    """The plan with the neighbouring micro-batch counts of `choices`, one step at a time while
-    the simulated objective improves: the program ranks counts by a model without the rows'
-    rounding, and tries more than USUAL_MICROBATCHES only where memory needs them."""
-    best, value = plan, scorer.value(plan)
-    for step in (1, -1):
-        k = choices.index(best.microbatches) if best.microbatches in choices else None
-        while k is not None and 0 <= k + step < len(choices):
-            k += step
-            other = replace(best, microbatches=choices[k])
-            other_value = scorer.value(other)
-            if not other_value < value:
-                break
-            best, value = other, other_value
-    return best
 
 
 def _baselines_as_dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> list[Plan]:

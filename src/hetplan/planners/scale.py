@@ -21,8 +21,8 @@ least
 
 with tau_k a stage's forward and backward of one micro-batch (its fixed part plus its share of
 rows, ceil(b / replicas), as the runtime splits them: a stage never has more replicas than a
-micro-batch has rows), c_k the transfer of the cut after it (`CostModel.cut_Bps` between its
-devices and the next ones), AR_k its gradient sum and optimizer step (`CostModel.
+micro-batch has rows), c_k the transfer of the cut after it (`CostModel.routed_cut_s` between
+its devices and the next ones), AR_k its gradient sum and optimizer step (`CostModel.
 gradient_sync_s`, `CostModel.optimizer_step_s`) and memory under the schedule (1F1B: a stage
 with s stages after it holds min(m, s + 1) micro-batches). The model's step of such a plan is
 
@@ -139,7 +139,8 @@ class _Tables:
                 self.valid[k], self.ti[k], self.reps[k] = True, units.type_of[d], len(devs)
                 self.mem[k] = mem[types[units.type_of[d]]]
                 nxt = self._next_devices(d + r, len(devs))
-                self.bw[k] = self.cost.cut_Bps(devs, nxt) if nxt else math.inf
+                per_byte = self.cost.routed_cut_s(devs, nxt) if nxt else 0.0
+                self.bw[k] = 1.0 / per_byte if per_byte > 0 else math.inf
         # per state pair: whole-batch time and fixed part per type, params, activations
         self.W = np.stack([prob.time[t][None, :] - prob.time[t][:, None] for t in types])  # (types, i, j)
         self.F = np.stack([prob.fixed[t][None, :] - prob.fixed[t][:, None] for t in types])

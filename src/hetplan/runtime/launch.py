@@ -110,6 +110,10 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
             threads = 1 if binding.startswith("cuda") else device.threads or 1
             ranks.append(RankSpec(stage=k, replica=p, device=device.id, host=device.host, binding=binding,
                                   threads=threads))
+    # torchrun numbers ranks host by host: so do we (hosts in the order the plan first uses them,
+    # stage by stage within one), and a stage's replicas may sit on any hosts (`rank.rank_table`)
+    hosts = list(dict.fromkeys(r.host for r in ranks))
+    ranks.sort(key=lambda r: hosts.index(r.host))
     weights = tuple(tuple(float(x) for x in w) for w in replica_weights(plan, cluster, graph))
     return RunSpec(
         plan=plan, model=model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
@@ -130,12 +134,11 @@ def write_spec(spec: RunSpec) -> Path:
 def torchrun_commands(path: Path, spec: RunSpec, master_addr: str = "127.0.0.1",
                       master_port: int = 29500) -> list[str]:
     """One torchrun command per host of the plan's devices. torchrun numbers ranks host by host,
-    so the ranks of RUN.json are grouped by host in that order (`hosts` in RUN.json)."""
+    and `run_spec` lists the ranks of RUN.json so, whatever hosts a stage's replicas are on."""
     hosts = list(dict.fromkeys(r.host for r in spec.ranks))
     if [r.host for r in spec.ranks] != sorted((r.host for r in spec.ranks), key=hosts.index):
-        raise HetplanError("torchrun numbers ranks host by host, but this plan's stages go back and forth between "
-                           "hosts; run it with hetplan run on one machine, or plan so that each host's stages "
-                           "are consecutive")
+        raise HetplanError(f"{path}: its ranks are not listed host by host, as torchrun numbers them; write it "
+                           "again with hetplan run --dry-run")
     return [f"torchrun --nnodes {len(hosts)} --node-rank {i} --nproc-per-node "
             f"{sum(r.host == h for r in spec.ranks)} --master-addr {master_addr} --master-port {master_port} "
             f"-m hetplan.runtime.worker {path}" for i, h in enumerate(hosts)]

@@ -46,8 +46,6 @@ from hetplan.schedule import FORWARD, schedule_order
 from hetplan.sim.model import build_step_model
 
 
-
-
 def chain_crossing_bytes(graph: Graph, pos: Mapping[str, int]) -> np.ndarray:
     """crossing[c]: the bytes cut when a stage boundary falls before position c of the order
     `pos`: per source node, its edges that reach position c or later, at most its output

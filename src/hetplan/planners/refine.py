@@ -1,0 +1,69 @@
+"""Local improvements of a finished plan, every step scored by the event simulator.
+
+The planners' own models rank plans approximately (dp's program splits micro-batches exactly
+where the runtime splits whole rows, `scale`'s ignores latencies); a steepest-descent polish of
+the plan they return, in the spirit of the boundary refinement of graph partitioners
+(Kernighan and Lin, "An efficient heuristic procedure for partitioning graphs", 1970), recovers
+what that costs near their plan: the neighbouring micro-batch counts, and one node moved across
+a stage boundary, the best move of a round taken while it improves the objective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hetplan.plan import Plan, Stage, plan_problems
+from hetplan.planners.scoring import Scorer
+
+MAX_ROUNDS = 8  # boundary moves taken at most
+
+
+def refine_microbatches(scorer: Scorer, plan: Plan, choices: tuple[int, ...]) -> Plan:
+    """The plan with the neighbouring micro-batch counts of `choices`, one step at a time while
+    the simulated objective improves."""
+    best, value = plan, scorer.value(plan)
+    for step in (1, -1):
+        k = choices.index(best.microbatches) if best.microbatches in choices else None
+        while k is not None and 0 <= k + step < len(choices):
+            k += step
+            other = replace(best, microbatches=choices[k])
+            other_value = scorer.value(other)
+            if not other_value < value:
+                break
+            best, value = other, other_value
+    return best
+
+
+def boundary_moves(plan: Plan) -> list[Plan]:
+    """The plans with one node moved across one stage boundary: the last node of a stage (in its
+    stage's order) to the start of the next, or the first of the next to the end of the stage;
+    never emptying a stage. Convexity is the caller's check (`plan_problems`)."""
+    out = []
+    for k in range(len(plan.stages) - 1):
+        a, b = plan.stages[k], plan.stages[k + 1]
+        if len(a.nodes) > 1:
+            out.append(_with(plan, k, Stage(a.nodes[:-1], a.devices), Stage((a.nodes[-1], *b.nodes), b.devices)))
+        if len(b.nodes) > 1:
+            out.append(_with(plan, k, Stage((*a.nodes, b.nodes[0]), a.devices), Stage(b.nodes[1:], b.devices)))
+    return out
+
+
+def _with(plan: Plan, k: int, a: Stage, b: Stage) -> Plan:
+    stages = list(plan.stages)
+    stages[k:k + 2] = [a, b]
+    return replace(plan, stages=tuple(stages), predicted=None)
+
+
+def polish(scorer: Scorer, plan: Plan, choices: tuple[int, ...], rounds: int = MAX_ROUNDS) -> Plan:
+    """Steepest descent from `plan`: the micro-batch counts around it, then the best boundary
+    move of each round while one improves the objective (at most `rounds`), then the counts
+    again. Never worse than `plan`."""
+    best = refine_microbatches(scorer, plan, choices)
+    value = scorer.value(best)
+    for _ in range(rounds):
+        moves = [p for p in boundary_moves(best) if not plan_problems(p, scorer.graph, scorer.cluster)]
+        scored = sorted(((scorer.value(p), i, p) for i, p in enumerate(moves)), key=lambda x: (x[0], x[1]))
+        if not scored or not scored[0][0] < value:
+            break
+        value, _, best = scored[0]
+    return refine_microbatches(scorer, best, choices) if best is not plan else best
