@@ -19,6 +19,7 @@ time with the cheapest cut in each slice, for the dynamic program on large graph
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,6 +129,20 @@ def coarsen(states: CutStates, weight: np.ndarray, cut_bytes: np.ndarray, keep: 
     return sorted(chosen, key=lambda i: (states.ideals[i].bit_count(), states.ideals[i]))
 
 
+def zoom(states: CutStates, weight: np.ndarray, around: Sequence[int], width: int) -> list[int]:
+    """Indices of the empty and the full state and of the `width` states on either side of each
+    of `around` in the order of `weight` (compute time), sorted by size as `coarsen`'s."""
+    s = len(states)
+    by_weight = np.argsort(weight, kind="stable")
+    rank = np.empty(s, dtype=int)
+    rank[by_weight] = np.arange(s)
+    chosen = {0, s - 1}
+    for i in around:
+        lo, hi = max(0, rank[i] - width), min(s, rank[i] + width + 1)
+        chosen.update(int(k) for k in by_weight[lo:hi])
+    return sorted(chosen, key=lambda i: (states.ideals[i].bit_count(), states.ideals[i]))
+
+
 def subset_matrix(bits: np.ndarray) -> np.ndarray:
     """inside[i, j]: state i is a proper subset of state j, for states sorted by size given as
     (states, nodes) booleans (`CutStates.matrix`), by one matrix product (exact in float32:
@@ -159,7 +174,11 @@ class StateSums:
     cut; `below[j]`: the states i < j with S_i a subset of S_j. What dp (`hetplan.planners.dp`)
     reads."""
 
-    def __init__(self, graph: Graph, cost: CostModel, max_states: int) -> None:
+    def __init__(self, graph: Graph, cost: CostModel, max_states: int, around: Sequence[int] = (),
+                 width: int = 0) -> None:
+        """`around`: indices into `cut_states(graph)`; when given, the states kept are the empty
+        and the full one and, for each of these, the `width` states before and after it by
+        compute time (a zoom into where a first pass cut), instead of `coarsen`'s."""
         self.graph = graph
 
         states = cut_states(graph)
@@ -173,7 +192,8 @@ class StateSums:
         self.fixed = {t: mat @ np.array([sum(node_fixed[t].get(v, (0.0, 0.0))) for v in order]) for t in self.types}
         ref = self.types[0]
         cut = cut_bytes(graph, mat, order)
-        keep = coarsen(states, self.time[ref], cut, max_states)
+        keep = zoom(states, self.time[ref], around, width) if around else coarsen(states, self.time[ref], cut,
+                                                                                  max_states)
         self.ideals = [states.ideals[k] for k in keep]
         self.time = {t: v[keep] for t, v in self.time.items()}
         self.fixed = {t: v[keep] for t, v in self.fixed.items()}
@@ -192,3 +212,16 @@ class StateSums:
 
     def nodes(self, i: int, j: int) -> tuple[str, ...]:
         return self.states.members(self.ideals[j] & ~self.ideals[i])
+
+    def cut_indices(self, stages: Sequence[Sequence[str]]) -> list[int]:
+        """The indices into `states` (all cut states, kept or not) of the boundaries between
+        stages of these nodes, in pipeline order (a boundary that is no state is left out)."""
+        index = {m: k for k, m in enumerate(self.states.ideals)}
+        bit = {v: 1 << k for k, v in enumerate(self.states.order)}
+        out, mask = [], 0
+        for nodes in stages[:-1]:
+            for v in nodes:
+                mask |= bit[v]
+            if mask in index:
+                out.append(index[mask])
+        return out
