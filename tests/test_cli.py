@@ -465,3 +465,31 @@ def test_a_prediction_for_real_workers_says_when_the_cluster_is_not_calibrated(c
         assert r.code == 0 and "note" not in r.err, r.err
     r = cli("simulate", tmp_path / "p.json", "--graph", g, "--cluster", "local")
     assert r.code == 0 and "not calibrated" in r.err
+
+
+def test_a_plan_file_that_places_a_node_twice_is_refused(cli, tmp_path):
+    """`info` of such a plan said nothing wrong (exit 0); every command that reads one refuses it."""
+    plan = {"kind": "plan", "schema_version": 1, "microbatches": 2, "schedule": "1f1b", "planner": "hand",
+            "stages": [{"nodes": ["a", "b"], "devices": ["v0"]}, {"nodes": ["c", "a"], "devices": ["v1"]}]}
+    path = write(tmp_path, "twice.json", json.dumps(plan))
+    bad(cli("info", path), "twice.json: node 'a' is in stage 0 and in stage 1; each node goes in one stage")
+
+
+def test_run_finds_the_cluster_file_the_plan_was_made_on(cli, tmp_path, monkeypatch):
+    """A plan made with `--cluster c3.yaml` runs without naming it again (it said "'c3' is neither
+    a cluster file nor a preset"); a file that is gone is said so; a batch below 1 is refused."""
+    from hetplan.cli import running
+
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "c3.yaml", "name: c3\ndevices:\n  - {id: c, type: cpu, threads: 1, binding: cpu, count: 2}\n")
+    nodes = [{"id": n, "op": "Linear", "fwd_s": {"cpu-1t": 0.01}, "bwd_s": {"cpu-1t": 0.02}} for n in "ab"]
+    graph = {"kind": "graph", "schema_version": 1, "name": "g", "nodes": nodes,
+             "edges": [{"src": "a", "dst": "b", "bytes": 8}], "batch_size": 4, "profiled_on": "cpu-1t"}
+    write(tmp_path, "g.json", json.dumps(graph))
+    assert cli("plan", "g.json", "--cluster", "c3.yaml", "--planner", "uniform", "-o", "p.json").code == 0
+    plan = serde.load(tmp_path / "p.json", expect="plan")
+    assert running.plan_cluster_ref(plan) == str(tmp_path / "c3.yaml")
+    bad(cli("run", "p.json", "--model", "gpt2-tiny", "--batch-size", "-1"), "--batch-size: -1 must be")
+    bad(cli("run", "p.json", "--model", "gpt2-tiny", "--batch-size", "0"), "--batch-size: 0 must be")
+    (tmp_path / "c3.yaml").unlink()
+    bad(cli("run", "p.json", "--model", "gpt2-tiny"), "c3.yaml, which is not there now; pass --cluster C")

@@ -147,17 +147,28 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
     return problems
 
 
+def twice_placed(plan: Plan) -> list[str]:
+    """Nodes a plan puts in two places, one line each (what needs no graph to see)."""
+    problems: list[str] = []
+    where: dict[str, int] = {}
+    for i, stage in enumerate(plan.stages):
+        for n in stage.nodes:
+            if n in where:
+                problems.append(f"node {n!r} is in stage {where[n]} and in stage {i}; each node goes in one stage")
+            else:
+                where[n] = i
+    return problems
+
+
 def _node_problems(plan: Plan, graph: Graph) -> tuple[list[str], dict[str, int]]:
     """Nodes the graph lacks, nodes in two stages and nodes in none; with each node's stage."""
-    problems: list[str] = []
+    problems: list[str] = twice_placed(plan)
     where: dict[str, int] = {}
     for i, stage in enumerate(plan.stages):
         for n in stage.nodes:
             if n not in graph.by_id:
                 problems.append(f"stage {i} names node {n!r}, which graph {graph.name!r} does not have")
-            elif n in where:
-                problems.append(f"node {n!r} is in stage {where[n]} and in stage {i}; each node goes in one stage")
-            else:
+            elif n not in where:
                 where[n] = i
     missing = [n for n in graph.topo_order if n not in where]
     if missing:

@@ -4,6 +4,7 @@ writes RUN.json and prints torchrun commands), `calibrate` and `demo`."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -11,13 +12,27 @@ from rich.console import Console
 from hetplan.cli._shared import _console, _emit_json, _note_estimates, _progress_bar
 from hetplan.errors import HetplanError
 from hetplan.io import serde
-from hetplan.io.clusters import load_cluster
+from hetplan.io.clusters import load_cluster, presets
 from hetplan.io.graphs import load_graph
 from hetplan.report import tables
+from hetplan.report.summary import CLUSTER_REF
 from hetplan.units import fmt_seconds
 
 if TYPE_CHECKING:
     from hetplan.runtime.spec import RunSpec
+
+
+def plan_cluster_ref(plan) -> str:
+    """The cluster a plan was made on: the file `hetplan plan` recorded (`meta.cluster_ref`), or
+    the cluster's name (a preset)."""
+    recorded = plan.meta.get(CLUSTER_REF) if plan.meta else None
+    if isinstance(recorded, str) and recorded:
+        if Path(recorded).is_file() or recorded in presets():
+            return recorded
+        raise HetplanError(f"the plan was made on {recorded}, which is not there now; pass --cluster C")
+    if not plan.cluster:
+        raise HetplanError("the plan does not name its cluster; pass --cluster C")
+    return plan.cluster
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -25,10 +40,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     plan = serde.load(args.plan, expect="plan")
     graph = load_graph(args.graph) if args.graph else None
-    cluster_ref = args.cluster or plan.cluster
-    if not cluster_ref:
-        raise HetplanError("the plan does not name its cluster; pass --cluster C")
-    cluster = load_cluster(cluster_ref)
+    args.cluster = args.cluster or plan_cluster_ref(plan)  # the notes name the file too
+    cluster = load_cluster(args.cluster)
     if graph is not None:
         _note_estimates(args, graph, cluster)  # said only if the run succeeds
     settings = RunSettings(

@@ -413,8 +413,9 @@ def usd_per_step(cluster: Cluster, devices: Sequence[str], step_s: float) -> flo
 def after_stage(cost: CostModel, devices: tuple[str, ...], per_step_s: float):
     """What a stage on `devices` costs after its last action, for arrays of its gradient sum over
     its replicas (`CostModel.gradient_sync_s`) and of what its optimizer step needs
-    (`hetplan.planners.dp_program._Order.ending_at`): the sum, then the slowest replica's optimizer step and the runtime's
-    cost per step (replicas on the same optimizer figures are asked once)."""
+    (`hetplan.planners.dp_program._Order.ending_at`): the sum, then the slowest replica's
+    optimizer step and the runtime's cost per step (replicas on the same optimizer figures are
+    asked once)."""
     ones = {}
     for dev in devices:
         d = cost.cluster.device(dev)

@@ -23,7 +23,7 @@ import pydantic
 from hetplan.cluster import Cluster
 from hetplan.errors import HetplanError, InputError, shown
 from hetplan.graph import Graph
-from hetplan.plan import Estimate, Plan
+from hetplan.plan import Estimate, Plan, twice_placed
 
 SCHEMA_VERSION = 1
 # hetplan's own files nest a handful of levels (a plan's estimate, a node's times); anything deeper is
@@ -144,7 +144,7 @@ def from_dict(data: Any, *, source: str = "<json>", expect: str | None = None) -
         raise InputError(f"{source}: schema_version {version} is not a valid version")
     fields = {k: v for k, v in data.items() if k not in ("kind", "schema_version")}
     try:
-        return _adapter(KINDS[kind]).validate_python(fields)
+        obj = _adapter(KINDS[kind]).validate_python(fields)
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         cause = err.get("ctx", {}).get("error")
@@ -155,6 +155,10 @@ def from_dict(data: Any, *, source: str = "<json>", expect: str | None = None) -
     except OverflowError:  # a check in a __post_init__ on an int beyond the largest float
         raise InputError(f"{source}: a number is too large to compute with; hetplan's numbers fit in a "
                          "float (below 1.8e308)") from None
+    twice = twice_placed(obj) if isinstance(obj, Plan) else []
+    if twice:
+        raise InputError(f"{source}: {twice[0]}")
+    return obj
 
 
 def loads(text: str, *, source: str = "<json>", expect: str | None = None) -> Any:

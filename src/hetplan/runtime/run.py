@@ -100,6 +100,8 @@ def _sizes(graph: Graph | None, model: str, s: RunSettings, plan: Plan) -> tuple
     granularity (given, else the graph's)."""
     from hetplan.zoo import ZOO
 
+    if s.batch_size is not None and (isinstance(s.batch_size, bool) or s.batch_size < 1):
+        raise HetplanError(f"--batch-size: {s.batch_size} must be a whole number of samples >= 1")
     planned = plan.meta.get("batch_size")
     planned = planned if isinstance(planned, int) and not isinstance(planned, bool) and planned >= 1 else None
     batch_size = s.batch_size or planned or (graph.batch_size if graph is not None else None)
