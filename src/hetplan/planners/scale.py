@@ -45,7 +45,7 @@ import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import after_stage
-from hetplan.cost.formulas import weight_bytes
+from hetplan.cost.formulas import stage_memory_bytes_array
 from hetplan.plan import Plan, Stage
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
@@ -177,8 +177,8 @@ def _stage_terms(tab: _Tables, j: int, below: np.ndarray, m: int, batch: int, he
     F = tab.F[:, below, j][tab.ti]
     tau = F + (W - F) * frac[..., None]
     ok = tab.valid & (tab.reps <= rows)
-    need = weight_bytes(tab.params[below, j])[None, None, :, None] + \
-        tab.acts[below, j][None, None, :, None] * (frac[..., None, None] * held[None, None, None, :])
+    need = stage_memory_bytes_array(tab.params[below, j][None, None, :, None], tab.acts[below, j][None, None, :, None],
+                                    frac[..., None, None] * held[None, None, None, :])
     fits = need <= tab.mem[..., None, None]
     return np.where(ok[..., None], tau, math.inf), fits
 
