@@ -493,3 +493,13 @@ def test_run_finds_the_cluster_file_the_plan_was_made_on(cli, tmp_path, monkeypa
     bad(cli("run", "p.json", "--model", "gpt2-tiny", "--batch-size", "0"), "--batch-size: 0 must be")
     (tmp_path / "c3.yaml").unlink()
     bad(cli("run", "p.json", "--model", "gpt2-tiny"), "c3.yaml, which is not there now; pass --cluster C")
+
+
+def test_a_factory_that_raises_or_takes_no_batch_size_gets_one_line(cli, tmp_path):
+    """Both printed a traceback and exited 1."""
+    out = tmp_path / "u.json"
+    bad(cli("profile", "user_models:broken", "-o", out), "user_models:broken: the factory raised ValueError: "
+        "no such checkpoint (at user_models.py:")
+    bad(cli("profile", "user_models:sizeless", "--batch-size", "4", "-o", out),
+        "the factory takes no batch_size; give it that keyword parameter, or leave out --batch-size")
+    assert cli("profile", "user_models:sizeless", "-o", out).code == 0  # no size given: called as it is

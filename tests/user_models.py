@@ -63,3 +63,13 @@ class Hungry(nn.Module):
 
 def hungry(batch_size=2, seq_len=None):
     return Hungry(), {"x": torch.randn(batch_size, 4)}
+
+
+def broken(batch_size=4, seq_len=None):
+    """A factory that fails, as a user's may while being written."""
+    raise ValueError("no such checkpoint")
+
+
+def sizeless():
+    """A factory that takes no batch size."""
+    return make()

@@ -273,13 +273,39 @@ def user_model(ref: str, batch_size: int | None, seq_len: int | None) -> ZooMode
     if not callable(factory):
         raise HetplanError(f"{ref}: module {module_name!r} has no callable {attr!r}")
     kwargs = {k: v for k, v in (("batch_size", batch_size), ("seq_len", seq_len)) if v}
-    made = factory(**kwargs)
+    made = _call_factory(ref, factory, kwargs)
     if isinstance(made, ZooModel):
         return ZooModel(made.name or ref, made.step, made.batch, made.block_classes, made.batches)
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and isinstance(made[1], Mapping):
         model, batch = made
         return ZooModel(ref, TrainStep(model, _output_loss), dict(batch), ())
     raise HetplanError(f"{ref}: the factory must return a hetplan.zoo.ZooModel or a (model, batch dict) pair")
+
+
+def _call_factory(ref: str, factory, kwargs: dict) -> Any:
+    """The user's factory called with the sizes given, or one line that says what went wrong: a
+    size it takes no parameter for, or what it raised and where."""
+    import inspect
+    import traceback
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        params = None
+    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        missing = [k for k in kwargs if k not in params]
+        if missing:
+            flags = " and ".join(f"--{k.replace('_', '-')}" for k in missing)
+            raise HetplanError(f"{ref}: the factory takes no {' or '.join(missing)}; give it that keyword "
+                               f"parameter, or leave out {flags}")
+    try:
+        return factory(**kwargs)
+    except HetplanError:
+        raise
+    except Exception as exc:  # the user's code: say what and where, in one line
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raise HetplanError(f"{ref}: the factory raised {type(exc).__name__}: {exc} "
+                           f"(at {os.path.basename(frame.filename)}:{frame.lineno})") from None
 
 
 def _import_user_module(ref: str, module_name: str):
