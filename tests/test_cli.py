@@ -491,6 +491,9 @@ def test_run_finds_the_cluster_file_the_plan_was_made_on(cli, tmp_path, monkeypa
     assert running.plan_cluster_ref(plan) == str(tmp_path / "c3.yaml")
     bad(cli("run", "p.json", "--model", "gpt2-tiny", "--batch-size", "-1"), "--batch-size: -1 must be")
     bad(cli("run", "p.json", "--model", "gpt2-tiny", "--batch-size", "0"), "--batch-size: 0 must be")
+    for every, folder in (("0", ["--checkpoint-dir", "ck"]), ("-2", ["--checkpoint-dir", "ck"]), ("3", [])):
+        bad(cli("run", "p.json", "--model", "gpt2-tiny", "--checkpoint-every", every, *folder),
+            f"--checkpoint-every {every}: K must be >= 1 and needs --checkpoint-dir DIR")
     (tmp_path / "c3.yaml").unlink()
     bad(cli("run", "p.json", "--model", "gpt2-tiny"), "c3.yaml, which is not there now; pass --cluster C")
 

@@ -201,7 +201,8 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR")
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps")
+    p.add_argument("--checkpoint-every", type=int, metavar="K",
+                   help="save every K steps, K >= 1 (with --checkpoint-dir; default: the last step only)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
     p.add_argument("--timeout-s", type=float, default=60.0, help="stop every worker when none moves for this long")
     p.add_argument("--out", type=Path, default=Path("out/run"), help="the run folder: logs, run.json, result")

@@ -44,11 +44,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     if graph is not None:
         _note_estimates(args, graph, cluster)  # said only if the run succeeds
+    if args.checkpoint_every is not None and (args.checkpoint_every < 1 or not args.checkpoint_dir):
+        raise HetplanError(f"--checkpoint-every {args.checkpoint_every}: K must be >= 1 and needs --checkpoint-dir "
+                           "DIR (without --checkpoint-every, the last step is saved there)")
     settings = RunSettings(
         steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
         granularity=args.granularity, seed=args.seed, optimizer=args.optimizer, lr=args.lr, data=args.data,
         out_dir=args.out, timeout_s=args.timeout_s, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume, trace=args.trace)
+        checkpoint_every=args.checkpoint_every or 0, resume=args.resume, trace=args.trace)
     if args.dry_run:
         return _dry_run(args, prepare_run(plan, cluster, args.model, graph, settings, source=str(args.plan))[0])
     bar = _progress_bar()
