@@ -506,3 +506,36 @@ def test_a_factory_that_raises_or_takes_no_batch_size_gets_one_line(cli, tmp_pat
     bad(cli("profile", "user_models:sizeless", "--batch-size", "4", "-o", out),
         "the factory takes no batch_size; give it that keyword parameter, or leave out --batch-size")
     assert cli("profile", "user_models:sizeless", "-o", out).code == 0  # no size given: called as it is
+
+
+def _fill_the_disk(path, *args, **kwargs):
+    """A writer on a disk that fills up: some bytes, then ENOSPC."""
+    import errno
+
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG half")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_leaves_neither_half_a_file_nor_its_temporary(cli, profiles, tmp_path, monkeypatch):
+    """`simulate --gantt` left a 0-byte PNG and `report -o` a `.p.html.tmp` on a full disk."""
+    from matplotlib.figure import Figure
+
+    from hetplan.errors import InputError
+    from hetplan.io.serde import atomic_write
+
+    page = tmp_path / "p.html"
+    with pytest.raises(InputError, match=r"p.html: cannot write the page \(No space left on device\)"):
+        atomic_write(page, _fill_the_disk, "the page")
+    assert list(tmp_path.iterdir()) == []
+    page.write_text("the old page")
+    with pytest.raises(InputError):
+        atomic_write(page, _fill_the_disk, "the page")
+    assert page.read_text() == "the old page" and sorted(p.name for p in tmp_path.iterdir()) == ["p.html"]
+    g, p = tmp_path / "r50.json", tmp_path / "plan.json"
+    cli("import", "pipedream", profiles / "resnet50" / "graph.txt", "-o", g)
+    cli("plan", g, "--cluster", "hetero-4", "--planner", "uniform", "-o", p)
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: _fill_the_disk(path))
+    bad(cli("simulate", p, "--graph", g, "--cluster", "hetero-4", "--gantt", tmp_path / "step.png"),
+        "step.png: cannot write the chart (No space left on device)")
+    assert not (tmp_path / "step.png").exists() and not (tmp_path / ".step.png.tmp").exists()

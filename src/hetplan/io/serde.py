@@ -8,12 +8,13 @@ that the checks in their `__post_init__` run on load too. Errors name the file a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -99,16 +100,25 @@ def check_output(path: str | os.PathLike, inputs: Sequence[str | os.PathLike | N
     return out
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file, then rename, so a reader never sees half a file."""
+def atomic_write(path: Path, write: Callable[[Path], None], what: str = "the file") -> None:
+    """`write(tmp)` into a temporary file beside `path`, then rename it over `path`, so a reader
+    never sees half a file; when writing fails (a full disk, no permission, a read-only file
+    system) the temporary file goes too, `path` is left as it was, and the error is one line."""
     check_output(path)
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
+        write(tmp)
         os.replace(tmp, path)
     except OSError as exc:
-        raise InputError(f"{path}: cannot write the file ({exc.strerror})") from None
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise InputError(f"{path}: cannot write {what} ({exc.strerror or exc})") from None
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """`atomic_write` of a text."""
+    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 @cache

@@ -10,6 +10,7 @@ import csv
 from pathlib import Path
 
 from hetplan.errors import HetplanError
+from hetplan.io.serde import atomic_write
 from hetplan.plan import Plan
 
 COLUMNS = ("iteration", "plans_scored", "seconds", "mean_value", "best_value")
@@ -52,7 +53,7 @@ def write_curve(plan: Plan, prefix: str | Path) -> list[str]:
     ax.legend()
     fig.tight_layout()
     png = prefix.with_name(prefix.name + ".png")
-    fig.savefig(png, dpi=110)
+    atomic_write(png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "the learning curve")
     plt.close(fig)
     out.append(str(png))
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hetplan.cluster import Cluster
 from hetplan.errors import InputError
-from hetplan.io.serde import atomic_write_text
+from hetplan.io.serde import atomic_write, atomic_write_text
 from hetplan.plan import Plan
 from hetplan.sim.engine import ALLREDUCE, OPTIMIZER, Span, Timeline
 
@@ -71,11 +71,7 @@ def draw_gantts(charts: list[tuple[Timeline, str]], path: str | Path,
     for ax, (timeline, title) in zip(axes[:, 0], charts, strict=True):
         _draw_axis(ax, timeline, title, device_labels, step_s, 15.0)
     fig.tight_layout()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot write the chart ({exc.strerror})") from None
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format=path.suffix[1:].lower()), "the chart")
     return path
 
 
