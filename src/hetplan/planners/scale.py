@@ -45,7 +45,7 @@ import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import after_stage
-from hetplan.cost.formulas import stage_memory_bytes_array
+from hetplan.cost.formulas import action_s, stage_memory_bytes_array
 from hetplan.plan import Plan, Stage
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
@@ -175,7 +175,7 @@ def _stage_terms(tab: _Tables, j: int, below: np.ndarray, m: int, batch: int, he
     frac = np.ceil(rows / tab.reps) / batch  # the slowest replica's share of the batch per micro-batch
     W = tab.W[:, below, j][tab.ti]  # (d, r, i)
     F = tab.F[:, below, j][tab.ti]
-    tau = F + (W - F) * frac[..., None]
+    tau = action_s(F, W - F, frac[..., None])  # a pass's fixed part, then its rows' share
     ok = tab.valid & (tab.reps <= rows)
     need = stage_memory_bytes_array(tab.params[below, j][None, None, :, None], tab.acts[below, j][None, None, :, None],
                                     frac[..., None, None] * held[None, None, None, :])
@@ -239,14 +239,14 @@ def _stages(tab: _Tables, CJ: np.ndarray, CR: np.ndarray, a: int) -> list[tuple[
     return out
 
 
-def _model_s(tab: _Tables, stages: list, m: int, batch: int, held: np.ndarray) -> float:
+def _model_s(tab: _Tables, stages: list, m: int, batch: int) -> float:
     """The program's step of a plan (the module's T)."""
     rows = math.ceil(batch / m)
     taus, total, ar = [], 0.0, 0.0
     for i, j, d, r in stages:
         frac = math.ceil(rows / tab.reps[d, r - 1]) / batch
         t = tab.ti[d, r - 1]
-        tau = tab.F[t, i, j] + (tab.W[t, i, j] - tab.F[t, i, j]) * frac
+        tau = action_s(tab.F[t, i, j], tab.W[t, i, j] - tab.F[t, i, j], frac)
         cut = tab.prob.cut[j] * rows / batch if j != tab.n - 1 else 0.0
         taus.append(tau)
         total += tau + 2 * cut / tab.bw[d, r - 1]
@@ -300,7 +300,7 @@ def _search_bounds(tab: _Tables, m: int, batch: int, held: np.ndarray, terms: li
                 if not options.allows(plan):
                     continue
                 key = Scorer.key(plan)
-                t = _model_s(tab, stages, m, batch, held)
+                t = _model_s(tab, stages, m, batch)
                 best = min(best, t)
                 if key not in found or t < found[key][0]:
                     found[key] = (t, plan)
