@@ -3,12 +3,12 @@ equals single-process training for every zoo model and the transformers families
 with replicas of different speeds, stages without parameters and integer values crossing
 boundaries; each rank runs exactly the actions the simulator simulates."""
 
-from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
+from hetplan.errors import HetplanError
 from hetplan.io.clusters import cluster_from_spec
 from hetplan.plan import Plan, Stage
 from hetplan.profile.split import split_step
@@ -83,9 +83,7 @@ def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=Non
     names = [p.name for p in split.pieces]
     plan = chain_plan(names, replicas, m, schedule, cuts=names_of(names) if names_of else cuts)
     spec = run_spec(plan, cpus(sum(replicas), bindings), ref, batch_size=batch, seq_len=seq, granularity="layer",
-                    steps=1, warmup=0, optimizer=optimizer, lr=lr, out_dir="unused", no_dropout=True)
-    if weights:
-        spec = replace(spec, replica_weights=weights)
+                    steps=1, warmup=0, optimizer=optimizer, lr=lr, out_dir="unused", no_dropout=True, weights=weights)
     results = run_threads(spec)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     zm.step.to(ref_device)  # in place: the stage modules below share these parameters
@@ -159,6 +157,21 @@ def test_uneven_replicas_split_by_speed_equal_single_process(schedule, replicas,
 @pytest.mark.parametrize("replicas,weights", [([1], [[1.0]]), ([3], [[1.0, 2.0, 3.0]])])
 def test_one_stage_alone_or_data_parallel_over_replicas_of_three_speeds(replicas, weights):
     check(*pipelined_vs_single("gpt2-tiny", replicas, 2, "1f1b", batch=8, weights=weights))
+
+
+def test_replicas_of_two_types_take_the_weights_given_or_need_a_graph():
+    """A GPU and a CPU replica of one stage: with no graph there are no speeds, unless the caller
+    gives them (tests/test_gpu.py runs such a plan on a GPU)."""
+    plan = chain_plan(["a", "b"], [1, 2], 2, "gpipe")
+    cluster = cpus(3, ["cpu", "cuda:0", "cpu"])
+    kwargs = {"batch_size": 10, "seq_len": 16, "granularity": "layer", "out_dir": "unused"}
+    with pytest.raises(HetplanError, match="replicas of different types"):
+        run_spec(plan, cluster, "gpt2-tiny", **kwargs)
+    spec = run_spec(plan, cluster, "gpt2-tiny", weights=[[1], [4, 1]], **kwargs)
+    assert spec.replica_weights == ((1.0,), (4.0, 1.0))
+    for wrong in ([[1], [4]], [[1], [4, 0]]):
+        with pytest.raises(HetplanError, match="one weight > 0 per replica"):
+            run_spec(plan, cluster, "gpt2-tiny", weights=wrong, **kwargs)
 
 
 def test_a_replica_with_no_row_of_a_microbatch_skips_it():

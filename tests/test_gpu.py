@@ -41,11 +41,24 @@ def test_the_whole_model_on_the_gpu(ref):
     check(*pipelined_vs_single(ref, [1], 2, "1f1b", bindings=["cuda:0"], ref_device="cuda:0"), tol=GPU_TOL)
 
 
+# Batch norm over micro-batches of a few samples amplifies the GPU's other summation order: after
+# one step resnet50's weights differ from the CPU's by 0.005-0.04 (of a 0.9 step) on the H200,
+# wherever the stages run. For such a model the pipeline must be as close to the CPU's training as
+# the GPU's own training is (3x for the noise of the noise); a wrong boundary moves it by a step.
+NOISY = {"resnet50"}
+
+
 @pytest.mark.parametrize("ref", MODELS)
 @pytest.mark.parametrize("first", ["cuda:0", "cpu"])
 def test_a_gpu_stage_beside_a_cpu_stage(ref, first):
     bindings = [first, "cpu" if first != "cpu" else "cuda:0"]
-    check(*pipelined_vs_single(ref, [1, 1], 2, "1f1b", bindings=bindings), tol=GPU_TOL)
+    worst, moved, *rest = pipelined_vs_single(ref, [1, 1], 2, "1f1b", bindings=bindings)
+    tol = GPU_TOL
+    if ref in NOISY:
+        noise = pipelined_vs_single(ref, [1], 2, "1f1b", bindings=["cuda:0"])[0]
+        assert noise < 0.1 * moved, (noise, moved)
+        tol = max(GPU_TOL, 3 * noise)
+    check(worst, moved, *rest, tol=tol)
 
 
 def test_gpu_and_cpu_replicas_of_one_stage_split_by_speed():

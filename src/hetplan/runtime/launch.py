@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,15 +88,25 @@ def replica_weights(plan: Plan, cluster: Cluster, graph: Graph | None) -> tuple[
     return tuple((1.0,) * len(s.devices) for s in plan.stages)
 
 
+def _given_weights(plan: Plan, weights: Sequence[Sequence[float]]) -> Sequence[Sequence[float]]:
+    shape = [len(s.devices) for s in plan.stages]
+    if [len(w) for w in weights] != shape or any(x <= 0 for w in weights for x in w):
+        raise HetplanError(f"replica weights {[list(w) for w in weights]}: give one weight > 0 per replica, "
+                           f"stage by stage ({shape} replicas)")
+    return weights
+
+
 def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_len: int | None, granularity: str,
              block_classes: tuple[str, ...] = (), steps: int = 10, warmup: int = 2, seed: int = 0,
              optimizer: str = "adam", lr: float = 1e-3, data: str = "synthetic", out_dir: Path,
              timeout_s: float = DEFAULT_TIMEOUT_S, no_dropout: bool = False, return_weights: bool = False,
              checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume_step: int = 0,
-             graph: Graph | None = None, trace: bool = False) -> RunSpec:
+             graph: Graph | None = None, trace: bool = False,
+             weights: Sequence[Sequence[float]] | None = None) -> RunSpec:
     """The RUN.json of a plan (`RunSpec`): the settings, the replicas' weights and, per rank
     (stage by stage, replica by replica), its stage, replica and device. What the runtime can run is
-    `hetplan.runtime.support`; the batch is split by `hetplan.rows`."""
+    `hetplan.runtime.support`; the batch is split by `hetplan.rows`. `weights` (per stage, one per
+    replica) replaces the cost model's speeds: for replicas whose speeds the caller knows."""
     why = runtime_refusal(plan, cluster)
     if why:
         raise HetplanError(why)
@@ -114,7 +125,8 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
     # stage by stage within one), and a stage's replicas may sit on any hosts (`rank.rank_table`)
     hosts = list(dict.fromkeys(r.host for r in ranks))
     ranks.sort(key=lambda r: hosts.index(r.host))
-    weights = tuple(tuple(float(x) for x in w) for w in replica_weights(plan, cluster, graph))
+    weights = tuple(tuple(float(x) for x in w)
+                    for w in (_given_weights(plan, weights) if weights else replica_weights(plan, cluster, graph)))
     return RunSpec(
         plan=plan, model=model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
         block_classes=tuple(block_classes), steps=steps, warmup=warmup, seed=seed, optimizer=optimizer, lr=lr,
