@@ -1,8 +1,10 @@
 """The transformers families users train, built small from their configurations (random weights,
 nothing downloaded), as a user's own models (`tests.hf_families:NAME`): decoder LMs with
 grouped-query attention and rotary embeddings (Qwen2, Mistral), an encoder-decoder (T5), an
-encoder (DistilBERT) and a CNN (ConvNeXt). The language models take an attention mask, which
-crosses stage boundaries as a non-contiguous view in some of them."""
+encoder (DistilBERT), a CNN (ConvNeXt), mixtures of experts (Mixtral, Qwen2-MoE) and a state-space
+model (Mamba). The language models take an attention mask, which crosses stage boundaries as a
+non-contiguous view in some of them; the experts and Mamba split tensors into lists (`chunk`,
+`topk`) whose elements cross boundaries."""
 
 import os
 
@@ -40,6 +42,39 @@ def mistral(batch_size=4, seq_len=16):
     return _decoder("MistralForCausalLM", "MistralConfig", batch_size, seq_len or 16)
 
 
+def mixtral(batch_size=4, seq_len=16, **config):
+    """Mixture of experts: the router's top-k picks experts per token (its auxiliary loss, which
+    balances them, is off unless `output_router_logits=True`)."""
+    tf = _tf()
+    torch.manual_seed(0)
+    cfg = tf.MixtralConfig(**{"vocab_size": 128, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+                              "num_experts_per_tok": 2, "max_position_embeddings": 256,
+                              "output_router_logits": False, **config})
+    return tf.MixtralForCausalLM(cfg), _lm_batch(batch_size, seq_len or 16, 128, torch.Generator().manual_seed(0))
+
+
+def qwen2_moe(batch_size=4, seq_len=16):
+    tf = _tf()
+    torch.manual_seed(0)
+    cfg = tf.Qwen2MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+                            output_router_logits=False)
+    return tf.Qwen2MoeForCausalLM(cfg), _lm_batch(batch_size, seq_len or 16, 128, torch.Generator().manual_seed(0))
+
+
+def mamba(batch_size=4, seq_len=16):
+    """A state-space model: no attention, a selective scan per block."""
+    tf = _tf()
+    torch.manual_seed(0)
+    cfg = tf.MambaConfig(vocab_size=128, hidden_size=64, state_size=8, num_hidden_layers=4, expand=2, conv_kernel=4,
+                         use_cache=False)
+    batch = _lm_batch(batch_size, seq_len or 16, 128, torch.Generator().manual_seed(0))
+    del batch["attention_mask"]
+    return tf.MambaForCausalLM(cfg), batch
+
+
 def t5(batch_size=4, seq_len=16):
     tf = _tf()
     torch.manual_seed(0)
@@ -68,4 +103,4 @@ def convnext(batch_size=4, seq_len=None):
     return tf.ConvNextForImageClassification(cfg), batch
 
 
-FAMILIES = ("qwen2", "mistral", "t5", "distilbert", "convnext")
+FAMILIES = ("qwen2", "mistral", "t5", "distilbert", "convnext", "mixtral", "qwen2_moe", "mamba")

@@ -1,8 +1,10 @@
 import json
 import math
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -381,6 +383,29 @@ def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
         bad(cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--steps", steps, "--out", out), "run at least 1 step")
 
 
+@pytest.mark.parametrize("model,flags,warned", [
+    ("gpt2-tiny", [], ["the model draws random numbers in training (dropout)", "--no-dropout"]),
+    ("gpt2-tiny", ["--no-dropout"], []),
+    ("resnet50", [], ["batch norm (", "normalises each micro-batch on its own statistics"]),
+    ("user_models:mixtral_aux", [], ["the loss is not a mean over samples (over 4 rows"]),
+    ("hf_families:mixtral", [], []),
+    ("mlp", [], []),
+])
+def test_run_warns_where_the_pipelined_step_cannot_equal_the_whole_batch(cli, tmp_path, monkeypatch, model, flags,
+                                                                         warned):
+    from hetplan.plan import Plan, Stage
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    plan = tmp_path / "p.json"
+    serde.dump(Plan((Stage(("input",), ("cpu0",)),), 2, "1f1b", "test", cluster="local"), plan)
+    r = cli("run", plan, "--model", model, "--batch-size", "4", "--seq-len", "16", "--dry-run", "--json",
+            "--out", tmp_path / "run", *flags)
+    assert r.code == 0, r.err
+    warnings = [line for line in r.err.splitlines() if line.startswith("hetplan: warning: ")]
+    assert len(warnings) == (1 if warned else 0), r.err
+    assert all(w in r.err for w in warned)
+
+
 def test_run_refuses_text_data_for_a_model_that_is_not_a_language_model(cli, tmp_path):
     from hetplan.io import serde
     from hetplan.plan import Plan, Stage
@@ -506,6 +531,24 @@ def test_a_factory_that_raises_or_takes_no_batch_size_gets_one_line(cli, tmp_pat
     bad(cli("profile", "user_models:sizeless", "--batch-size", "4", "-o", out),
         "the factory takes no batch_size; give it that keyword parameter, or leave out --batch-size")
     assert cli("profile", "user_models:sizeless", "-o", out).code == 0  # no size given: called as it is
+
+
+def test_a_model_whose_loss_cannot_be_traced_runs_as_one_block(cli, tmp_path, monkeypatch):
+    """Wav2Vec2 with CTC: neither tracer takes the loss; the error's way through (the whole model
+    as one block) crashed at run time (a traced `.float()` on the model's output), and `run`
+    cut the model at other blocks than the profile's."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    graph, plan = tmp_path / "w.json", tmp_path / "p.json"
+    bad(cli("profile", "user_models:wav2vec2_ctc", "--granularity", "block", "-o", graph),
+        "make it a block with --block-class Wav2Vec2ForCTC")
+    assert cli("profile", "user_models:wav2vec2_ctc", "--batch-size", "4", "--granularity", "block",
+               "--block-class", "Wav2Vec2ForCTC", "-o", graph).code == 0
+    assert json.loads(graph.read_text())["meta"]["block_classes"] == "Wav2Vec2ForCTC"
+    assert cli("plan", graph, "--cluster", "local", "--planner", "data-parallel", "-o", plan).code == 0
+    r = cli("run", plan, "--model", "user_models:wav2vec2_ctc", "--graph", graph, "--steps", "1", "--warmup", "0",
+            "--out", tmp_path / "run", "--json")
+    assert r.code == 0, r.err
+    assert math.isfinite(json.loads(r.out)["losses"][0])
 
 
 def _fill_the_disk(path, *args, **kwargs):

@@ -74,16 +74,17 @@ def reference_step(zm, batch, m, lr, optimizer="sgd"):
 
 
 def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=None, cuts=None, names_of=None,
-                        bindings=None, ref_device="cpu", optimizer="sgd"):
+                        bindings=None, ref_device="cpu", optimizer="sgd", granularity="layer"):
     """Run one step pipelined (threads) and single-process (on `ref_device`); returns the largest
     weight difference, the largest weight change, the two losses, the plan and the run's results."""
     lr = 0.1
     zm = no_dropout(load_model(ref, batch_size=batch, seq_len=seq, seed=0))
-    split = split_step(zm.step, zm.batch)
+    split = split_step(zm.step, zm.batch, granularity, zm.block_classes)
     names = [p.name for p in split.pieces]
     plan = chain_plan(names, replicas, m, schedule, cuts=names_of(names) if names_of else cuts)
-    spec = run_spec(plan, cpus(sum(replicas), bindings), ref, batch_size=batch, seq_len=seq, granularity="layer",
-                    steps=1, warmup=0, optimizer=optimizer, lr=lr, out_dir="unused", no_dropout=True, weights=weights)
+    spec = run_spec(plan, cpus(sum(replicas), bindings), ref, batch_size=batch, seq_len=seq, granularity=granularity,
+                    block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0, optimizer=optimizer, lr=lr,
+                    out_dir="unused", no_dropout=True, weights=weights)
     results = run_threads(spec)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     zm.step.to(ref_device)  # in place: the stage modules below share these parameters
@@ -133,6 +134,13 @@ def test_transformers_families_run_in_four_stages(family):
     masks that cross boundaries as views, a CNN), as 4-stage pipelines: a first stage, two that
     receive and send, a last one (the zoo's models run in 2 stages, under both schedules)."""
     check(*pipelined_vs_single(f"hf_families:{family}", [1] * 4, 2, "1f1b"))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "mamba"])
+def test_lists_of_tensors_cut_apart_at_block_granularity_too(family):
+    """Mixture-of-experts routing and Mamba's scan split tensors into lists; cut between blocks
+    (4 stages of whole blocks), only tensors cross, and the step equals one process."""
+    check(*pipelined_vs_single(f"hf_families:{family}", [1] * 4, 2, "gpipe", granularity="block"))
 
 
 # each shape under one schedule (both schedules appear; tests/test_runtime.py runs 3 + 1 under

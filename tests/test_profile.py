@@ -41,6 +41,36 @@ def test_pieces_compute_the_same_loss_and_gradients(name, kw, granularity):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
 
 
+class Halves(nn.Module):
+    """`chunk` between two layers, its halves read by different layers: the list it returns must
+    not cross between pieces (a list cannot be sent, and the profiler's detach missed it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        left, right = self.a(x).chunk(2, dim=-1)
+        return (self.b(left) + self.c(right)).pow(2).mean()
+
+
+def _step(ref):
+    zm = load_model(ref, batch_size=2, seq_len=8)
+    return zm.step, zm.batch
+
+
+@pytest.mark.parametrize("make", [lambda: (Halves(), {"x": torch.randn(3, 4)}),
+                                  lambda: _step("hf_families:mixtral"), lambda: _step("hf_families:mamba")])
+def test_only_tensors_cross_between_pieces(make):
+    model, batch = make()
+    split = split_step(model.train(), batch, "layer")
+    _, values = split.run(batch, capture=True)
+    crossing = {n for p in split.pieces for n in p.inputs}
+    assert len(split.pieces) > 2 and crossing
+    assert all(isinstance(values[n], torch.Tensor) for n in crossing), \
+        {n: type(values[n]).__name__ for n in crossing if not isinstance(values[n], torch.Tensor)}
+
+
 def test_gpt2_tiny_graph_has_residual_edges():
     zm = load_model("gpt2-tiny", batch_size=2, seq_len=16)
     g = profile_step(zm.step, zm.batch, name="gpt2-tiny", repeats=1).graph

@@ -73,3 +73,28 @@ def broken(batch_size=4, seq_len=None):
 def sizeless():
     """A factory that takes no batch size."""
     return make()
+
+
+def wav2vec2_ctc(batch_size=2, seq_len=None):
+    """Speech with a CTC loss: the loss's shapes depend on the labels' values (data-dependent), so
+    neither torch.export nor torch.fx traces the whole model."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.Wav2Vec2Config(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                      num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, mask_time_prob=0.0,
+                                      layerdrop=0.0, ctc_loss_reduction="mean", pad_token_id=0)
+    gen = torch.Generator().manual_seed(0)
+    batch = {"input_values": torch.randn(batch_size, 1600, generator=gen),
+             "labels": torch.randint(1, 16, (batch_size, 12), generator=gen)}
+    return transformers.Wav2Vec2ForCTC(cfg), batch
+
+
+def mixtral_aux(batch_size=4, seq_len=16):
+    """Mixtral with its router's load-balancing loss added to the loss: computed over the tokens
+    of the batch it sees, so not a mean over samples."""
+    from hf_families import mixtral
+
+    return mixtral(batch_size, seq_len, output_router_logits=True, router_aux_loss_coef=1.0)

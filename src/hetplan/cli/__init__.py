@@ -40,10 +40,12 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.notes = []
+    args.notes, args.warnings = [], []
     try:
         _check_outputs(args)
         code = args.func(args)
+        for warning in args.warnings:
+            print(f"hetplan: warning: {warning}", file=sys.stderr)
         for note in args.notes:
             print(f"hetplan: note: {note}", file=sys.stderr)
         return code

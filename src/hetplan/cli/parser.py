@@ -193,6 +193,8 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
                    help="samples per step (default: the batch the plan was made at, else the graph's)")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the graph's)")
     p.add_argument("--granularity", choices=GRANULARITIES, help="as profiled (default: the graph's)")
+    p.add_argument("--block-class", action="append", metavar="CLASS",
+                   help="as profiled (default: the graph's, else the model's own blocks)")
     p.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (default: 2)")
     p.add_argument("--data", choices=("synthetic", "text"), default="synthetic",
@@ -200,6 +202,8 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-dropout", action="store_true",
+                   help="set every nn.Dropout to p=0, so that the run can equal one process's training")
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR")
     p.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="save every K steps, K >= 1 (with --checkpoint-dir; default: the last step only)")

@@ -35,6 +35,22 @@ def plan_cluster_ref(plan) -> str:
     return plan.cluster
 
 
+def faithful_warnings(spec: RunSpec) -> list[str]:
+    """Why this run's step differs from one process's on the whole batch (`hetplan.zoo.faithful`)."""
+    from torch import nn
+
+    from hetplan.zoo import load_model
+    from hetplan.zoo.faithful import pipeline_warnings
+
+    zm = load_model(spec.model, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
+    if spec.no_dropout:
+        for mod in zm.step.modules():
+            if isinstance(mod, nn.Dropout):
+                mod.p = 0.0
+    splits = spec.plan.microbatches > 1 or any(len(st.devices) > 1 for st in spec.plan.stages)
+    return pipeline_warnings(zm.step, zm.batch, splits)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from hetplan.runtime.run import RunSettings, prepare_run, run_plan
 
@@ -49,11 +65,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                            "DIR (without --checkpoint-every, the last step is saved there)")
     settings = RunSettings(
         steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
-        granularity=args.granularity, seed=args.seed, optimizer=args.optimizer, lr=args.lr, data=args.data,
+        granularity=args.granularity, block_classes=tuple(args.block_class or ()), seed=args.seed,
+        optimizer=args.optimizer, lr=args.lr, data=args.data,
         out_dir=args.out, timeout_s=args.timeout_s, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every or 0, resume=args.resume, trace=args.trace)
+        checkpoint_every=args.checkpoint_every or 0, resume=args.resume, trace=args.trace, no_dropout=args.no_dropout)
+    spec = prepare_run(plan, cluster, args.model, graph, settings, source=str(args.plan))[0]
+    args.warnings.extend(faithful_warnings(spec))
     if args.dry_run:
-        return _dry_run(args, prepare_run(plan, cluster, args.model, graph, settings, source=str(args.plan))[0])
+        return _dry_run(args, spec)
     bar = _progress_bar()
     if bar is None:
         report = run_plan(plan, cluster, args.model, graph, settings, source=str(args.plan))
@@ -65,7 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     summary = report.summary(str(args.plan))
     page = _write_page(args.out)
     if args.json:
-        _emit_json({**summary, "report": page})
+        _emit_json({**summary, "report": page, "warnings": args.warnings})
         return 0
     tables.show_run(_console(), summary, plan)
     if report.trace_files:

@@ -18,7 +18,7 @@ import copy
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -127,7 +127,7 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
         _, values = split.run(data, capture=True)
     flops, acts = {}, {}
     for piece in split.pieces:
-        flops[piece.name], acts[piece.name] = warm_pass(piece, [values[n] for n in piece.inputs])
+        flops[piece.name], acts[piece.name] = warm_pass(piece, [values[n] for n in piece.inputs], split.input_names)
     small = _small_batch(step, batch, device, granularity, block_classes, batch_size) if fixed else None
     repeats = max(repeats, 5) if check else repeats
     timed = time_in_sequence(split, data, device.torch_device, repeats, whole=work if check else None,
@@ -188,6 +188,8 @@ def profile_step(
                     ) from None
                 raise
     graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, fixed_parts, host_modules(step))
+    if granularity == "block" and block_classes:  # so that `hetplan run` cuts the model the same way
+        graph = replace(graph, meta={**graph.meta, "block_classes": ",".join(block_classes)})
     return _report(graph, start, measured)
 
 

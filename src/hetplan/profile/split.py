@@ -143,7 +143,9 @@ def _segments(ops: list[fx.Node], unit: dict[fx.Node, str | None]) -> tuple[dict
     among its producers. Then every data edge u -> v has seg(u) <= seg(v): anchored ops are
     ordered like their positions, a folded op is no later than any consumer and no earlier than
     any producer. So the segments, in number order, are a topological order of the pieces and
-    the piece graph is a DAG by construction."""
+    the piece graph is a DAG by construction. Last, an element taken from a multi-output op joins
+    that op's segment: no earlier than its producer, and no later than before (which was already
+    no later than its consumers), so the order holds."""
     seg: dict[fx.Node, int] = {}
     units: list[str] = []
     for n in ops:
@@ -167,7 +169,22 @@ def _segments(ops: list[fx.Node], unit: dict[fx.Node, str | None]) -> tuple[dict
         units.append("model")
     for n in ops:
         seg.setdefault(n, 0)
+    _elements_with_their_producer(ops, seg)
     return seg, units
+
+
+def _elements_with_their_producer(ops: list[fx.Node], seg: dict[fx.Node, int]) -> None:
+    for n in ops:  # in graph order: an element of an element follows its own producer
+        if _takes_an_element(n):
+            seg[n] = seg[n.args[0]]
+
+
+def _takes_an_element(n: fx.Node) -> bool:
+    """An `operator.getitem` of an op that returns several tensors (split, chunk, unbind, topk):
+    it stays in its producer's piece, so that only tensors cross between pieces, never the list."""
+    import operator
+
+    return n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0].op in _CALLS
 
 
 def _attr(root: nn.Module, target: str) -> Any:
@@ -232,7 +249,7 @@ def split_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: 
     """Trace `step(**batch)` (which returns the loss) and cut it into pieces."""
     if granularity not in GRANULARITIES:
         raise HetplanError(f"--granularity {granularity!r}: allowed are {', '.join(GRANULARITIES)}")
-    if block_classes is None and granularity == "block":
+    if not block_classes and granularity == "block":
         block_classes = find_block_classes(step)
     root: nn.Module = step
     try:

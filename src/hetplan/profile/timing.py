@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +34,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from hetplan.profile.split import Piece, SplitStep, changed_in_place
 
 
-def _leaves(inputs: Sequence[Any]) -> list[Any]:
+def _leaves(inputs: Sequence[Any], data: Sequence[bool]) -> list[Any]:
     """Copies of the floating inputs that require grad, for `warm_pass`: clones of a leaf
     rather than leaves, because a piece may change its input in place (ReLU(inplace=True)),
-    which autograd forbids on a leaf."""
+    which autograd forbids on a leaf. The batch's own values (`data`) stay as they are: they
+    never need a gradient, and some models set `requires_grad` on views of them."""
     out = []
-    for x in inputs:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
+    for x, is_data in zip(inputs, data, strict=True):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not is_data:
             out.append(x.detach().requires_grad_(True).clone())
         else:
             out.append(x)
@@ -57,8 +58,9 @@ def _clear_grads(piece: Piece) -> None:
         p.grad = None
 
 
-def warm_pass(piece: Piece, inputs: Sequence[Any]) -> tuple[float, int]:
-    """One untimed forward and backward: returns forward FLOPs and bytes saved for backward."""
+def warm_pass(piece: Piece, inputs: Sequence[Any], data: Collection[str] = ()) -> tuple[float, int]:
+    """One untimed forward and backward: returns forward FLOPs and bytes saved for backward.
+    `data`: the names of the batch's values (`SplitStep.input_names`)."""
     params = {p.untyped_storage().data_ptr() for p in piece.module.parameters()}
     saved: dict[int, int] = {}
 
@@ -69,7 +71,7 @@ def warm_pass(piece: Piece, inputs: Sequence[Any]) -> tuple[float, int]:
         return t
 
     _clear_grads(piece)
-    leaves = _leaves(inputs)
+    leaves = _leaves(inputs, [n in data for n in piece.inputs])
     with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outs = piece.module(*leaves)
     diff = _differentiable(outs)

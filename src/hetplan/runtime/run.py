@@ -39,6 +39,7 @@ class RunSettings:
     batch_size: int | None = None
     seq_len: int | None = None
     granularity: str | None = None
+    block_classes: tuple[str, ...] = ()  # as profiled: () takes the graph's, else the model's own
     seed: int = 0
     optimizer: str = "adam"
     lr: float = 1e-3
@@ -48,6 +49,7 @@ class RunSettings:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    no_dropout: bool = False  # every nn.Dropout at p=0 (`hetplan.zoo.faithful`)
     trace: bool = False  # record the last step and draw it under the prediction (`hetplan.runtime.trace`)
 
 
@@ -93,6 +95,12 @@ class RunReport:
             "stages": [{**asdict(row), "devices": list(row.devices)} for row in self.stages],
             "replicas": [{**asdict(row), "devices": list(row.devices)} for row in self.replicas],
         }
+
+
+def _blocks(graph: Graph | None, s: RunSettings) -> tuple[str, ...]:
+    """The block classes the graph was profiled with (`profile --block-class`), unless given."""
+    recorded = graph.meta.get("block_classes", "") if graph is not None else ""
+    return tuple(s.block_classes) or tuple(c for c in str(recorded).split(",") if c)
 
 
 def _sizes(graph: Graph | None, model: str, s: RunSettings, plan: Plan) -> tuple[int, int | None, str]:
@@ -151,9 +159,11 @@ def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = 
         validate_plan(plan, at_batch(graph, batch_size), cluster, source=source)
     first = _resume_step(plan, s)
     spec = run_spec(plan, cluster, model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
-                    steps=s.steps, warmup=s.warmup, seed=s.seed, optimizer=s.optimizer, lr=s.lr, data=s.data,
+                    block_classes=_blocks(graph, s), steps=s.steps, warmup=s.warmup, seed=s.seed,
+                    optimizer=s.optimizer, lr=s.lr, data=s.data,
                     out_dir=s.out_dir, timeout_s=s.timeout_s, checkpoint_dir=s.checkpoint_dir,
-                    checkpoint_every=s.checkpoint_every, resume_step=first, graph=graph, trace=s.trace)
+                    checkpoint_every=s.checkpoint_every, resume_step=first, graph=graph, trace=s.trace,
+                    no_dropout=s.no_dropout)
     return spec, first
 
 

@@ -331,8 +331,10 @@ def _import_user_module(ref: str, module_name: str):
 
 def output_loss(out: Any) -> torch.Tensor:
     """The loss in a model's output: its `.loss` (a transformers ModelOutput), or the mean of
-    the output tensor. The test is on the output's class, so that it also holds while torch.fx
-    traces the model (then `out` is a Proxy, which has every attribute)."""
+    the output tensor. While torch.fx traces the model `out` may be a Proxy (which has every
+    attribute) of a module it does not look into: then the test is left to run time."""
+    if isinstance(out, fx.Proxy):  # an opaque module's output: its type is known only when it runs
+        return out.tracer.create_proxy("call_function", output_loss, (out,), {})
     if not isinstance(out, torch.Tensor) and hasattr(type(out), "loss"):
         out = out.loss
     if isinstance(out, torch.Tensor) and out.dim() == 0:
