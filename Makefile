@@ -34,7 +34,8 @@ demo: $(STAMP)
 	$(HETPLAN) simulate $(OUT)/plan-vgg16.json --graph $(OUT)/vgg16.json --cluster hetero-4 --gantt $(OUT)/vgg16-hetero-4.png --trace $(OUT)/vgg16-hetero-4.trace.json
 	$(HETPLAN) plan $(OUT)/gpt2-tiny.json --cluster hetero-4 --planner uniform --microbatches 8 -o $(OUT)/plan-gpt2-tiny-hetero-4.json
 	$(HETPLAN) simulate $(OUT)/plan-gpt2-tiny-hetero-4.json --graph $(OUT)/gpt2-tiny.json --cluster hetero-4 --gantt $(OUT)/gpt2-tiny-hetero-4.png
-	$(HETPLAN) demo --out $(OUT)/report
+	$(HETPLAN) calibrate --cluster local -o $(OUT)/local-calibrated.json
+	$(HETPLAN) demo --cluster $(OUT)/local-calibrated.json --out $(OUT)/report
 	@echo "demo: files written to $(OUT)/"
 
 test: $(STAMP)

@@ -165,3 +165,17 @@ def test_fit_overheads_is_the_line_of_the_excess_against_the_actions():
     # a flat excess: a slope of zero up to the BLAS kernel's rounding, never below zero
     flat = fit_overheads([run(6, -0.01), run(18, -0.01)])
     assert flat == pytest.approx((0.0, 0.0), abs=1e-12) and min(flat) >= 0.0
+
+
+def test_a_worker_this_machine_cannot_run_is_refused_before_any_probe(monkeypatch):
+    """A worker of more threads than this process may use failed after 12 s (80 s here, under
+    load) of probes, when the probe was profiled on its thread count."""
+    from hetplan.machine import usable_cores
+    from hetplan.runtime import calibrate as cal
+
+    monkeypatch.setattr(cal, "calibrate_link", lambda *a, **k: pytest.fail("a probe ran"))
+    too_many = usable_cores() + 1
+    cluster = cluster_from_spec({"devices": [{"id": "a", "type": "cpu", "threads": 1, "binding": "cpu"},
+                                             {"id": "b", "type": "cpu", "threads": too_many, "binding": "cpu"}]}, "c")
+    with pytest.raises(HetplanError, match=f"worker b has {too_many} threads, but this process may use"):
+        cal.calibrate_cluster(cluster)

@@ -582,3 +582,58 @@ def test_a_full_disk_leaves_neither_half_a_file_nor_its_temporary(cli, profiles,
     bad(cli("simulate", p, "--graph", g, "--cluster", "hetero-4", "--gantt", tmp_path / "step.png"),
         "step.png: cannot write the chart (No space left on device)")
     assert not (tmp_path / "step.png").exists() and not (tmp_path / ".step.png.tmp").exists()
+
+
+def test_progress_shows_the_time_left_on_a_terminal_only_and_never_under_json(monkeypatch):
+    """profile, calibrate, compare, plan and run's start show a bar with the time spent and left
+    on stderr; piped or under --json, nothing (an issue: 15 silent minutes of `profile --check`)."""
+    import argparse
+
+    from rich.progress import TimeRemainingColumn
+
+    from hetplan.cli._shared import _progress_bar
+
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    assert _progress_bar(argparse.Namespace(json=False)) is None  # pytest's stderr is not a terminal
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    assert _progress_bar(argparse.Namespace(json=True)) is None
+    bar = _progress_bar(argparse.Namespace(json=False))
+    assert bar is not None and any(isinstance(c, TimeRemainingColumn) for c in bar.columns)
+
+
+def test_the_profiler_tells_how_much_of_the_profile_is_done():
+    from hetplan.profile import profile_step
+    from hetplan.zoo import load_model
+
+    zm = load_model("mlp", batch_size=8)
+    told = []
+    profile_step(zm.step, zm.batch, devices=["cpu:1", "cpu"], repeats=2, fixed=False,
+                 progress=lambda done, what: told.append((done, what)))
+    shares = [d for d, _ in told]
+    assert shares == sorted(shares) and shares[0] == 0 and 0.5 < shares[-1] < 1, shares
+    assert {w for _, w in told} == {"timing on cpu:1", "timing on cpu"}
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_demo_says_when_its_predictions_are_not_calibrated(cli, tmp_path, monkeypatch, calibrated):
+    """A user's first impression was +177% (uncalibrated, and not said); `make demo` calibrates
+    `local` first and passes the file, and without it the table is followed by what to do."""
+    import hetplan.demo
+
+    asked = []
+
+    def fake(out, steps, budget_s, say, cluster_ref):
+        asked.append(cluster_ref)
+        run = {"label": "chosen: dp", "stages": 2, "devices": 2, "microbatches": 4, "predicted_step_s": 0.1,
+               "measured_step_s": 0.3, "error": 2.0}
+        return {"model": "gpt2-tiny", "cluster": "local", "chosen": "dp", "calibrated": calibrated, "runs": [run],
+                "speedup_over_best_baseline": 1.2}
+
+    monkeypatch.setattr(hetplan.demo, "run_demo", fake)
+    r = cli("demo", "--out", tmp_path / "d", *(["--cluster", "cal.json"] if calibrated else []))
+    assert r.code == 0 and asked == ["cal.json" if calibrated else "local"]
+    said = "These predictions are not calibrated" in r.out and "hetplan calibrate --cluster local -o cal.json" in r.out
+    assert said != calibrated, r.out
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    assert "calibrate --cluster local -o $(OUT)/local-calibrated.json" in makefile

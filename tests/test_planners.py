@@ -8,6 +8,7 @@ from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import plan_problems
 from hetplan.planners import PLANNERS, PlanOptions, get_planner, make_plan
 from hetplan.planners.baselines import chunk_sizes, default_microbatches
+from slowness import limit_s
 from strategies import clusters, graphs
 
 V = "v100-16gb"
@@ -102,4 +103,4 @@ def test_dp_orders_sixteen_identical_cpus_at_once():
     cluster = cluster_from_spec({"devices": [{"id": "c", "type": "cpu", "threads": 1, "count": 16}]}, "sixteen")
     start = time.perf_counter()
     assert device_orders(cluster, {"cpu-1t": 1.0}, "time") == [tuple(f"c{i}" for i in range(16))]
-    assert time.perf_counter() - start < 1
+    assert time.perf_counter() - start < limit_s(1)

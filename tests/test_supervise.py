@@ -16,6 +16,7 @@ import pytest
 from hetplan.errors import HetplanError
 from hetplan.runtime.launch import launch
 from hetplan.runtime.supervise import run_folder_lock
+from slowness import limit_s
 from test_runtime import two_stage
 
 LAUNCHER = ("import sys; from pathlib import Path; from hetplan.runtime.launch import launch; "
@@ -37,6 +38,7 @@ def workers_of(out_dir: Path) -> list[int]:
 
 
 def until(predicate, timeout_s: float, what: str):
+    timeout_s = limit_s(timeout_s)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         value = predicate()

@@ -20,6 +20,7 @@ from hetplan.planners import PlanOptions, make_plan
 from hetplan.planners.exact import _assignments, count_assignments, count_single_devices
 from hetplan.planners.randomized import random_problem
 from hetplan.planners.scoring import Scorer
+from slowness import limit_s
 from strategies import V, chain
 from test_search_planners import all_plans
 
@@ -49,7 +50,7 @@ def test_exact_refuses_big_problems_in_under_a_second(profiles, hosts):
     refused = r"exact: at least ([\d,]+|10\^\d+) candidate plans, too many .* fewer than its 177 nodes"
     with pytest.raises(InfeasibleError, match=refused):
         make_plan(graph, _big_cluster(hosts, 8), "exact")
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < limit_s(1.0)
 
 
 def test_exact_refusal_names_granularity_for_a_profiled_graph():

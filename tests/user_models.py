@@ -98,3 +98,43 @@ def mixtral_aux(batch_size=4, seq_len=16):
     from hf_families import mixtral
 
     return mixtral(batch_size, seq_len, output_router_logits=True, router_aux_loss_coef=1.0)
+
+
+# Factories broken in the ways a user's are while being written: each must be one line.
+def returns_none(batch_size=4, seq_len=None):
+    return None
+
+
+def returns_the_model_alone(batch_size=4, seq_len=None):
+    return Tiny()
+
+
+def batch_not_a_dict(batch_size=4, seq_len=None):
+    return Tiny(), [torch.randn(batch_size, 8)]
+
+
+def batch_of_the_wrong_shape(batch_size=4, seq_len=None):
+    return Tiny(), {"x": torch.randn(batch_size, 5)}
+
+
+def batch_without_a_batch_dimension(batch_size=4, seq_len=None):
+    return Tiny(), {"x": torch.tensor(1.0)}
+
+
+def not_a_module(batch_size=4, seq_len=None):
+    return (lambda x: x), {"x": torch.randn(batch_size, 8)}
+
+
+def exits(batch_size=4, seq_len=None):
+    raise SystemExit(3)
+
+
+def raises_keyboard_interrupt_like(batch_size=4, seq_len=None):
+    raise RecursionError("maximum recursion depth exceeded")
+
+
+def a_non_scalar_loss(batch_size=4, seq_len=None):
+    return nn.Linear(8, 3), {"input": torch.randn(batch_size, 8)}
+
+
+not_callable = 42

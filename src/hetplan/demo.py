@@ -49,14 +49,16 @@ class DemoRun:
 
 
 def run_demo(out_dir: Path, steps: int = 12, budget_s: float = 3.0,
-             say: Callable[[str], None] = print) -> dict:
+             say: Callable[[str], None] = print, cluster_ref: str = "local") -> dict:
+    """The flow above on `cluster_ref` (`local`, or its calibrated file: `make demo` calibrates
+    first, so that the predictions it shows include this machine's runtime costs)."""
     from hetplan.profile import profile_step
     from hetplan.report.gantt import draw_gantt
     from hetplan.runtime.run import RunSettings, run_plan
     from hetplan.zoo import load_model
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    cluster = load_cluster("local")
+    cluster = load_cluster(cluster_ref)
     say(f"1/4 profiling {MODEL} (batch {BATCH} x {SEQ}) on one CPU thread, the local workers' type")
     zoo_model = load_model(MODEL, batch_size=BATCH, seq_len=SEQ)
     graph = profile_step(zoo_model.step, zoo_model.batch, name=MODEL, devices=["cpu:1"]).graph
@@ -99,6 +101,7 @@ def run_demo(out_dir: Path, steps: int = 12, budget_s: float = 3.0,
     best_baseline = min(r.measured_step_s for r in runs[1:])
     speedup = best_baseline / runs[0].measured_step_s
     summary = {"kind": "demo", "model": MODEL, "cluster": cluster.name, "chosen": chosen.planner,
+               "calibrated": cluster.calibration is not None,
                "speedup_over_best_baseline": speedup,
                "runs": [{**r.__dict__, "error": r.error} for r in runs],
                "comparison": comparison.to_json()}

@@ -52,6 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HetplanError as exc:
         print(f"hetplan: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file the command reads or writes, failing where no check foresaw it
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"hetplan: error: {where}{exc.strerror or exc}; check the path, its permissions and the free space",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP during a run (runtime.supervise.Stopped)
         print(f"hetplan: {exc or 'interrupted'}", file=sys.stderr)
         return 130

@@ -81,15 +81,16 @@ def _positive_int(text: str, flag: str) -> int:
     return value
 
 
-def _progress_bar():
-    """A progress bar on stderr when it is a terminal, else nothing."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+def _progress_bar(args: argparse.Namespace | None = None):
+    """A progress bar with the time spent and an estimate of the time left, on stderr when it is
+    a terminal and the command's output is not `--json`, else None (nothing is shown)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     console = Console(stderr=True, highlight=False)
-    if not console.is_terminal:
+    if not console.is_terminal or getattr(args, "json", False):
         return None
-    return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
-                    transient=True)
+    return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TextColumn("spent,"),
+                    TimeRemainingColumn(), TextColumn("left"), console=console, transient=True)
 
 
 def _note_estimates(args: argparse.Namespace, graph: Graph, cluster: Cluster) -> None:

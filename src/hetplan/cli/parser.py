@@ -233,6 +233,8 @@ def _add_demo(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("out/demo/report"), help="the report folder")
     p.add_argument("--steps", type=int, default=12, help="training steps per run, 3 of them warm-up (default: 12)")
     p.add_argument("--budget-s", type=float, default=3.0, help="local-search's budget (default: 3)")
+    p.add_argument("--cluster", default="local", metavar="C",
+                   help="local, or its calibrated file from `hetplan calibrate --cluster local` (default: local)")
     p.set_defaults(func=cmd_demo)
 
 

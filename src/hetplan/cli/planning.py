@@ -22,7 +22,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     _note_estimates(args, graph, cluster)
     options = _options(args)
-    bar = _progress_bar()
+    bar = _progress_bar(args)
     if bar is None:
         plan = make_plan(graph, cluster, args.planner, options)
     else:
@@ -62,7 +62,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
              else [n for n in PLANNERS if n not in RL_PLANNERS and (n != "milp" or args.objective == "throughput")])
     for name in names:
         get_planner(name)
-    bar = _progress_bar()
+    bar = _progress_bar(args)
     if bar is None:
         result = compare(graph, cluster, names, options)
     else:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
-from rich.console import Console
-
-from hetplan.cli._shared import _console, _emit_json
+from hetplan.cli._shared import _console, _emit_json, _progress_bar
 from hetplan.errors import HetplanError
 from hetplan.io import serde
 from hetplan.report.summary import graph_summary
@@ -18,15 +17,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from hetplan.profile import profile_step
     from hetplan.zoo import load_model
 
-    console = Console(stderr=True, highlight=False)
     zoo_model = load_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
-    with console.status("profiling", spinner="dots") as status:
+    bar = _progress_bar(args)
+    with bar or contextlib.nullcontext():
+        task = bar.add_task("tracing the model", total=1.0) if bar else None
         report = profile_step(
             zoo_model.step, zoo_model.batch, name=zoo_model.name, devices=args.device or ["cpu"],
             granularity=args.granularity,
             block_classes=args.block_class or zoo_model.block_classes or None,
             repeats=args.repeats, seed=args.seed, check=args.check,
-            progress=(lambda msg: status.update(f"profiling {msg}")) if console.is_terminal else None,
+            progress=(lambda done, what: bar.update(task, completed=done, description=what)) if bar else None,
         )
     graph = report.graph
     serde.dump(graph, args.output)

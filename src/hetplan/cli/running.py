@@ -4,6 +4,7 @@ writes RUN.json and prints torchrun commands), `calibrate` and `demo`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,16 +72,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every or 0, resume=args.resume, trace=args.trace, no_dropout=args.no_dropout)
     spec = prepare_run(plan, cluster, args.model, graph, settings, source=str(args.plan))[0]
     args.warnings.extend(faithful_warnings(spec))
+    serde.check_output_dir(args.out, "the run folder")  # last: a refused run leaves no folder behind
+    if args.checkpoint_dir:
+        serde.check_output_dir(args.checkpoint_dir, "checkpoints")
     if args.dry_run:
-        return _dry_run(args, spec)
-    bar = _progress_bar()
+        return _dry_run(args, spec, graph, cluster)
+    bar = _progress_bar(args)
     if bar is None:
         report = run_plan(plan, cluster, args.model, graph, settings, source=str(args.plan))
     else:
         with bar:
-            task = bar.add_task(f"running {sum(len(st.devices) for st in plan.stages)} workers", total=args.steps)
-            report = run_plan(plan, cluster, args.model, graph, settings, source=str(args.plan),
-                              progress=lambda done, total: bar.update(task, completed=done))
+            workers = sum(len(st.devices) for st in plan.stages)
+            task = bar.add_task(f"starting {workers} workers (loading and tracing the model)", total=args.steps)
+
+            def step(done: int, total: int) -> None:
+                bar.update(task, completed=done, description=f"training on {workers} workers" if done else None)
+
+            report = run_plan(plan, cluster, args.model, graph, settings, source=str(args.plan), progress=step)
     summary = report.summary(str(args.plan))
     page = _write_page(args.out)
     if args.json:
@@ -100,10 +108,11 @@ def _write_page(folder) -> str:
     return str(write_page(load_report(folder), folder / "report.html"))
 
 
-def _dry_run(args: argparse.Namespace, spec: RunSpec) -> int:
-    from hetplan.runtime.launch import torchrun_commands, write_spec
+def _dry_run(args: argparse.Namespace, spec: RunSpec, graph, cluster) -> int:
+    from hetplan.runtime.launch import torchrun_commands
+    from hetplan.runtime.run import write_for_elsewhere
 
-    path = write_spec(spec)
+    path = write_for_elsewhere(spec, graph, cluster)
     commands = torchrun_commands(path, spec)
     if args.json:
         _emit_json({"kind": "run", "dry_run": True, "run_json": str(path), "torchrun": commands})
@@ -113,16 +122,27 @@ def _dry_run(args: argparse.Namespace, spec: RunSpec) -> int:
                   "(set --master-addr to the first machine's address):")
     for cmd in commands:
         console.print(f"  {cmd}", soft_wrap=True)
+    console.print(f"when they end, the first machine's rank 0 prints the step measured against the prediction "
+                  f"and leaves {spec.out_dir} ready for `hetplan report {spec.out_dir}`")
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from hetplan.runtime.calibrate import calibrate_cluster
+    from hetplan.runtime.calibrate import PHASES, calibrate_cluster
 
     cluster = load_cluster(args.cluster)
-    err = Console(stderr=True, highlight=False)
-    calibrated, report = calibrate_cluster(cluster, steps=args.steps,
-                                           say=(lambda msg: None) if args.json else err.print)
+    bar = _progress_bar(args)
+    with bar or contextlib.nullcontext():
+        task = bar.add_task("calibrating", total=PHASES) if bar else None
+
+        begun = []
+
+        def say(what: str) -> None:  # a phase begins: the ones before it are done
+            if bar:
+                bar.update(task, completed=min(len(begun), PHASES - 1), description=what)
+            begun.append(what)
+
+        calibrated, report = calibrate_cluster(cluster, steps=args.steps, say=say)
     serde.dump(calibrated, args.output)
     if args.json:
         _emit_json({"kind": "calibration", **report, "output": str(args.output)})
@@ -158,7 +178,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True, highlight=False)
     summary = run_demo(args.out, steps=args.steps, budget_s=args.budget_s,
-                       say=(lambda msg: None) if args.json else err.print)
+                       say=(lambda msg: None) if args.json else err.print, cluster_ref=args.cluster)
     if args.json:
         _emit_json(summary)
         return 0
@@ -175,4 +195,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"measured speed-up of the chosen plan ({summary['chosen']}) over the faster other baseline: "
                   f"{summary['speedup_over_best_baseline']:.2f}x; report in {args.out}/report.html (and report.md)")
+    if not summary["calibrated"]:
+        console.print(f"[bold]These predictions are not calibrated[/bold]: {summary['cluster']} has catalog figures, "
+                      "not this machine's gloo links, optimizer steps and per-action costs; here that left "
+                      "predictions 2-4x short (+100% to +300%) where calibration brought them within ~5-20% "
+                      f"(BENCHMARKS.md). Run `hetplan calibrate --cluster {args.cluster} -o cal.json`, then "
+                      "`hetplan demo --cluster cal.json` (`make demo` does both).")
     return 0

@@ -343,7 +343,16 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+# A description of MAX_DEVICES devices takes well under a megabyte of YAML; PyYAML reads ~0.2 MB/s
+# of it, so a file far over that is refused before a long parse (50 MB took over 300 s).
+MAX_YAML_BYTES = 4 << 20
+
+
 def _read_yaml(path: Path) -> object:
+    size = path.stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise InputError(f"{path}: {size / 1e6:.1f} MB of YAML, more than a cluster of {MAX_DEVICES} devices "
+                         f"needs ({MAX_YAML_BYTES >> 20} MiB at most); is it the right file?")
     try:
         data = yaml.load(path.read_text(), Loader=_StrictLoader)
     except UnicodeDecodeError as exc:

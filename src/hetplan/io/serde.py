@@ -100,6 +100,26 @@ def check_output(path: str | os.PathLike, inputs: Sequence[str | os.PathLike | N
     return out
 
 
+def check_output_dir(path: str | os.PathLike, what: str = "the folder") -> Path:
+    """Make the folder a command writes into and prove it takes a file, before any work: a path
+    under a file, a read-only file system, no permission or a full disk is one line, not a
+    traceback from deep inside the command."""
+    folder = Path(path)
+    probe = folder / f".hetplan-write-test-{os.getpid()}"
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # what a refusal takes away again
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"hetplan")
+        probe.unlink()
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+            for p in made:
+                p.rmdir()
+        raise InputError(f"{folder}: cannot write {what} there ({exc.strerror or exc}); give another folder") from None
+    return folder
+
+
 def atomic_write(path: Path, write: Callable[[Path], None], what: str = "the file") -> None:
     """`write(tmp)` into a temporary file beside `path`, then rename it over `path`, so a reader
     never sees half a file; when writing fails (a full disk, no permission, a read-only file

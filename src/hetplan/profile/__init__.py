@@ -113,7 +113,7 @@ def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevic
 
 def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
              block_classes: Sequence[str] | None, repeats: int, seed: int, check: bool, fixed: bool,
-             progress: Callable[[str], None] | None, batch_size: int) -> _Measured:
+             progress: Callable[[float], None] | None, batch_size: int) -> _Measured:
     """Cuts a copy of the step into pieces, counts each piece's FLOPs and saved bytes, and times
     the pieces in sequence; with `check`, also the unsplit copy, a step before each repeat (at
     least 5: a shared machine's speed drifts by 10% and more between runs, so a reference from
@@ -131,7 +131,7 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
     small = _small_batch(step, batch, device, granularity, block_classes, batch_size) if fixed else None
     repeats = max(repeats, 5) if check else repeats
     timed = time_in_sequence(split, data, device.torch_device, repeats, whole=work if check else None,
-                             progress=(lambda msg: progress(f"{device.device_type}: {msg}")) if progress else None,
+                             progress=progress,
                              also=[small[1:]] if small else [])
     parts = _fixed_parts(timed.times, timed.also[0], batch_size, small[0]) if small else None
     updated = {p.name: _updated_bytes(p.module.parameters()) for p in split.pieces}  # before the steps below
@@ -152,7 +152,7 @@ def profile_step(
     seed: int = 0,
     check: bool = False,
     fixed: bool = True,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[float, str], None] | None = None,
 ) -> ProfileReport:
     """Profile `step(**batch)`, a module whose forward returns the training loss.
 
@@ -163,19 +163,22 @@ def profile_step(
     the two sizes covers the micro-batches plans use rather than extrapolates to them), and
     the two times give the part of each pass that does not shrink with the batch
     (`Node.fwd_fixed_s`): t(b) = fixed + rate * b. It keeps this process's freed memory for
-    reuse, as the runtime's workers do (`hetplan.runtime.hostmem`), so both measure one allocator."""
+    reuse, as the runtime's workers do (`hetplan.runtime.hostmem`), so both measure one allocator.
+    `progress(share of the whole profile done, what it is doing)` is told as it goes."""
     parsed, batch_size = _checked(granularity, repeats, devices, batch)
     keep_freed_memory()
     start = time.perf_counter()
     measured: dict[str, _Measured] = {}
     fixed_parts: dict[str, dict[str, tuple[float, float]]] = {}
     with _preserved(parsed):
-        for device in parsed:
+        for k, device in enumerate(parsed):
             if device.threads:
                 torch.set_num_threads(device.threads)
+            told = (lambda share, k=k, d=device.spec: progress((k + share) / len(parsed), f"timing on {d}")
+                    ) if progress else None
             try:
                 measured[device.device_type] = _measure(step, batch, device, granularity, block_classes,
-                                                         repeats, seed, check, fixed, progress, batch_size)
+                                                         repeats, seed, check, fixed, told, batch_size)
                 if measured[device.device_type].fixed is not None:
                     fixed_parts[device.device_type] = measured[device.device_type].fixed
                 if len(measured) > 1:  # sizes come from the first device: let the rest go

@@ -22,11 +22,8 @@ model, so a piece trains the model's own weights.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
-import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +33,7 @@ from torch import fx, nn
 from hetplan.errors import HetplanError
 from hetplan.graph import GRANULARITIES
 from hetplan.profile.portable import portable
+from hetplan.profile.tracing import trace_step
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -251,17 +249,7 @@ def split_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: 
         raise HetplanError(f"--granularity {granularity!r}: allowed are {', '.join(GRANULARITIES)}")
     if not block_classes and granularity == "block":
         block_classes = find_block_classes(step)
-    root: nn.Module = step
-    try:
-        gm = export_step(step, batch)
-    except HetplanError as exc:
-        if granularity != "block":
-            raise HetplanError(f"{exc}; or profile at --granularity block, where blocks are run, not traced "
-                               "(--block-class NAME makes that module a block)") from None
-        # Blocks as opaque leaves: torch.fx does not look inside them, so whatever they do is fine.
-        root = _keyword_step(step, tuple(batch))
-        gm = _fx_trace(root, set(block_classes or ()), exc)
-        strip_prefix = "inner." + strip_prefix
+    gm, root, strip_prefix = trace_step(step, batch, granularity, block_classes or (), strip_prefix)
     modules = dict(root.named_modules())  # the user's classes (the exported module has plain ones)
     ops = [n for n in gm.graph.nodes if n.op in _CALLS and n.target != "_guards_fn"]
     unit = _units(gm, ops, root, granularity, block_classes or ())
@@ -299,83 +287,6 @@ def split_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: 
                             tuple(n.name for n in outputs)))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return SplitStep(tuple(pieces), tuple(batch), tuple(p.name for p in placeholders), out_values[0].name)
-
-
-def _keyword_step(step: nn.Module, keys: tuple[str, ...]) -> nn.Module:
-    """`step(**batch)` as a module whose forward names the batch's keys, which torch.fx can
-    trace (it reads argument names from the code of the class's forward)."""
-    if not all(k.isidentifier() for k in keys):
-        raise HetplanError(f"batch keys must be Python names to trace the model, got {list(keys)}")
-    namespace: dict[str, Any] = {}
-    exec(f"def forward(self, {', '.join(keys)}):\n    return self.inner({', '.join(f'{k}={k}' for k in keys)})",
-         namespace)
-    cls = type("KeywordStep", (nn.Module,), {"forward": namespace["forward"]})
-    wrapper = cls()
-    wrapper.inner = step
-    return wrapper
-
-
-def _fx_trace(root: nn.Module, opaque: set[str], export_error: HetplanError) -> fx.GraphModule:
-    class Tracer(fx.Tracer):
-        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-            return type(m).__name__ in opaque or super().is_leaf_module(m, qualname)
-
-    try:
-        with _quiet_torch_logs():
-            graph = Tracer().trace(root)
-    except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a message
-        where = _failing_module(exc, root)
-        hint = f"; make it a block with --block-class {where.split('(')[-1].rstrip(')')}" if where else ""
-        raise HetplanError(
-            f"{export_error}; with blocks ({', '.join(sorted(opaque)) or 'none found'}) as opaque units, "
-            f"torch.fx fails too{where}: {type(exc).__name__}: {_first_line(exc)}{hint}"
-        ) from None
-    return fx.GraphModule(root, graph)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-
-
-def export_step(step: nn.Module, batch: Mapping[str, torch.Tensor]) -> fx.GraphModule:
-    """`torch.export` the step in training mode; a failure names the module where it happened."""
-    try:
-        with _quiet_torch_logs():
-            ep = torch.export.export(step, (), dict(batch), strict=False)
-    except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a message
-        where = _failing_module(exc, step)
-        raise HetplanError(
-            f"cannot trace the model{where}: {type(exc).__name__}: {_first_line(exc)}; make that module "
-            "traceable by torch.export"
-        ) from None
-    return ep.module()
-
-
-@contextlib.contextmanager
-def _quiet_torch_logs() -> Iterator[None]:
-    """When export fails, torch logs warnings and writes the half-traced graph to stderr; the
-    error we raise says what matters in one line, so both are held back while tracing."""
-    logger = logging.getLogger("torch")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        logger.setLevel(level)
-
-
-def _failing_module(exc: BaseException, step: nn.Module) -> str:
-    names = {id(m): n for n, m in step.named_modules()}
-    found = ""
-    tb = exc.__traceback__
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and id(owner) in names and names[id(owner)]:
-            qualname = names[id(owner)].removeprefix("inner.").removeprefix("model.")
-            found = f" in module '{qualname}' ({type(owner).__name__})"
-        tb = tb.tb_next
-    return found
 
 
 def tensor_bytes(value: Any) -> int:

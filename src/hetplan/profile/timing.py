@@ -261,7 +261,7 @@ def empty_backward_s(calls: int = 50) -> float:
 
 
 def time_in_sequence(split: SplitStep, batch: Mapping[str, Any], device: str, repeats: int,
-                     whole: torch.nn.Module | None = None, progress: Callable[[str], None] | None = None,
+                     whole: torch.nn.Module | None = None, progress: Callable[[float], None] | None = None,
                      also: Sequence[tuple[SplitStep, Mapping[str, Any]]] = ()) -> InSequence:
     """Times every piece in sequence (`run_in_sequence`) over `repeats` after one untimed
     warm-up. With `whole` (the unsplit step, sharing the pieces' parameters), each repeat first
@@ -269,6 +269,7 @@ def time_in_sequence(split: SplitStep, batch: Mapping[str, Any], device: str, re
     on a shared one drifts by 2x and more within a minute. `also`: other (split, batch) pairs
     (the step at a smaller batch, for the fixed parts) run in the same repeats, right after,
     so that a drift of the machine does not fall between the two sizes and into their line.
+    `progress(share done)` is told before each repeat.
 
     On the CPU, the cost of an empty backward call (`empty_backward_s`) is taken off each
     piece's backward time. On CUDA the CPU's calls overlap the GPU's work, so nothing is."""
@@ -277,8 +278,8 @@ def time_in_sequence(split: SplitStep, batch: Mapping[str, Any], device: str, re
     samples = [_Samples(split, batch), *(_Samples(s, b) for s, b in also)]
     totals, wholes = [], []
     for i in range(repeats + 1):
-        if progress and i:
-            progress(f"repeat {i}/{repeats}")
+        if progress:
+            progress(i / (repeats + 1))  # the share of the repeats done (the warm-up counts as one)
         if whole is not None:
             took = time_whole(whole, batch, clock)
             if i:

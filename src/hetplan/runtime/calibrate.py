@@ -60,7 +60,11 @@ def _profile_spec(device) -> str:
     return binding if binding.startswith("cuda") else f"cpu:{device.threads or 1}"
 
 
-def calibrate_action_overhead(cluster: Cluster, steps: int = 15, microbatches: Sequence[int] = (2, 4, 8),
+MICROBATCHES = (2, 4, 8)  # the probe's runs, for the line of the excess against the actions
+PHASES = 5 + len(MICROBATCHES)  # what `calibrate_cluster` says it is doing, one `say` each
+
+
+def calibrate_action_overhead(cluster: Cluster, steps: int = 15, microbatches: Sequence[int] = MICROBATCHES,
                               say=lambda msg: None) -> tuple[float, float, dict]:
     """Seconds per action and per step (`fit_overheads`) and the measurements they come from.
     The probe runs as a pipeline over every bound worker of the cluster (one stage each, in
@@ -193,6 +197,20 @@ def _measured_machine() -> str:
             f"{torch.__version__}), {datetime.date.today().isoformat()}")
 
 
+def _check_runs_here(workers: Sequence[Device]) -> None:
+    """Every worker's threads and GPU exist on this machine: said before minutes of probes."""
+    from hetplan.machine import usable_cores
+    from hetplan.profile.devices import parse_device
+
+    cores = usable_cores()
+    for d in workers:
+        if d.binding == "cpu" and (d.threads or 1) > cores:
+            raise HetplanError(f"worker {d.id} has {d.threads} threads, but this process may use {cores} cores: "
+                               f"calibrate on the machine the cluster file describes, or give it at most {cores}")
+        if d.binding.startswith("cuda"):
+            parse_device(d.binding)
+
+
 def calibrate_cluster(cluster: Cluster, steps: int = 15, say=lambda msg: None) -> tuple[Cluster, dict]:
     """The cluster with what this machine measured, in the order each needs the ones before: the
     link between local workers and all-reduces by group size (gloo), each worker's optimizer
@@ -205,6 +223,7 @@ def calibrate_cluster(cluster: Cluster, steps: int = 15, say=lambda msg: None) -
     if len({d.host for d in workers}) > 1:
         raise HetplanError(f"cluster {cluster.name!r} has workers on several hosts; hetplan calibrate measures "
                            "the workers of one machine: calibrate each host's part as its own cluster file")
+    _check_runs_here(workers)
     say("timing gloo point to point between two local processes")
     link, report = calibrate_link()
     say(f"timing gloo all-reduces among 2 to {max(2, len(workers))} local processes")

@@ -281,10 +281,11 @@ def launch(spec: RunSpec, progress=None) -> RunResult:
             _wait(procs, spec, progress)
         finally:
             _stop(procs)  # nothing to stop after a clean end; everything after a failure or a signal
-        return _result(out_dir, spec)
+        return read_result(out_dir, spec)
 
 
-def _result(out_dir: Path, spec: RunSpec) -> RunResult:
+def read_result(out_dir: Path, spec: RunSpec) -> RunResult:
+    """The run folder's result.json (rank 0 gathers every rank's into it) as a `RunResult`."""
     data = json.loads((out_dir / "result.json").read_text())
     ranks = sorted(data["ranks"], key=lambda r: r["rank"])
     steps = len(ranks[0]["times_s"])

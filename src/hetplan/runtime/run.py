@@ -23,7 +23,7 @@ from hetplan.graph import Graph, at_batch
 from hetplan.io import serde
 from hetplan.io.serde import atomic_write_text
 from hetplan.plan import Estimate, Plan, prediction_error, validate_plan
-from hetplan.runtime.launch import RunResult, launch, run_spec
+from hetplan.runtime.launch import RunResult, launch, read_result, run_spec, write_spec
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.stage_times import StageTime, replica_times, stages_of
 
@@ -182,19 +182,55 @@ def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = Non
     """Train `model` under `plan` on `cluster`'s bound devices and compare with the prediction."""
     spec, first = prepare_run(plan, cluster, model, graph, settings, source)
     graph = at_batch(graph, spec.batch_size) if graph is not None else None  # predicted at the batch it runs
-    result = launch(spec, progress=progress)
+    report = _report(spec, first, launch(spec, progress=progress), graph, cluster)
+    keep(report, spec.out_dir, graph, cluster, source)
+    return report
+
+
+def _report(spec: RunSpec, first: int, result: RunResult, graph: Graph | None, cluster: Cluster) -> RunReport:
+    """What a run measured beside what the simulator predicts for it (with a graph)."""
     predicted, sim_timeline = None, None
     if graph is not None:
         from hetplan.sim import simulate
 
-        sim = simulate(graph, cluster, plan, timeline=True)  # the stage table's prediction needs it
+        sim = simulate(graph, cluster, spec.plan, timeline=True)  # the stage table's prediction needs it
         predicted, sim_timeline = sim.estimate, sim.timeline
-    measured = measured_estimate(result, plan, cluster, spec.batch_size)
+    measured = measured_estimate(result, spec.plan, cluster, spec.batch_size)
     files = write_trace(result, spec, sim_timeline) if spec.trace else ()
-    report = RunReport(plan=plan, model=model, result=result, measured=measured, predicted=predicted,
-                       first_step=first, trace_files=files, replicas=replica_times(plan, result, sim_timeline))
-    keep(report, spec.out_dir, graph, cluster, source)
-    return report
+    return RunReport(plan=spec.plan, model=spec.model, result=result, measured=measured, predicted=predicted,
+                     first_step=first, trace_files=files, replicas=replica_times(spec.plan, result, sim_timeline))
+
+
+def write_for_elsewhere(spec: RunSpec, graph: Graph | None, cluster: Cluster) -> Path:
+    """`hetplan run --dry-run`: the run folder for workers started by torchrun: run.json, and the
+    cluster and graph (at the run's batch) that rank 0 predicts with at the end (`finish_elsewhere`)."""
+    path = write_spec(spec)
+    serde.dump(cluster, spec.out_dir / "cluster.json")
+    if graph is not None:
+        serde.dump(at_batch(graph, spec.batch_size), spec.out_dir / "graph.json")
+    return path
+
+
+def finish_elsewhere(spec: RunSpec) -> str:
+    """For a run that torchrun started (`hetplan run --dry-run`): what the local launcher does at
+    its end, done by rank 0 from the run folder (the cluster and graph `--dry-run` left there),
+    so that `hetplan report DIR` draws it; returns the line to print."""
+    from hetplan.io.clusters import load_cluster
+    from hetplan.io.graphs import load_graph
+
+    folder = spec.out_dir
+    cluster_file, graph_file = folder / "cluster.json", folder / "graph.json"
+    result = read_result(folder, spec)
+    if not cluster_file.is_file():
+        return (f"hetplan: run finished: {result.measured_step_s * 1e3:.1f} ms a step; {folder}/result.json "
+                "(no cluster.json beside run.json, so no summary for hetplan report)")
+    graph = load_graph(graph_file) if graph_file.is_file() else None
+    report = _report(spec, spec.resume_step, result, graph, load_cluster(cluster_file))
+    keep(report, folder, graph, load_cluster(cluster_file), str(folder / "run.json"))
+    said = f"predicted {report.predicted.step_s * 1e3:.1f} ms, " if report.predicted else ""
+    loss = f", loss {result.losses[0]:.4g} -> {result.losses[-1]:.4g}" if result.losses else ""
+    return (f"hetplan: run finished: {report.measured.step_s * 1e3:.1f} ms a step measured ({said}"
+            f"{result.steps} steps{loss}); `hetplan report {folder}` draws it")
 
 
 def keep(report: RunReport, out_dir: Path, graph: Graph | None, cluster: Cluster, source: str | None) -> None:

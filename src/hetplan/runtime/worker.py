@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hetplan.runtime.supervise import end_with_launcher
+from hetplan.runtime.supervise import LAUNCHER_PID, end_with_launcher
 
 if TYPE_CHECKING:
     from hetplan.runtime.spec import RunSpec
@@ -229,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run_worker(spec, rank, world)
+        if rank == 0 and LAUNCHER_PID not in os.environ:  # started by torchrun: nobody else sums it up
+            from hetplan.runtime.run import finish_elsewhere
+
+            print(finish_elsewhere(spec), flush=True)
     except Exception as exc:  # noqa: BLE001 - the launcher reports it, naming the worker
         me = spec.ranks[rank] if rank < spec.world else None
         stage, device = (me.stage, me.device) if me is not None else (None, None)

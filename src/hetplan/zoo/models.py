@@ -302,6 +302,9 @@ def _call_factory(ref: str, factory, kwargs: dict) -> Any:
         return factory(**kwargs)
     except HetplanError:
         raise
+    except SystemExit as exc:
+        raise HetplanError(f"{ref}: the factory called exit({exc.code!r}); return the model and its batch "
+                           "instead") from None
     except Exception as exc:  # the user's code: say what and where, in one line
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         raise HetplanError(f"{ref}: the factory raised {type(exc).__name__}: {exc} "
