@@ -9,7 +9,7 @@ PROFILES := $(SHARED)/data/pipedream-profiles
 OUT ?= out/demo
 HETPLAN := $(BIN)/hetplan
 
-.PHONY: demo test lint clean
+.PHONY: demo test check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# the quick part of the suite (under 2 minutes), for while you work; CI runs `make test`
+check: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

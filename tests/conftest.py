@@ -62,3 +62,20 @@ def cli(capsys):
         return CliResult(code, out, err)
 
     return run
+
+
+# What `make check` leaves out (`-m "not slow"`) and CI runs (`make test`: everything): tests
+# that start worker processes, train models in threads, profile real models, render the page in
+# Chromium, or run the RL planners and the fuzzers' hundreds of CLI calls.
+SLOW_MODULES = {
+    "test_runtime", "test_supervise", "test_hostmem", "test_readme", "test_library", "test_report_page",
+    "test_executor", "test_gpu", "test_stage_times", "test_rl", "test_profile", "test_sparse_training",
+    "test_trace", "test_portable", "test_fuzz_cli", "test_zoo", "test_box_replay", "test_calibrate", "test_cli",
+    "test_data", "test_ctr", "test_layers", "test_boundary",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
