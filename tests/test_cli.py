@@ -637,3 +637,16 @@ def test_demo_says_when_its_predictions_are_not_calibrated(cli, tmp_path, monkey
     assert said != calibrated, r.out
     makefile = (Path(__file__).parents[1] / "Makefile").read_text()
     assert "calibrate --cluster local -o $(OUT)/local-calibrated.json" in makefile
+
+
+def test_a_milp_plan_is_written_and_read_back(cli, profiles, tmp_path):
+    """The issue's command: its report (`meta.milp`) once held numpy values, and writing the plan
+    crashed after solving (`Object of type bool is not JSON serializable`)."""
+    graph, plan = tmp_path / "r50.json", tmp_path / "p.json"
+    assert cli("import", "pipedream", profiles / "resnet50" / "graph.txt", "-o", graph).code == 0
+    r = cli("plan", graph, "--cluster", "v100x8", "--planner", "milp", "--objective", "throughput",
+            "--max-replicas", "1", "-o", plan)
+    assert r.code == 0, r.err
+    meta = json.loads(plan.read_text())["meta"]["milp"]
+    assert meta and all(isinstance(v, str | int | float | bool | list | dict | type(None)) for v in meta.values())
+    assert cli("info", plan).code == 0
