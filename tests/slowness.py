@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 
-QUIET_WORK_S = 0.05  # `_work` on the quiet VM (2026-11-26: 0.045-0.055 s)
+QUIET_WORK_S = 0.033  # `_work` on the quiet VM (2026-11-26: 0.032-0.033 s; 0.06-0.07 s beside two others)
 
 
 def _work() -> float:
