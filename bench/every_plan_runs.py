@@ -31,9 +31,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from hetplan.errors import HetplanError  # noqa: E402
 from hetplan.io import serde  # noqa: E402
 from hetplan.io.clusters import cluster_from_spec  # noqa: E402
+from hetplan.pieces.split import split_step  # noqa: E402
 from hetplan.planners import PlanOptions, make_plan  # noqa: E402
 from hetplan.profile import profile_step  # noqa: E402
-from hetplan.profile.split import split_step  # noqa: E402
 from hetplan.runtime.launch import launch, run_spec  # noqa: E402
 from hetplan.runtime.local import run_threads  # noqa: E402
 from hetplan.runtime.spec import RunSpec  # noqa: E402

@@ -19,8 +19,8 @@ import time
 
 import torch
 
+from hetplan.pieces.hostmem import keep_freed_memory
 from hetplan.runtime.gradients import reduce_gradients, sparse_parameter_ids
-from hetplan.runtime.hostmem import keep_freed_memory
 from hetplan.zoo import load_model
 
 

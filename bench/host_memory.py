@@ -1,4 +1,4 @@
-"""Training steps with the host allocator kept (`hetplan.runtime.hostmem`, the default) against
+"""Training steps with the host allocator kept (`hetplan.pieces.hostmem`, the default) against
 glibc's defaults (`HETPLAN_HOST_MEMORY=system`), side by side in one run.
 
     .venv/bin/python bench/host_memory.py [--rounds 3] [--steps 20] [-o bench/results/host_memory.json]

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch  # noqa: E402
 
+from hetplan.pieces.split import split_step  # noqa: E402
 from hetplan.profile import profile_step  # noqa: E402
-from hetplan.profile.split import split_step  # noqa: E402
 from hetplan.zoo import ZOO, load_model  # noqa: E402
 from hf_families import FAMILIES  # noqa: E402
 from test_executor import pipelined_vs_single  # noqa: E402

@@ -42,8 +42,8 @@ def _half(batch: dict, rank: int) -> dict:
 def _rank(rank: int, port: int, batch_size: int, repeats: int, out: str) -> None:
     import torch.distributed as dist
 
+    from hetplan.pieces.hostmem import keep_freed_memory
     from hetplan.runtime.gradients import reduce_gradients, sparse_parameter_ids
-    from hetplan.runtime.hostmem import keep_freed_memory
     from hetplan.runtime.transport import GlooTransport
     from hetplan.zoo import load_model
 

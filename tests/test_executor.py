@@ -10,8 +10,8 @@ from torch import nn
 
 from hetplan.errors import HetplanError
 from hetplan.io.clusters import cluster_from_spec
+from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
-from hetplan.profile.split import split_step
 from hetplan.rows import step_rows
 from hetplan.runtime.launch import run_spec
 from hetplan.runtime.local import run_threads

@@ -1,4 +1,4 @@
-"""The host allocator's setting (`hetplan.runtime.hostmem`): with it, a training step on the CPU
+"""The host allocator's setting (`hetplan.pieces.hostmem`): with it, a training step on the CPU
 page-faults nothing in its steady state; without it, glibc faulted Adam's temporaries in again
 every step (issue 15: the perceptron's runs measured 22-54% slower than its profile)."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import hetplan.profile as hp
-from hetplan.runtime import hostmem
+from hetplan.pieces import hostmem
 
 # Steps of the zoo's 784-1024x4-10 perceptron with Adam in a fresh process (the setting is for the
 # whole process and cannot be undone), each with a 64 MiB activation besides (above glibc's largest
@@ -20,7 +20,7 @@ from hetplan.runtime import hostmem
 STEPS = """
 import json, resource, statistics, sys, torch
 from torch import nn
-from hetplan.runtime.hostmem import keep_freed_memory
+from hetplan.pieces.hostmem import keep_freed_memory
 torch.set_num_threads(1)
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 torch.manual_seed(0)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from hetplan.pieces.portable import baked_devices, place, portable
+from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
-from hetplan.profile.portable import baked_devices, place, portable
-from hetplan.profile.split import split_step
 from hetplan.runtime.rank import Traces
 from hetplan.zoo import ZOO, load_model
 

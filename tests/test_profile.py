@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.pieces.split import find_block_classes, split_step
 from hetplan.profile import profile, profile_step
 from hetplan.profile.devices import cuda_type_name, parse_device, usable_cores
-from hetplan.profile.split import find_block_classes, split_step
 from hetplan.zoo import load_model
 
 

@@ -12,8 +12,8 @@ from hetplan.graph import Edge, Graph, Node
 from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
 from hetplan.io.graphs import load_graph
-from hetplan.report.gantt import chrome_trace, timeline_from_trace
 from hetplan.sim import simulate
+from hetplan.timeline.gantt import chrome_trace, timeline_from_trace
 
 GRAPH_POINTS = "#fig-graph .scatterlayer .trace.scatter .point"
 TIMELINE_BARS = "#fig-timeline .barlayer .point"
@@ -178,7 +178,7 @@ def test_a_plan_that_does_not_fit_says_why_on_its_page(tmp_path, cli):
 
 def test_a_bar_on_a_link_says_what_it_carries_between_which_stages():
     from hetplan.report.figures import span_hover
-    from hetplan.sim.engine import Span
+    from hetplan.timeline import Span
 
     assert span_hover(Span("a->b", "B", 2, 3, 0.0, 1.0, 1)) == "gradients of micro-batch 3, stage 2 → stage 1"
     assert span_hover(Span("a", "F", 0, 1, 0.0, 1.0)) == "stage 0: forward of micro-batch 1"

@@ -11,8 +11,8 @@ from torch import nn
 from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec
+from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
-from hetplan.profile.split import split_step
 from hetplan.rows import step_rows
 from hetplan.runtime.checkpoint import checkpoint_step
 from hetplan.runtime.launch import WorkerFailure, launch, run_spec

@@ -14,8 +14,8 @@ from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import Estimate, Plan, Stage, validate_plan
 from hetplan.schedule import schedule_order
 from hetplan.sim import simulate
-from hetplan.sim.engine import ALLREDUCE, OPTIMIZER
 from hetplan.sim.model import build_step_model
+from hetplan.timeline import ALLREDUCE, OPTIMIZER
 from strategies import MIXED as CLUSTER
 from strategies import V, chain, graphs, one_per_stage
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from hetplan.pieces.optim import StageOptimizer
 from hetplan.runtime.gradients import reduce_gradients, sparse_parameter_ids
-from hetplan.runtime.optim import StageOptimizer
 from hetplan.runtime.transport import LocalHub
 
 

@@ -4,13 +4,13 @@ the step spent communicating, predicted (simulated timeline) against measured (e
 import json
 
 from hetplan.io import serde
+from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
-from hetplan.profile.split import split_step
 from hetplan.report import tables
 from hetplan.runtime.launch import RunResult
 from hetplan.runtime.stage_times import StageTime, predicted_replica, replica_times, stage_times
 from hetplan.runtime.worker import step_busy_comm
-from hetplan.sim.engine import Span, Timeline
+from hetplan.timeline import Span, Timeline
 from hetplan.zoo import load_model
 from test_executor import chain_plan
 from test_runtime import graph_of

@@ -8,7 +8,7 @@ import pytest
 
 from hetplan.cluster import Cluster
 from hetplan.io.clusters import cluster_from_spec
-from hetplan.profile.split import split_step
+from hetplan.pieces.split import split_step
 from hetplan.runtime.run import RunSettings, run_plan
 from hetplan.runtime.trace import measured_timeline
 from hetplan.schedule import schedule_order

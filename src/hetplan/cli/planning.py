@@ -92,7 +92,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sim = simulate(graph, cluster, plan, routing=args.routing, timeline=bool(args.gantt or args.trace))
     est = sim.estimate
     if args.gantt:
-        from hetplan.report.gantt import device_labels, draw_gantt
+        from hetplan.timeline.gantt import device_labels, draw_gantt
 
         labels = device_labels(plan, cluster)
         title = (f"{graph.name} on {cluster.name}: {plan.planner} plan, {len(plan.stages)} stages, "
@@ -100,7 +100,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                  f"bubble {est.bubble_fraction:.0%}")
         draw_gantt(sim.timeline, args.gantt, title=title, device_labels=labels)
     if args.trace:
-        from hetplan.report.gantt import write_chrome_trace
+        from hetplan.timeline.gantt import write_chrome_trace
 
         write_chrome_trace(sim.timeline, args.trace)
     if args.json:

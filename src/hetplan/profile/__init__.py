@@ -1,7 +1,7 @@
 """Profile a PyTorch training step into a hetplan `Graph`.
 
 `profile(model, example_inputs, ...)` and `profile_step(step, batch, ...)` trace the step with
-`torch.export`, cut it into one executable piece per node (`hetplan.profile.split`), run it once
+`torch.export`, cut it into one executable piece per node (`hetplan.pieces.split`), run it once
 to capture every piece's inputs, and then time each piece's forward and backward pass on each
 requested device, with all pieces run in sequence as the step runs them
 (`hetplan.profile.timing`). Edges carry the bytes of the tensors that really flow between
@@ -27,10 +27,10 @@ from torch import nn
 from hetplan._frozen import FrozenMap
 from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node
+from hetplan.pieces.hostmem import keep_freed_memory
+from hetplan.pieces.split import GRANULARITIES, SplitStep, split_step, tensor_bytes
 from hetplan.profile.devices import ProfileDevice, parse_device
-from hetplan.profile.split import GRANULARITIES, SplitStep, split_step, tensor_bytes
 from hetplan.profile.timing import Timing, optimizer_times, time_in_sequence, warm_pass
-from hetplan.runtime.hostmem import keep_freed_memory
 
 __all__ = ["GRANULARITIES", "ProfileReport", "profile", "profile_step"]
 
@@ -163,7 +163,7 @@ def profile_step(
     the two sizes covers the micro-batches plans use rather than extrapolates to them), and
     the two times give the part of each pass that does not shrink with the batch
     (`Node.fwd_fixed_s`): t(b) = fixed + rate * b. It keeps this process's freed memory for
-    reuse, as the runtime's workers do (`hetplan.runtime.hostmem`), so both measure one allocator.
+    reuse, as the runtime's workers do (`hetplan.pieces.hostmem`), so both measure one allocator.
     `progress(share of the whole profile done, what it is doing)` is told as it goes."""
     parsed, batch_size = _checked(granularity, repeats, devices, batch)
     keep_freed_memory()

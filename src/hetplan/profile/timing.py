@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hetplan.profile.split import Piece, SplitStep, changed_in_place
+from hetplan.pieces.split import Piece, SplitStep, changed_in_place
 
 
 def _leaves(inputs: Sequence[Any], data: Sequence[bool]) -> list[Any]:
@@ -293,11 +293,11 @@ def time_in_sequence(split: SplitStep, batch: Mapping[str, Any], device: str, re
 
 def optimizer_times(split: SplitStep, device: str, repeats: int) -> dict[str, float]:
     """Per piece with parameters, the median time of the runtime's Adam step over them
-    (`hetplan.runtime.optim.StageOptimizer`: SparseAdam for the sparse gradients), from the
+    (`hetplan.pieces.optim.StageOptimizer`: SparseAdam for the sparse gradients), from the
     gradients the timed passes left: a step has a cost per tensor besides its bytes (SparseAdam
     on one 1M-row table's looked-up rows: 0.18 ms for 30 KB on this machine's CPU), which a
     formula of the bytes misses. It updates the profiler's own copy of the model."""
-    from hetplan.runtime.optim import StageOptimizer
+    from hetplan.pieces.optim import StageOptimizer
 
     clock, out = Clock(device), {}
     for piece in split.pieces:

@@ -4,7 +4,7 @@ timelines (predicted above measured, one time axis) and an RL planner's learning
 plotly draws them in the browser (zoom, hover) from data: nothing here draws by hand. The graph
 is laid out in layers, one per topological generation (`networkx.topological_generations`), left
 to right; within a layer, nodes keep the graph's order. Colours of the timelines are the Gantt
-chart's (`hetplan.report.gantt.COLOURS`), so the PNG and the page read alike.
+chart's (`hetplan.timeline.gantt.COLOURS`), so the PNG and the page read alike.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from plotly.subplots import make_subplots
 from hetplan.cluster import Cluster
 from hetplan.graph import Graph, Node
 from hetplan.plan import Plan
-from hetplan.report.gantt import COLOURS, NAMES, device_name
-from hetplan.sim.engine import ALLREDUCE, OPTIMIZER, Span, Timeline
+from hetplan.timeline import ALLREDUCE, OPTIMIZER, Span, Timeline
+from hetplan.timeline.gantt import COLOURS, NAMES, device_name
 from hetplan.units import fmt_bytes, fmt_seconds
 
 STAGE_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",

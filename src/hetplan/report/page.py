@@ -28,9 +28,9 @@ from hetplan.graph import Graph
 from hetplan.io.serde import atomic_write_text
 from hetplan.plan import Plan, prediction_error
 from hetplan.report import figures
-from hetplan.report.gantt import device_labels
 from hetplan.runtime.stage_times import StageTime
-from hetplan.sim.engine import Timeline
+from hetplan.timeline import Timeline
+from hetplan.timeline.gantt import device_labels
 from hetplan.units import fmt_seconds
 
 

@@ -25,13 +25,13 @@ from hetplan.io.clusters import load_cluster
 from hetplan.io.graphs import load_graph
 from hetplan.plan import Plan, validate_plan
 from hetplan.report.curve import curve_rows
-from hetplan.report.gantt import timeline_from_trace
 from hetplan.report.page import RUN_ROW_KEYS, ReportData, facts_of
 from hetplan.report.summary import CLUSTER_REF, GRAPH_FILE, estimate_notes
 from hetplan.runtime.run import TRACE_FILES
 from hetplan.runtime.stage_times import StageTime, replica_times
 from hetplan.sim import simulate
-from hetplan.sim.engine import Timeline
+from hetplan.timeline import Timeline
+from hetplan.timeline.gantt import timeline_from_trace
 
 WHAT = ("a plan file (hetplan plan -o), a compare --json output, a run folder (hetplan run --out) or a demo "
         "folder (hetplan demo --out)")

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hetplan.errors import HetplanError
-from hetplan.runtime.hostmem import keep_freed_memory
+from hetplan.pieces.hostmem import keep_freed_memory
 
 MiB = 1 << 20
 P2P_BYTES = (1 * MiB, 16 * MiB)

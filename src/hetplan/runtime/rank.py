@@ -1,7 +1,7 @@
 """Everything one rank builds before its first step, the same way on every rank.
 
 Every rank builds the whole model from the same seed (so the weights agree without sending them)
-and cuts the training step into the profiler's pieces (`hetplan.profile.split`). `torch.export`
+and cuts the training step into the profiler's pieces (`hetplan.pieces.split`). `torch.export`
 records shapes as numbers, so a piece traced for 4 rows runs on 4 rows only: a rank traces the
 step once per slice size it will run (`hetplan.rows`: its rows of each micro-batch), and all
 traces share the model's parameters. Two small extra traces (2 and 3 rows) show which dimension
@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.pieces.portable import place
+from hetplan.pieces.split import split_step
 from hetplan.plan import Plan
-from hetplan.profile.portable import place
-from hetplan.profile.split import split_step
 from hetplan.rows import StepRows, step_rows
 from hetplan.runtime.boundary import ValueLayout, layouts
 from hetplan.runtime.executor import Role

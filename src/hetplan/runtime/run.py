@@ -250,8 +250,8 @@ def keep(report: RunReport, out_dir: Path, graph: Graph | None, cluster: Cluster
 def write_trace(result: RunResult, spec: RunSpec, predicted=None) -> tuple[str, ...]:
     """The last step's measured timeline as a Chrome trace (`trace_measured.json`) and a Gantt
     chart (`gantt.png`) with the simulator's timeline above it when there is one."""
-    from hetplan.report.gantt import draw_gantts, write_chrome_trace
     from hetplan.runtime.trace import measured_timeline
+    from hetplan.timeline.gantt import draw_gantts, write_chrome_trace
 
     measured = measured_timeline(result, spec)
     trace = write_chrome_trace(measured, spec.out_dir / TRACE_FILES[0])

@@ -8,7 +8,7 @@ receiving (waiting for the sender included, so the pipeline's fill and drain cou
 gradient all-reduce (waiting for the other replicas included). Per worker, the median over the
 steps after the warm-up; per stage, the mean over its replicas; the share is of the measured step.
 
-Predicted, from the simulator's timeline (`hetplan.sim.engine.Timeline`), the same quantities for
+Predicted, from the simulator's timeline (`hetplan.timeline.Timeline`), the same quantities for
 each replica of the stage: busy = its forward, backward and optimizer spans; communication = the
 time from the step's start to the end of its all-reduce (or of its last backward pass when the
 stage has no all-reduce) that it does not spend computing, i.e. the time its next action waits
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from hetplan.plan import Plan
 from hetplan.runtime.launch import RunResult
-from hetplan.sim.engine import ALLREDUCE, OPTIMIZER, Timeline
+from hetplan.timeline import ALLREDUCE, OPTIMIZER, Timeline
 
 COMPUTE = ("F", "B")
 

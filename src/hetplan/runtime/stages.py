@@ -1,6 +1,6 @@
 """One `nn.Module` per stage of a plan, from the pieces of the profiled training step.
 
-The profiler cut the step into pieces, one per graph node (`hetplan.profile.split`); the same
+The profiler cut the step into pieces, one per graph node (`hetplan.pieces.split`); the same
 cut, made again here from the same model and batch shapes, gives pieces with the same names. A
 stage runs its pieces in topological order. The runtime connects only neighbouring stages
 (`hetplan.runtime.support.ROUTING`), so every value that crosses boundary k (made at or before stage k, used
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.pieces.split import Piece, SplitStep, changed_in_place
 from hetplan.plan import Plan
-from hetplan.profile.split import Piece, SplitStep, changed_in_place
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ backward action of its stage replica (receiving its inputs included, as the exec
 every message it received (the wait and the copy, drawn on the link from the sender's device),
 its share of the gradient all-reduce and its optimizer step, on the time.perf_counter clock from
 the moment the workers left the step's first barrier. `measured_timeline` gathers the workers'
-records into a `hetplan.sim.engine.Timeline`, so that the Gantt chart and the Chrome trace
-of a run and of the simulator's prediction are drawn alike (`hetplan.report.gantt`).
+records into a `hetplan.timeline.Timeline`, so that the Gantt chart and the Chrome trace
+of a run and of the simulator's prediction are drawn alike (`hetplan.timeline.gantt`).
 What is not recorded: sends (posted without waiting; their cost shows in the receiver's wait).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from hetplan.runtime.launch import RunResult
 from hetplan.runtime.spec import RunSpec
-from hetplan.sim.engine import Span, Timeline
+from hetplan.timeline import Span, Timeline
 
 
 def measured_timeline(result: RunResult, spec: RunSpec) -> Timeline:

@@ -57,8 +57,8 @@ def _batches(spec: RunSpec, zoo_model, step: int):
 
 def _optimizer(spec: RunSpec, params: list, sparse_ids=None):
     """Adam or SGD over the stage's parameters, SparseAdam beside Adam for embedding tables with
-    sparse gradients (`hetplan.runtime.optim`)."""
-    from hetplan.runtime.optim import StageOptimizer
+    sparse gradients (`hetplan.pieces.optim`)."""
+    from hetplan.pieces.optim import StageOptimizer
 
     if not params:  # a stage without parameters (a lone GELU, a reshape) has nothing to update
         return None
@@ -178,7 +178,7 @@ def step_trace(spans, tail: tuple[float, float, float], stage: int, t0: float) -
 def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     import torch
 
-    from hetplan.runtime.hostmem import keep_freed_memory
+    from hetplan.pieces.hostmem import keep_freed_memory
     from hetplan.runtime.transport import GlooTransport
 
     out_dir = spec.out_dir

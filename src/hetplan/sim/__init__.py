@@ -17,8 +17,9 @@ from hetplan.cost import CostModel
 from hetplan.cost.formulas import stage_memory_bytes
 from hetplan.graph import Graph
 from hetplan.plan import Estimate, Plan
-from hetplan.sim.engine import Span, Timeline, run_events
+from hetplan.sim.engine import run_events
 from hetplan.sim.model import ROUTINGS, StepModel, build_step_model
+from hetplan.timeline import Span, Timeline
 from hetplan.units import fmt_bytes
 
 

@@ -1,4 +1,4 @@
-"""Tracing a training step for `hetplan.profile.split`: torch.export first, torch.fx with the
+"""Tracing a training step for `hetplan.pieces.split`: torch.export first, torch.fx with the
 blocks as opaque leaves second, and when both fail one line that says where and what to do.
 
 torch.export (non-strict) records every ATen op with the stack of modules that called it; torch.fx

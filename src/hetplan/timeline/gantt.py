@@ -16,7 +16,7 @@ from hetplan.cluster import Cluster
 from hetplan.errors import InputError
 from hetplan.io.serde import atomic_write, atomic_write_text
 from hetplan.plan import Plan
-from hetplan.sim.engine import ALLREDUCE, OPTIMIZER, Span, Timeline
+from hetplan.timeline import ALLREDUCE, OPTIMIZER, Span, Timeline
 
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", ALLREDUCE: "#9A9A9A", OPTIMIZER: "#55A868"}
 NAMES = {"F": "forward / activations", "B": "backward / gradients", ALLREDUCE: "gradient all-reduce",

@@ -32,8 +32,8 @@ from torch import fx, nn
 
 from hetplan.errors import HetplanError
 from hetplan.graph import GRANULARITIES
-from hetplan.profile.portable import portable
-from hetplan.profile.tracing import trace_step
+from hetplan.pieces.portable import portable
+from hetplan.pieces.tracing import trace_step
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -238,7 +238,7 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node], produced_outside: set[fx.
         env[n].meta = copy.copy(n.meta)
     outputs = [n for n in nodes if n in needed_outside]
     graph.output(tuple(env[n] for n in outputs))
-    # device-neutral, so that a piece traced here runs on any device (`hetplan.profile.portable`)
+    # device-neutral, so that a piece traced here runs on any device (`hetplan.pieces.portable`)
     return portable(fx.GraphModule(root, graph, class_name="Piece")), inputs, outputs
 
 
