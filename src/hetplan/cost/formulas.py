@@ -66,8 +66,8 @@ def transfer_s_array(nbytes, bandwidth_Bps, latency_s) -> np.ndarray:
 
 ROW_INDEX_BYTES = 8  # an int64 row index or count, as the runtime sends them (`hetplan.runtime.gradients`)
 # The runtime joins a replica's gradients into one buffer for the all-reduce and copies the sum
-# back: a read and a write of the bytes each way. Measured on this VM's one-thread worker
-# (issue 15): 3.2 ms for the perceptron's 15.9 MB and 0.54 ms for gpt2-tiny's 3.6 MB, copies
+# back: a read and a write of the bytes each way. Measured on this VM's one-thread worker:
+# 3.2 ms for the perceptron's 15.9 MB and 0.54 ms for gpt2-tiny's 3.6 MB, copies
 # streaming at about twice the per-thread bandwidth Adam's step gets (the catalog's
 # `mem_bw_Bps`); so two passes of it. Those figures included a third copy the runtime has since
 # dropped (one part is all-reduced where it was joined); `bench/exchange_host_work.py --model

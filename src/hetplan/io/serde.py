@@ -80,7 +80,7 @@ def dump(obj: Any, path: str | os.PathLike) -> None:
 def check_output(path: str | os.PathLike, inputs: Sequence[str | os.PathLike | None] = ()) -> Path:
     """Refuse an output path that is not a regular file or a new path (a device such as
     /dev/null, a FIFO, a directory, a symbolic link), or that is an input of the same command:
-    writing there would replace what the user did not mean to lose (issue 13)."""
+    writing there would replace what the user did not mean to lose."""
     out = Path(path)
     try:
         mode = os.lstat(out).st_mode

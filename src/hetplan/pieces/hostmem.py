@@ -6,7 +6,7 @@ fresh `mmap`, unmaps it on `free`, and returns the heap's free top to the system
 threshold. A training step frees and allocates the same tensors every step (the gradients after
 `zero_grad`, the optimizer's temporaries), so under the defaults it faults the same megabytes in
 again every step, and how many depends on the process's history of allocations. Measured here
-(issue 15, the 784-1024x4-10 perceptron, one thread): Adam's step took 14-15 ms with 3,000-5,000
+(the 784-1024x4-10 perceptron, one thread): Adam's step took 14-15 ms with 3,000-5,000
 page faults per step, and 8.4 ms with none once both thresholds were fixed high; the same step
 had been seen at 10-15 ms in one process and 24 ms in the next. The profiler measured the quiet
 regime and the workers ran the faulting one, so every run of that model was slower than its

@@ -90,7 +90,7 @@ def device_orders(cluster: Cluster, speed: dict[str, float], objective: str,
         orders.append(realise([c for c in seq for _ in classes[c]]))
         # k = 1, 2, 4, ... devices of the first type, then the types taken in turn: a plan uses a
         # prefix of an order, and with the types kept together one cheap GPU after eight CPU
-        # workers comes only with all eight (issue 17: parsing on two CPUs, the MLP on a GPU)
+        # workers comes only with all eight (parsing on two CPUs, the MLP on a GPU)
         for tord in type_orders:
             queues = [[key for key, ids in sorted(classes.items(), key=lambda kv: kv[0][1:]) if key[0] == t
                        for _ in ids] for t in tord]

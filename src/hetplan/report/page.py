@@ -1,4 +1,4 @@
-"""The report page: one self-contained HTML file per plan, run, comparison or demo (issue 18).
+"""The report page: one self-contained HTML file per plan, run, comparison or demo.
 
 `ReportData` is what a page shows; `render_html` writes it. Everything is inlined: the figures as
 plotly JSON, and plotly.js itself, gzip-compressed and base64-encoded (1.5 of its 4.8 MB), which

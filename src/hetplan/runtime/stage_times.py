@@ -1,5 +1,5 @@
 """Per stage, predicted against measured: compute busy time and the share of the step spent
-communicating (TAPP's measure; `hetplan run`'s stage table, issue 15).
+communicating (TAPP's measure; `hetplan run`'s stage table).
 
 Measured (every run): each worker sums, per step, the perf_counter spans the executor already
 takes (`hetplan.runtime.worker.step_busy_comm`): busy = its forward and backward actions less the

@@ -124,7 +124,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         if role.last:
             losses.append(loss)
         every = spec.checkpoint_every
-        # with a checkpoint folder, the last step is always saved (a resumed run too, issue 13)
+        # with a checkpoint folder, the last step is always saved (a resumed run too)
         due = (every and (step + 1) % every == 0) or step + 1 == spec.steps
         if spec.checkpoint_dir is not None and due and role.replica == 0:  # replicas hold the same weights
             from hetplan.runtime.checkpoint import save_stage

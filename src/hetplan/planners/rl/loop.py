@@ -135,7 +135,7 @@ class Iterations:
 def guarded_update(opt: torch.optim.Optimizer, loss: torch.Tensor, grad_clip: float | None = None) -> bool:
     """One optimizer update, unless the loss or a gradient is not finite (rewards of plans the
     simulator scores as infinite, a log-probability of -inf): then the update is skipped and the
-    learning rate halved, so that no NaN reaches the policy's weights (issue 13: PPO on resnet50
+    learning rate halved, so that no NaN reaches the policy's weights (PPO on resnet50
     crashed at update 597 with 'probability tensor contains either inf, nan'). Returns whether it
     updated; callers count the skipped ones in the run's record."""
     params = [p for group in opt.param_groups for p in group["params"]]
@@ -244,7 +244,7 @@ def _ppo_step(policy: PlanPolicy, opt: torch.optim.Optimizer, cfg: LearnConfig, 
         logp, ent = policy.log_prob(sample, scale)
         # The partition network's dropout (Trinity's 30%) differs between `old` and this pass,
         # and a plan's log-probability sums 64 units' choices: the log-ratio reached 140 on
-        # resnet50 and exp() overflowed to inf (issue 13). Clamped, it stays finite; the
+        # resnet50 and exp() overflowed to inf. Clamped, it stays finite; the
         # PPO clip and the gradient-norm clip bound the update as before.
         ratio = torch.exp((logp - old).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
         surrogate = torch.min(ratio * adv, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * adv)
