@@ -104,3 +104,13 @@ def test_dp_orders_sixteen_identical_cpus_at_once():
     start = time.perf_counter()
     assert device_orders(cluster, {"cpu-1t": 1.0}, "time") == [tuple(f"c{i}" for i in range(16))]
     assert time.perf_counter() - start < limit_s(1)
+
+
+def test_every_objective_a_plan_may_name_is_in_the_registry():
+    """Planners read an objective's value, bound and floor from `objectives.OBJECTIVES`; a name
+    the plan format accepts but the registry lacks would fail only when planned for."""
+    from hetplan.plan import OBJECTIVES as NAMES
+    from hetplan.planners.objectives import OBJECTIVES
+
+    assert set(NAMES) == set(OBJECTIVES) and all(o.name == n for n, o in OBJECTIVES.items())
+    assert [n for n, o in OBJECTIVES.items() if o.floor] == ["cost"]

@@ -26,12 +26,12 @@ import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import microbatch_fractions
-from hetplan.cost.formulas import usd_per_step
 from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
 from hetplan.planners.devices import device_classes
 from hetplan.planners.kit import microbatch_choices
+from hetplan.planners.objectives import objective
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.scoring import Scorer
 from hetplan.planners.states import cut_states, subset_matrix
@@ -198,21 +198,15 @@ def _lower(space: _Space, cluster: Cluster, options: PlanOptions, scorer: Scorer
            slowest_s: float, groups: tuple[tuple[int, ...], ...]) -> float:
     """A lower bound on the objective of a candidate whose step is at least bound_s and whose
     slowest stage computes for slowest_s (the steady state's bottleneck is at least that)."""
-    if options.objective == "time":
-        return bound_s
-    if options.objective == "throughput":
-        return slowest_s
-    if options.objective == "cost":
-        usd = sum(cluster.device(space.classes[ci][0]).usd_per_hour * c for g in groups for ci, c in enumerate(g))
-        return usd_per_step(usd, bound_s) / scorer.graph.batch_size
-    return options.alpha * bound_s / scorer.t_ref_s
+    usd = sum(cluster.device(space.classes[ci][0]).usd_per_hour * c for g in groups for ci, c in enumerate(g))
+    return objective(options).lower(bound_s, slowest_s, usd, scorer.graph.batch_size, options, scorer.t_ref_s)
 
 
 def exact(graph: Graph, cluster: Cluster, options: PlanOptions, limit: int = LIMIT) -> Plan:
     scorer = Scorer(graph, cluster, options)
     space = _Space(graph, cluster, options, scorer, limit)
     batch = graph.batch_size
-    floor_s = batch / options.min_samples_per_s if options.objective == "cost" else math.inf
+    floor_s = batch / options.min_samples_per_s if objective(options).floor else math.inf
     scored = sorted(((_lower(space, cluster, options, scorer, b, slow, g), b, chain, g, m)
                      for b, slow, chain, g, m in space.candidates(batch)), key=lambda x: x[:2])
     best_value, best_plan, looked = math.inf, None, []

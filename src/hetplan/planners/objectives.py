@@ -30,11 +30,15 @@ plan is from feasible, so that a search can walk through infeasible plans back t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
+from hetplan.cost.formulas import usd_per_step
 from hetplan.graph import Graph
 from hetplan.plan import Estimate
 from hetplan.planners.options import PlanOptions
@@ -76,8 +80,52 @@ def penalised(base, over, short):
     return np.where((over == 0.0) & (short == 0.0), base, (base + 1e-12) * (10.0 + 10.0 * (over + short)))
 
 
+@dataclass(frozen=True)
+class Objective:
+    """One objective: the number it gives a plan from the plan's figures, scalars or numpy arrays
+    alike (`base(step_s, usd_per_step, bottleneck_s, link_share, memory_share, batch, options,
+    t_ref_s)`), a lower bound on it from a step at least `bound_s` long whose slowest stage
+    computes `slowest_s` on devices costing `usd_per_hour` (`lower`), whether the throughput
+    floor binds (`floor`), and how to say it (`says(options)`). Planners read it here rather than
+    branching on the name."""
+
+    name: str
+    base: Callable[..., Any]
+    lower: Callable[..., float]
+    says: Callable[[PlanOptions], str]
+    floor: bool = False
+
+
+OBJECTIVES = {o.name: o for o in (
+    Objective("time", lambda step, usd, neck, link, mem, batch, opt, ref: step,
+              lambda bound, slowest, usd_h, batch, opt, ref: bound, lambda opt: "shortest step"),
+    Objective("cost", lambda step, usd, neck, link, mem, batch, opt, ref: usd / batch,
+              lambda bound, slowest, usd_h, batch, opt, ref: usd_per_step(usd_h, bound) / batch,
+              lambda opt: f"lowest price per sample at >= {opt.min_samples_per_s:g} samples/s", floor=True),
+    Objective("throughput", lambda step, usd, neck, link, mem, batch, opt, ref: neck,
+              lambda bound, slowest, usd_h, batch, opt, ref: slowest,
+              lambda opt: "highest steady-state throughput (PipeDream's slowest stage or cut)"),
+    Objective("mdpe", lambda step, usd, neck, link, mem, batch, opt, ref: mdpe_of(step, link, mem, opt, ref),
+              lambda bound, slowest, usd_h, batch, opt, ref: opt.alpha * bound / ref,
+              lambda opt: (f"mdpe (alpha {opt.alpha:g}, beta {opt.beta:g}, gamma {opt.gamma:g}, link tolerance "
+                           f"{opt.comm_tolerance:g}, memory tolerance {opt.mem_tolerance:g})")),
+)}
+
+
+def objective(options: PlanOptions) -> Objective:
+    return OBJECTIVES[options.objective]
+
+
+def shortfall(samples_per_s, options: PlanOptions):
+    """How far below the throughput floor a plan is, as a share of the floor (0 when it meets it
+    or the objective has none): numbers or numpy arrays alike."""
+    if not objective(options).floor or not options.min_samples_per_s:
+        return 0.0 * np.asarray(samples_per_s)
+    return np.maximum(0.0, options.min_samples_per_s / np.maximum(samples_per_s, 1e-30) - 1.0)
+
+
 def meets_floor(est: Estimate, options: PlanOptions) -> bool:
-    return options.objective != "cost" or est.samples_per_s >= (options.min_samples_per_s or 0.0) * (1 - 1e-12)
+    return not objective(options).floor or est.samples_per_s >= (options.min_samples_per_s or 0.0) * (1 - 1e-12)
 
 
 def value(est: Estimate, options: PlanOptions, cluster: Cluster, batch_size: int, t_ref_s: float) -> float:
@@ -88,31 +136,17 @@ def value(est: Estimate, options: PlanOptions, cluster: Cluster, batch_size: int
 
 
 def _raw(est: Estimate, options: PlanOptions, cluster: Cluster, batch_size: int, t_ref_s: float) -> float:
-    if options.objective == "time":
-        return est.step_s
-    if options.objective == "cost":
-        return est.usd_per_step / batch_size
-    if options.objective == "throughput":
-        return est.bottleneck_s
-    return mdpe(est, options, cluster, t_ref_s)
+    return float(objective(options).base(est.step_s, est.usd_per_step, est.bottleneck_s, link_share(est),
+                                         memory_share(est, cluster), batch_size, options, t_ref_s))
 
 
 def search_value(est: Estimate, options: PlanOptions, cluster: Cluster, batch_size: int, t_ref_s: float) -> float:
     """Like `value`, but finite: an infeasible plan costs its objective times a factor that grows
     with its memory overflow and its shortfall below the throughput floor."""
     over = max(0.0, memory_share(est, cluster) - 1.0)
-    short = 0.0
-    if options.objective == "cost" and options.min_samples_per_s:
-        short = max(0.0, options.min_samples_per_s / max(est.samples_per_s, 1e-30) - 1.0)
+    short = float(shortfall(est.samples_per_s, options))
     return float(penalised(_raw(est, options, cluster, batch_size, t_ref_s), over, short))
 
 
 def describe(options: PlanOptions) -> str:
-    if options.objective == "time":
-        return "shortest step"
-    if options.objective == "cost":
-        return f"lowest price per sample at >= {options.min_samples_per_s:g} samples/s"
-    if options.objective == "throughput":
-        return "highest steady-state throughput (PipeDream's slowest stage or cut)"
-    return (f"mdpe (alpha {options.alpha:g}, beta {options.beta:g}, gamma {options.gamma:g}, "
-            f"link tolerance {options.comm_tolerance:g}, memory tolerance {options.mem_tolerance:g})")
+    return objective(options).says(options)

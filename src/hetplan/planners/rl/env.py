@@ -224,17 +224,10 @@ class PlanEnv:
         opts, batch = self.options, self.graph.batch_size
         mem_share = (sc.peak_mem_bytes / self.mem_bytes[devs]).max(axis=1)
         over = np.maximum(0.0, mem_share - 1.0)
-        short = np.zeros_like(over)
-        if opts.objective == "time":
-            base = sc.step_s.copy()
-        elif opts.objective == "cost":
-            base = sc.usd_per_step / batch
-            short = np.maximum(0.0, opts.min_samples_per_s / np.maximum(sc.samples_per_s, 1e-30) - 1.0)
-        elif opts.objective == "throughput":
-            base = sc.bottleneck_s.copy()
-        else:
-            link = sc.link_busy_s / np.maximum(sc.step_s, 1e-30)
-            base = objectives.mdpe_of(sc.step_s, link, mem_share, opts, self.t_ref_s)
+        short = objectives.shortfall(sc.samples_per_s, opts)
+        link = sc.link_busy_s / np.maximum(sc.step_s, 1e-30)
+        base = np.asarray(objectives.objective(opts).base(sc.step_s, sc.usd_per_step, sc.bottleneck_s, link,
+                                                          mem_share, batch, opts, self.t_ref_s), dtype=float)
         return objectives.penalised(base, over, short), (over == 0.0) & (short == 0.0)
 
     # -- plans ---------------------------------------------------------------------------------
