@@ -72,7 +72,8 @@ def _outside_cost():
 
 
 def _formula_lines(path: Path, text: str) -> list[str]:
-    """Places that write a cost formula: a division by a bandwidth, the weight-copies or
+    """Places that write a cost formula: a division by a bandwidth, overheads or a co-running
+    factor added or multiplied in (`formulas.replica_passes_s` does that), the weight-copies or
     optimizer-passes constants, seconds per hour."""
     found = []
     for node in ast.walk(ast.parse(text)):
@@ -81,6 +82,12 @@ def _formula_lines(path: Path, text: str) -> list[str]:
             right = ast.get_source_segment(text, node.right) or ""
             if any(k in right.lower() for k in ("bandwidth", "_bw", "bps")):
                 found.append(f"{where}: bytes / bandwidth: {ast.get_source_segment(text, node)}")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult) and not any(
+                isinstance(x, ast.Constant | ast.JoinedStr) for x in (node.left, node.right)):  # not text or units
+            sides = [ast.get_source_segment(text, x) or "" for x in (node.left, node.right)]
+            if any("overhead" in side.lower() or "corun" in side.lower() or side in ("slow",) for side in sides):
+                found.append(f"{where}: the runtime's overheads or co-running applied: "
+                             f"{ast.get_source_segment(text, node)}")
         if isinstance(node, ast.Name | ast.Attribute):
             name = node.id if isinstance(node, ast.Name) else node.attr
             if name in ("WEIGHT_COPIES", "OPTIMIZER_PASSES", "OPTIMIZER_STATE_COPIES", "inflight_microbatches"):
@@ -101,3 +108,19 @@ def test_the_rule_finds_a_formula():
     text = "def f(link, n):\n    return link.latency_s + n / link.bandwidth_Bps + 4 * WEIGHT_COPIES / 3600\n"
     found = _formula_lines(SRC / "x.py", text)
     assert len(found) == 3
+    text = "def g(fwd, slow, dev):\n    return fwd * slow + dev.action_overhead_s\n"
+    assert len(_formula_lines(SRC / "x.py", text)) == 2  # co-running, then the overhead added
+
+
+def test_a_replicas_passes_array_equals_scalar(rng):
+    """The simulator's replicas (scalars) and the fast path (arrays) take their passes from one
+    formula: slowed by co-running, the runtime's cost per action on the fixed parts."""
+    whole = rng.uniform(0, 1, (2, RNG_CASES))
+    fixed = whole * rng.random((2, RNG_CASES))
+    slow, extra = rng.uniform(1, 2, RNG_CASES), rng.uniform(0, 1e-3, RNG_CASES)
+    batched = formulas.replica_passes_s(whole[0], whole[1], fixed[0], fixed[1], slow, extra)
+    for k in range(RNG_CASES):
+        one = formulas.replica_passes_s(whole[0, k], whole[1, k], fixed[0, k], fixed[1, k], slow[k], extra[k])
+        assert [b[k] for b in batched] == list(one)
+    assert formulas.replica_passes_s(3.0, 5.0, 1.0, 1.0, 2.0, 0.5) == (4.0, 8.0, 2.5, 2.5)
+    assert formulas.replica_tail_s(2.0, 1.5, 0.1) == pytest.approx(3.1)

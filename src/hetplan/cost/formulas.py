@@ -141,6 +141,21 @@ def action_s(fixed_s, scaled_s, share):
     return fixed_s + scaled_s * share
 
 
+def replica_passes_s(fwd_s, bwd_s, fwd_fixed_s, bwd_fixed_s, corun, action_overhead_s):
+    """A stage replica's forward and backward as the runtime runs them, from its stage's times on
+    the device's type for the whole batch and their fixed parts: the parts that scale with the
+    samples and the fixed parts per action, each slowed by the co-running factor, the runtime's
+    own cost per action added to the fixed parts (numbers or arrays). Returns (forward scaled,
+    backward scaled, forward fixed, backward fixed), for `action_s`."""
+    return ((fwd_s - fwd_fixed_s) * corun, (bwd_s - bwd_fixed_s) * corun,
+            fwd_fixed_s * corun + action_overhead_s, bwd_fixed_s * corun + action_overhead_s)
+
+
+def replica_tail_s(optimizer_step_s, corun, step_overhead_s):
+    """A stage replica's optimizer step, slowed by co-running, and the runtime's cost per step."""
+    return optimizer_step_s * corun + step_overhead_s
+
+
 def optimizer_s(param_bytes, mem_bw_Bps: float):
     """The optimizer step over `param_bytes` of weights on a device of `mem_bw_Bps` (numbers or
     arrays; 0 where the bandwidth is unknown)."""

@@ -311,21 +311,19 @@ class ChainScorer:
         bounds = np.concatenate([np.zeros((p, 1), int), cuts, np.full((p, 1), len(self.order))], axis=1)
         lo, hi = bounds[:, :-1], bounds[:, 1:]
         types = self._type_of[devices]
-        ffix = self._ffix[types, hi] - self._ffix[types, lo]
-        bfix = self._bfix[types, hi] - self._bfix[types, lo]
-        fwd = self._fwd[types, hi] - self._fwd[types, lo] - ffix
-        bwd = self._bwd[types, hi] - self._bwd[types, lo] - bfix
-        compute = fwd + bwd + ffix + bfix  # the stage's forward + backward of the batch, as CostModel's
+        whole_f = self._fwd[types, hi] - self._fwd[types, lo]
+        whole_b = self._bwd[types, hi] - self._bwd[types, lo]
+        compute = whole_f + whole_b  # the stage's forward + backward of the batch, as CostModel's
         slow = self._corun_factor(devices)
-        fwd, bwd = fwd * slow, bwd * slow
-        ffix = ffix * slow + self._overhead[devices]
-        bfix = bfix * slow + self._overhead[devices]
+        fwd, bwd, ffix, bfix = formulas.replica_passes_s(
+            whole_f, whole_b, self._ffix[types, hi] - self._ffix[types, lo],
+            self._bfix[types, hi] - self._bfix[types, lo], slow, self._overhead[devices])
         nbytes = self._crossing[cuts]
         src, dst = devices[:, :-1], devices[:, 1:]
         send = formulas.wire_s(nbytes, self._bw[src, dst])
         lat = np.where(nbytes > 0, self._lat[src, dst], 0.0)
         params = self._params[hi] - self._params[lo]
-        opt = self._optimizer_s(lo, hi, devices) * slow + self._step_overhead[devices]
+        opt = formulas.replica_tail_s(self._optimizer_s(lo, hi, devices), slow, self._step_overhead[devices])
         step = self.program(n, microbatches, schedule).step_s(fwd, bwd, send, lat, fwd_fixed_s=ffix,
                                                               bwd_fixed_s=bfix, optimizer_s=opt)
         share = np.array([in_flight_share(schedule, n, r, self.graph.batch_size, microbatches) for r in range(n)])

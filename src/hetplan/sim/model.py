@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel, microbatch_fractions, weight_bytes
-from hetplan.cost.formulas import action_s
+from hetplan.cost.formulas import action_s, replica_passes_s, replica_tail_s
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
@@ -126,15 +126,15 @@ def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: 
     d = stage.devices[p]
     dtype = cluster.device(d).type
     slow = cm.corun_factor(d, used)  # other CPU workers of the plan on its host (calibrated clusters)
-    fwd, bwd = (slow * t for t in cm.stage_times_s(stage.nodes, dtype))
-    ffix, bfix = (slow * t for t in cm.stage_fixed_s(stage.nodes, dtype))
-    extra = cluster.device(d).action_overhead_s  # the runtime's own cost per action
+    dev = cluster.device(d)
+    fwd, bwd, ffix, bfix = replica_passes_s(*cm.stage_times_s(stage.nodes, dtype),
+                                            *cm.stage_fixed_s(stage.nodes, dtype), slow, dev.action_overhead_s)
     frac = [rows.rows(k, j, p) / rows.batch_size for j in range(len(rows.micro))]
     share = sum(frac)
-    return Replica(d, share, share * (fwd - ffix), share * (bwd - bfix), share * acts, ffix + extra, bfix + extra,
-                   slow * cm.stage_optimizer_s(stage.nodes, d) + cluster.device(d).step_overhead_s,
-                   tuple(action_s(ffix + extra, fwd - ffix, f) if f > 0 else 0.0 for f in frac),
-                   tuple(action_s(bfix + extra, bwd - bfix, f) if f > 0 else 0.0 for f in frac),
+    return Replica(d, share, share * fwd, share * bwd, share * acts, ffix, bfix,
+                   replica_tail_s(cm.stage_optimizer_s(stage.nodes, d), slow, dev.step_overhead_s),
+                   tuple(action_s(ffix, fwd, f) if f > 0 else 0.0 for f in frac),
+                   tuple(action_s(bfix, bwd, f) if f > 0 else 0.0 for f in frac),
                    tuple(acts * f for f in frac))
 
 
