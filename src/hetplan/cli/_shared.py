@@ -89,7 +89,7 @@ def _progress_bar(args: argparse.Namespace | None = None):
     console = Console(stderr=True, highlight=False)
     if not console.is_terminal or getattr(args, "json", False):
         return None
-    return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TextColumn("spent,"),
+    return Progress(TextColumn("{task.description:.36}"), BarColumn(), TimeElapsedColumn(), TextColumn("spent,"),
                     TimeRemainingColumn(), TextColumn("left"), console=console, transient=True)
 
 
