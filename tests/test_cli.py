@@ -390,6 +390,8 @@ def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
     ("user_models:mixtral_aux", [], ["the loss is not a mean over samples (over 4 rows"]),
     ("hf_families:mixtral", [], []),
     ("mlp", [], []),
+    ("user_models:spatial_dropout", [], ["the model draws random numbers in training (dropout)"]),
+    ("user_models:spatial_dropout", ["--no-dropout"], []),
 ])
 def test_run_warns_where_the_pipelined_step_cannot_equal_the_whole_batch(cli, tmp_path, monkeypatch, model, flags,
                                                                          warned):
@@ -650,3 +652,37 @@ def test_a_milp_plan_is_written_and_read_back(cli, profiles, tmp_path):
     meta = json.loads(plan.read_text())["meta"]["milp"]
     assert meta and all(isinstance(v, str | int | float | bool | list | dict | type(None)) for v in meta.values())
     assert cli("info", plan).code == 0
+
+
+def test_a_refused_run_leaves_no_folder_and_a_model_that_cannot_run_is_one_line(cli, tmp_path, monkeypatch):
+    """The run folder was made, then the checkpoint folder refused: the run folder stayed. And a
+    batch the model cannot take ended `run --dry-run` in a traceback (the check of the loss runs
+    the model before any worker starts)."""
+    from hetplan.plan import Plan, Stage
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    plan = tmp_path / "p.json"
+    serde.dump(Plan((Stage(("input",), ("cpu0",)),), 2, "1f1b", "test", cluster="local"), plan)
+    (tmp_path / "afile").write_text("x")
+    bad(cli("run", plan, "--model", "mlp", "--batch-size", "4", "--out", tmp_path / "new" / "a", "--checkpoint-dir",
+            tmp_path / "afile" / "ck", "--dry-run"), "afile/ck: cannot write checkpoints there")
+    assert not (tmp_path / "new").exists()
+    bad(cli("run", plan, "--model", "user_models:batch_of_the_wrong_shape", "--batch-size", "4", "--dry-run",
+            "--out", tmp_path / "run"), "the model does not run on its example batch (RuntimeError: mat1 and mat2")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_folder_made_for_torchrun_holds_nothing_of_an_earlier_run(tmp_path):
+    """An earlier run's graph.json made rank 0 predict with the wrong graph and fail after a good run."""
+    from hetplan.io.clusters import load_cluster
+    from hetplan.plan import Plan, Stage
+    from hetplan.runtime.launch import run_spec
+    from hetplan.runtime.run import write_for_elsewhere
+
+    for name in ("graph.json", "summary.json", "gantt.png"):
+        (tmp_path / name).write_text("an earlier run's")
+    cluster = load_cluster("local")
+    spec = run_spec(Plan((Stage(("input",), ("cpu0",)),), 1, "1f1b", "test"), cluster, "mlp", batch_size=4,
+                    seq_len=None, granularity="layer", out_dir=tmp_path)
+    write_for_elsewhere(spec, None, cluster)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.json", "run.json"]

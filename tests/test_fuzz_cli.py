@@ -403,7 +403,7 @@ def test_broken_factories_are_one_line(cli, workdir, monkeypatch, factory, flags
     before = _outputs(workdir)
     ref = f"user_models:{factory}"
     for args in (("profile", ref, *flags, "-o", workdir / "out" / "g.json"),
-                 ("run", plan, "--model", ref, "--cluster", workdir / "c.yaml", *flags, "--dry-run",
+                 ("run", plan, "--model", ref, "--cluster", workdir / "c.yaml", "--batch-size", "4", "--dry-run",
                   "--out", workdir / "out" / "run")):
         r = cli(*args)
         lines = r.err.splitlines()

@@ -114,3 +114,15 @@ def test_every_objective_a_plan_may_name_is_in_the_registry():
 
     assert set(NAMES) == set(OBJECTIVES) and all(o.name == n for n, o in OBJECTIVES.items())
     assert [n for n, o in OBJECTIVES.items() if o.floor] == ["cost"]
+
+
+def test_the_throughput_shortfall_is_zero_without_a_floor_even_for_a_step_of_no_time():
+    """A step of 0 s gives infinite samples per second: 0 * inf made the RL environment's score NaN."""
+    import numpy as np
+
+    from hetplan.planners.objectives import shortfall
+    from hetplan.planners.options import PlanOptions
+
+    assert shortfall(np.array([1.0, np.inf]), PlanOptions()).tolist() == [0.0, 0.0]
+    floor = PlanOptions(objective="cost", min_samples_per_s=10.0)
+    assert shortfall(np.array([5.0, np.inf]), floor).tolist() == [1.0, 0.0]

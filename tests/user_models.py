@@ -138,3 +138,20 @@ def a_non_scalar_loss(batch_size=4, seq_len=None):
 
 
 not_callable = 42
+
+
+class Spatial(nn.Module):
+    """Dropout2d, which is not an nn.Dropout: `--no-dropout` must reach it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.drop = nn.Dropout2d(0.5)
+
+    def forward(self, x):
+        return self.drop(self.conv(x)).mean()
+
+
+def spatial_dropout(batch_size=4, seq_len=None):
+    torch.manual_seed(0)
+    return Spatial(), {"x": torch.randn(batch_size, 3, 8, 8)}

@@ -203,7 +203,7 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-dropout", action="store_true",
-                   help="set every nn.Dropout to p=0, so that the run can equal one process's training")
+                   help="set every dropout layer to p=0, so that the run can equal one process's training")
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR")
     p.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="save every K steps, K >= 1 (with --checkpoint-dir; default: the last step only)")

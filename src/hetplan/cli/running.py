@@ -37,19 +37,24 @@ def plan_cluster_ref(plan) -> str:
 
 
 def faithful_warnings(spec: RunSpec) -> list[str]:
-    """Why this run's step differs from one process's on the whole batch (`hetplan.zoo.faithful`)."""
-    from torch import nn
-
+    """Why this run's step differs from one process's on the whole batch (`hetplan.zoo.faithful`);
+    a model that does not run on its example batch is said here, before any worker starts."""
     from hetplan.zoo import load_model
-    from hetplan.zoo.faithful import pipeline_warnings
+    from hetplan.zoo.faithful import dropouts, pipeline_warnings
 
     zm = load_model(spec.model, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
     if spec.no_dropout:
-        for mod in zm.step.modules():
-            if isinstance(mod, nn.Dropout):
-                mod.p = 0.0
+        for mod in dropouts(zm.step):
+            mod.p = 0.0
     splits = spec.plan.microbatches > 1 or any(len(st.devices) > 1 for st in spec.plan.stages)
-    return pipeline_warnings(zm.step, zm.batch, splits)
+    try:
+        return pipeline_warnings(zm.step, zm.batch, splits)
+    except HetplanError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's model, failing on its own batch
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise HetplanError(f"{spec.model}: the model does not run on its example batch ({type(exc).__name__}: "
+                           f"{first}); check the batch the factory returns against the model") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -72,7 +77,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every or 0, resume=args.resume, trace=args.trace, no_dropout=args.no_dropout)
     spec = prepare_run(plan, cluster, args.model, graph, settings, source=str(args.plan))[0]
     args.warnings.extend(faithful_warnings(spec))
-    serde.check_output_dir(args.out, "the run folder")  # last: a refused run leaves no folder behind
+    serde.check_output_dir(args.out, "the run folder")  # probes only: a refused run leaves no folder behind
     if args.checkpoint_dir:
         serde.check_output_dir(args.checkpoint_dir, "checkpoints")
     if args.dry_run:
@@ -115,7 +120,8 @@ def _dry_run(args: argparse.Namespace, spec: RunSpec, graph, cluster) -> int:
     path = write_for_elsewhere(spec, graph, cluster)
     commands = torchrun_commands(path, spec)
     if args.json:
-        _emit_json({"kind": "run", "dry_run": True, "run_json": str(path), "torchrun": commands})
+        _emit_json({"kind": "run", "dry_run": True, "run_json": str(path), "torchrun": commands,
+                    "warnings": args.warnings})
         return 0
     console = _console()
     console.print(f"wrote {path}; copy it to the same path on every machine, then run, one per machine "

@@ -101,22 +101,24 @@ def check_output(path: str | os.PathLike, inputs: Sequence[str | os.PathLike | N
 
 
 def check_output_dir(path: str | os.PathLike, what: str = "the folder") -> Path:
-    """Make the folder a command writes into and prove it takes a file, before any work: a path
-    under a file, a read-only file system, no permission or a full disk is one line, not a
-    traceback from deep inside the command."""
+    """Prove that the folder a command writes into takes a file, before any work: a path under a
+    file, a read-only file system, no permission or a full disk is one line, not a traceback from
+    deep inside the command. It leaves things as they were (folders it made go again): the
+    command makes the folder when it writes, so a later refusal leaves nothing behind."""
     folder = Path(path)
     probe = folder / f".hetplan-write-test-{os.getpid()}"
-    made = [p for p in (folder, *folder.parents) if not p.exists()]  # what a refusal takes away again
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"hetplan")
         probe.unlink()
     except OSError as exc:
+        raise InputError(f"{folder}: cannot write {what} there ({exc.strerror or exc}); give another folder") from None
+    finally:
         with contextlib.suppress(OSError):
             probe.unlink(missing_ok=True)
             for p in made:
                 p.rmdir()
-        raise InputError(f"{folder}: cannot write {what} there ({exc.strerror or exc}); give another folder") from None
     return folder
 
 

@@ -120,7 +120,7 @@ def shortfall(samples_per_s, options: PlanOptions):
     """How far below the throughput floor a plan is, as a share of the floor (0 when it meets it
     or the objective has none): numbers or numpy arrays alike."""
     if not objective(options).floor or not options.min_samples_per_s:
-        return 0.0 * np.asarray(samples_per_s)
+        return np.zeros_like(np.asarray(samples_per_s, dtype=float))
     return np.maximum(0.0, options.min_samples_per_s / np.maximum(samples_per_s, 1e-30) - 1.0)
 
 

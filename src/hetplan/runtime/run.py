@@ -208,6 +208,8 @@ def write_for_elsewhere(spec: RunSpec, graph: Graph | None, cluster: Cluster) ->
     serde.dump(cluster, spec.out_dir / "cluster.json")
     if graph is not None:
         serde.dump(at_batch(graph, spec.batch_size), spec.out_dir / "graph.json")
+    for name in (["graph.json"] if graph is None else []) + ["summary.json", *TRACE_FILES]:  # an earlier run's
+        (spec.out_dir / name).unlink(missing_ok=True)
     return path
 
 

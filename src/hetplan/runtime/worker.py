@@ -68,17 +68,16 @@ def _optimizer(spec: RunSpec, params: list, sparse_ids=None):
 def build_rank(spec: RunSpec, rank: int, heartbeat=None):
     """The rank's model, traces, stage and optimizer (`hetplan.runtime.rank`)."""
     import torch
-    from torch import nn
 
     from hetplan.runtime.rank import prepare
     from hetplan.zoo import load_model
+    from hetplan.zoo.faithful import dropouts
 
     me = spec.ranks[rank]
     zoo_model = load_model(spec.model, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
     if spec.no_dropout:
-        for mod in zoo_model.step.modules():
-            if isinstance(mod, nn.Dropout):
-                mod.p = 0.0
+        for mod in dropouts(zoo_model.step):
+            mod.p = 0.0
     device = torch.device(me.binding if me.on_cuda else "cpu")
     on_trace = (lambda rows: heartbeat(f"tracing {rows} rows", -1)) if heartbeat is not None else None
     prepared = prepare(spec, rank, zoo_model, spec.plan, device, on_trace)
@@ -229,10 +228,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run_worker(spec, rank, world)
-        if rank == 0 and LAUNCHER_PID not in os.environ:  # started by torchrun: nobody else sums it up
-            from hetplan.runtime.run import finish_elsewhere
-
-            print(finish_elsewhere(spec), flush=True)
     except Exception as exc:  # noqa: BLE001 - the launcher reports it, naming the worker
         me = spec.ranks[rank] if rank < spec.world else None
         stage, device = (me.stage, me.device) if me is not None else (None, None)
@@ -240,7 +235,20 @@ def main(argv: list[str] | None = None) -> int:
             f"worker {rank} (stage {stage}, device {device}): {type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n{traceback.format_exc()}")
         return 1
+    if rank == 0 and LAUNCHER_PID not in os.environ:  # started by torchrun: nobody else sums it up
+        print(_summed_up(spec), flush=True)
     return 0
+
+
+def _summed_up(spec) -> str:
+    """The run's summary line; the training went well, so a failure here is a note, not an error."""
+    from hetplan.runtime.run import finish_elsewhere
+
+    try:
+        return finish_elsewhere(spec)
+    except Exception as exc:  # noqa: BLE001 - the results are in result.json whatever happens here
+        return (f"hetplan: run finished, results in {spec.out_dir}/result.json; no summary for hetplan report "
+                f"({type(exc).__name__}: {str(exc).strip()[:200]})")
 
 
 if __name__ == "__main__":

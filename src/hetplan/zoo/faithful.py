@@ -40,11 +40,13 @@ def not_a_mean(step: nn.Module, batch: Mapping[str, Any]) -> tuple[float, float]
     """The loss of the first ROWS rows and the mean of its two halves' losses, in eval mode (no
     dropout, batch norm from running statistics), when they differ; None when they agree."""
     step = copy.deepcopy(step).eval()
-    n = min(ROWS, next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0))
+    rows = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
+    n = min(ROWS, rows)
     if n < 2:
         return None
-    whole, half = _loss(step, _rows(batch, 0, n)), n // 2
-    mean = (half * _loss(step, _rows(batch, 0, half)) + (n - half) * _loss(step, _rows(batch, half, n))) / n
+    with torch.random.fork_rng():
+        whole, half = _loss(step, _rows(batch, 0, n)), n // 2
+        mean = (half * _loss(step, _rows(batch, 0, half)) + (n - half) * _loss(step, _rows(batch, half, n))) / n
     return (whole, mean) if abs(whole - mean) > REL_TOL * max(1.0, abs(whole)) else None
 
 
@@ -54,6 +56,11 @@ def draws_random(step: nn.Module, batch: Mapping[str, Any]) -> bool:
     part = _rows(batch, 0, ROWS)
     with torch.random.fork_rng():
         return abs(_loss(step, part, seed=1) - _loss(step, part, seed=2)) > 1e-7
+
+
+def dropouts(step: nn.Module) -> list[nn.Module]:
+    """Every dropout module (`nn.Dropout`, `Dropout1d/2d/3d`, `AlphaDropout`...)."""
+    return [m for m in step.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
 
 
 def batch_norms(step: nn.Module) -> list[str]:
