@@ -70,7 +70,7 @@ class Scorer:
 
     def infeasible(self, plans: list[Plan], planner: str) -> InfeasibleError:
         fitting = [p for p in plans if self.estimate(p).feasible]
-        if fitting and self.options.objective == "cost":
+        if fitting and objectives.objective(self.options).floor:
             fastest = max(fitting, key=lambda p: self.estimate(p).samples_per_s)
             return InfeasibleError(
                 f"no plan {planner} found reaches {self.options.min_samples_per_s:g} samples/s; the fastest "

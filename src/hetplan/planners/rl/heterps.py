@@ -93,12 +93,9 @@ class Provisioner:
         self.cost, self.t_ref_s = self.scorer.cost, self.scorer.t_ref_s
         self.m_choices = microbatch_choices(graph, options)
         # the objective's scale: every device busy for the reference time (cost), or that time
-        if options.objective == "cost":
-            self.scale = self.cost.usd_per_step(cluster.ids, self.t_ref_s) / graph.batch_size
-        elif options.objective in ("time", "throughput"):
-            self.scale = self.t_ref_s
-        else:
-            self.scale = options.alpha
+        usd_per_hour = sum(d.usd_per_hour for d in cluster.devices)
+        self.scale = objectives.objective(options).lower(self.t_ref_s, self.t_ref_s, usd_per_hour, graph.batch_size,
+                                                         options, self.t_ref_s)
         self.cache: dict[tuple, tuple[float, Plan | None, bool]] = {}
         self.evaluations = 0
 
@@ -120,12 +117,10 @@ class Provisioner:
                     need = self.cost.stage_memory_bytes(plan, k, d)
                     over = max(over, need / self.cluster.device(d).mem_bytes - 1.0)
             devices = [d for st in plan.stages for d in st.devices]
-            short = 0.0
-            if opts.objective == "cost":
-                base = self.cost.usd_per_step(devices, float(step)) / batch
-                short = max(0.0, opts.min_samples_per_s * float(step) / batch - 1.0)
-            else:
-                base = float(step)
+            usd = self.cost.usd_per_step(devices, float(step))
+            base = objectives.objective(opts).base(float(step), usd, math.nan, math.nan, math.nan, batch, opts,
+                                                   self.t_ref_s)  # time or cost: no link, memory or steady state
+            short = float(objectives.shortfall(batch / max(float(step), 1e-300), opts))
             out.append((float(objectives.penalised(base, over, short)), over == 0.0 and short == 0.0, plan))
         return out
 
@@ -173,8 +168,9 @@ class Provisioner:
         best = self._best_m(runs, counts)
         while True:
             value, ok, plan = best
-            step_ok = self.options.objective != "cost" or ok
-            if self.options.objective == "cost" and step_ok:
+            floor = objectives.objective(self.options).floor
+            step_ok = not floor or ok
+            if floor and step_ok:
                 break
             # the stage with the longest per-replica busy time that can still grow
             busy = []
@@ -192,7 +188,7 @@ class Provisioner:
             cand = self._best_m(runs, trial)
             if cand is None:
                 break
-            if self.options.objective != "cost" and not (cand[0] < value):
+            if not floor and not (cand[0] < value):
                 break  # objective time/mdpe: stop when one more device no longer helps
             counts = trial
             free[self.types[runs[k][2]]] -= 1
