@@ -36,29 +36,8 @@ def plan_cluster_ref(plan) -> str:
     return plan.cluster
 
 
-def faithful_warnings(spec: RunSpec) -> list[str]:
-    """Why this run's step differs from one process's on the whole batch (`hetplan.zoo.faithful`);
-    a model that does not run on its example batch is said here, before any worker starts."""
-    from hetplan.zoo import load_model
-    from hetplan.zoo.faithful import dropouts, pipeline_warnings
-
-    zm = load_model(spec.model, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
-    if spec.no_dropout:
-        for mod in dropouts(zm.step):
-            mod.p = 0.0
-    splits = spec.plan.microbatches > 1 or any(len(st.devices) > 1 for st in spec.plan.stages)
-    try:
-        return pipeline_warnings(zm.step, zm.batch, splits)
-    except HetplanError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the user's model, failing on its own batch
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise HetplanError(f"{spec.model}: the model does not run on its example batch ({type(exc).__name__}: "
-                           f"{first}); check the batch the factory returns against the model") from None
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from hetplan.runtime.run import RunSettings, prepare_run, run_plan
+    from hetplan.runtime.run import RunSettings, faithful_warnings, prepare_run, run_plan
 
     plan = serde.load(args.plan, expect="plan")
     graph = load_graph(args.graph) if args.graph else None

@@ -23,6 +23,7 @@ model, so a piece trains the model's own weights.
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -180,8 +181,6 @@ def _elements_with_their_producer(ops: list[fx.Node], seg: dict[fx.Node, int]) -
 def _takes_an_element(n: fx.Node) -> bool:
     """An `operator.getitem` of an op that returns several tensors (split, chunk, unbind, topk):
     it stays in its producer's piece, so that only tensors cross between pieces, never the list."""
-    import operator
-
     return n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0].op in _CALLS
 
 

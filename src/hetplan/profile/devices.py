@@ -44,6 +44,13 @@ def cuda_type_name(name: str, mem_bytes: int) -> str:
     return "gpu-" + re.sub(r"[^a-z0-9]+", "-", low).strip("-")
 
 
+def cores_short_of(threads: int) -> int | None:
+    """The cores this process may use when they are fewer than `threads` (threads sharing cores
+    would time a slower type than its name says, and a worker of them run slower), else None."""
+    cores = usable_cores()
+    return cores if threads > cores else None
+
+
 def parse_device(spec: str) -> ProfileDevice:
     match = _SPEC.match(spec.strip())
     if not match:
@@ -53,7 +60,7 @@ def parse_device(spec: str) -> ProfileDevice:
         threads = int(num) if num else torch.get_num_threads()
         if threads < 1:
             raise HetplanError(f"--device {spec!r}: a CPU needs at least 1 thread")
-        if threads > usable_cores():  # threads sharing cores would time a slower type than its name says
+        if cores_short_of(threads):
             raise HetplanError(f"--device {spec}: {threads} threads, but this process may use {usable_cores()} "
                                f"cores; profile with at most cpu:{usable_cores()}, or on a machine with more cores")
         return ProfileDevice(spec, "cpu", f"cpu-{threads}t", threads)

@@ -199,12 +199,11 @@ def _measured_machine() -> str:
 
 def _check_runs_here(workers: Sequence[Device]) -> None:
     """Every worker's threads and GPU exist on this machine: said before minutes of probes."""
-    from hetplan.machine import usable_cores
-    from hetplan.profile.devices import parse_device
+    from hetplan.profile.devices import cores_short_of, parse_device
 
-    cores = usable_cores()
     for d in workers:
-        if d.binding == "cpu" and (d.threads or 1) > cores:
+        cores = cores_short_of(d.threads or 1) if d.binding == "cpu" else None
+        if cores is not None:
             raise HetplanError(f"worker {d.id} has {d.threads} threads, but this process may use {cores} cores: "
                                f"calibrate on the machine the cluster file describes, or give it at most {cores}")
         if d.binding.startswith("cuda"):

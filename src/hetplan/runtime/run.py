@@ -49,7 +49,7 @@ class RunSettings:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
     resume: bool = False
-    no_dropout: bool = False  # every nn.Dropout at p=0 (`hetplan.zoo.faithful`)
+    no_dropout: bool = False  # every dropout layer at p=0 (`hetplan.zoo.faithful.dropouts`)
     trace: bool = False  # record the last step and draw it under the prediction (`hetplan.runtime.trace`)
 
 
@@ -187,6 +187,26 @@ def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = Non
     return report
 
 
+def faithful_warnings(spec: RunSpec) -> list[str]:
+    """Why this run's step differs from one process's on the whole batch (`hetplan.zoo.faithful`);
+    a model that does not run on its example batch is said here, before any worker starts."""
+    from hetplan.zoo import load_model
+    from hetplan.zoo.faithful import pipeline_warnings, switch_off_dropout
+
+    zm = load_model(spec.model, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
+    if spec.no_dropout:
+        switch_off_dropout(zm.step)
+    splits = spec.plan.microbatches > 1 or any(len(st.devices) > 1 for st in spec.plan.stages)
+    try:
+        return pipeline_warnings(zm.step, zm.batch, splits)
+    except HetplanError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's model, failing on its own batch
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise HetplanError(f"{spec.model}: the model does not run on its example batch ({type(exc).__name__}: "
+                           f"{first}); check the batch the factory returns against the model") from None
+
+
 def _report(spec: RunSpec, first: int, result: RunResult, graph: Graph | None, cluster: Cluster) -> RunReport:
     """What a run measured beside what the simulator predicts for it (with a graph)."""
     predicted, sim_timeline = None, None
@@ -227,8 +247,9 @@ def finish_elsewhere(spec: RunSpec) -> str:
         return (f"hetplan: run finished: {result.measured_step_s * 1e3:.1f} ms a step; {folder}/result.json "
                 "(no cluster.json beside run.json, so no summary for hetplan report)")
     graph = load_graph(graph_file) if graph_file.is_file() else None
-    report = _report(spec, spec.resume_step, result, graph, load_cluster(cluster_file))
-    keep(report, folder, graph, load_cluster(cluster_file), str(folder / "run.json"))
+    cluster = load_cluster(cluster_file)
+    report = _report(spec, spec.resume_step, result, graph, cluster)
+    keep(report, folder, graph, cluster, str(folder / "run.json"))
     said = f"predicted {report.predicted.step_s * 1e3:.1f} ms, " if report.predicted else ""
     loss = f", loss {result.losses[0]:.4g} -> {result.losses[-1]:.4g}" if result.losses else ""
     return (f"hetplan: run finished: {report.measured.step_s * 1e3:.1f} ms a step measured ({said}"

@@ -71,13 +71,12 @@ def build_rank(spec: RunSpec, rank: int, heartbeat=None):
 
     from hetplan.runtime.rank import prepare
     from hetplan.zoo import load_model
-    from hetplan.zoo.faithful import dropouts
+    from hetplan.zoo.faithful import switch_off_dropout
 
     me = spec.ranks[rank]
     zoo_model = load_model(spec.model, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
     if spec.no_dropout:
-        for mod in dropouts(zoo_model.step):
-            mod.p = 0.0
+        switch_off_dropout(zoo_model.step)
     device = torch.device(me.binding if me.on_cuda else "cpu")
     on_trace = (lambda rows: heartbeat(f"tracing {rows} rows", -1)) if heartbeat is not None else None
     prepared = prepare(spec, rank, zoo_model, spec.plan, device, on_trace)

@@ -63,6 +63,12 @@ def dropouts(step: nn.Module) -> list[nn.Module]:
     return [m for m in step.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
 
 
+def switch_off_dropout(step: nn.Module) -> None:
+    """`hetplan run --no-dropout`: every dropout layer at p=0, in the workers and in the checks."""
+    for mod in dropouts(step):
+        mod.p = 0.0
+
+
 def batch_norms(step: nn.Module) -> list[str]:
     return [name for name, m in step.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
