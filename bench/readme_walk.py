@@ -1,9 +1,9 @@
-"""The README, walked as a new user walks it: every command of its code blocks, in order,
-verbatim, in one scratch folder (issue 13: a README command that crashes or depends on a file
-another section overwrote is a bug).
+"""The README and the guide (docs/guide.md), walked as a new user walks them: every command of
+their code blocks, in order (the README's, then the guide's), verbatim, in one scratch folder (a
+command that crashes or depends on a file another section overwrote is a bug).
 
     .venv/bin/python bench/readme_walk.py            # everything this machine can run (minutes)
-    .venv/bin/python bench/readme_walk.py --quick    # the quick-start block and every command parsed
+    .venv/bin/python bench/readme_walk.py --quick    # the README's first block and every command parsed
 
 Shell blocks run line by line through bash with the virtual environment's `hetplan` first on
 PATH; the Python block runs as a script; the YAML block whose first line is `name: lab` is saved
@@ -45,32 +45,42 @@ READS = ("--graph", "--cluster")
 WRITES = ("-o", "--output", "--curve", "--gantt", "--trace", "--checkpoint-dir")
 
 
+DOCS = (REPO / "README.md", REPO / "docs" / "guide.md")  # walked in this order
+
+
 @dataclass(frozen=True)
 class Command:
     line: int
     kind: str  # "sh", "python" or "yaml"
     text: str
+    source: str = "README"  # the file, as messages name it
 
 
 def blocks(readme: Path) -> list[Command]:
-    """Every command of the README's fenced blocks, in order (comments after '#' dropped)."""
+    """Every command of a file's fenced blocks, in order (comments after '#' dropped)."""
     out, kind, start, body = [], None, 0, []
+    source = "README" if readme.name == "README.md" else f"{readme.parent.name}/{readme.name}"
     for i, line in enumerate(readme.read_text().splitlines(), 1):
         if line.startswith("```"):
             if kind is None:
                 kind, start, body = (line[3:].strip() or "sh"), i, []
                 continue
             if kind == "python":
-                out.append(Command(start, "python", "\n".join(body)))
+                out.append(Command(start, "python", "\n".join(body), source))
             elif kind == "yaml":
-                out.append(Command(start, "yaml", "\n".join(body)))
+                out.append(Command(start, "yaml", "\n".join(body), source))
             kind = None
         elif kind == "sh" and line.strip() and not line.startswith(("$ ", "hetplan: error")) \
                 and re.match(r"^(hetplan|make|torchrun)\b", line):
-            out.append(Command(i, "sh", line.split(" #")[0].strip()))
+            out.append(Command(i, "sh", line.split(" #")[0].strip(), source))
         elif kind in ("python", "yaml"):
             body.append(line)
     return out
+
+
+def walk_blocks(files=DOCS) -> list[Command]:
+    """The commands of every file of the walk, in the walk's order."""
+    return [c for f in files for c in blocks(f)]
 
 
 def skipped(cmd: Command) -> str | None:
@@ -105,16 +115,17 @@ def check(commands: list[Command]) -> list[str]:
         try:
             parser.parse_args(argv[1:])
         except SystemExit:
-            problems.append(f"README line {cmd.line}: hetplan does not accept: {cmd.text}")
+            problems.append(f"{cmd.source} line {cmd.line}: hetplan does not accept: {cmd.text}")
             continue
         reads, writes, cluster = _files(argv)
         for path in reads:
             if path.startswith("../shared/"):
                 continue
             if path not in made:
-                problems.append(f"README line {cmd.line}: reads {path}, which no earlier command wrote")
+                problems.append(f"{cmd.source} line {cmd.line}: reads {path}, which no earlier command wrote")
             elif made[path] and cluster and made[path] != aliases.get(cluster, cluster):
-                problems.append(f"README line {cmd.line}: {path} was planned for {made[path]}, used with {cluster}")
+                problems.append(f"{cmd.source} line {cmd.line}: {path} was planned for {made[path]}, "
+                                f"used with {cluster}")
         for path in writes + redirected:
             made[path] = cluster if argv[1] == "plan" else None
             if argv[1] == "calibrate" and cluster:
@@ -127,7 +138,7 @@ def run(commands: list[Command], folder: Path, quick: bool) -> int:
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / "src")}
     failed = 0
     for cmd in commands:
-        if quick and cmd.line > quick_end(commands):
+        if quick and (cmd.source != "README" or cmd.line > quick_end(commands)):
             break
         why = skipped(cmd)
         if quick and cmd.text.startswith("make "):
@@ -137,7 +148,7 @@ def run(commands: list[Command], folder: Path, quick: bool) -> int:
                 (folder / "lab.yaml").write_text(cmd.text + "\n")
             continue
         if why:
-            print(f"SKIP  {cmd.line:>4}  {cmd.text.splitlines()[0]}    ({why})", flush=True)
+            print(f"SKIP  {cmd.source}:{cmd.line:<4}  {cmd.text.splitlines()[0]}    ({why})", flush=True)
             continue
         argv = ["bash", "-c", cmd.text] if cmd.kind == "sh" else [sys.executable, "-c", cmd.text]
         if cmd.text.startswith("make "):
@@ -148,15 +159,15 @@ def run(commands: list[Command], folder: Path, quick: bool) -> int:
         status = "ok  " if proc.returncode == 0 else f"FAIL {proc.returncode}"
         failed += proc.returncode != 0
         first = cmd.text.splitlines()[0] if cmd.kind == "sh" else "(the Python example)"
-        print(f"{status}  {cmd.line:>4}  {first}    [{took:.1f} s]", flush=True)
+        print(f"{status}  {cmd.source}:{cmd.line:<4}  {first}    [{took:.1f} s]", flush=True)
         if proc.returncode:
             print("      " + "\n      ".join((proc.stderr or proc.stdout).strip().splitlines()[-5:]), flush=True)
     return failed
 
 
 def quick_end(commands: list[Command]) -> int:
-    """The quick walk ends with the quick-start block: the first run of consecutive hetplan lines."""
-    lines = [c.line for c in commands if c.text.startswith("hetplan ")]
+    """The quick walk ends with the README's first run of consecutive hetplan lines."""
+    lines = [c.line for c in commands if c.text.startswith("hetplan ") and c.source == "README"]
     end = lines[0]
     while end + 1 in lines:
         end += 1
@@ -166,9 +177,9 @@ def quick_end(commands: list[Command]) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="check every command; run only the quick start")
-    ap.add_argument("--readme", type=Path, default=REPO / "README.md")
+    ap.add_argument("--file", type=Path, action="append", help="walk these files instead (in order)")
     args = ap.parse_args(argv)
-    commands = blocks(args.readme)
+    commands = walk_blocks(args.file or DOCS)
     problems = check(commands)
     for problem in problems:
         print(problem)
@@ -177,7 +188,7 @@ def main(argv=None) -> int:
         folder = Path(tmp) / "walk"
         folder.mkdir()
         failed = run(commands, folder, args.quick)
-    print(f"{len(problems)} problems in the README's commands, {failed} commands failed")
+    print(f"{len(problems)} problems in the README's commands, {failed} commands failed")  # and the guide's
     return 1 if problems or failed else 0
 
 

@@ -35,7 +35,8 @@ from hetplan.io.clusters import cluster_from_spec  # noqa: E402
 from hetplan.io.pipedream import import_pipedream  # noqa: E402
 from hetplan.planners.randomized import random_plan  # noqa: E402
 from hetplan.sim import simulate  # noqa: E402
-from hetplan.sim.fast import ChainScorer, fast_step_s  # noqa: E402
+from hetplan.sim.chains import ChainScorer  # noqa: E402
+from hetplan.sim.fast import fast_step_s  # noqa: E402
 
 SHARED = Path(os.environ.get("HETPLAN_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 CLUSTER = {

@@ -6,6 +6,7 @@ from hetplan import catalog
 from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec
 from hetplan.plan import Estimate, Plan, Stage
+from hetplan.schedule import SCHEDULES
 
 OPS = ("Linear", "Conv2d", "ReLU", "Add", "GPT2Block", "LayerNorm")
 TYPES = (*catalog.CATALOG, "cpu-1t", "cpu-4t")
@@ -91,7 +92,7 @@ def plans_for(draw, graph, cluster):
         reps = 1 if i < k - 1 else draw(st.integers(1, len(devices) - k + 1))
         stages.append(Stage(order[bounds[i]:bounds[i + 1]], tuple(devices[i:i + reps]) if i < k - 1
                             else tuple(devices[k - 1:k - 1 + reps])))
-    return Plan(tuple(stages), draw(st.integers(1, graph.batch_size)), draw(st.sampled_from(["gpipe", "1f1b"])),
+    return Plan(tuple(stages), draw(st.integers(1, graph.batch_size)), draw(st.sampled_from(list(SCHEDULES))),
                 "random", meta={"seed": draw(st.integers(0, 9))})
 
 

@@ -17,7 +17,8 @@ from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import Plan, Stage
 from hetplan.runtime.calibrate import fit_overheads
 from hetplan.sim import simulate
-from hetplan.sim.fast import ChainScorer, fast_step_s
+from hetplan.sim.chains import ChainScorer
+from hetplan.sim.fast import fast_step_s
 from strategies import V, chain, one_per_stage
 
 

@@ -10,7 +10,7 @@ from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec
 from hetplan.plan import Plan, Stage
 from hetplan.planners.states import StateSums
-from hetplan.sim.fast import chain_crossing_bytes
+from hetplan.sim.chains import chain_crossing_bytes
 from hetplan.sim.model import stage_pair_bytes
 
 V = "v100-16gb"

@@ -1,4 +1,4 @@
-"""The README's "As a library" flow, run as written: load_graph, make_plan, simulate and
+"""The guide's "As a library" flow, run as written: load_graph, make_plan, simulate and
 run_plan working together (issue 14, item 4)."""
 
 import os
@@ -12,8 +12,8 @@ sys.path.insert(0, str(REPO / "bench"))
 import readme_walk  # noqa: E402
 
 
-def test_the_readme_library_block_runs(cli, tmp_path, monkeypatch):
-    block = next(c.text for c in readme_walk.blocks(REPO / "README.md") if c.kind == "python" and "run_plan(" in c.text)
+def test_the_guide_library_block_runs(cli, tmp_path, monkeypatch):
+    block = next(c.text for c in readme_walk.walk_blocks() if c.kind == "python" and "run_plan(" in c.text)
     monkeypatch.chdir(tmp_path)
     assert cli("profile", "gpt2-tiny", "--batch-size", "8", "--seq-len", "32", "--device", "cpu:1", "-o",
                "tiny.json").code == 0

@@ -126,3 +126,26 @@ def test_the_throughput_shortfall_is_zero_without_a_floor_even_for_a_step_of_no_
     assert shortfall(np.array([1.0, np.inf]), PlanOptions()).tolist() == [0.0, 0.0]
     floor = PlanOptions(objective="cost", min_samples_per_s=10.0)
     assert shortfall(np.array([5.0, np.inf]), floor).tolist() == [1.0, 0.0]
+
+
+def test_auto_schedule_takes_the_schedule_the_objective_prefers_where_it_fits():
+    """Four equal stages with weights, 8 micro-batches: zero bubble's W fills 1F1B's bubble
+    (27 against 33 forward-times, `tests/test_sim.py`), so `auto` takes it; where a stage's
+    memory holds 1F1B's micro-batches in flight but not zero bubble's (which holds all four on
+    the last stage), `auto` keeps 1F1B."""
+    from dataclasses import replace
+
+    from strategies import chain
+
+    g = chain(4, fwd=0.08, bwd=0.16, params=1000)
+    cluster = load_cluster("v100x8")
+    plan = make_plan(g, cluster, "uniform", PlanOptions(schedule="auto", microbatches=8))
+    assert plan.schedule == "zero-bubble" and plan.predicted.feasible
+    ones = make_plan(g, cluster, "uniform", PlanOptions(schedule="1f1b", microbatches=8))
+    assert plan.predicted.step_s == pytest.approx(ones.predicted.step_s * 27 / 33, rel=1e-3)
+    # activations of 8 micro-batches of 6 GiB on the last device (16 GB): 1F1B holds 1, zero bubble 4
+    heavy = replace(g, nodes=tuple(replace(n, act_bytes=48 * 2**30 if n.id == "n3" else 0) for n in g.nodes))
+    tight = make_plan(heavy, cluster, "uniform", PlanOptions(schedule="auto", microbatches=8))
+    assert tight.schedule == "1f1b" and tight.predicted.feasible
+    with pytest.raises(HetplanError, match="--schedule: 'zigzag' is unknown .*zero-bubble, auto"):
+        PlanOptions(schedule="zigzag")

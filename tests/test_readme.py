@@ -1,7 +1,8 @@
-"""The README's commands (issue 13, item 2): each parses, none reads a file that no earlier
-command wrote or a plan made for another cluster (the Planners section used to overwrite
-plan.json with a plan for a100+v100-8, so the Simulating section's command failed), and the quick
-start runs. The whole walk is `bench/readme_walk.py` (minutes; its output is in the issue's note)."""
+"""The commands of the README and the guide (docs/guide.md), walked in that order: each parses,
+none reads a file that no earlier command wrote or a plan made for another cluster (the Planners
+section used to overwrite plan.json with a plan for a100+v100-8, so the Simulating section's
+command failed), and the README's first block runs. The whole walk is `bench/readme_walk.py`
+(minutes). The README stays a page a newcomer reads: at most 200 lines."""
 
 import json
 import subprocess
@@ -15,7 +16,16 @@ import readme_walk  # noqa: E402
 
 
 def test_every_readme_command_parses_and_reads_only_what_an_earlier_one_wrote():
-    assert readme_walk.check(readme_walk.blocks(REPO / "README.md")) == []
+    commands = readme_walk.walk_blocks()
+    assert {c.source for c in commands} == {"README", "docs/guide.md"}
+    assert readme_walk.check(commands) == []
+
+
+def test_the_readme_is_short_and_links_every_page_of_the_docs():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    for page in (REPO / "docs").glob("*.md"):
+        assert f"docs/{page.name}" in text, page.name
 
 
 def test_the_walk_finds_a_plan_used_with_another_cluster(tmp_path):
@@ -38,10 +48,10 @@ def test_the_quick_start_runs():
 
 def test_the_language_model_section_runs(tmp_path):
     """Its five commands, verbatim: a counted OPT-350M planned on 128 mixed GPUs at a batch of 1,024."""
-    text = (REPO / "README.md").read_text().splitlines()
+    text = (REPO / "docs" / "guide.md").read_text().splitlines()
     start = text.index("## Planning a language model on a big mixed cluster") + 1
     end = next(i for i in range(start, len(text)) if text[i].startswith("## ")) + 1
-    commands = [c for c in readme_walk.blocks(REPO / "README.md") if start < c.line < end]
+    commands = [c for c in readme_walk.blocks(REPO / "docs" / "guide.md") if start < c.line < end]
     assert len(commands) == 5 and readme_walk.check(commands) == []
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     for cmd in commands:

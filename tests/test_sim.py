@@ -12,7 +12,7 @@ from hetplan.errors import GraphError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import Estimate, Plan, Stage, validate_plan
-from hetplan.schedule import schedule_order
+from hetplan.schedule import SCHEDULES, get_schedule, schedule_order
 from hetplan.sim import simulate
 from hetplan.sim.model import build_step_model
 from hetplan.timeline import ALLREDUCE, OPTIMIZER
@@ -208,7 +208,7 @@ def random_plans(draw, shared=False):
             devices, pool = tuple(pool[:reps]), pool[reps:]
         stages.append(Stage(order[bounds[i]:bounds[i + 1]], devices))
     m = draw(st.integers(1, min(graph.batch_size, 12)))
-    plan = Plan(tuple(stages), m, draw(st.sampled_from(["gpipe", "1f1b"])), "random", shared_devices=shared)
+    plan = Plan(tuple(stages), m, draw(st.sampled_from(list(SCHEDULES))), "random", shared_devices=shared)
     validate_plan(plan, graph, CLUSTER)
     return graph, plan, draw(st.sampled_from(["direct", "relay"]))
 
@@ -218,22 +218,23 @@ def check_timeline(graph, plan, routing):
     spans, est = sim.timeline.spans, sim.estimate
     model = build_step_model(graph, CLUSTER, plan, routing)
     eps = 1e-9 * max(est.step_s, 1.0)
-    compute = _check_every_action_once(spans, model, plan.microbatches)
+    kinds = get_schedule(plan.schedule).backward_kinds
+    compute = _check_every_action_once(spans, model, plan.microbatches, kinds)
     _check_one_at_a_time(spans, eps)
-    lower_bound = _check_dependencies(spans, compute, model, plan, eps)
-    _check_critical_path(est, compute, lower_bound, model, plan.microbatches, eps)
+    lower_bound = _check_dependencies(spans, compute, model, plan, eps, kinds[0])
+    _check_critical_path(est, compute, lower_bound, model, plan.microbatches, eps, kinds)
     _check_memory(est, model)
     assert 0 <= est.bubble_fraction <= 1
     return sim
 
 
-def _check_every_action_once(spans, model, m):
+def _check_every_action_once(spans, model, m, kinds):
     """Every action of every stage replica runs exactly once; returns them by (stage, device,
     kind, micro-batch)."""
     compute = {(s.stage, s.resource, s.kind, s.microbatch): s for s in spans if s.resource in CLUSTER.by_id
                and s.kind not in (ALLREDUCE, OPTIMIZER)}
     expected = {(st_.index, r.device, kind, i) for st_ in model.stages for r in st_.replicas
-                for kind in "FB" for i in range(m)}
+                for kind in ("F", *kinds) for i in range(m)}
     assert set(compute) == expected
     assert len([s for s in spans if s.resource in CLUSTER.by_id and s.kind not in (ALLREDUCE, OPTIMIZER)]) == len(
         expected)
@@ -252,9 +253,10 @@ def _check_one_at_a_time(spans, eps):
             assert b.start_s >= a.end_s - eps
 
 
-def _check_dependencies(spans, compute, model, plan, eps):
-    """A stage's actions run in schedule order; inputs arrive before they are used. Returns each
-    transfer's duration by (producer, consumer, kind, micro-batch)."""
+def _check_dependencies(spans, compute, model, plan, eps, grad_kind):
+    """A stage's actions run in schedule order; inputs arrive before they are used (gradients:
+    made by B, or by I where the backward is split). Returns each transfer's duration by
+    (producer, consumer, kind, micro-batch)."""
     m = plan.microbatches
     orders = schedule_order(plan.schedule, len(plan.stages), m)
     for st_ in model.stages:
@@ -267,18 +269,18 @@ def _check_dependencies(spans, compute, model, plan, eps):
     for msg in model.messages:
         for i in (i for i in range(m) if msg.bytes_mb[i] is not None):  # slices that share rows
             for kind, src, dst, s_from, s_to in (("F", msg.src, msg.dst, msg.src_stage, msg.dst_stage),
-                                                 ("B", msg.dst, msg.src, msg.dst_stage, msg.src_stage)):
+                                                 (grad_kind, msg.dst, msg.src, msg.dst_stage, msg.src_stage)):
                 made, used = compute[(s_from, src, kind, i)], compute[(s_to, dst, kind, i)]
                 if src == dst or msg.bytes_per_batch == 0:
                     assert used.start_s >= made.end_s - eps
                     continue
-                x = transfers[(f"{src}->{dst}", kind, s_from, s_to, i)]
+                x = transfers[(f"{src}->{dst}", "F" if kind == "F" else "B", s_from, s_to, i)]
                 assert x.start_s >= made.end_s - eps and used.start_s >= x.end_s - eps
                 lower_bound[(s_from, src, s_to, dst, kind, i)] = x.end_s - x.start_s
     return lower_bound
 
 
-def _check_critical_path(est, compute, lower_bound, model, m, eps):
+def _check_critical_path(est, compute, lower_bound, model, m, eps, kinds):
     """The step is never shorter than the busiest device nor than the critical path."""
     assert est.step_s >= max(est.busy_s.values()) - eps
     duration = {k: s.end_s - s.start_s for k, s in compute.items()}
@@ -289,14 +291,15 @@ def _check_critical_path(est, compute, lower_bound, model, m, eps):
         if msg.src == msg.dst or msg.bytes_per_batch == 0:
             for i in (i for i in range(m) if msg.bytes_mb[i] is not None):
                 feeds[(msg.dst_stage, msg.dst, "F", i)].append(((msg.src_stage, msg.src, "F", i), 0.0))
-                feeds[(msg.src_stage, msg.src, "B", i)].append(((msg.dst_stage, msg.dst, "B", i), 0.0))
+                feeds[(msg.src_stage, msg.src, kinds[0], i)].append(((msg.dst_stage, msg.dst, kinds[0], i), 0.0))
     memo = {}
 
     def finish(key):  # earliest end of an action given only data dependencies
         if key not in memo:
             start = max([finish(k) + dt for k, dt in feeds[key]], default=0.0)
-            if key[2] == "B":
-                start = max(start, finish((key[0], key[1], "F", key[3])))
+            if key[2] != "F":  # B or I after its forward, W after its I
+                before = "F" if key[2] == kinds[0] else kinds[0]
+                start = max(start, finish((key[0], key[1], before, key[3])))
             memo[key] = start + duration[key]
         return memo[key]
 

@@ -143,6 +143,20 @@ class Edge:
 
 
 @dataclass(frozen=True)
+class Tied:
+    """A parameter several nodes use, counted in the `param_bytes` of each of them (GPT-2's
+    token embedding, which is also its output layer). Stages that hold some of `nodes` each
+    keep a copy and sum its gradient after the step (`hetplan.sync`)."""
+
+    nodes: tuple[str, ...]
+    bytes: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        _check_number(self.bytes, f"tied parameter of {', '.join(self.nodes)}: bytes")
+
+
+@dataclass(frozen=True)
 class Graph:
     """A model as a DAG of nodes. `batch_size` is the batch the times and sizes were taken at;
     `profiled_on` is the device type whose times every node carries."""
@@ -154,10 +168,12 @@ class Graph:
     profiled_on: str
     source: str = ""
     meta: Mapping[str, str] = field(default_factory=FrozenMap)
+    tied: tuple[Tied, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
         object.__setattr__(self, "edges", tuple(self.edges))
+        object.__setattr__(self, "tied", tuple(self.tied))
         object.__setattr__(self, "meta", FrozenMap(self.meta))
         if not self.nodes:
             raise GraphError(f"graph {self.name!r} has no nodes")
@@ -193,6 +209,16 @@ class Graph:
         if cycle:
             path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
             raise GraphError(f"graph {self.name!r} is not a DAG: it has the cycle {path}")
+        self._check_tied()
+
+    def _check_tied(self) -> None:
+        for t in self.tied:
+            short = [n for n in t.nodes if n not in self.by_id or self.by_id[n].param_bytes < t.bytes]
+            if len(set(t.nodes)) < 2 or short:
+                why = "names fewer than two nodes" if not short else \
+                    f"is more than the parameters of {short[0]!r} (or no such node)"
+                raise GraphError(f"graph {self.name!r}: the tied parameter of {', '.join(t.nodes)} ({t.bytes} "
+                                 f"bytes) {why}; list the nodes that use it, each counting its bytes")
 
     # ---- structure ---------------------------------------------------------------------------
 
@@ -359,7 +385,19 @@ class Graph:
 
     @property
     def param_bytes_total(self) -> int:
-        return sum(n.param_bytes for n in self.nodes)
+        """The model's parameters, a tied one once."""
+        return self.param_bytes_of(n.id for n in self.nodes)
+
+    def param_bytes_of(self, nodes: Iterable[str]) -> int:
+        """The parameters of these nodes, each tied parameter once (a stage holds one copy)."""
+        ids = set(nodes)
+        return sum(self.by_id[n].param_bytes for n in ids) - self.tied_excess_bytes(ids)
+
+    def tied_excess_bytes(self, nodes: Iterable[str]) -> int:
+        """What summing these nodes' parameter bytes counts twice or more: each tied parameter
+        once per node of it among them, after the first."""
+        ids = set(nodes)
+        return sum(t.bytes * max(0, len(ids.intersection(t.nodes)) - 1) for t in self.tied)
 
     @property
     def act_bytes_total(self) -> int:

@@ -8,16 +8,21 @@ Parallelism", 2019): every stage runs the forward pass of all m micro-batches, t
 backward passes. 1F1B (PipeDream-Flush, Narayanan et al., "Memory-Efficient Pipeline-Parallel
 DNN Training", 2021): stage r first runs n - 1 - r forward passes (warm-up), then alternates one
 forward and one backward (steady state), then runs the remaining backward passes (cool-down),
-so it never holds the activations of more than n - r micro-batches.
+so it never holds the activations of more than n - r micro-batches. Zero bubble (ZB-H1 of Qi et
+al., "Zero Bubble Pipeline Parallelism", ICLR 2024): the backward pass is split in two actions,
+the gradients of the stage's inputs (I), which the stage before waits for, and those of its
+weights (W), which nobody waits for; 1F1B's order with I for B, stage r deferring its first r
+W actions to fill the cool-down's bubbles. A stage then holds up to min(m, n) micro-batches (it
+frees them at W).
 
-The orders are exactly those torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B
-execute (`_step_microbatches`). hetplan's runtime (`hetplan.runtime.executor`) runs these very
-orders and the simulator simulates them, so a simulated step and a real one compare action by
-action. Tests also hold them against torch's printable `_get_pipeline_order` (idle slots and
-gradient reductions left out), which agrees everywhere except on 1F1B's last stage, where it
-numbers the forward passes from 1. An action prints as
-torch prints it: "1F0" is stage 1's forward pass of micro-batch 0, "0B3" stage 0's backward of
-micro-batch 3.
+The orders are exactly those torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B
+(`_step_microbatches`) and ScheduleInterleavedZeroBubble with one stage per rank execute.
+hetplan's runtime (`hetplan.runtime.executor`) runs these very orders and the simulator
+simulates them, so a simulated step and a real one compare action by action. Tests also hold
+them against torch's printable `_get_pipeline_order` (idle slots and gradient reductions left
+out), which agrees everywhere except on 1F1B's last stage, where it numbers the forward passes
+from 1. An action prints as torch prints it: "1F0" is stage 1's forward pass of micro-batch 0,
+"0B3" stage 0's backward of micro-batch 3, "2I1" and "2W1" the two halves of a split backward.
 """
 
 from __future__ import annotations
@@ -30,7 +35,12 @@ from hetplan.errors import HetplanError
 
 FORWARD = "F"
 BACKWARD = "B"
-_ACTION = re.compile(r"^(\d+)([FB])(\d+)$")
+BACKWARD_INPUT = "I"  # the gradients of the stage's inputs only (sent to the stage before)
+BACKWARD_WEIGHT = "W"  # the gradients of its weights, after I
+KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+SENDS_GRADIENTS = (BACKWARD, BACKWARD_INPUT)  # the action after which a stage's input gradients exist
+FREES = (BACKWARD, BACKWARD_WEIGHT)  # the action after which a micro-batch's activations are freed
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -40,8 +50,9 @@ class Action:
     microbatch: int
 
     def __post_init__(self) -> None:
-        if self.kind not in (FORWARD, BACKWARD):
-            raise HetplanError(f"action kind {self.kind!r}: allowed are F (forward) and B (backward)")
+        if self.kind not in KINDS:
+            raise HetplanError(f"action kind {self.kind!r}: allowed are F (forward), B (backward), "
+                               "I (backward for inputs) and W (backward for weights)")
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.microbatch}"
@@ -50,7 +61,7 @@ class Action:
     def parse(cls, text: str) -> Action:
         match = _ACTION.match(text.strip())
         if not match:
-            raise HetplanError(f"cannot read action {text!r}; write it like 1F0 (stage, F or B, micro-batch)")
+            raise HetplanError(f"cannot read action {text!r}; write it like 1F0 (stage, F, B, I or W, micro-batch)")
         return cls(int(match[1]), match[2], int(match[3]))
 
 
@@ -87,6 +98,30 @@ def one_f_one_b(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...
     return tuple(orders)
 
 
+def zero_bubble(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Per stage, the order of its actions under ZB-H1: 1F1B's warm-up and steady state with the
+    backward split into I and W; stage r runs W of micro-batch j after I of j + r (its first r
+    steady-state steps run no W), and the W actions left run at the end."""
+    _check(stages, microbatches)
+    orders = []
+    for r in range(stages):
+        warmup = min(stages - 1 - r, microbatches)
+        actions = [Action(r, FORWARD, i) for i in range(warmup)]
+        forward = warmup
+        weight = 0
+        for i in range(microbatches):
+            if forward < microbatches:
+                actions.append(Action(r, FORWARD, forward))
+                forward += 1
+            actions.append(Action(r, BACKWARD_INPUT, i))
+            if i >= r:
+                actions.append(Action(r, BACKWARD_WEIGHT, weight))
+                weight += 1
+        actions += [Action(r, BACKWARD_WEIGHT, j) for j in range(weight, microbatches)]
+        orders.append(tuple(actions))
+    return tuple(orders)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """A schedule: its per-stage action orders, how many micro-batches' activations stage
@@ -100,6 +135,11 @@ class Schedule:
     bounded: bool  # in flight bounded by the stages after it (1F1B), not by the micro-batches (GPipe)
     torch_class: str
     summary: str
+    split_backward: bool = False  # its backward passes are I and W actions, not B
+
+    @property
+    def backward_kinds(self) -> tuple[str, ...]:
+        return (BACKWARD_INPUT, BACKWARD_WEIGHT) if self.split_backward else (BACKWARD,)
 
 
 SCHEDULES: dict[str, Schedule] = {
@@ -107,6 +147,12 @@ SCHEDULES: dict[str, Schedule] = {
                       "all forward passes, then all backward passes; every micro-batch in flight"),
     "1f1b": Schedule("1f1b", one_f_one_b, lambda stages, index, m: min(m, stages - index), True, "Schedule1F1B",
                      "warm-up, one forward one backward, cool-down; at most stages - index in flight"),
+    # in flight min(m, stages) on every stage: planners that count the stages after a stage
+    # (`bounded`) charge it m, more than it holds
+    "zero-bubble": Schedule("zero-bubble", zero_bubble, lambda stages, index, m: min(m, stages), False,
+                            "ScheduleInterleavedZeroBubble",
+                            "1F1B with the backward split into inputs' (I) and weights' (W) gradients, W filling "
+                            "the bubbles; at most min(m, stages) in flight", split_backward=True),
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
 
@@ -128,10 +174,10 @@ def inflight_microbatches(schedule: str, stages: int, stage_index: int, microbat
 
 
 def peak_in_flight(actions: tuple[Action, ...]) -> int:
-    """The most micro-batches whose forward pass a stage has run and backward pass not yet:
-    how many micro-batches' activations it holds at its peak."""
+    """The most micro-batches whose forward pass a stage has run and backward pass (B, or W of a
+    split backward) not yet: how many micro-batches' activations it holds at its peak."""
     held = peak = 0
     for a in actions:
-        held += 1 if a.kind == FORWARD else -1
+        held += 1 if a.kind == FORWARD else -1 if a.kind in FREES else 0
         peak = max(peak, held)
     return peak

@@ -13,8 +13,9 @@ from hetplan.cli.reporting import cmd_report
 from hetplan.cli.running import cmd_calibrate, cmd_demo, cmd_run
 from hetplan.graph import GRANULARITIES
 from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, INPUT_TIMES
-from hetplan.plan import OBJECTIVES, SCHEDULES
+from hetplan.plan import OBJECTIVES
 from hetplan.planners import PLANNERS, RL_PLANNERS
+from hetplan.planners.options import SCHEDULE_CHOICES
 from hetplan.sim.model import ROUTINGS
 from hetplan.zoo import zoo_names
 from hetplan.zoo.llm import SHAPES as LLM_SHAPES
@@ -86,7 +87,9 @@ def _planning_options() -> argparse.ArgumentParser:
     planning.add_argument("--microbatches", metavar="M|auto",
                           help="micro-batches per step (default: auto, the planner chooses)")
     planning.add_argument("--global-batch", type=int, metavar="N", help=GLOBAL_BATCH_HELP)
-    planning.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default: 1f1b)")
+    planning.add_argument("--schedule", default="1f1b", choices=SCHEDULE_CHOICES,
+                          help="pipeline schedule (default: 1f1b; auto: the planner's plan under the schedule "
+                               "its objective prefers)")
     planning.add_argument("--objective", default="time", choices=OBJECTIVES,
                           help="time: shortest step; cost: lowest price per sample above --min-samples-per-s; "
                                "mdpe: Trinity's runtime + communication + memory model; throughput: PipeDream's "

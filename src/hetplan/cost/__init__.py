@@ -160,6 +160,12 @@ class CostModel:
         times = self.node_times_s(device_type)
         return math.fsum(times[n][0] for n in nodes), math.fsum(times[n][1] for n in nodes)
 
+    def stage_weight_share(self, nodes: Sequence[str], device_type: str, first: bool) -> float:
+        """`formulas.weight_share` of a stage, when a schedule splits its backward."""
+        times, by_id = self.node_times_s(device_type), self.graph.by_id
+        return formulas.weight_share(math.fsum(times[n][1] for n in nodes if by_id[n].param_bytes > 0),
+                                     math.fsum(times[n][1] for n in nodes), first)
+
     def whole_graph_s(self, device_type: str) -> float:
         """Forward + backward time of the whole graph on one device of a type, for the batch."""
         return math.fsum(self.stage_times_s(self.graph.topo_order, device_type))
@@ -203,9 +209,9 @@ class CostModel:
 
     def optimizer_bytes(self, nodes: Sequence[str]) -> int:
         """The parameter bytes the optimizer step of these nodes updates (`Node.optimizer_bytes`:
-        only the looked-up rows of a table with sparse gradients)."""
+        only the looked-up rows of a table with sparse gradients; a tied parameter once)."""
         by_id = self.graph.by_id
-        return sum(by_id[n].optimizer_bytes for n in nodes)
+        return max(0, sum(by_id[n].optimizer_bytes for n in nodes) - self.graph.tied_excess_bytes(nodes))
 
     def index_bytes(self, nodes: Sequence[str]) -> int:
         """The bytes of the row indices the replicas of these nodes exchange per step: one int64 per
@@ -331,7 +337,7 @@ class CostModel:
     def stage_replicas_memory_bytes(self, plan: Plan, stage_index: int) -> dict[str, int]:
         """`stage_memory_bytes` of every replica of a stage, by device id."""
         stage = plan.stages[stage_index]
-        params = sum(self.graph.by_id[n].param_bytes for n in stage.nodes)
+        params = self.graph.param_bytes_of(stage.nodes)
         acts = sum(self.graph.by_id[n].act_bytes for n in stage.nodes)
         # this stage's split only: planners ask this per stage and device, in loops
         rows = step_rows(self.graph.batch_size, plan.microbatches, [self.stage_weights(stage.nodes, stage.devices)])

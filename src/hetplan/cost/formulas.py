@@ -42,6 +42,11 @@ WEIGHT_COPIES = 1 + 1 + OPTIMIZER_STATE_COPIES  # weights + gradients + optimize
 # seven passes over the weights' bytes, bound by memory bandwidth.
 OPTIMIZER_PASSES = 7
 SECONDS_PER_HOUR = 3600.0
+# The weights' share of the backward of a layer with weights, when a zero-bubble schedule splits
+# the backward in two: a matmul's input gradient (dY W^T) and weight gradient (X^T dY) take the
+# same FLOPs, and Qi et al. (2024) time the two as equal. A layer without weights has no weights'
+# part; a stage whose inputs need no gradient (the first) has only that part.
+WEIGHT_GRAD_SHARE = 0.5
 
 
 # -- communication ---------------------------------------------------------------------------
@@ -149,6 +154,27 @@ def replica_passes_s(fwd_s, bwd_s, fwd_fixed_s, bwd_fixed_s, corun, action_overh
     backward scaled, forward fixed, backward fixed), for `action_s`."""
     return ((fwd_s - fwd_fixed_s) * corun, (bwd_s - bwd_fixed_s) * corun,
             fwd_fixed_s * corun + action_overhead_s, bwd_fixed_s * corun + action_overhead_s)
+
+
+def split_backward_s(bwd_scaled_s, bwd_fixed_s, weight_share, action_overhead_s):
+    """A replica's backward run as two actions (a zero-bubble schedule: its inputs' gradients,
+    then its weights'), from its backward as `replica_passes_s` gives it (the part that scales,
+    the fixed part with the runtime's cost per action): the weights' action takes `weight_share`
+    of both parts and each action pays the runtime's cost. Returns (inputs' scaled, inputs'
+    fixed, weights' scaled, weights' fixed), for `action_s`."""
+    fixed = bwd_fixed_s - action_overhead_s
+    return ((1.0 - weight_share) * bwd_scaled_s, (1.0 - weight_share) * fixed + action_overhead_s,
+            weight_share * bwd_scaled_s, weight_share * fixed + action_overhead_s)
+
+
+def weight_share(bwd_weighted_s, bwd_s, first):
+    """The part of a stage's backward that is its weights' gradients (numbers or arrays):
+    `WEIGHT_GRAD_SHARE` of the backward of its nodes with weights (`bwd_weighted_s`) over its
+    whole backward; all of it on the first stage (`first`), whose inputs need no gradient."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(np.asarray(bwd_s) > 0, WEIGHT_GRAD_SHARE * np.asarray(bwd_weighted_s) / np.asarray(bwd_s), 0.0)
+    out = np.where(first, 1.0, ratio)
+    return float(out) if out.ndim == 0 else out
 
 
 def replica_tail_s(optimizer_step_s, corun, step_overhead_s):

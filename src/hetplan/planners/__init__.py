@@ -17,7 +17,7 @@ from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, validate_plan
 from hetplan.planners import baselines
-from hetplan.planners.options import PlanOptions
+from hetplan.planners.options import AUTO_SCHEDULE, PlanOptions
 from hetplan.runtime.support import runtime_refusal
 from hetplan.sim import simulate
 
@@ -106,17 +106,27 @@ def get_planner(name: str) -> PlannerSpec:
 def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions | None = None,
               progress: Callable[[float], None] | None = None) -> Plan:
     """Run a planner, check its plan and attach the estimate and the planning time. `progress`
-    is called with the fraction done by planners that search for a while."""
+    is called with the fraction done by planners that search for a while. With `--schedule
+    auto` the planner plans under 1F1B and the plan takes the best schedule for it
+    (`refine.best_schedule`)."""
     spec = get_planner(planner)
     options = options or PlanOptions()
     if options.microbatches and options.microbatches > graph.batch_size:
         raise HetplanError(f"--microbatches: {options.microbatches} micro-batches for a batch of {graph.batch_size} "
                            f"samples; use at most {graph.batch_size}")
     start = time.perf_counter()
+    auto = options.schedule == AUTO_SCHEDULE
+    if auto:
+        options = replace(options, schedule="1f1b")
     if spec.reports_progress and progress is not None:
         plan = spec.run(graph, cluster, options, progress=progress)
     else:
         plan = spec.run(graph, cluster, options)
+    if auto:
+        from hetplan.planners.refine import best_schedule
+        from hetplan.planners.scoring import Scorer
+
+        plan = best_schedule(Scorer(graph, cluster, options), plan)
     planning_s = time.perf_counter() - start
     validate_plan(plan, graph, cluster)
     return replace(

@@ -8,13 +8,16 @@ from dataclasses import dataclass
 from hetplan.errors import HetplanError
 from hetplan.plan import OBJECTIVES, SCHEDULES
 
+AUTO_SCHEDULE = "auto"  # not a schedule: the planner's plan under whichever the objective prefers
+SCHEDULE_CHOICES = (*SCHEDULES, AUTO_SCHEDULE)
 
 @dataclass(frozen=True)
 class PlanOptions:
     """What the user asks of a planner.
 
     microbatches: the number of micro-batches, or None to let the planner choose.
-    schedule: `gpipe` or `1f1b`.
+    schedule: a name of `hetplan.schedule.SCHEDULES` (`gpipe`, `1f1b`, `zero-bubble`), or `auto`:
+    the planner plans under 1F1B and the plan takes the schedule its simulated objective prefers.
     objective: `time`, `cost` or `mdpe` (planners that do not optimise ignore it).
     seed: for planners that draw random numbers.
     budget_s: a time budget for search planners (None: the planner's default).
@@ -57,8 +60,8 @@ class PlanOptions:
     def _check_choices(self) -> None:
         if self.microbatches is not None and not _whole(self.microbatches):
             raise HetplanError(f"--microbatches: {self.microbatches!r} is not a whole number >= 1")
-        if self.schedule not in SCHEDULES:
-            raise HetplanError(f"--schedule: {self.schedule!r} is unknown (allowed: {', '.join(SCHEDULES)})")
+        if self.schedule not in SCHEDULE_CHOICES:
+            raise HetplanError(f"--schedule: {self.schedule!r} is unknown (allowed: {', '.join(SCHEDULE_CHOICES)})")
         if self.objective not in OBJECTIVES:
             raise HetplanError(f"--objective: {self.objective!r} is unknown (allowed: {', '.join(OBJECTIVES)})")
 

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from hetplan.plan import Plan, Stage, plan_problems
 from hetplan.planners.scoring import Scorer
+from hetplan.schedule import SCHEDULE_NAMES
 
 MAX_ROUNDS = 8  # boundary moves taken at most
 
@@ -32,6 +33,14 @@ def refine_microbatches(scorer: Scorer, plan: Plan, choices: tuple[int, ...]) ->
                 break
             best, value = other, other_value
     return best
+
+
+def best_schedule(scorer: Scorer, plan: Plan) -> Plan:
+    """The plan under the schedule whose simulated objective is best (ties: its own); its
+    stages and micro-batches as they are (zero bubble holds more micro-batches than 1F1B, so a
+    plan that fits under one may not under the other: the simulator says)."""
+    others = [replace(plan, schedule=s, predicted=None) for s in SCHEDULE_NAMES if s != plan.schedule]
+    return min([plan, *others], key=scorer.value)
 
 
 def boundary_moves(plan: Plan) -> list[Plan]:

@@ -26,9 +26,9 @@ from torch import nn
 
 from hetplan._frozen import FrozenMap
 from hetplan.errors import HetplanError
-from hetplan.graph import Edge, Graph, Node
+from hetplan.graph import Edge, Graph, Node, Tied
 from hetplan.pieces.hostmem import keep_freed_memory
-from hetplan.pieces.split import GRANULARITIES, SplitStep, split_step, tensor_bytes
+from hetplan.pieces.split import GRANULARITIES, Piece, SplitStep, split_step, tensor_bytes
 from hetplan.profile.devices import ProfileDevice, parse_device
 from hetplan.profile.timing import Timing, optimizer_times, time_in_sequence, warm_pass
 
@@ -309,6 +309,7 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
             fwd_fixed_s={t: f[piece.name][0] for t, f in (fixed_parts or {}).items() if piece.name in f},
             bwd_fixed_s={t: f[piece.name][1] for t, f in (fixed_parts or {}).items() if piece.name in f},
         ))
+    tied = _tied(split.pieces)
     shapes = ", ".join(f"{k}[{'x'.join(map(str, v.shape))}] {str(v.dtype).removeprefix('torch.')}"
                        for k, v in batch.items() if isinstance(v, torch.Tensor))
     return Graph(
@@ -323,7 +324,25 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
               **({"seq_len": str(batch["input_ids"].shape[1])}
                  if isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].dim() == 2 else {}),
               "timing": f"pieces run in sequence, a timestamp between pieces, median of {first.repeats} repeats"},
+        tied=tied,
     )
+
+
+def _tied(pieces: Sequence[Piece]) -> tuple[Tied, ...]:
+    """The parameters several pieces use (GPT-2's token embedding and output layer), their
+    bytes summed per set of pieces: the graph's `tied`."""
+    users: dict[int, list[str]] = {}
+    size: dict[int, int] = {}
+    for piece in pieces:
+        for prm in dict.fromkeys(piece.module.parameters()):
+            if prm.requires_grad:
+                users.setdefault(id(prm), []).append(piece.name)
+                size[id(prm)] = prm.numel() * prm.element_size()
+    per_set: dict[tuple[str, ...], int] = {}
+    for pid, names in users.items():
+        if len(names) > 1:
+            per_set[tuple(names)] = per_set.get(tuple(names), 0) + size[pid]
+    return tuple(Tied(names, nbytes) for names, nbytes in per_set.items())
 
 
 def profile(

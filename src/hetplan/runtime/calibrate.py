@@ -20,7 +20,7 @@ fresh processes like the workers (`hetplan.runtime.probes`), and written into th
    models of the benchmark of predicted against measured, so that the benchmark checks the
    calibration rather than repeats it.
 
-Host-to-GPU copies of GPU stages behind a CPU boundary are not measured yet (see the README).
+Host-to-GPU copies of GPU stages behind a CPU boundary are not measured yet (docs/cost-model.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The action order is `hetplan.schedule.schedule_order`, the one the simulator sim
 the rows of every replica are `hetplan.rows`, the split the simulator charges; so a run does what
 its prediction assumed, action by action. Every plan that `hetplan.plan.validate_plan` accepts
 runs: any number of replicas per stage (3 + 1, 1 + 2 + 1, ...), stages without parameters, more
-or fewer micro-batches than stages, GPipe or 1F1B.
+or fewer micro-batches than stages, GPipe, 1F1B or zero bubble.
 
 For replica p of stage k, micro-batch j, with rows [lo, hi) of it (`StepRows.slices`):
 
@@ -19,8 +19,11 @@ For replica p of stage k, micro-batch j, with rows [lo, hi) of it (`StepRows.sli
           else:       g = the gradients of y from stage k+1's replicas, joined; backward(y, g)
           send each replica of stage k-1 the rows of x.grad we share (not from stage 0)
 
-A replica with no row of micro-batch j skips F j and B j, and nobody sends to it. Only floating
-values that carry a gradient (`boundary.ValueLayout.grad`) travel back. Sends are asynchronous and
+    I j, W j (zero bubble): B j in two actions (`hetplan.runtime.split_backward`): I computes the
+          gradients of x, sends them as B does and keeps what W needs; W computes the weights.
+
+A replica with no row of micro-batch j skips its actions for j, and nobody sends to it. Only
+floating values that carry a gradient (`boundary.ValueLayout.grad`) travel back. Sends are asynchronous and
 waited for at the end of the step; receives block, which the schedules allow (they are deadlock
 free with asynchronous sends; the simulator checks the same order). Gradients of replicas and of
 parameters that several stages share are summed afterwards (`gradients.reduce_gradients`): since each slice's
@@ -39,8 +42,9 @@ from torch import nn
 from hetplan.errors import HetplanError
 from hetplan.rows import StepRows
 from hetplan.runtime.boundary import ValueLayout, pack, packed_bytes, unpack
+from hetplan.runtime.split_backward import backward_inputs, backward_weights
 from hetplan.runtime.transport import Transport
-from hetplan.schedule import FORWARD, Action
+from hetplan.schedule import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 
 
 @dataclass(frozen=True)
@@ -171,25 +175,24 @@ class StageRunner:
                                    f"{lay.dtype} {lay.shape_for(peer.end - peer.first)} was expected for "
                                    f"{peer.end - peer.first} rows: the model's shapes change between micro-batches")
 
-    def _backward(self, j: int, saved: dict, pending: list) -> float:
+    def _backward(self, j: int, saved: dict, pending: list, kind: str) -> float:
+        """B, or I of a split backward (then W's work is kept in `saved` for `_backward_weights`);
+        either sends the inputs' gradients to stage k - 1."""
         k, p = self.role.stage, self.role.replica
         lo, hi = self._mine(j)
         inputs, outs = saved.pop(j)
         loss = 0.0
         if self.role.last:
             weight = (hi - lo) / self.role.rows.batch_size
-            (outs[0] * weight).backward()
+            tensors, grads = [outs[0] * weight], [torch.ones((), dtype=outs[0].dtype, device=outs[0].device)]
             loss = float(outs[0].detach().float().item()) * weight
         else:
-            parts = self._gather(j, self.layouts_out, k + 1, "B", True,
-                                 lambda peer: self._holds_first_row(j, k, p, k + 1, peer.replica))
-            tensors, grads = [], []
-            for lay, out, got in zip(self.layouts_out, outs, parts, strict=True):
-                if lay.grad and got and out.requires_grad:
-                    tensors.append(out)
-                    grads.append(lay.join(got) if lay.batch_dim is not None else torch.stack(got).sum(0))
-            if tensors:
-                torch.autograd.backward(tensors, grads)
+            tensors, grads = self._output_grads(j, outs)
+        if kind == BACKWARD_INPUT:
+            params = [prm for prm in self.module_for(hi - lo).parameters() if prm.requires_grad]
+            saved[(BACKWARD_WEIGHT, j)] = backward_inputs(tensors, grads, inputs, params)
+        elif tensors:
+            torch.autograd.backward(tensors, grads)
         if not self.role.first:
             for peer in self._peers(j, k - 1):
                 whole = self._holds_first_row(j, k - 1, peer.replica, k, p)
@@ -201,6 +204,18 @@ class StageRunner:
                     values.append(self.layouts_in[i].take(g, peer.first - lo, peer.end - lo))
                 self._send(values, peer.rank, _tag(j, "B"), pending)
         return loss
+
+    def _output_grads(self, j: int, outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs that carry a gradient and their gradients, received from stage k + 1."""
+        k, p = self.role.stage, self.role.replica
+        parts = self._gather(j, self.layouts_out, k + 1, "B", True,
+                             lambda peer: self._holds_first_row(j, k, p, k + 1, peer.replica))
+        tensors, grads = [], []
+        for lay, out, got in zip(self.layouts_out, outs, parts, strict=True):
+            if lay.grad and got and out.requires_grad:
+                tensors.append(out)
+                grads.append(lay.join(got) if lay.batch_dim is not None else torch.stack(got).sum(0))
+        return tensors, grads
 
     def step(self, batch: Sequence[torch.Tensor] = ()) -> float:
         """Run the step's actions; returns this replica's share of the batch's mean loss (last
@@ -217,8 +232,10 @@ class StageRunner:
             began = time.perf_counter()
             if action.kind == FORWARD:
                 self._forward(action.microbatch, batch, saved, pending)
+            elif action.kind == BACKWARD_WEIGHT:
+                backward_weights(saved.pop((BACKWARD_WEIGHT, action.microbatch)))
             else:
-                loss += self._backward(action.microbatch, saved, pending)
+                loss += self._backward(action.microbatch, saved, pending, action.kind)
             self.spans.append((action.kind, action.stage, action.microbatch, began, time.perf_counter(), -1))
         for handle, _ in pending:
             handle.wait()

@@ -9,7 +9,7 @@ for a dead peer fails by itself too. The measured step is the median wall time o
 the warm-up, each timed between two barriers on every worker (the slowest worker's time).
 
 Several machines: run the same worker under torchrun on each, with RUN.json copied to all of them
-(README: "Running on several machines").
+(docs/guide.md: "Several machines", under "Running a plan").
 """
 
 from __future__ import annotations

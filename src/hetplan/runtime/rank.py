@@ -30,6 +30,7 @@ from hetplan.runtime.gradients import sparse_parameter_ids
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.stages import StageModule, stage_modules
 from hetplan.schedule import schedule_order
+from hetplan.sync import sync_groups
 
 
 def rank_table(spec: RunSpec) -> tuple[tuple[int, ...], ...]:
@@ -117,9 +118,9 @@ def _example_boundaries(traces: Traces, rows: int) -> list[tuple[torch.Tensor, .
 
 def gradient_groups(traces: Traces, table: tuple[tuple[int, ...], ...],
                     names: Mapping[int, str]) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
-    """Every set of ranks whose gradients are summed, with its parameters in one order: the
-    replicas of a stage, and, for a parameter several stages use (GPT-2's tied embedding and
-    output layer), the replicas of all those stages. In one global order, the same on every rank."""
+    """Every set of ranks whose gradients are summed, with its parameters in one order
+    (`hetplan.sync.sync_groups`: the replicas of a stage, and, for a parameter several stages
+    use, the replicas of all those stages), in the order every rank runs them."""
     mods = traces.stages(min(traces.by_rows, default=next(iter(traces.batch.values())).shape[0]))
     holders: dict[int, set[int]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -128,11 +129,11 @@ def gradient_groups(traces: Traces, table: tuple[tuple[int, ...], ...],
             if prm.requires_grad:
                 holders.setdefault(id(prm), set()).add(k)
                 params[id(prm)] = prm
-    groups: dict[tuple[int, ...], list[nn.Parameter]] = {}
-    for pid, stages in holders.items():
-        ranks = tuple(sorted(r for s in stages for r in table[s]))
-        groups.setdefault(ranks, []).append(params[pid])
-    return [(ranks, sorted(ps, key=lambda prm: names[id(prm)])) for ranks, ps in sorted(groups.items())]
+    out = []
+    for group in sync_groups(holders, [len(t) for t in table]):
+        ranks = tuple(table[k][p] for k, p in group.members)
+        out.append((ranks, sorted((params[pid] for pid in group.params), key=lambda prm: names[id(prm)])))
+    return out
 
 
 def slice_sizes(role: Role) -> set[int]:

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 from hetplan.plan import Plan
 from hetplan.runtime.launch import RunResult
+from hetplan.schedule import KINDS
 from hetplan.timeline import ALLREDUCE, OPTIMIZER, Timeline
 
-COMPUTE = ("F", "B")
+COMPUTE = KINDS  # F, B, I, W: compute actions (`hetplan.schedule`)
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,11 @@ that order as hetplan's runtime runs it (`hetplan.runtime.executor`): an action 
 one before it on the same stage is done and its inputs (activations for a forward pass,
 gradients for a backward pass) have arrived. A device that holds several stages (plans with
 `shared_devices`) runs, of the actions at the heads of its stages' orders, the one whose inputs
-arrived first (ties: the lower stage). After its last backward pass, a replicated stage
-sums its gradients (`CostModel.gradient_sync_s`: an all-reduce by the ring formula or the curve
-measured on a calibrated cluster; of a table with sparse gradients only its looked-up rows),
-which uses the network, not the device's compute; then every replica takes
+arrived first (ties: the lower stage). After its last backward pass, each replica takes part
+in its gradient sums (`hetplan.cost.syncs`: a replicated stage's own parameters, and a tied
+parameter over all the stages that use it; each an all-reduce by the ring formula or the curve
+measured on a calibrated cluster; of a table with sparse gradients only its looked-up rows), in
+the order the runtime's ranks run them, which use the network, not the device's compute; then every replica takes
 its optimizer step (`CostModel.stage_optimizer_s`: as the profiler measured it on the device's
 type, else Adam's memory-bound formula of the bytes it updates, or as `hetplan calibrate`
 measured it on the device).
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from hetplan.cluster import Cluster
 from hetplan.cost.formulas import transfer_s
 from hetplan.errors import HetplanError
-from hetplan.schedule import BACKWARD, FORWARD, schedule_order
+from hetplan.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FREES, get_schedule, schedule_order
 from hetplan.sim.interfaces import Interfaces
 from hetplan.sim.model import StepModel
 from hetplan.timeline import ALLREDUCE, OPTIMIZER, Span, Timeline
@@ -89,13 +90,15 @@ class _Tasks:
         self.programs: list[list[list[int]]] = [[] for _ in self.devices]
         self.dev: list[int] = []
         self.dur: list[float] = []
-        self.act: list[float] = []  # activation bytes stashed by a forward (freed by its backward)
-        self.fwd: list[bool] = []
+        self.hold: list[float] = []  # activation bytes a forward stashes (+), its B or W frees (-), else 0
+        self.kind: list[str] = []
         self.stage: list[int] = []
         self.mb: list[int] = []
         self.base: dict[tuple[int, str], int] = {}  # (stage, device) -> id of its first task
         self.position: list[dict[str, list[int]]] = []  # per stage, kind -> micro-batch -> place in its order
         self.last: list[tuple[int, list[int]]] = []  # (stage, last task of each replica)
+        # the action after which a stage's input gradients exist (I where the backward is split)
+        self.grad_kind = BACKWARD_INPUT if get_schedule(model.schedule).split_backward else BACKWARD
         for st in model.stages:
             self._add_stage(st, orders[st.index], m)
         self.count = len(self.dev)
@@ -105,9 +108,9 @@ class _Tasks:
         self.succ_c: list[list[int]] = [[] for _ in range(self.count)]  # tasks it feeds without a transfer
 
     def _add_stage(self, st, order, m: int) -> None:
-        is_fwd = [a.kind == FORWARD for a in order]
+        kinds = [a.kind for a in order]
         mbs = [a.microbatch for a in order]
-        place: dict[str, list[int]] = {FORWARD: [0] * m, BACKWARD: [0] * m}
+        place: dict[str, list[int]] = {kind: [0] * m for kind in set(kinds)}
         for k, a in enumerate(order):
             place[a.kind][a.microbatch] = k
         self.position.append(place)
@@ -118,9 +121,12 @@ class _Tasks:
             self.base[(st.index, rep.device)] = base
             size = len(order)
             self.dev.extend([dev] * size)
-            self.dur.extend([rep.fwd_mb_s[i] if f else rep.bwd_mb_s[i] for f, i in zip(is_fwd, mbs, strict=True)])
-            self.act.extend([rep.act_mb_bytes[i] for i in mbs])
-            self.fwd.extend(is_fwd)
+            durations = {FORWARD: rep.fwd_mb_s, BACKWARD: rep.bwd_mb_s, BACKWARD_INPUT: rep.bwd_input_mb_s,
+                         BACKWARD_WEIGHT: rep.bwd_weight_mb_s}
+            self.dur.extend([durations[k][i] for k, i in zip(kinds, mbs, strict=True)])
+            self.hold.extend([rep.act_mb_bytes[i] if k == FORWARD else -rep.act_mb_bytes[i] if k in FREES else 0.0
+                              for k, i in zip(kinds, mbs, strict=True)])
+            self.kind.extend(kinds)
             self.stage.extend([st.index] * size)
             self.mb.extend(mbs)
             self.programs[dev].append(list(range(base, base + size)))
@@ -131,7 +137,7 @@ class _Tasks:
         return self.base[(stage, device)] + self.position[stage][kind][microbatch]
 
     def deadlock(self, c_end: list[float], done: int) -> HetplanError:
-        stuck = [f"{self.stage[t]}{FORWARD if self.fwd[t] else BACKWARD}{self.mb[t]} on {self.devices[self.dev[t]]}"
+        stuck = [f"{self.stage[t]}{self.kind[t]}{self.mb[t]} on {self.devices[self.dev[t]]}"
                  for t in range(self.count) if c_end[t] < 0][:3]
         return HetplanError(f"the simulated step deadlocked with {self.count - done} actions left (first: "
                             f"{', '.join(stuck)}); the plan's stages cannot run in this order")
@@ -194,7 +200,7 @@ def _add_transfers(msg, cluster: Cluster, tasks: _Tasks, xs: _Transfers) -> None
     m = len(msg.bytes_mb)
     sent = [i for i in range(m) if msg.bytes_mb[i] is not None]  # slices that share rows
     for kind, src, dst, s_from, s_to in ((FORWARD, msg.src, msg.dst, msg.src_stage, msg.dst_stage),
-                                         (BACKWARD, msg.dst, msg.src, msg.dst_stage, msg.src_stage)):
+                                         (tasks.grad_kind, msg.dst, msg.src, msg.dst_stage, msg.src_stage)):
         link = cluster.link(src, dst) if src != dst and msg.bytes_per_batch > 0 else None
         lid = xs.link_id(src, dst) if link is not None else -1
         for i in sent:
@@ -221,7 +227,7 @@ class _EventLoop:
 
     def __init__(self, tasks: _Tasks, xs: _Transfers, record: bool) -> None:
         self.programs, self.wait, self.ready = tasks.programs, tasks.wait, tasks.ready
-        self.dur, self.fwd, self.act, self.dev = tasks.dur, tasks.fwd, tasks.act, tasks.dev
+        self.dur, self.hold, self.dev = tasks.dur, tasks.hold, tasks.dev
         self.succ_x, self.succ_c = tasks.succ_x, tasks.succ_c
         self.x_link, self.x_dur, self.x_bytes, self.x_dst = xs.link, xs.dur, xs.bytes, xs.dst
         self.record = record
@@ -270,8 +276,9 @@ class _EventLoop:
         ptrs[best] += 1
         self.dev_busy[dev] = True
         end = now + self.dur[tid]
-        if self.fwd[tid]:
-            held = self.dev_act[dev] + self.act[tid]
+        stash = self.hold[tid]
+        if stash > 0:
+            held = self.dev_act[dev] + stash
             self.dev_act[dev] = held
             if held > self.dev_peak[dev]:
                 self.dev_peak[dev] = held
@@ -302,8 +309,8 @@ class _EventLoop:
         self.dev_busy[dev] = False
         self.dev_busy_s[dev] += self.dur[tid]
         self.c_end[tid] = now
-        if not self.fwd[tid]:
-            self.dev_act[dev] -= self.act[tid]
+        if self.hold[tid] < 0:
+            self.dev_act[dev] += self.hold[tid]
         for x in self.succ_x[tid]:
             self.send(x, now)
         wait, ready, fed = self.wait, self.ready, self.succ_c[tid]
@@ -340,29 +347,33 @@ class _EventLoop:
 
 
 def _tail(model: StepModel, tasks: _Tasks, c_end: list[float], now: float, record: bool) -> tuple[float, list[Span]]:
-    """After each stage's last backward pass: its all-reduce (replicated stages), then each
-    replica's optimizer step. Returns the step's end and, when recording, their spans."""
+    """After its last action, each replica's gradient sums (`StepModel.syncs`, in the ranks'
+    order: each starts when all its members are there), then its optimizer step. Returns the
+    step's end and, when recording, their spans."""
+    ready = {(s, p): c_end[t] for s, lasts in tasks.last for p, t in enumerate(lasts)}
     step = now
     spans: list[Span] = []
-    for s, lasts in tasks.last:
-        ar = model.stages[s].allreduce_s
-        begin = max(c_end[t] for t in lasts)
-        if ar > 0:
-            step = max(step, begin + ar)
-            if record:
-                spans += [Span(rep.device, ALLREDUCE, s, -1, begin, begin + ar) for rep in model.stages[s].replicas]
-        for rep in model.stages[s].replicas:
+    for sync in model.syncs:
+        begin = max(ready[m] for m in sync.members)
+        end = begin + sync.seconds
+        for m in sync.members:
+            ready[m] = end
+        step = max(step, end)
+        if record and sync.seconds > 0:
+            spans += [Span(d, ALLREDUCE, k, -1, begin, end)
+                      for (k, _), d in zip(sync.members, sync.devices, strict=True)]
+    for st in model.stages:
+        for p, rep in enumerate(st.replicas):
             if rep.optimizer_s > 0:
-                start = begin + ar
+                start = ready[(st.index, p)]
                 step = max(step, start + rep.optimizer_s)
                 if record:
-                    spans.append(Span(rep.device, OPTIMIZER, s, -1, start, start + rep.optimizer_s))
+                    spans.append(Span(rep.device, OPTIMIZER, st.index, -1, start, start + rep.optimizer_s))
     return step, spans
 
 
 def _span(item: int, start: float, end: float, t: _Tasks, xs: _Transfers) -> Span:
     if item >= 0:
-        return Span(t.devices[t.dev[item]], FORWARD if t.fwd[item] else BACKWARD, t.stage[item], t.mb[item],
-                    start, end)
+        return Span(t.devices[t.dev[item]], t.kind[item], t.stage[item], t.mb[item], start, end)
     x = ~item
     return Span(xs.links[xs.link[x]], FORWARD if xs.fwd[x] else BACKWARD, xs.stage[x], xs.mb[x], start, end, xs.to[x])

@@ -25,11 +25,13 @@ from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel, microbatch_fractions, weight_bytes
-from hetplan.cost.formulas import action_s, replica_passes_s, replica_tail_s
+from hetplan.cost.formulas import action_s, replica_passes_s, replica_tail_s, split_backward_s
+from hetplan.cost.syncs import SyncCost, plan_syncs
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
 from hetplan.rows import StepRows
+from hetplan.schedule import get_schedule
 
 ROUTINGS = ("direct", "relay")
 
@@ -74,6 +76,10 @@ class Replica:
     fwd_mb_s: tuple[float, ...] = ()  # per micro-batch: its forward action
     bwd_mb_s: tuple[float, ...] = ()
     act_mb_bytes: tuple[float, ...] = ()
+    # under a schedule that splits the backward (`Schedule.split_backward`): per micro-batch,
+    # its inputs' gradients (I) and its weights' (W), which replace bwd_mb_s
+    bwd_input_mb_s: tuple[float, ...] = ()
+    bwd_weight_mb_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,7 @@ class StageWork:
     index: int
     replicas: tuple[Replica, ...]
     param_bytes: int  # its parameters, on each replica
-    allreduce_s: float  # the replicas' gradient sum (`CostModel.stage_sync_s`; 0 for one)
+    allreduce_s: float  # the replicas' sum of the gradients only this stage has (`hetplan.cost.syncs`; 0 for one)
 
     @property
     def weight_bytes(self) -> int:
@@ -115,6 +121,7 @@ class StepModel:
     schedule: str
     routing: str
     batch_size: int
+    syncs: tuple[SyncCost, ...] = ()  # every gradient sum, in the order the ranks run them
 
     @property
     def microbatches(self) -> int:
@@ -122,7 +129,7 @@ class StepModel:
 
 
 def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: int, acts: int,
-             used: tuple[str, ...]) -> Replica:
+             used: tuple[str, ...], split: bool) -> Replica:
     d = stage.devices[p]
     dtype = cluster.device(d).type
     slow = cm.corun_factor(d, used)  # other CPU workers of the plan on its host (calibrated clusters)
@@ -131,11 +138,17 @@ def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: 
                                             *cm.stage_fixed_s(stage.nodes, dtype), slow, dev.action_overhead_s)
     frac = [rows.rows(k, j, p) / rows.batch_size for j in range(len(rows.micro))]
     share = sum(frac)
+    halves: tuple[tuple[float, ...], ...] = ((), ())
+    if split:
+        i_s, i_fix, w_s, w_fix = split_backward_s(bwd, bfix, cm.stage_weight_share(stage.nodes, dtype, k == 0),
+                                                  dev.action_overhead_s)
+        halves = tuple(tuple(action_s(fix, scaled, f) if f > 0 else 0.0 for f in frac)
+                       for fix, scaled in ((i_fix, i_s), (w_fix, w_s)))
     return Replica(d, share, share * fwd, share * bwd, share * acts, ffix, bfix,
                    replica_tail_s(cm.stage_optimizer_s(stage.nodes, d), slow, dev.step_overhead_s),
                    tuple(action_s(ffix, fwd, f) if f > 0 else 0.0 for f in frac),
                    tuple(action_s(bfix, bwd, f) if f > 0 else 0.0 for f in frac),
-                   tuple(acts * f for f in frac))
+                   tuple(acts * f for f in frac), *halves)
 
 
 def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direct",
@@ -144,13 +157,15 @@ def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = 
     cm = cost or CostModel(graph, cluster)
     by_id = graph.by_id
     rows = cm.plan_rows(plan)
+    syncs = plan_syncs(cm, plan)
+    split = get_schedule(plan.schedule).split_backward
+    own = {s.members[0][0]: s.seconds for s in syncs if len({k for k, _ in s.members}) == 1}
     stages = []
     for k, stage in enumerate(plan.stages):
         acts = sum(by_id[n].act_bytes for n in stage.nodes)
-        params = sum(by_id[n].param_bytes for n in stage.nodes)
-        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, plan.devices)
+        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, plan.devices, split)
                          for p in range(len(stage.devices)))
-        stages.append(StageWork(k, replicas, params, cm.stage_sync_s(stage.nodes, stage.devices)))
+        stages.append(StageWork(k, replicas, graph.param_bytes_of(stage.nodes), own.get(k, 0.0)))
     messages = []
     for (a, b), nbytes in sorted(stage_pair_bytes(graph, plan, routing).items()):
         for p, src in enumerate(plan.stages[a].devices):
@@ -160,4 +175,4 @@ def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = 
                 if any(x is not None for x in per_mb):
                     messages.append(Message(a, b, src, dst, per_mb))
     return StepModel(tuple(stages), tuple(messages), microbatch_fractions(graph.batch_size, plan.microbatches),
-                     plan.schedule, routing, graph.batch_size)
+                     plan.schedule, routing, graph.batch_size, syncs)

@@ -18,7 +18,8 @@ class Span:
     """One piece of work on the timeline.
 
     `resource` is a device id, or `"a->b"` for transfers from device a to device b. `kind` is F
-    (a forward pass, or activations on a link), B (a backward pass, or gradients on a link) or AR
+    (a forward pass, or activations on a link), B (a backward pass, or gradients on a link), I and
+    W (the two halves of a backward split by a zero-bubble schedule: inputs', weights') or AR
     (the stage's gradient all-reduce, drawn on each replica's row) or OPT (the optimizer step after
     the last backward pass and the all-reduce). `stage` is the stage doing the
     work (on links, the sending stage, and `to_stage` the receiving one); `microbatch` is -1 for AR."""

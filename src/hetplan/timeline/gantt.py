@@ -18,9 +18,10 @@ from hetplan.io.serde import atomic_write, atomic_write_text
 from hetplan.plan import Plan
 from hetplan.timeline import ALLREDUCE, OPTIMIZER, Span, Timeline
 
-COLOURS = {"F": "#4C72B0", "B": "#DD8452", ALLREDUCE: "#9A9A9A", OPTIMIZER: "#55A868"}
-NAMES = {"F": "forward / activations", "B": "backward / gradients", ALLREDUCE: "gradient all-reduce",
-         OPTIMIZER: "optimizer step"}
+COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#8172B3", ALLREDUCE: "#9A9A9A",
+           OPTIMIZER: "#55A868"}
+NAMES = {"F": "forward / activations", "B": "backward / gradients", "I": "backward for inputs",
+         "W": "backward for weights", ALLREDUCE: "gradient all-reduce", OPTIMIZER: "optimizer step"}
 
 
 def device_name(device: str, cluster: Cluster | None) -> str:

@@ -25,7 +25,7 @@ the activations the schedule keeps in flight). When every device is masked, the 
 allowed again and the plan is scored as infeasible: the policy learns from that rather than
 crashing.
 
-**Rewards** come from the simulator's batched fast path (`hetplan.sim.fast.ChainScorer`): every
+**Rewards** come from the simulator's batched fast path (`hetplan.sim.chains.ChainScorer`): every
 sampled plan is scored at each allowed number of micro-batches at once and keeps the best (the
 micro-batch count is not a learnt action). Values are the planner objective
 (`hetplan.planners.objectives`: time, cost under a throughput floor, or mdpe), finite for
@@ -48,7 +48,7 @@ from hetplan.plan import Plan, Stage
 from hetplan.planners import objectives
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.options import PlanOptions
-from hetplan.sim.fast import ChainScorer
+from hetplan.sim.chains import ChainScorer
 
 MAX_UNITS = 64
 MAX_STAGES = 8

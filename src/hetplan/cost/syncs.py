@@ -1,0 +1,62 @@
+"""What summing a plan's gradients costs after a step: one entry per group of `hetplan.sync`
+(the replicas of a stage; the replicas of all stages that share a tied parameter), in the order
+every rank runs them, each timed by `CostModel.gradient_sync_s` over its members' devices.
+
+A tied parameter used by one stage only is summed with that stage's own parameters; used by
+several, it leaves their own groups and is summed over all their replicas (a dense all-reduce
+of its bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetplan.plan import Plan
+from hetplan.sync import sync_groups
+
+
+@dataclass(frozen=True)
+class SyncCost:
+    """One group's gradient sum: its members as (stage, replica), their devices, its time."""
+
+    members: tuple[tuple[int, int], ...]
+    devices: tuple[str, ...]
+    seconds: float
+
+
+def spanning_tied(graph, plan: Plan) -> list[tuple[int, frozenset[int]]]:
+    """The tied parameters that several stages of the plan use: (index in `graph.tied`, stages)."""
+    where = plan.stage_of()
+    out = []
+    for i, t in enumerate(graph.tied):
+        stages = frozenset(where[n] for n in t.nodes if n in where)
+        if len(stages) > 1:
+            out.append((i, stages))
+    return out
+
+
+def plan_syncs(cm, plan: Plan) -> tuple[SyncCost, ...]:
+    """The plan's gradient sums of two members or more, in the order the runtime runs them (a
+    stage without parameters of its own sums nothing, as the runtime's)."""
+    spanning = spanning_tied(cm.graph, plan)
+    sizes = {("stage", k): _stage_bytes(cm, plan, k, spanning) for k in range(len(plan.stages))}
+    holders: dict[tuple, frozenset[int]] = {key: frozenset({key[1]}) for key, b in sizes.items() if any(b)}
+    for i, stages in spanning:
+        holders[("tied", i)] = stages
+        sizes[("tied", i)] = (cm.graph.tied[i].bytes, 0)
+    out = []
+    for group in sync_groups(holders, [len(st.devices) for st in plan.stages]):
+        if len(group.members) < 2:
+            continue
+        devices = tuple(plan.stages[k].devices[p] for k, p in group.members)
+        dense, index = (sum(sizes[key][j] for key in group.params) for j in (0, 1))
+        out.append(SyncCost(group.members, devices, float(cm.gradient_sync_s(dense, index, devices))))
+    return tuple(out)
+
+
+def _stage_bytes(cm, plan: Plan, k: int, spanning: list[tuple[int, frozenset[int]]]) -> tuple[int, int]:
+    """(bytes stage k's own all-reduce sums, bytes of its sparse rows' indices): the tied
+    parameters other stages also use are summed in their own group."""
+    nodes = plan.stages[k].nodes
+    moved = sum(cm.graph.tied[i].bytes for i, stages in spanning if k in stages)
+    return max(0, cm.optimizer_bytes(nodes) - moved), cm.index_bytes(nodes)

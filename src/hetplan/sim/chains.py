@@ -1,0 +1,198 @@
+"""Scoring chains of single-device stages given as cut points in a fixed topological order and
+one device per stage, for planners that search over cuts (the RL environment): their inputs to
+`hetplan.sim.fast.ChainProgram` from prefix sums along the order, so a batch of plans is scored
+without a Python loop over plans. Exactly the event simulator where the fast path is
+(`hetplan.sim.fast`); tied parameters spanning the same stages are summed one after the other,
+where the runtime sums them together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetplan.cluster import Cluster
+from hetplan.cost import CostModel, formulas, in_flight_share, microbatch_fractions
+from hetplan.graph import Graph
+from hetplan.sim.fast import ChainProgram
+
+
+def chain_crossing_bytes(graph: Graph, pos: Mapping[str, int]) -> np.ndarray:
+    """crossing[c]: the bytes cut when a stage boundary falls before position c of the order
+    `pos`: per source node, its edges that reach position c or later, at most its output
+    (`Graph.crossing_bytes`)."""
+    n = len(pos)
+    crossing = np.zeros(n + 1)
+    out: dict[str, list] = {}
+    for e in graph.edges:
+        out.setdefault(e.src, []).append(e)
+    for src, edges in out.items():
+        reach = np.zeros(n + 2)  # the source's edge bytes still crossing at each position
+        for e in edges:
+            reach[pos[e.src] + 1] += e.bytes
+            reach[pos[e.dst] + 1] -= e.bytes
+        crossing += np.minimum(np.cumsum(reach)[: n + 1], graph.sent_cap_bytes[src])
+    return crossing
+
+
+
+@dataclass(frozen=True)
+class FastScores:
+    """Scores of a batch of P plans: step time, throughput, peak memory per stage, feasibility."""
+
+    step_s: np.ndarray  # (P,)
+    samples_per_s: np.ndarray  # (P,)
+    peak_mem_bytes: np.ndarray  # (P, stages)
+    feasible: np.ndarray  # (P,) bool
+    usd_per_step: np.ndarray  # (P,)
+    link_busy_s: np.ndarray | None = None  # (P,) the busiest directed link's time sending in a step
+    bottleneck_s: np.ndarray | None = None  # (P,) `CostModel.bottleneck_s`: PipeDream's steady state
+
+
+class ChainScorer:
+    """Scores chains of single-device stages given as cut points in a fixed topological order.
+
+    A plan is `cuts` (stages - 1 increasing positions in `order`: stage k holds
+    order[cuts[k-1]:cuts[k]]) and `devices` (one device index of `cluster.ids` per stage)."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, order: Sequence[str] | None = None) -> None:
+        self.graph, self.cluster = graph, cluster
+        self.order = tuple(order or graph.topo_order)
+        cm = CostModel(graph, cluster)
+        pos = {nid: k for k, nid in enumerate(self.order)}
+        types = [d.type for d in cluster.devices]
+        self._type_of = np.array([sorted(set(types)).index(t) for t in types])
+        zero = np.zeros(1)
+        # per device type, prefix sums along the order of the nodes' times and fixed parts
+        times = [cm.node_times_s(t) for t in sorted(set(types))]
+        fixed = [cm.node_fixed_s(t) for t in sorted(set(types))]
+        self._fwd, self._bwd = self._prefix(times, 0), self._prefix(times, 1)  # (types, len(order) + 1)
+        self._ffix, self._bfix = self._prefix(fixed, 0), self._prefix(fixed, 1)
+        by_id = graph.by_id
+        # the backward of the nodes with weights, for a schedule that splits the backward
+        self._bwd_weighted = np.array([np.concatenate([zero, np.cumsum([x[v][1] if by_id[v].param_bytes > 0 else 0.0
+                                                                         for v in self.order])]) for x in times])
+        self._params = np.concatenate([zero, np.cumsum([by_id[v].param_bytes for v in self.order], dtype=float)])
+        self._updated = np.concatenate([zero, np.cumsum([by_id[v].optimizer_bytes for v in self.order], dtype=float)])
+        # per device type, prefix sums of the optimizer steps the profiler measured there (None: not measured)
+        self._opt = [None if m is None else np.concatenate([zero, np.cumsum([m[v] for v in self.order])])
+                     for m in (cm.measured_optimizer_s(t) for t in sorted(set(types)))]
+        self._acts = np.concatenate([zero, np.cumsum([by_id[v].act_bytes for v in self.order], dtype=float)])
+        self._crossing = chain_crossing_bytes(graph, pos)
+        ids = cluster.ids
+        self._bw = np.array([[cluster.link(a, b).bandwidth_Bps for b in ids] for a in ids])
+        self._lat = np.array([[cluster.link(a, b).latency_s for b in ids] for a in ids])
+        self._mem = np.array([d.mem_bytes for d in cluster.devices], dtype=float)
+        self._usd = np.array([d.usd_per_hour for d in cluster.devices])
+        self._overhead = np.array([d.action_overhead_s for d in cluster.devices])
+        self._step_overhead = np.array([d.step_overhead_s for d in cluster.devices])
+        self._programs: dict[tuple[int, int, str], ChainProgram] = {}
+        self._cm = cm
+        self._tied_at = [(np.array([pos[v] for v in t.nodes]), t.bytes) for t in graph.tied]
+        self._tied_cache: dict[tuple[int, tuple[str, ...]], float] = {}
+        # co-running (a calibrated cluster): host index and CPU-ness per device, and the factor
+        # on a CPU device's compute by how many CPU devices of the plan share its host
+        self._host = np.array([cluster.hosts.index(d.host) for d in cluster.devices])
+        self._cpu = np.array([cm.is_cpu(d.id) for d in cluster.devices])
+        slowdown = cluster.calibration.corun_slowdown if cluster.calibration is not None else ()
+        self._corun = np.array([formulas.corun_factor(k, slowdown) for k in range(len(cluster.devices) + 2)])
+
+    def _optimizer_s(self, lo: np.ndarray, hi: np.ndarray, devices: np.ndarray, excess: np.ndarray) -> np.ndarray:
+        """(P, stages) optimizer step of each stage's weights on its device (as
+        `CostModel.stage_optimizer_s`: measured on its type, else from the bytes it updates,
+        a tied parameter once)."""
+        out = np.zeros(devices.shape)
+        for dev in np.unique(devices):
+            where = devices == dev
+            measured = self._opt[self._type_of[dev]]
+            out[where] = self._cm.optimizer_step_s(
+                np.maximum(0.0, self._updated[hi[where]] - self._updated[lo[where]] - excess[where]),
+                self.cluster.devices[dev].id,
+                None if measured is None else measured[hi[where]] - measured[lo[where]])
+        return out
+
+    def _tied(self, cuts: np.ndarray, devices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per tied parameter g of the graph: (P, G, stages) the stages it spans (none where one
+        stage holds it all), (P, G) its sum's time over their devices (`CostModel.gradient_sync_s`),
+        and (P, stages) the bytes a stage counts twice or more (`Graph.tied_excess_bytes`).
+        Tied parameters spanning the same stages are summed one after the other, where the
+        runtime sums them together: a ranking, not the event simulator's figure."""
+        p, n = devices.shape
+        members, seconds, excess = np.zeros((p, len(self._tied_at), n), bool), np.zeros((p, len(self._tied_at))), \
+            np.zeros((p, n))
+        for g, (positions, nbytes) in enumerate(self._tied_at):
+            stage = (cuts[:, None, :] <= positions[None, :, None]).sum(axis=2)  # (P, its nodes)
+            count = np.zeros((p, n))
+            np.add.at(count, (np.arange(p)[:, None], stage), 1)
+            excess += np.maximum(count - 1, 0) * nbytes
+            spans = (count > 0).sum(axis=1) > 1
+            members[:, g, :] = (count > 0) & spans[:, None]
+            for i in np.nonzero(spans)[0]:
+                ids = tuple(self.cluster.ids[d] for d in devices[i][members[i, g]])
+                if (g, ids) not in self._tied_cache:
+                    self._tied_cache[(g, ids)] = float(self._cm.gradient_sync_s(nbytes, 0, ids))
+                seconds[i, g] = self._tied_cache[(g, ids)]
+        return members, seconds, excess
+
+    def _corun_factor(self, devices: np.ndarray) -> np.ndarray:
+        """(P, stages) `CostModel.corun_factor` of each stage's device among the plan's devices."""
+        if self.cluster.calibration is None or not self.cluster.calibration.corun_slowdown:
+            return np.ones(devices.shape)
+        same = (self._host[devices][:, :, None] == self._host[devices][:, None, :]) & self._cpu[devices][:, None, :]
+        # distinct devices only: a device holding two stages is one worker
+        first = devices[:, :, None] == devices[:, None, :]
+        dup = np.triu(first, 1).any(axis=1)  # (P, n): this position repeats an earlier device
+        busy = (same & ~dup[:, None, :]).sum(axis=2)
+        return np.where(self._cpu[devices], self._corun[busy], 1.0)
+
+    def _prefix(self, per_type: list[dict[str, tuple[float, float]]], k: int) -> np.ndarray:
+        return np.array([np.concatenate([np.zeros(1), np.cumsum([x[v][k] for v in self.order])]) for x in per_type])
+
+    def program(self, stages: int, microbatches: int, schedule: str) -> ChainProgram:
+        key = (stages, microbatches, schedule)
+        if key not in self._programs:
+            self._programs[key] = ChainProgram(stages, microbatch_fractions(self.graph.batch_size, microbatches),
+                                               schedule)
+        return self._programs[key]
+
+    def score(self, cuts: np.ndarray, devices: np.ndarray, microbatches: int, schedule: str) -> FastScores:
+        devices = np.atleast_2d(np.asarray(devices, dtype=int))
+        p, n = devices.shape
+        cuts = np.asarray(cuts, dtype=int).reshape(p, n - 1)
+        bounds = np.concatenate([np.zeros((p, 1), int), cuts, np.full((p, 1), len(self.order))], axis=1)
+        lo, hi = bounds[:, :-1], bounds[:, 1:]
+        types = self._type_of[devices]
+        whole_f = self._fwd[types, hi] - self._fwd[types, lo]
+        whole_b = self._bwd[types, hi] - self._bwd[types, lo]
+        compute = whole_f + whole_b  # the stage's forward + backward of the batch, as CostModel's
+        slow = self._corun_factor(devices)
+        fwd, bwd, ffix, bfix = formulas.replica_passes_s(
+            whole_f, whole_b, self._ffix[types, hi] - self._ffix[types, lo],
+            self._bfix[types, hi] - self._bfix[types, lo], slow, self._overhead[devices])
+        nbytes = self._crossing[cuts]
+        src, dst = devices[:, :-1], devices[:, 1:]
+        send = formulas.wire_s(nbytes, self._bw[src, dst])
+        lat = np.where(nbytes > 0, self._lat[src, dst], 0.0)
+        tied_members, tied_s, excess = self._tied(cuts, devices)
+        params = self._params[hi] - self._params[lo] - excess
+        opt = formulas.replica_tail_s(self._optimizer_s(lo, hi, devices, excess), slow, self._step_overhead[devices])
+        share = formulas.weight_share(self._bwd_weighted[types, hi] - self._bwd_weighted[types, lo], whole_b,
+                                      np.arange(n)[None, :] == 0)
+        step = self.program(n, microbatches, schedule).step_s(fwd, bwd, send, lat, fwd_fixed_s=ffix,
+                                                              bwd_fixed_s=bfix, optimizer_s=opt,
+                                                              tied_members=tied_members, tied_s=tied_s,
+                                                              weight_share=share,
+                                                              action_overhead_s=self._overhead[devices])
+        share = np.array([in_flight_share(schedule, n, r, self.graph.batch_size, microbatches) for r in range(n)])
+        peak = formulas.stage_memory_bytes_array(params, self._acts[hi] - self._acts[lo], share)
+        feasible = (peak <= self._mem[devices]).all(axis=1)
+        usd = formulas.usd_per_step(self._usd[devices].sum(axis=1), step)
+        # each boundary's link carries the batch's activations one way and its gradients (as
+        # many bytes) the other, one message per micro-batch
+        busy = (send + microbatches * lat).max(axis=1) if n > 1 else np.zeros(p)
+        # one device per stage: no all-reduce, one lane per cut
+        steady = np.maximum(compute.max(axis=1), formulas.steady_cut_s(nbytes, self._bw[src, dst], 1).max(axis=1)
+                            if n > 1 else 0.0)
+        return FastScores(step, self.graph.batch_size / step, peak, feasible, usd, busy, steady)
