@@ -108,7 +108,7 @@ def test_replicas_of_a_sparse_table_sum_its_looked_up_rows_not_the_table():
     copies. The simulator, the bottleneck and the array form charge the same."""
     import numpy as np
 
-    from hetplan.sim.model import build_step_model
+    from hetplan.cost.table import step_costs
 
     cluster = load_cluster("cloud-mix")
     pair = ("t0", "t1")
@@ -120,7 +120,7 @@ def test_replicas_of_a_sparse_table_sum_its_looked_up_rows_not_the_table():
         g = Graph("g", (node,), (), batch_size=8, profiled_on=V)
         cm = CostModel(g, cluster)
         charged.append(cm.stage_sync_s(("t",), pair))
-        assert build_step_model(g, cluster, plan, cost=cm).stages[0].allreduce_s == charged[-1]
+        assert step_costs(g, cluster, plan, cost=cm).stages[0].allreduce_s == charged[-1]
     slowest = min(cluster.types[cluster.device(d).type].mem_bw_Bps for d in pair)
     rows = cm.allreduce_s(4 * 10**4, pair) + cm.allreduce_s(8 * 10**3, pair) + cm.allreduce_s(16.0, pair)
     # and the bytes updated copied into the all-reduced buffer and back, on the slower replica

@@ -124,3 +124,33 @@ def test_a_replicas_passes_array_equals_scalar(rng):
         assert [b[k] for b in batched] == list(one)
     assert formulas.replica_passes_s(3.0, 5.0, 1.0, 1.0, 2.0, 0.5) == (4.0, 8.0, 2.5, 2.5)
     assert formulas.replica_tail_s(2.0, 1.5, 0.1) == pytest.approx(3.1)
+
+
+# The event simulator puts the lowered table (`hetplan.cost.table`) together into a timeline; the
+# modules it is made of compute no cost: of the cost package they import the table and the
+# `CostModel` that makes it (whose methods compute), never a formula.
+EVENT_SIMULATOR = ("sim/__init__.py", "sim/engine.py", "sim/interfaces.py")
+
+
+def _cost_imports(text: str) -> list[str]:
+    """The cost package's modules (and names) a module imports, but the table and `CostModel`."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hetplan.cost"):
+            if node.module != "hetplan.cost.table":
+                found += [f"{node.module}.{a.name}" for a in node.names if a.name != "CostModel"]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names
+                      if a.name.startswith("hetplan.cost") and a.name != "hetplan.cost.table"]
+    return found
+
+
+def test_the_event_simulator_computes_no_cost_of_its_own():
+    found = {name: _cost_imports((SRC / name).read_text()) for name in EVENT_SIMULATOR}
+    assert found == {name: [] for name in EVENT_SIMULATOR}
+
+
+def test_the_import_rule_sees_a_formula_imported():
+    assert _cost_imports("from hetplan.cost.formulas import transfer_s\nfrom hetplan.cost.table import StepCosts\n"
+                         "from hetplan.cost import CostModel, formulas\n") == [
+        "hetplan.cost.formulas.transfer_s", "hetplan.cost.formulas"]

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from hetplan.cost import CostModel
+from hetplan.cost.table import stage_pair_bytes
 from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec
 from hetplan.plan import Plan, Stage
 from hetplan.planners.states import StateSums
 from hetplan.sim.chains import chain_crossing_bytes
-from hetplan.sim.model import stage_pair_bytes
 
 V = "v100-16gb"
 MB = 10**6

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hetplan.cost import CostModel
+from hetplan.cost.table import step_costs
 from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec
@@ -16,7 +17,6 @@ from hetplan.plan import Plan, Stage
 from hetplan.rows import microbatch_rows, split_rows, step_rows
 from hetplan.runtime.launch import run_spec
 from hetplan.runtime.rank import spec_rows
-from hetplan.sim.model import build_step_model
 
 
 def test_exact_splits():
@@ -75,7 +75,7 @@ def test_the_runtime_splits_every_microbatch_as_the_simulator_charges_it(threads
     cm = CostModel(graph, cluster)
     rows = spec_rows(spec, plan)
     assert rows == cm.plan_rows(plan)
-    model = build_step_model(graph, cluster, plan, "relay", cm)
+    model = step_costs(graph, cluster, plan, "relay", cm)
     for k, st_ in enumerate(model.stages):
         fwd = {d: cm.stage_times_s(plan.stages[k].nodes, cluster.device(d).type)[0] for d in plan.stages[k].devices}
         for p, rep in enumerate(st_.replicas):

@@ -8,13 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetplan.cost import CostModel
+from hetplan.cost.table import step_costs
 from hetplan.errors import GraphError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import Estimate, Plan, Stage, validate_plan
 from hetplan.schedule import SCHEDULES, get_schedule, schedule_order
 from hetplan.sim import simulate
-from hetplan.sim.model import build_step_model
 from hetplan.timeline import ALLREDUCE, OPTIMIZER
 from strategies import MIXED as CLUSTER
 from strategies import V, chain, graphs, one_per_stage
@@ -216,7 +216,7 @@ def random_plans(draw, shared=False):
 def check_timeline(graph, plan, routing):
     sim = simulate(graph, CLUSTER, plan, routing=routing)
     spans, est = sim.timeline.spans, sim.estimate
-    model = build_step_model(graph, CLUSTER, plan, routing)
+    model = step_costs(graph, CLUSTER, plan, routing)
     eps = 1e-9 * max(est.step_s, 1.0)
     kinds = get_schedule(plan.schedule).backward_kinds
     compute = _check_every_action_once(spans, model, plan.microbatches, kinds)

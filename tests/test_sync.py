@@ -17,20 +17,49 @@ from hetplan.io.clusters import load_cluster
 from hetplan.plan import Plan, Stage
 from hetplan.schedule import SCHEDULES
 from hetplan.sim import simulate
-from hetplan.sync import SyncGroup, sync_groups
+from hetplan.sync import SyncGroup, rank_numbers, sync_groups
 from hetplan.timeline import ALLREDUCE, OPTIMIZER
 from strategies import chain
 
 MB = 10**6
 
 
+def stage_major(replicas):
+    """Ranks numbered stage by stage, replica by replica (every device on one host)."""
+    members = [(k, p) for k, n in enumerate(replicas) for p in range(n)]
+    return {m: r for r, m in enumerate(members)}
+
+
 def test_groups_are_the_holders_replicas_in_rank_order():
     holders = {"a": {0}, "tied": {2, 0}, "c": {1}, "d": {0}}
-    assert sync_groups(holders, [2, 1, 1]) == [
+    assert sync_groups(holders, stage_major([2, 1, 1])) == [
         SyncGroup(((0, 0), (0, 1)), ("a", "d")),
         SyncGroup(((0, 0), (0, 1), (2, 0)), ("tied",)),
         SyncGroup(((1, 0),), ("c",)),
     ]
+
+
+def test_ranks_go_host_by_host_and_groups_follow_them():
+    """Stage 0 on hosts x and y, stage 1 on x: torchrun's numbering puts stage 1's replica (on x)
+    before stage 0's second (on y), and a group's members and the groups go by those ranks."""
+    hosts = {"a": "x", "b": "y", "c": "x"}
+    ranks = rank_numbers([("a", "b"), ("c",)], hosts.__getitem__)
+    assert ranks == {(0, 0): 0, (1, 0): 1, (0, 1): 2}
+    groups = sync_groups({"w0": {0}, "tied": {0, 1}, "w1": {1}}, ranks)
+    assert [g.members for g in groups] == [((0, 0), (1, 0), (0, 1)), ((0, 0), (0, 1)), ((1, 0),)]
+
+
+def test_the_launcher_numbers_ranks_as_the_cost_model_does():
+    from hetplan.io.clusters import cluster_from_spec
+    from hetplan.runtime.launch import run_spec
+
+    cluster = cluster_from_spec({"devices": [{"id": i, "type": "cpu-1t", "host": h, "binding": "cpu", "threads": 1}
+                                             for i, h in (("a", "x"), ("b", "y"), ("c", "x"), ("d", "y"))]}, "c")
+    plan = Plan((Stage(("n0",), ("b", "a")), Stage(("n1",), ("c",)), Stage(("n2",), ("d",))), 2, "1f1b", "t")
+    spec = run_spec(plan, cluster, "mlp", batch_size=4, seq_len=None, granularity="layer", out_dir="unused",
+                    weights=[[1.0, 1.0], [1.0], [1.0]])
+    numbers = rank_numbers([s.devices for s in plan.stages], lambda d: cluster.device(d).host)
+    assert [(r.stage, r.replica) for r in spec.ranks] == sorted(numbers, key=numbers.__getitem__)
 
 
 @given(st.lists(st.integers(1, 3), min_size=1, max_size=5), st.data())
@@ -38,13 +67,18 @@ def test_every_parameter_is_summed_once_over_every_replica_that_holds_it(replica
     n = len(replicas)
     holders = {f"p{i}": data.draw(st.sets(st.integers(0, n - 1), min_size=1))
                for i in range(data.draw(st.integers(1, 6)))}
-    groups = sync_groups(holders, replicas)
+    devices = [[f"d{k}.{p}" for p in range(r)] for k, r in enumerate(replicas)]
+    hosts = {d: data.draw(st.sampled_from("xyz")) for ds in devices for d in ds}
+    ranks = rank_numbers(devices, hosts.__getitem__)
+    assert sorted(ranks.values()) == list(range(sum(replicas)))
+    groups = sync_groups(holders, ranks)
     assert sorted(p for g in groups for p in g.params) == sorted(holders)
     for g in groups:
-        assert list(g.members) == sorted(g.members)
+        assert [ranks[m] for m in g.members] == sorted(ranks[m] for m in g.members)
         for p in g.params:
             assert set(g.members) == {(k, r) for k in holders[p] for r in range(replicas[k])}
-    assert [g.members for g in groups] == sorted(g.members for g in groups)  # one global order
+    order = [[ranks[m] for m in g.members] for g in groups]
+    assert order == sorted(order)  # one global order
 
 
 def tied_chain(n=3, tied_bytes=40 * MB, params=50 * MB):

@@ -390,12 +390,16 @@ class Graph:
 
     def param_bytes_of(self, nodes: Iterable[str]) -> int:
         """The parameters of these nodes, each tied parameter once (a stage holds one copy)."""
+        if not self.tied:
+            return sum(self.by_id[n].param_bytes for n in nodes)
         ids = set(nodes)
         return sum(self.by_id[n].param_bytes for n in ids) - self.tied_excess_bytes(ids)
 
     def tied_excess_bytes(self, nodes: Iterable[str]) -> int:
         """What summing these nodes' parameter bytes counts twice or more: each tied parameter
         once per node of it among them, after the first."""
+        if not self.tied:
+            return 0
         ids = set(nodes)
         return sum(t.bytes * max(0, len(ids.intersection(t.nodes)) - 1) for t in self.tied)
 

@@ -6,15 +6,25 @@ A parameter used by one stage is summed over that stage's replicas. A parameter 
 stages use (GPT-2's token embedding, which is also its output layer: a tied weight) is summed
 over the replicas of all those stages, since each holds a copy and computes a part of its
 gradient. Parameters held by the same replicas travel together, one collective per group.
-Every rank runs its groups in one global order, the order of their members: ranks are numbered
-stage by stage, replica by replica, so a group's members in (stage, replica) order are its
-ranks in order, and a rank blocks in each collective until its group's other members reach it.
+Every rank runs its groups in one global order, by their members' ranks (`rank_numbers`: host
+by host, as torchrun numbers them), and blocks in each collective until its group's other
+members reach it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+
+
+def rank_numbers(stage_devices: Sequence[Sequence[str]], host_of: Callable[[str], str]) -> dict[tuple[int, int], int]:
+    """The rank of every (stage, replica) of a plan whose stage k runs on `stage_devices[k]`:
+    host by host, hosts in the order the plan first uses them, and within a host stage by stage,
+    replica by replica (torchrun numbers the ranks of a job host by host)."""
+    members = [(k, p) for k, devices in enumerate(stage_devices) for p in range(len(devices))]
+    hosts = list(dict.fromkeys(host_of(stage_devices[k][p]) for k, p in members))
+    members.sort(key=lambda m: hosts.index(host_of(stage_devices[m[0]][m[1]])))
+    return {m: r for r, m in enumerate(members)}
 
 
 @dataclass(frozen=True)
@@ -26,13 +36,17 @@ class SyncGroup:
     params: tuple[Hashable, ...]
 
 
-def sync_groups(holders: Mapping[Hashable, Collection[int]], replicas: Sequence[int]) -> list[SyncGroup]:
-    """The groups, in the order every rank runs them. `holders`: per parameter, the stages that
-    use it, in any order of parameters (a group keeps its parameters in `holders`' order);
-    `replicas[k]`: how many replicas stage k has. Groups of one member are kept (nothing to sum:
-    callers skip them)."""
+def sync_groups(holders: Mapping[Hashable, Collection[int]], ranks: Mapping[tuple[int, int], int]) -> list[SyncGroup]:
+    """The groups, in the order every rank runs them (by their members' ranks). `holders`: per
+    parameter, the stages that use it, in any order of parameters (a group keeps its parameters
+    in `holders`' order); `ranks`: the rank of every (stage, replica) (`rank_numbers`). Groups of
+    one member are kept (nothing to sum: callers skip them)."""
+    by_stage: dict[int, list[tuple[int, int]]] = {}
+    for member in ranks:
+        by_stage.setdefault(member[0], []).append(member)
     groups: dict[tuple[tuple[int, int], ...], list[Hashable]] = {}
     for param, stages in holders.items():
-        members = tuple((k, p) for k in sorted(set(stages)) for p in range(replicas[k]))
+        members = tuple(sorted((m for k in set(stages) for m in by_stage[k]), key=ranks.__getitem__))
         groups.setdefault(members, []).append(param)
-    return [SyncGroup(members, tuple(params)) for members, params in sorted(groups.items())]
+    order = sorted(groups, key=lambda members: [ranks[m] for m in members])
+    return [SyncGroup(members, tuple(groups[members])) for members in order]

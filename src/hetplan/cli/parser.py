@@ -11,12 +11,12 @@ from hetplan.cli.planning import cmd_compare, cmd_plan, cmd_simulate
 from hetplan.cli.profiling import cmd_profile
 from hetplan.cli.reporting import cmd_report
 from hetplan.cli.running import cmd_calibrate, cmd_demo, cmd_run
+from hetplan.cost.table import ROUTINGS
 from hetplan.graph import GRANULARITIES
 from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, INPUT_TIMES
 from hetplan.plan import OBJECTIVES
 from hetplan.planners import PLANNERS, RL_PLANNERS
 from hetplan.planners.options import SCHEDULE_CHOICES
-from hetplan.sim.model import ROUTINGS
 from hetplan.zoo import zoo_names
 from hetplan.zoo.llm import SHAPES as LLM_SHAPES
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetplan.plan import Plan
-from hetplan.sync import sync_groups
+from hetplan.sync import rank_numbers, sync_groups
 
 
 @dataclass(frozen=True)
@@ -38,14 +38,19 @@ def spanning_tied(graph, plan: Plan) -> list[tuple[int, frozenset[int]]]:
 def plan_syncs(cm, plan: Plan) -> tuple[SyncCost, ...]:
     """The plan's gradient sums of two members or more, in the order the runtime runs them (a
     stage without parameters of its own sums nothing, as the runtime's)."""
-    spanning = spanning_tied(cm.graph, plan)
-    sizes = {("stage", k): _stage_bytes(cm, plan, k, spanning) for k in range(len(plan.stages))}
+    spanning = spanning_tied(cm.graph, plan) if cm.graph.tied else []
+    # a stage of one replica sums nothing of its own
+    sizes = {("stage", k): _stage_bytes(cm, plan, k, spanning) for k, st in enumerate(plan.stages)
+             if len(st.devices) > 1}
     holders: dict[tuple, frozenset[int]] = {key: frozenset({key[1]}) for key, b in sizes.items() if any(b)}
     for i, stages in spanning:
         holders[("tied", i)] = stages
         sizes[("tied", i)] = (cm.graph.tied[i].bytes, 0)
+    if not holders:
+        return ()
     out = []
-    for group in sync_groups(holders, [len(st.devices) for st in plan.stages]):
+    ranks = rank_numbers([st.devices for st in plan.stages], lambda d: cm.cluster.device(d).host)
+    for group in sync_groups(holders, ranks):
         if len(group.members) < 2:
             continue
         devices = tuple(plan.stages[k].devices[p] for k, p in group.members)

@@ -26,7 +26,7 @@ class PlanOptions:
     comm_tolerance: the busiest link's share of the step that `mdpe` tolerates without penalty.
     mem_tolerance: the share of a device's memory that `mdpe` tolerates without penalty.
     routing: how the simulator that scores plans sends tensors between stages (`relay`, as the
-    runtime does, or `direct`; see `hetplan.sim.model`).
+    runtime does, or `direct`; see `hetplan.cost.table`).
     max_iters: for search planners, a number of iterations instead of (or within) the time
     budget, for runs that must be the same every time.
     max_replicas: at most this many devices per stage (1: a straight pipeline), or None; planners

@@ -37,6 +37,7 @@ from hetplan.plan import Plan
 from hetplan.runtime.spec import RankSpec, RunSpec
 from hetplan.runtime.supervise import LAUNCHER_PID, run_folder_lock, stop_on_terminate
 from hetplan.runtime.support import runtime_refusal
+from hetplan.sync import rank_numbers
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -121,10 +122,10 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
             threads = 1 if binding.startswith("cuda") else device.threads or 1
             ranks.append(RankSpec(stage=k, replica=p, device=device.id, host=device.host, binding=binding,
                                   threads=threads))
-    # torchrun numbers ranks host by host: so do we (hosts in the order the plan first uses them,
-    # stage by stage within one), and a stage's replicas may sit on any hosts (`rank.rank_table`)
-    hosts = list(dict.fromkeys(r.host for r in ranks))
-    ranks.sort(key=lambda r: hosts.index(r.host))
+    # torchrun numbers ranks host by host: so do we (`hetplan.sync.rank_numbers`, which the cost
+    # model's gradient sums follow too), and a stage's replicas may sit on any hosts (`rank.rank_table`)
+    numbers = rank_numbers([st.devices for st in plan.stages], lambda d: cluster.device(d).host)
+    ranks.sort(key=lambda r: numbers[(r.stage, r.replica)])
     weights = tuple(tuple(float(x) for x in w)
                     for w in (_given_weights(plan, weights) if weights else replica_weights(plan, cluster, graph)))
     return RunSpec(

@@ -130,7 +130,7 @@ def gradient_groups(traces: Traces, table: tuple[tuple[int, ...], ...],
                 holders.setdefault(id(prm), set()).add(k)
                 params[id(prm)] = prm
     out = []
-    for group in sync_groups(holders, [len(t) for t in table]):
+    for group in sync_groups(holders, {(k, p): r for k, ranks in enumerate(table) for p, r in enumerate(ranks)}):
         ranks = tuple(table[k][p] for k, p in group.members)
         out.append((ranks, sorted((params[pid] for pid in group.params), key=lambda prm: names[id(prm)])))
     return out

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
-from hetplan.cost.formulas import stage_memory_bytes
+from hetplan.cost.table import ROUTINGS, StepCosts, step_costs
 from hetplan.graph import Graph
 from hetplan.plan import Estimate, Plan
 from hetplan.sim.engine import run_events
-from hetplan.sim.model import ROUTINGS, StepModel, build_step_model
 from hetplan.timeline import Span, Timeline
 from hetplan.units import fmt_bytes
 
@@ -47,23 +46,19 @@ def simulate(graph: Graph, cluster: Cluster, plan: Plan, *, routing: str = "rela
 
     routing: `relay` (default: only neighbouring stages talk, as in hetplan's runtime) or
     `direct` (stages form a DAG; each tensor goes straight to the stages that use it, and
-    independent branches run in parallel); see `hetplan.sim.model`.
+    independent branches run in parallel); see `hetplan.cost.table`.
     timeline: keep every action (off when only the estimate is wanted)."""
     cm = cost or CostModel(graph, cluster)
-    model = build_step_model(graph, cluster, plan, routing, cm)
+    model = step_costs(graph, cluster, plan, routing, cm)
     result = run_events(model, cluster, record=timeline)
     return Simulation(_estimate(graph, cluster, plan, model, result, cm), result.timeline)
 
 
-def _estimate(graph: Graph, cluster: Cluster, plan: Plan, model: StepModel, result, cm: CostModel) -> Estimate:
+def _estimate(graph: Graph, cluster: Cluster, plan: Plan, model: StepCosts, result, cm: CostModel) -> Estimate:
     step = result.step_s
     used = plan.devices
-    params: dict[str, int] = {}  # of every stage a device holds
-    for st in model.stages:
-        for rep in st.replicas:
-            params[rep.device] = params.get(rep.device, 0) + st.param_bytes
     # the simulated peak of its stashed activations, as they were held, not a schedule's bound
-    peak = {d: stage_memory_bytes(params[d], acts, 1.0) for d, acts in result.peak_act_bytes.items()}
+    peak = model.peak_memory_bytes(result.peak_act_bytes)
     violations = memory_violations(cluster, plan, peak)
     busy = math.fsum(result.busy_s.values())
     return Estimate(

@@ -16,6 +16,7 @@ import numpy as np
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel, formulas, in_flight_share, microbatch_fractions
 from hetplan.graph import Graph
+from hetplan.schedule import get_schedule
 from hetplan.sim.fast import ChainProgram
 
 
@@ -99,7 +100,7 @@ class ChainScorer:
         slowdown = cluster.calibration.corun_slowdown if cluster.calibration is not None else ()
         self._corun = np.array([formulas.corun_factor(k, slowdown) for k in range(len(cluster.devices) + 2)])
 
-    def _optimizer_s(self, lo: np.ndarray, hi: np.ndarray, devices: np.ndarray, excess: np.ndarray) -> np.ndarray:
+    def _optimizer_s(self, lo: np.ndarray, hi: np.ndarray, devices: np.ndarray, excess) -> np.ndarray:
         """(P, stages) optimizer step of each stage's weights on its device (as
         `CostModel.stage_optimizer_s`: measured on its type, else from the bytes it updates,
         a tied parameter once)."""
@@ -108,7 +109,8 @@ class ChainScorer:
             where = devices == dev
             measured = self._opt[self._type_of[dev]]
             out[where] = self._cm.optimizer_step_s(
-                np.maximum(0.0, self._updated[hi[where]] - self._updated[lo[where]] - excess[where]),
+                np.maximum(0.0, self._updated[hi[where]] - self._updated[lo[where]]
+                           - (excess[where] if np.ndim(excess) else excess)),
                 self.cluster.devices[dev].id,
                 None if measured is None else measured[hi[where]] - measured[lo[where]])
         return out
@@ -175,16 +177,17 @@ class ChainScorer:
         src, dst = devices[:, :-1], devices[:, 1:]
         send = formulas.wire_s(nbytes, self._bw[src, dst])
         lat = np.where(nbytes > 0, self._lat[src, dst], 0.0)
-        tied_members, tied_s, excess = self._tied(cuts, devices)
+        tied_members, tied_s, excess = self._tied(cuts, devices) if self._tied_at else (None, None, 0.0)
         params = self._params[hi] - self._params[lo] - excess
         opt = formulas.replica_tail_s(self._optimizer_s(lo, hi, devices, excess), slow, self._step_overhead[devices])
-        share = formulas.weight_share(self._bwd_weighted[types, hi] - self._bwd_weighted[types, lo], whole_b,
-                                      np.arange(n)[None, :] == 0)
+        split = {}
+        if get_schedule(schedule).split_backward:
+            weighted = self._bwd_weighted[types, hi] - self._bwd_weighted[types, lo]
+            split = {"weight_share": formulas.weight_share(weighted, whole_b, np.arange(n)[None, :] == 0),
+                     "action_overhead_s": self._overhead[devices]}
         step = self.program(n, microbatches, schedule).step_s(fwd, bwd, send, lat, fwd_fixed_s=ffix,
                                                               bwd_fixed_s=bfix, optimizer_s=opt,
-                                                              tied_members=tied_members, tied_s=tied_s,
-                                                              weight_share=share,
-                                                              action_overhead_s=self._overhead[devices])
+                                                              tied_members=tied_members, tied_s=tied_s, **split)
         share = np.array([in_flight_share(schedule, n, r, self.graph.batch_size, microbatches) for r in range(n)])
         peak = formulas.stage_memory_bytes_array(params, self._acts[hi] - self._acts[lo], share)
         feasible = (peak <= self._mem[devices]).all(axis=1)

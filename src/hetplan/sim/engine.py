@@ -25,7 +25,7 @@ measured it on the device).
 The loop is a priority queue of finish events ordered by (time, sequence number), so the
 result is deterministic; the code is written with flat lists because planners call it often.
 Phases: the compute tasks of every replica (`_Tasks`), the transfers of every message
-(`_add_transfers`; their durations from `hetplan.cost.formulas.transfer_s`), the event loop
+(`_add_transfers`; their durations from the table, `hetplan.cost.table`), the event loop
 (`_EventLoop`), the all-reduces and optimizer steps after it (`_tail`), and the timeline.
 """
 
@@ -35,11 +35,10 @@ import heapq
 from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
-from hetplan.cost.formulas import transfer_s
+from hetplan.cost.table import StepCosts
 from hetplan.errors import HetplanError
 from hetplan.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FREES, get_schedule, schedule_order
 from hetplan.sim.interfaces import Interfaces
-from hetplan.sim.model import StepModel
 from hetplan.timeline import ALLREDUCE, OPTIMIZER, Span, Timeline
 
 
@@ -53,7 +52,7 @@ class EventResult:
     timeline: Timeline | None
 
 
-def run_events(model: StepModel, cluster: Cluster, record: bool = True) -> EventResult:
+def run_events(model: StepCosts, cluster: Cluster, record: bool = True) -> EventResult:
     """Simulate the step; with `record`, keep the timeline of every action."""
     tasks = _Tasks(model)
     transfers = _Transfers(cluster)
@@ -82,7 +81,7 @@ class _Tasks:
     """The compute tasks of every stage replica, as parallel lists indexed by task id, in the
     schedule's order for each replica (`programs`: per device, per stage it holds, its task ids)."""
 
-    def __init__(self, model: StepModel) -> None:
+    def __init__(self, model: StepCosts) -> None:
         m = model.microbatches
         orders = schedule_order(model.schedule, len(model.stages), m)
         self.devices: list[str] = list(dict.fromkeys(rep.device for st in model.stages for rep in st.replicas))
@@ -199,19 +198,20 @@ def _add_transfers(msg, cluster: Cluster, tasks: _Tasks, xs: _Transfers) -> None
     tasks, through a transfer on the link unless it stays on one device or carries nothing."""
     m = len(msg.bytes_mb)
     sent = [i for i in range(m) if msg.bytes_mb[i] is not None]  # slices that share rows
-    for kind, src, dst, s_from, s_to in ((FORWARD, msg.src, msg.dst, msg.src_stage, msg.dst_stage),
-                                         (tasks.grad_kind, msg.dst, msg.src, msg.dst_stage, msg.src_stage)):
-        link = cluster.link(src, dst) if src != dst and msg.bytes_per_batch > 0 else None
-        lid = xs.link_id(src, dst) if link is not None else -1
+    for kind, src, dst, s_from, s_to, secs in (
+            (FORWARD, msg.src, msg.dst, msg.src_stage, msg.dst_stage, msg.seconds_mb),
+            (tasks.grad_kind, msg.dst, msg.src, msg.dst_stage, msg.src_stage, msg.back_seconds_mb)):
+        linked = src != dst and msg.bytes_per_batch > 0
+        lid = xs.link_id(src, dst) if linked else -1
         for i in sent:
             producer, consumer = tasks.task(s_from, src, kind, i), tasks.task(s_to, dst, kind, i)
             tasks.wait[consumer] += 1
-            if link is None:
+            if not linked:
                 tasks.succ_c[producer].append(consumer)
                 continue
             tasks.succ_x[producer].append(len(xs.link))
             xs.link.append(lid)
-            xs.dur.append(transfer_s(msg.bytes_mb[i], link.bandwidth_Bps, link.latency_s))
+            xs.dur.append(secs[i])
             xs.bytes.append(msg.bytes_mb[i])
             xs.dst.append(consumer)
             xs.fwd.append(kind == FORWARD)
@@ -346,8 +346,8 @@ class _EventLoop:
         return now
 
 
-def _tail(model: StepModel, tasks: _Tasks, c_end: list[float], now: float, record: bool) -> tuple[float, list[Span]]:
-    """After its last action, each replica's gradient sums (`StepModel.syncs`, in the ranks'
+def _tail(model: StepCosts, tasks: _Tasks, c_end: list[float], now: float, record: bool) -> tuple[float, list[Span]]:
+    """After its last action, each replica's gradient sums (`StepCosts.syncs`, in the ranks'
     order: each starts when all its members are there), then its optimizer step. Returns the
     step's end and, when recording, their spans."""
     ready = {(s, p): c_end[t] for s, lasts in tasks.last for p, t in enumerate(lasts)}

@@ -39,11 +39,11 @@ import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel, formulas, microbatch_fractions
+from hetplan.cost.table import step_costs
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
 from hetplan.schedule import FORWARD, SENDS_GRADIENTS, get_schedule, schedule_order
-from hetplan.sim.model import build_step_model
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | N
     `CostModel.busiest_interface_s`) and skipping tensors relayed (an approximation where the
     plan has either; exact otherwise)."""
     cm = cost or CostModel(graph, cluster)
-    model = build_step_model(graph, cluster, plan, "relay", cm)
+    model = step_costs(graph, cluster, plan, "relay", cm)
     n = len(model.stages)
     pairs: list[dict[tuple[str, str], float]] = [{} for _ in range(n - 1)]
     lat = np.zeros(n - 1)
@@ -262,11 +262,15 @@ def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | N
         "allreduce_s": np.array([st.allreduce_s for st in model.stages]),
         "optimizer_s": np.array([max(r.optimizer_s for r in st.replicas) for st in model.stages]),
         **_tied_inputs(model, n),
-        # a schedule that splits the backward: as replica 0 of each stage splits it
-        "weight_share": np.array([cm.stage_weight_share(s.nodes, cluster.device(s.devices[0]).type, k == 0)
-                                  for k, s in enumerate(plan.stages)]),
-        "action_overhead_s": np.array([cluster.device(s.devices[0]).action_overhead_s for s in plan.stages]),
+        **(_split_inputs(cm, cluster, plan) if get_schedule(plan.schedule).split_backward else {}),
     }
+
+
+def _split_inputs(cm: CostModel, cluster: Cluster, plan: Plan) -> dict[str, np.ndarray]:
+    """For a schedule that splits the backward: how replica 0 of each stage splits it."""
+    return {"weight_share": np.array([cm.stage_weight_share(s.nodes, cluster.device(s.devices[0]).type, k == 0)
+                                      for k, s in enumerate(plan.stages)]),
+            "action_overhead_s": np.array([cluster.device(s.devices[0]).action_overhead_s for s in plan.stages])}
 
 
 def _tied_inputs(model, n: int) -> dict[str, np.ndarray]:

@@ -1,5 +1,8 @@
-"""What a simulated training step is made of: the work of each stage replica and the messages
-between them, built once from a graph, a cluster and a plan by the cost model.
+"""A plan's step lowered to a table of costs: the work of each stage replica per micro-batch and
+action kind, the messages between replicas with their bytes and times, the gradient sums and the
+optimizer steps, built once from a graph, a cluster and a plan. The event simulator
+(`hetplan.sim.engine`) puts these together into a timeline and computes no cost of its own
+(`tests/test_cost_formulas.py` fails if it does).
 
 - Micro-batches split the batch as `torch.tensor_split` does (sizes differ by at most one,
   larger ones first), and a stage's time for a micro-batch is its fixed part (what calling its
@@ -24,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
-from hetplan.cost import CostModel, microbatch_fractions, weight_bytes
+from hetplan.cost import CostModel, formulas, microbatch_fractions, weight_bytes
 from hetplan.cost.formulas import action_s, replica_passes_s, replica_tail_s, split_backward_s
 from hetplan.cost.syncs import SyncCost, plan_syncs
 from hetplan.errors import HetplanError
@@ -98,13 +101,17 @@ class StageWork:
 @dataclass(frozen=True)
 class Message:
     """Part of a stage-to-stage tensor between two replicas: per micro-batch, the bytes of the
-    rows their slices share, or None where they share none (then nothing is sent)."""
+    rows their slices share, or None where they share none (then nothing is sent); and the time
+    of the activations' transfer (src to dst) and of the gradients' (back): 0 for nothing, empty
+    on one device."""
 
     src_stage: int
     dst_stage: int
     src: str
     dst: str
     bytes_mb: tuple[float | None, ...]
+    seconds_mb: tuple[float, ...] = ()
+    back_seconds_mb: tuple[float, ...] = ()
 
     @property
     def bytes_per_batch(self) -> float:
@@ -112,7 +119,7 @@ class Message:
 
 
 @dataclass(frozen=True)
-class StepModel:
+class StepCosts:
     """Everything the simulators need about one plan, in seconds and bytes."""
 
     stages: tuple[StageWork, ...]
@@ -126,6 +133,15 @@ class StepModel:
     @property
     def microbatches(self) -> int:
         return len(self.fractions)
+
+    def peak_memory_bytes(self, peak_act_bytes: dict[str, float]) -> dict[str, int]:
+        """Per device, from the activations it held at its peak: the weights, gradients and
+        optimizer state of every stage it holds, plus those activations."""
+        params: dict[str, int] = {}
+        for st in self.stages:
+            for rep in st.replicas:
+                params[rep.device] = params.get(rep.device, 0) + st.param_bytes
+        return {d: formulas.stage_memory_bytes(params[d], acts, 1.0) for d, acts in peak_act_bytes.items()}
 
 
 def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: int, acts: int,
@@ -151,8 +167,18 @@ def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: 
                    tuple(acts * f for f in frac), *halves)
 
 
-def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direct",
-                     cost: CostModel | None = None) -> StepModel:
+def _transfers_s(cluster: Cluster, src: str, dst: str, per_mb: tuple[float | None, ...]) -> tuple[float, ...]:
+    """Each micro-batch's transfer on the link from src to dst (`formulas.transfer_s`); none on
+    one device."""
+    if src == dst:
+        return ()
+    link = cluster.link(src, dst)
+    bw, latency, transfer_s = link.bandwidth_Bps, link.latency_s, formulas.transfer_s
+    return tuple(0.0 if b is None else transfer_s(b, bw, latency) for b in per_mb)
+
+
+def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direct",
+                     cost: CostModel | None = None) -> StepCosts:
     """The work and messages of one training step of a (valid) plan."""
     cm = cost or CostModel(graph, cluster)
     by_id = graph.by_id
@@ -172,7 +198,8 @@ def build_step_model(graph: Graph, cluster: Cluster, plan: Plan, routing: str = 
             for q, dst in enumerate(plan.stages[b].devices):
                 shared = [rows.shared_rows(a, j, p, b, q) for j in range(plan.microbatches)]
                 per_mb = tuple(nbytes * (hi - lo) / graph.batch_size if hi > lo else None for lo, hi in shared)
+                secs = [_transfers_s(cluster, a_dev, b_dev, per_mb) for a_dev, b_dev in ((src, dst), (dst, src))]
                 if any(x is not None for x in per_mb):
-                    messages.append(Message(a, b, src, dst, per_mb))
-    return StepModel(tuple(stages), tuple(messages), microbatch_fractions(graph.batch_size, plan.microbatches),
+                    messages.append(Message(a, b, src, dst, per_mb, *secs))
+    return StepCosts(tuple(stages), tuple(messages), microbatch_fractions(graph.batch_size, plan.microbatches),
                      plan.schedule, routing, graph.batch_size, syncs)
