@@ -450,6 +450,7 @@ def test_outputs_never_replace_devices_fifos_directories_links_or_inputs(cli, tm
 def test_catalog_lists_the_zoo_and_help_says_run(cli):
     r = cli("catalog")
     assert r.code == 0 and "models (the zoo" in r.out and "gpt2-tiny" in r.out and "inception-tiny" in r.out
+    assert "zero-bubble (" in r.out and "ScheduleInterleavedZeroBubble" in r.out
     assert "(later)" not in cli("--help").out and "hetplan run plan.json" in cli("--help").out
 
 

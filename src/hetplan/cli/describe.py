@@ -15,6 +15,7 @@ from hetplan.io.pipedream import import_pipedream
 from hetplan.planners import PLANNERS
 from hetplan.report import tables
 from hetplan.report.summary import cluster_summary, graph_summary, plan_summary
+from hetplan.schedule import SCHEDULES
 from hetplan.units import fmt_bytes, fmt_flops
 from hetplan.zoo import ZOO
 
@@ -61,6 +62,7 @@ def cmd_catalog(args: argparse.Namespace) -> int:
             "device_types": [serde.plain(t) for t in types],
             "presets": list(presets()),
             "planners": {name: spec.summary for name, spec in PLANNERS.items()},
+            "schedules": {name: {"summary": k.summary, "torch_class": k.torch_class} for name, k in SCHEDULES.items()},
             "models": {name: entry.summary for name, entry in ZOO.items()},
         })
         return 0
@@ -78,6 +80,8 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     console.print(table)
     console.print("cluster presets: " + ", ".join(presets()))
     console.print("planners: " + "; ".join(f"{n} ({s.summary})" for n, s in PLANNERS.items()))
+    console.print("schedules (--schedule; auto: the best for the plan): "
+                  + "; ".join(f"{n} ({k.summary}; torch's {k.torch_class})" for n, k in SCHEDULES.items()))
     console.print("models (the zoo; or module.path:factory for your own): "
                   + "; ".join(f"{n} ({e.summary})" for n, e in ZOO.items()))
     return 0

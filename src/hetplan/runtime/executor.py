@@ -176,7 +176,7 @@ class StageRunner:
                                    f"{peer.end - peer.first} rows: the model's shapes change between micro-batches")
 
     def _backward(self, j: int, saved: dict, pending: list, kind: str) -> float:
-        """B, or I of a split backward (then W's work is kept in `saved` for `_backward_weights`);
+        """B, or I of a split backward (what W then needs is kept in `saved`, under (W, j));
         either sends the inputs' gradients to stage k - 1."""
         k, p = self.role.stage, self.role.replica
         lo, hi = self._mine(j)

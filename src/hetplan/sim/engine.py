@@ -17,10 +17,10 @@ arrived first (ties: the lower stage). After its last backward pass, each replic
 in its gradient sums (`hetplan.cost.syncs`: a replicated stage's own parameters, and a tied
 parameter over all the stages that use it; each an all-reduce by the ring formula or the curve
 measured on a calibrated cluster; of a table with sparse gradients only its looked-up rows), in
-the order the runtime's ranks run them, which use the network, not the device's compute; then every replica takes
-its optimizer step (`CostModel.stage_optimizer_s`: as the profiler measured it on the device's
-type, else Adam's memory-bound formula of the bytes it updates, or as `hetplan calibrate`
-measured it on the device).
+the order the runtime's ranks run them; they use the network, not the device's compute. Then
+every replica takes its optimizer step (`CostModel.stage_optimizer_s`: as the profiler measured
+it on the device's type, else Adam's memory-bound formula of the bytes it updates, or as
+`hetplan calibrate` measured it on the device).
 
 The loop is a priority queue of finish events ordered by (time, sequence number), so the
 result is deterministic; the code is written with flat lists because planners call it often.
@@ -57,7 +57,7 @@ def run_events(model: StepCosts, cluster: Cluster, record: bool = True) -> Event
     tasks = _Tasks(model)
     transfers = _Transfers(cluster)
     for msg in model.messages:
-        _add_transfers(msg, cluster, tasks, transfers)
+        _add_transfers(msg, tasks, transfers)
     loop = _EventLoop(tasks, transfers, record)
     now = loop.run()
     if loop.done != tasks.count:
@@ -193,7 +193,7 @@ class _Transfers:
         return self.link_index[(src, dst)]
 
 
-def _add_transfers(msg, cluster: Cluster, tasks: _Tasks, xs: _Transfers) -> None:
+def _add_transfers(msg, tasks: _Tasks, xs: _Transfers) -> None:
     """Activations forward along a message and gradients back: each a dependency between two
     tasks, through a transfer on the link unless it stays on one device or carries nothing."""
     m = len(msg.bytes_mb)
