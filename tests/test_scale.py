@@ -180,3 +180,19 @@ def test_cut_bandwidth_by_host_pairs_equals_every_pair(cluster, rnd):
     naive = min(math.fsum(cluster.nic_Bps(h) for h in out_hosts),
                 math.fsum(cluster.nic_Bps(h) for h in in_hosts)) if cross else math.inf
     assert cost.nic_cap_Bps(senders, receivers) == naive
+
+
+def test_opt_ties_its_embedding_to_its_head_and_llama_does_not():
+    """OPT and GPT-2 use the token embedding as the output layer (`tie_word_embeddings`, true by
+    transformers' default): the chain records it, so a plan that puts the two in different
+    stages pays their gradient's sum, as Megatron-LM's embedding group does."""
+    from hetplan.graph import Tied
+    from hetplan.zoo.llm import TransformerShape
+
+    opt = transformer_chain("opt-350m", 1, 8, ["h100-80gb"])
+    assert opt.tied == (Tied(("embed", "head"), 4 * 1024 * 50272),)
+    assert opt.param_bytes_total == sum(n.param_bytes for n in opt.nodes) - 4 * 1024 * 50272
+    assert transformer_chain("llama-3-8b", 1, 8, ["h100-80gb"]).tied == ()
+    config = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100}
+    assert TransformerShape.from_config(config, "gpt").tied_embeddings
+    assert not TransformerShape.from_config({**config, "tie_word_embeddings": False}, "llama").tied_embeddings

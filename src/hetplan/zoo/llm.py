@@ -25,7 +25,7 @@ from pathlib import Path
 from hetplan.catalog import DeviceType, lookup
 from hetplan.cost.projection import roofline_s
 from hetplan.errors import HetplanError
-from hetplan.graph import Edge, Graph, Node
+from hetplan.graph import Edge, Graph, Node, Tied
 
 # A whole block's forward and backward in fp32 (OPT-350M, OPT-1.3B, Llama-3-8B at 4-8 k tokens,
 # sdpa attention) ran at 0.71-0.74 of the fp32 peak on an H200 (bench/llm_block_gpu.py,
@@ -49,6 +49,9 @@ class TransformerShape:
     vocab: int
     kv_heads: int | None = None  # grouped-query attention; None: as many as heads
     gated: bool = False  # a gated MLP (SwiGLU: Llama, Mistral, Qwen2): three matrices, not two
+    # the output layer is the token embedding (OPT, GPT-2): stages holding the two sum its
+    # gradient every step (Megatron-LM's embedding group; `Graph.tied`)
+    tied_embeddings: bool = False
 
     def block_params(self) -> int:
         kv = (self.kv_heads or self.heads) * (self.hidden // self.heads)
@@ -72,16 +75,17 @@ class TransformerShape:
         return cls(str(config.get("_name_or_path") or config.get("model_type") or name),
                    key("num_hidden_layers", "n_layer"), hidden, int(ffn), heads, key("vocab_size"),
                    kv_heads=kv if isinstance(kv, int) and kv != heads else None,
-                   gated=config.get("hidden_act") in ("silu", "swiglu"))
+                   gated=config.get("hidden_act") in ("silu", "swiglu"),
+                   tied_embeddings=config.get("tie_word_embeddings", True) is not False)
 
 
 SHAPES = {
     s.name: s
     for s in (
-        TransformerShape("opt-350m", 24, 1024, 4096, 16, 50272),
-        TransformerShape("opt-1.3b", 24, 2048, 8192, 32, 50272),
-        TransformerShape("opt-2.7b", 32, 2560, 10240, 32, 50272),
-        TransformerShape("opt-6.7b", 32, 4096, 16384, 32, 50272),
+        TransformerShape("opt-350m", 24, 1024, 4096, 16, 50272, tied_embeddings=True),
+        TransformerShape("opt-1.3b", 24, 2048, 8192, 32, 50272, tied_embeddings=True),
+        TransformerShape("opt-2.7b", 32, 2560, 10240, 32, 50272, tied_embeddings=True),
+        TransformerShape("opt-6.7b", 32, 4096, 16384, 32, 50272, tied_embeddings=True),
         TransformerShape("llama-3-8b", 32, 4096, 14336, 32, 128256, kv_heads=8, gated=True),
     )
 }
@@ -140,4 +144,5 @@ def transformer_chain(model: TransformerShape | str, batch_size: int, seq_len: i
     edges = tuple(Edge(a.id, b.id, hidden_bytes) for a, b in itertools.pairwise(nodes))
     meta = {"source": "analytic", "granularity": "block", "seq_len": str(seq_len),
             "achieved_fraction": str(ACHIEVED_FRACTION)}
-    return Graph(m.name, nodes, edges, batch_size, types[0].name, source="analytic", meta=meta)
+    tied = (Tied(("embed", "head"), 4 * h * m.vocab),) if m.tied_embeddings else ()
+    return Graph(m.name, nodes, edges, batch_size, types[0].name, source="analytic", meta=meta, tied=tied)
