@@ -83,6 +83,7 @@ class Replica:
     # its inputs' gradients (I) and its weights' (W), which replace bwd_mb_s
     bwd_input_mb_s: tuple[float, ...] = ()
     bwd_weight_mb_s: tuple[float, ...] = ()
+    weight_share: float = 0.0  # of its backward, the weights' part (W) where the schedule splits it
 
 
 @dataclass(frozen=True)
@@ -155,16 +156,16 @@ def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: 
     frac = [rows.rows(k, j, p) / rows.batch_size for j in range(len(rows.micro))]
     share = sum(frac)
     halves: tuple[tuple[float, ...], ...] = ((), ())
+    weights = cm.stage_weight_share(stage.nodes, dtype, k == 0) if split else 0.0
     if split:
-        i_s, i_fix, w_s, w_fix = split_backward_s(bwd, bfix, cm.stage_weight_share(stage.nodes, dtype, k == 0),
-                                                  dev.action_overhead_s)
+        i_s, i_fix, w_s, w_fix = split_backward_s(bwd, bfix, weights, dev.action_overhead_s)
         halves = tuple(tuple(action_s(fix, scaled, f) if f > 0 else 0.0 for f in frac)
                        for fix, scaled in ((i_fix, i_s), (w_fix, w_s)))
     return Replica(d, share, share * fwd, share * bwd, share * acts, ffix, bfix,
                    replica_tail_s(cm.stage_optimizer_s(stage.nodes, d), slow, dev.step_overhead_s),
                    tuple(action_s(ffix, fwd, f) if f > 0 else 0.0 for f in frac),
                    tuple(action_s(bfix, bwd, f) if f > 0 else 0.0 for f in frac),
-                   tuple(acts * f for f in frac), *halves)
+                   tuple(acts * f for f in frac), *halves, weights)
 
 
 def _transfers_s(cluster: Cluster, src: str, dst: str, per_mb: tuple[float | None, ...]) -> tuple[float, ...]:

@@ -262,15 +262,16 @@ def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | N
         "allreduce_s": np.array([st.allreduce_s for st in model.stages]),
         "optimizer_s": np.array([max(r.optimizer_s for r in st.replicas) for st in model.stages]),
         **_tied_inputs(model, n),
-        **(_split_inputs(cm, cluster, plan) if get_schedule(plan.schedule).split_backward else {}),
+        **(_split_inputs(model, cluster) if get_schedule(plan.schedule).split_backward else {}),
     }
 
 
-def _split_inputs(cm: CostModel, cluster: Cluster, plan: Plan) -> dict[str, np.ndarray]:
-    """For a schedule that splits the backward: how replica 0 of each stage splits it."""
-    return {"weight_share": np.array([cm.stage_weight_share(s.nodes, cluster.device(s.devices[0]).type, k == 0)
-                                      for k, s in enumerate(plan.stages)]),
-            "action_overhead_s": np.array([cluster.device(s.devices[0]).action_overhead_s for s in plan.stages])}
+def _split_inputs(model, cluster: Cluster) -> dict[str, np.ndarray]:
+    """For a schedule that splits the backward: how replica 0 of each stage splits it (the table's
+    share) and its device's cost per action."""
+    return {"weight_share": np.array([st.replicas[0].weight_share for st in model.stages]),
+            "action_overhead_s": np.array([cluster.device(st.replicas[0].device).action_overhead_s
+                                           for st in model.stages])}
 
 
 def _tied_inputs(model, n: int) -> dict[str, np.ndarray]:
