@@ -1,12 +1,14 @@
-"""Zero bubble against 1F1B (and GPipe) on the same stages: step and bubble, predicted against
-measured, on this machine's CPU workers.
+"""Zero bubble and interleaved 1F1B against 1F1B (and GPipe) on the same workers: step and
+bubble, predicted against measured, on this machine's CPU workers.
 
     .venv/bin/python bench/schedules.py [--steps 20] [--rounds 3] [--repeats 10]
         [-o bench/results/schedules.json]
 
 `hetplan calibrate` of `local` first (as bench/predicted_vs_measured.py), then per model a profile
 on one thread and, per round, the same two-stage split run under each schedule with 4 and 8
-micro-batches (median step after 3 warm-up steps; the median over rounds). The prediction is the
+micro-batches (median step after 3 warm-up steps; the median over rounds); interleaved 1F1B runs
+the same two workers with two stages each, the model cut in four by the planner's
+`hetplan.planners.interleave.interleaved` from the first profile. The prediction is the
 event simulator's on the calibrated cluster, from the median profile. Measured bubble: one minus
 the workers' busy time (their actions less the receives inside them, and the optimizer step;
 `hetplan.runtime.worker.step_busy_comm`) over workers x step. Zero bubble's I and W split the
@@ -27,18 +29,21 @@ from pathlib import Path
 
 from predicted_vs_measured import median_graph, profile_model
 
+from hetplan.cost import CostModel
 from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
 from hetplan.planners import PlanOptions, make_plan
+from hetplan.planners.interleave import interleaved
 from hetplan.runtime.calibrate import calibrate_cluster
 from hetplan.runtime.launch import launch, run_spec
+from hetplan.schedule import get_schedule
 from hetplan.sim import simulate
 
 HERE = Path(__file__).resolve().parent
 # (model, batch, sequence length, granularity, block classes)
 MODELS = [("gpt2-tiny", 8, 64, "layer", None), ("mlp", 64, None, "layer", None),
           ("bench_models:encoder", 16, 32, "block", ("TransformerEncoderLayer",))]
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b")
 
 
 def measured_bubble(result) -> float:
@@ -55,6 +60,8 @@ def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
         for m in (4, 8):
             for schedule in SCHEDULES:
                 plan = replace(base, microbatches=m, schedule=schedule)
+                if get_schedule(schedule).interleaved:
+                    plan = interleaved(CostModel(graphs[0], cluster), base, schedule, 2, m)
                 spec = run_spec(plan, cluster, model, batch_size=batch, seq_len=seq, granularity=granularity,
                                 block_classes=tuple(blocks or ()), steps=args.steps, warmup=3,
                                 out_dir=Path(tmp) / f"{model.replace(':', '-')}-{r}-{m}-{schedule}")
@@ -68,7 +75,8 @@ def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
         est = simulate(graph, calibrated, runs[0][2], timeline=False).estimate
         untied = simulate(replace(graph, tied=()), calibrated, runs[0][2], timeline=False).estimate
         step = statistics.median(s for s, _, _ in runs)
-        rows.append({"model": model, "microbatches": m, "schedule": schedule, "measured_step_s": step,
+        rows.append({"model": model, "microbatches": m, "schedule": schedule, "stages": len(runs[0][2].stages),
+                     "measured_step_s": step,
                      "measured_each_s": [s for s, _, _ in runs],
                      "measured_bubble": statistics.median(b for _, b, _ in runs),
                      "predicted_step_s": est.step_s, "predicted_bubble": est.bubble_fraction,

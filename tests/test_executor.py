@@ -18,7 +18,7 @@ from hetplan.runtime.local import run_threads
 from hetplan.runtime.rank import Traces, boundary_layouts
 from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
-from hetplan.schedule import SCHEDULE_NAMES, schedule_order
+from hetplan.schedule import ONE_STAGE_PER_RANK, rank_orders, schedule_order
 from hetplan.zoo import ZOO, load_model
 from hf_families import FAMILIES
 
@@ -109,7 +109,7 @@ def check(worst, moved, loss, ref_loss, *_, tol=1e-5):
 # gpt2 is gpt2-tiny's builder and classes at 124M parameters: 22 s of the suite for no other code
 @pytest.mark.parametrize("name", [name for name in ZOO if name != "gpt2"])
 def test_two_stages_of_every_zoo_model_equal_single_process(name):
-    schedule = SCHEDULE_NAMES[list(ZOO).index(name) % len(SCHEDULE_NAMES)]  # each schedule in turn
+    schedule = ONE_STAGE_PER_RANK[list(ZOO).index(name) % len(ONE_STAGE_PER_RANK)]  # each schedule in turn
     check(*pipelined_vs_single(name, [1, 1], 2, schedule))
 
 
@@ -263,3 +263,54 @@ def test_zero_bubble_on_ctr_tables_with_sparse_gradients_and_adam():
 
     check(*pipelined_vs_single("user_models:ctr_small", [2, 1], 2, "zero-bubble", batch=16, names_of=at_the_mlp,
                                optimizer="adam"))
+
+
+def interleaved_plan(names, groups, per_rank, m):
+    """`groups[g]` replicas for rank g; the pieces cut evenly into len(groups) x per_rank stages,
+    stage s on the devices of group s mod n."""
+    n = len(groups)
+    first = chain_plan(names, groups, m, "1f1b")
+    stages = n * per_rank
+    bounds = [len(names) * i // stages for i in range(stages + 1)]
+    return Plan(tuple(Stage(tuple(names[bounds[s]:bounds[s + 1]]), first.stages[s % n].devices)
+                      for s in range(stages)), m, "interleaved-1f1b", "test")
+
+
+@pytest.mark.parametrize("name,groups,per_rank,m,weights", [
+    ("gpt2-tiny", [1, 1], 2, 4, None),  # tied embedding: stages 0 and 3 on different workers
+    ("gpt2-tiny", [1, 1, 1], 2, 3, None),  # fewer micro-batches than ranks
+    ("gpt2-tiny", [1, 2], 2, 2, [[1.0], [1.0, 2.0], [1.0], [1.0, 2.0]]),  # a replicated group, uneven
+    ("inception-tiny", [1, 1], 2, 4, None),  # branches, batch norm
+])
+def test_interleaved_1f1b_holds_several_stages_per_worker_and_equals_single_process(name, groups, per_rank, m,
+                                                                                     weights):
+    """Each worker runs its stages k, k + n, ... in its rank's order (torch's
+    ScheduleInterleaved1F1B); the weights after one step equal one process's."""
+    batch, lr = 8, 0.1
+    zm = no_dropout(load_model(name, batch_size=batch, seq_len=16, seed=0))
+    split = split_step(zm.step, zm.batch, "layer", zm.block_classes)
+    plan = interleaved_plan([p.name for p in split.pieces], groups, per_rank, m)
+    spec = run_spec(plan, cpus(sum(groups)), name, batch_size=batch, seq_len=16, granularity="layer",
+                    block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0, optimizer="sgd", lr=lr,
+                    out_dir="unused", no_dropout=True, weights=weights)
+    assert spec.world == sum(groups)
+    results = run_threads(spec)
+    before = {id(p): p.detach().clone() for p in zm.step.parameters()}
+    ref_loss = reference_step(zm, _batches(spec, zm, 0), m, lr)
+    worst = moved = 0.0
+    modules = stage_modules(split, plan)
+    for rank, res in enumerate(results):
+        me = spec.ranks[rank]
+        held = [modules[k] for k in range(me.stage, len(plan.stages), len(groups))]
+        assert set(res["weights"]) == {n for mod in held for n, _ in mod.named_parameters()}
+        for mod in held:
+            for pname, p in mod.named_parameters():
+                worst = max(worst, (res["weights"][pname] - p.detach()).abs().max().item())
+                moved = max(moved, (p.detach() - before[id(p)]).abs().max().item())
+    loss = sum(res["losses"][0] for rank, res in enumerate(results) if spec.ranks[rank].stage == len(groups) - 1)
+    check(worst, moved, loss, ref_loss)
+    rows = step_rows(spec.batch_size, m, spec.replica_weights)
+    orders = rank_orders("interleaved-1f1b", len(plan.stages), m, len(groups))
+    for rank, res in enumerate(results):
+        me = spec.ranks[rank]
+        assert res["actions"] == [str(a) for a in orders[me.stage] if rows.rows(a.stage, a.microbatch, me.replica)]

@@ -14,12 +14,11 @@ from hetplan.io.clusters import load_cluster
 from hetplan.io.pipedream import import_pipedream
 from hetplan.plan import Plan, Stage
 from hetplan.planners.randomized import random_plan
-from hetplan.schedule import SCHEDULES
 from hetplan.sim import simulate
 from hetplan.sim.chains import ChainScorer
 from hetplan.sim.fast import ChainProgram, fast_step_s
 from strategies import MIXED as CLUSTER
-from strategies import chain, graphs, one_per_stage, one_stream_per_host_interface
+from strategies import ONE_PER_RANK, chain, graphs, one_per_stage, one_stream_per_host_interface
 
 
 @st.composite
@@ -32,7 +31,7 @@ def chain_plans(draw):
     devices = draw(st.permutations(CLUSTER.ids))
     stages = tuple(Stage(order[bounds[i]:bounds[i + 1]], (devices[i],)) for i in range(k))
     m = draw(st.integers(1, min(graph.batch_size, 12)))
-    return graph, Plan(stages, m, draw(st.sampled_from(list(SCHEDULES))), "random")
+    return graph, Plan(stages, m, draw(st.sampled_from(ONE_PER_RANK)), "random")
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])

@@ -72,6 +72,25 @@ def test_devices_must_exist_and_not_be_shared(diamond, v4):
     assert "lists a device twice" in _one(plan(("abcd", ["v0", "v0"])), diamond, v4)[0]
 
 
+def test_interleaved_stages_take_turns_on_groups_apart(diamond, v4):
+    def il(*stages, m=4):
+        return Plan(tuple(Stage(tuple(n), tuple(d)) for n, d in stages), m, "interleaved-1f1b", "test")
+
+    good = il(("a", ["v0"]), ("b", ["v1", "v2"]), ("c", ["v0"]), ("d", ["v1", "v2"]))
+    validate_plan(good, diamond, v4)  # devices hold two stages without shared_devices: one worker each
+    assert good.ranks == 2 and plan(("abcd", ["v0"])).ranks == 1
+    assert _one(il(("a", ["v0"]), ("b", ["v1"]), ("c", ["v1"]), ("d", ["v0"])), diamond, v4) == [
+        "stage 2 runs on v1, but under interleaved-1f1b stage 2 runs on the devices of stage 0: v0",
+        "stage 3 runs on v0, but under interleaved-1f1b stage 3 runs on the devices of stage 1: v1"]
+    problems = _one(il(("a", ["v0"]), ("b", ["v0", "v1"]), ("c", ["v0"]), ("d", ["v0", "v1"])), diamond, v4)
+    assert problems == ["stages 0 and 1 share a device but not all their devices; under interleaved-1f1b the "
+                        "groups of devices of the first n stages are apart"]
+    assert "5 micro-batches in 2 rounds" in _one(il(("a", ["v0"]), ("b", ["v1"]), ("c", ["v0"]), ("d", ["v1"]), m=5),
+                                                 diamond, v4)[0]
+    assert "3 stages on 2 rank(s)" in _one(il(("ab", ["v0"]), ("c", ["v1"]), ("d", ["v0"])), diamond, v4)[0]
+    assert "use n >= 2 ranks" in _one(il(("abcd", ["v0"])), diamond, v4)[0]
+
+
 def test_too_many_microbatches(diamond, v4):
     assert _one(plan(("abcd", ["v0"]), m=9), diamond, v4) == [
         "9 micro-batches for a batch of 8 samples; use at most 8"]

@@ -147,5 +147,56 @@ def test_auto_schedule_takes_the_schedule_the_objective_prefers_where_it_fits():
     heavy = replace(g, nodes=tuple(replace(n, act_bytes=48 * 2**30 if n.id == "n3" else 0) for n in g.nodes))
     tight = make_plan(heavy, cluster, "uniform", PlanOptions(schedule="auto", microbatches=8))
     assert tight.schedule == "1f1b" and tight.predicted.feasible
-    with pytest.raises(HetplanError, match="--schedule: 'zigzag' is unknown .*zero-bubble, auto"):
+    with pytest.raises(HetplanError, match="--schedule: 'zigzag' is unknown .*interleaved-1f1b, auto"):
         PlanOptions(schedule="zigzag")
+
+
+def test_interleaved_1f1b_is_planned_from_the_planners_pipeline():
+    """Eight equal nodes on two devices, 4 micro-batches: the planner's two stages become 2 v
+    stages taking turns (v = 4, the most the eight nodes allow, shortens the bubble most:
+    (4 v + 1) actions of 1/(4 v) of a device's work), cut evenly; dp, whose own plan is data
+    parallel here (nothing to send), gets the best straight pipeline interleaved instead."""
+    from strategies import chain
+
+    g = chain(8, fwd=0.08, bwd=0.16)
+    cluster = cluster_from_spec({"devices": [{"id": f"v{i}", "type": "v100-16gb", "host": "h"} for i in range(2)]},
+                                "two")
+    ones = make_plan(g, cluster, "uniform", PlanOptions(schedule="1f1b", microbatches=4))
+    plan = make_plan(g, cluster, "uniform", PlanOptions(schedule="interleaved-1f1b", microbatches=4))
+    assert plan.schedule == "interleaved-1f1b" and plan.ranks == 2 and len(plan.stages) == 8
+    assert [s.devices for s in plan.stages] == [("v0",), ("v1",)] * 4 and not plan_problems(plan, g, cluster)
+    work = 8 * (0.08 + 0.16) / 2  # each device's share of the batch
+    assert plan.predicted.step_s == pytest.approx(17 * work / 16)
+    assert ones.predicted.step_s == pytest.approx(5 * work / 4)
+    assert make_plan(g, cluster, "dp").stages[0].devices == ("v0", "v1")  # data parallel
+    assert make_plan(g, cluster, "dp", PlanOptions(schedule="interleaved-1f1b")).schedule == "interleaved-1f1b"
+    with pytest.raises(HetplanError, match="--schedule interleaved-1f1b: the single plan has 1 stage"):
+        make_plan(g, cluster, "single", PlanOptions(schedule="interleaved-1f1b"))
+
+
+@given(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=7), st.integers(1, 3), st.integers(1, 4), st.data())
+def test_linear_cuts_are_the_brute_force_optimum(times, rows, parts, data):
+    """`interleave.linear_cuts` against every way to cut N positions in `parts` pieces, part c
+    timed on row c mod rows, each cut costing its row's price at its position."""
+    import itertools
+
+    import numpy as np
+
+    from hetplan.planners.interleave import linear_cuts
+
+    n = len(times)
+    speeds = np.array([[1.0 + r] for r in range(rows)]) * np.array(times)[None, :]
+    cut_s = np.array(data.draw(st.lists(st.lists(st.floats(0.0, 10.0), min_size=n + 1, max_size=n + 1),
+                                        min_size=rows, max_size=rows)))
+
+    def cost(bounds):
+        worst = max(speeds[c % rows, a:b].sum() for c, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)))
+        return max([worst, *(cut_s[c % rows, bounds[c + 1]] for c in range(parts - 1))])
+
+    cuts = linear_cuts(speeds, parts, cut_s)
+    if n < parts:
+        assert cuts is None
+        return
+    best = min(cost([0, *c, n]) for c in itertools.combinations(range(1, n), parts - 1))
+    assert cuts[0] == 0 and cuts[-1] == n and all(a < b for a, b in zip(cuts, cuts[1:], strict=False))
+    assert cost(cuts) == pytest.approx(best)

@@ -12,6 +12,7 @@ from hetplan.schedule import (
     inflight_microbatches,
     one_f_one_b,
     peak_in_flight,
+    rank_orders,
     schedule_order,
 )
 
@@ -33,7 +34,8 @@ def torch_class(name):
 def test_every_schedule_names_a_torch_class_and_its_own_order():
     for name, kind in SCHEDULES.items():
         assert kind.name == name and torch_class(name).__name__ == kind.torch_class
-        assert schedule_order(name, 3, 4) == kind.order(3, 4)
+        if not kind.interleaved:
+            assert schedule_order(name, 3, 4) == kind.order(3, 4)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
@@ -104,10 +106,84 @@ def test_a_known_zero_bubble_order():
         "1I5", "1W4", "1W5"]
 
 
-@given(st.integers(1, 8), st.integers(1, 32), st.sampled_from(list(SCHEDULES)))
-def test_every_action_once_forward_first_and_memory_as_the_cost_model_says(stages, microbatches, schedule):
-    orders = schedule_order(schedule, stages, microbatches)
-    kinds = SCHEDULES[schedule].backward_kinds
+def torch_interleaved(ranks, per_rank, microbatches):
+    """ScheduleInterleaved1F1B's order per rank, idle slots left out."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    rounds = max(1, microbatches // ranks)
+    out = []
+    for r in range(ranks):
+        fake = SimpleNamespace(n_local_stages=per_rank, pp_group_size=ranks,
+                               microbatches_per_round=microbatches // rounds, _n_microbatches=microbatches)
+        ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, r)
+        out.append(tuple(str(a) for a in ops if a is not None))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("per_rank", [1, 2, 3])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 4, 6, 8, 12])
+def test_interleaved_1f1b_matches_torch(ranks, per_rank, microbatches):
+    stages = ranks * per_rank
+    problem = SCHEDULES["interleaved-1f1b"].problem(stages, ranks, microbatches)
+    if problem:  # torch's __init__ refuses these too
+        assert "rounds" in problem and microbatches % max(1, microbatches // ranks)
+        return
+    ours = tuple(tuple(str(a) for a in rank) for rank in rank_orders("interleaved-1f1b", stages, microbatches, ranks))
+    assert ours == torch_interleaved(ranks, per_rank, microbatches)
+
+
+def test_a_known_interleaved_order_and_its_refusals():
+    assert [str(a) for a in rank_orders("interleaved-1f1b", 4, 4, 2)[1]] == [
+        "1F0", "1F1", "3F0", "3B0", "3F1", "3B1", "1F2", "1B0", "1F3", "1B1", "3F2", "3B2", "3F3", "3B3", "1B2", "1B3"]
+    # the deadlock check can fail: rank 0 waiting for 2F0 before running 0F0 never finishes
+    bad = rank_orders("interleaved-1f1b", 4, 4, 2)
+    assert not runs_to_the_end((tuple(sorted(bad[0], key=lambda a: a.stage != 2)), bad[1]), 4)
+    with pytest.raises(HetplanError, match="a multiple of n stages"):
+        rank_orders("interleaved-1f1b", 5, 4, 2)
+    with pytest.raises(HetplanError, match="5 micro-batches in 2 rounds"):
+        rank_orders("interleaved-1f1b", 4, 5, 2)
+    with pytest.raises(HetplanError, match="one stage per rank"):
+        rank_orders("1f1b", 4, 4, 2)
+
+
+def runs_to_the_end(orders, stages):
+    """Whether ranks that run their lists in order, each action waiting for its input (blocking
+    receives, sends that never block), all finish."""
+    done, ptr = set(), [0] * len(orders)
+    progress = True
+    while progress:
+        progress = False
+        for r, order in enumerate(orders):
+            while ptr[r] < len(order):
+                a = order[ptr[r]]
+                if a.kind == "F":
+                    need = (a.stage - 1, "F")
+                elif a.kind == "W":
+                    need = (a.stage, "I")
+                else:  # B or I: the gradients from the stage after, or the loss on the last stage
+                    need = (a.stage + 1, a.kind) if a.stage < stages - 1 else (a.stage, "F")
+                if need[0] >= 0 and (*need, a.microbatch) not in done:
+                    break
+                done.add((a.stage, a.kind, a.microbatch))
+                ptr[r] += 1
+                progress = True
+    return all(p == len(o) for p, o in zip(ptr, orders, strict=True))
+
+
+@given(st.integers(1, 6), st.integers(1, 3), st.integers(1, 24), st.sampled_from(list(SCHEDULES)))
+def test_every_action_once_forward_first_deadlock_free_and_memory_as_the_cost_model_says(
+        ranks, per_rank, microbatches, schedule):
+    sched = SCHEDULES[schedule]
+    stages = ranks * per_rank if sched.interleaved else ranks
+    if sched.problem(stages, ranks, microbatches):
+        assert sched.interleaved  # the others run any micro-batches on one stage per rank
+        return
+    per_rank_orders = rank_orders(schedule, stages, microbatches, ranks)
+    assert all(a.stage % ranks == r for r, order in enumerate(per_rank_orders) for a in order)
+    assert runs_to_the_end(per_rank_orders, stages)
+    orders = schedule_order(schedule, stages, microbatches, ranks)
+    kinds = sched.backward_kinds
     assert len(orders) == stages
     for r, actions in enumerate(orders):
         assert sorted(actions) == sorted([Action(r, k, i) for k in ("F", *kinds) for i in range(microbatches)])
@@ -118,7 +194,7 @@ def test_every_action_once_forward_first_and_memory_as_the_cost_model_says(stage
         # Backward passes run in micro-batch order, as torch runs them.
         for kind in kinds:
             assert [a.microbatch for a in actions if a.kind == kind] == list(range(microbatches))
-        assert peak_in_flight(actions) == inflight_microbatches(schedule, stages, r, microbatches)
+        assert peak_in_flight(actions) == inflight_microbatches(schedule, stages, r, microbatches, ranks)
 
 
 def test_action_text_round_trips_and_bad_input():

@@ -13,7 +13,7 @@ from hetplan.errors import GraphError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import Estimate, Plan, Stage, validate_plan
-from hetplan.schedule import SCHEDULES, get_schedule, schedule_order
+from hetplan.schedule import SCHEDULES, get_schedule, rank_orders, schedule_order
 from hetplan.sim import simulate
 from hetplan.timeline import ALLREDUCE, OPTIMIZER
 from strategies import MIXED as CLUSTER
@@ -192,23 +192,32 @@ def test_each_device_runs_its_stage_in_the_torch_schedule_order():
 @st.composite
 def random_plans(draw, shared=False):
     """A random DAG, cut into convex stages (pieces of a topological order); each stage on one
-    to three devices; with `shared`, devices may hold several stages."""
+    to three devices; with `shared`, devices may hold several stages. Under an interleaved
+    schedule, n >= 2 groups of devices take the stages in turn."""
     graph = draw(graphs(min_nodes=1, max_nodes=9, types=("v100-16gb",)).filter(lambda g: g.batch_size >= 1))
     order = graph.topo_order
-    k = draw(st.integers(1, min(len(order), 4)))
+    schedule = draw(st.sampled_from([s for s in SCHEDULES if len(order) >= 2 or not SCHEDULES[s].interleaved]))
+    interleaved = SCHEDULES[schedule].interleaved
+    ranks = draw(st.integers(2, min(len(order), 3))) if interleaved else 0
+    k = ranks * draw(st.integers(1, len(order) // ranks)) if interleaved else draw(st.integers(1, min(len(order), 4)))
     cuts = sorted(draw(st.sets(st.integers(1, len(order) - 1), min_size=k - 1, max_size=k - 1))) if k > 1 else []
     bounds = [0, *cuts, len(order)]
     pool = list(draw(st.permutations(CLUSTER.ids)))
     stages = []
     for i in range(k):
         reps = draw(st.integers(1, 3 if shared else max(1, (len(pool) - (k - 1 - i)) // 2)))
-        if shared:
+        if interleaved and i >= ranks:
+            devices = stages[i % ranks].devices
+        elif interleaved:
+            devices, pool = tuple(pool[:min(reps, 2)]), pool[min(reps, 2):]
+        elif shared:
             devices = tuple(draw(st.lists(st.sampled_from(CLUSTER.ids), min_size=1, max_size=reps, unique=True)))
         else:
             devices, pool = tuple(pool[:reps]), pool[reps:]
         stages.append(Stage(order[bounds[i]:bounds[i + 1]], devices))
-    m = draw(st.integers(1, min(graph.batch_size, 12)))
-    plan = Plan(tuple(stages), m, draw(st.sampled_from(list(SCHEDULES))), "random", shared_devices=shared)
+    m = draw(st.integers(1, min(graph.batch_size, 12)).filter(
+        lambda m: not SCHEDULES[schedule].problem(k, ranks or k, m)))
+    plan = Plan(tuple(stages), m, schedule, "random", shared_devices=shared)
     validate_plan(plan, graph, CLUSTER)
     return graph, plan, draw(st.sampled_from(["direct", "relay"]))
 
@@ -258,7 +267,7 @@ def _check_dependencies(spans, compute, model, plan, eps, grad_kind):
     made by B, or by I where the backward is split). Returns each transfer's duration by
     (producer, consumer, kind, micro-batch)."""
     m = plan.microbatches
-    orders = schedule_order(plan.schedule, len(plan.stages), m)
+    orders = schedule_order(plan.schedule, len(plan.stages), m, plan.ranks)
     for st_ in model.stages:
         for r in st_.replicas:
             ran = [compute[(st_.index, r.device, a.kind, a.microbatch)] for a in orders[st_.index]]
@@ -359,3 +368,34 @@ def test_fixed_costs_per_action(schedule):
     assert fast_step_s(g, load_cluster("v100x4"), [plan])[0] == pytest.approx(est.step_s, rel=1e-12)
     with pytest.raises(GraphError, match="more than the whole pass"):
         Node("x", "Linear", {V: 0.01}, {V: 0.01}, fwd_fixed_s={V: 0.02})
+
+
+@pytest.mark.parametrize("n,v,m", [(2, 2, 4), (2, 3, 6), (4, 2, 8), (2, 2, 2), (4, 2, 4)])
+def test_interleaved_1f1b_shrinks_the_bubble_v_times(n, v, m):
+    """n devices, v equal stages each, no communication: (m v + n - 1) actions of a stage per
+    step, against 1F1B's (m + n - 1) actions v times as long on the same devices (Narayanan et
+    al. 2021: the bubble v times shorter)."""
+    g = chain(n * v, fwd=0.03, bwd=0.05, batch=48)
+    plan = Plan(tuple(Stage((f"n{s}",), (f"v{s % n}",)) for s in range(n * v)), m, "interleaved-1f1b", "test")
+    validate_plan(plan, g, load_cluster("v100x8"))
+    est = simulate(g, load_cluster("v100x8"), plan).estimate
+    action = (0.03 + 0.05) / m
+    assert est.step_s == pytest.approx((m * v + n - 1) * action, rel=1e-12)
+    assert est.bubble_fraction == pytest.approx((n - 1) / (m * v + n - 1))
+    chunks = Plan(tuple(Stage(tuple(f"n{s}" for s in range(k * v, (k + 1) * v)), (f"v{k}",)) for k in range(n)),
+                  m, "1f1b", "test")
+    assert simulate(g, load_cluster("v100x8"), chunks).estimate.step_s == pytest.approx((m + n - 1) * v * action)
+
+
+def test_a_device_runs_its_ranks_one_list_under_interleaving():
+    """Each device runs its rank's actions in torch's order (stages k, k + n, ... interleaved),
+    whatever the timing; messages between two devices carry several stages' tensors."""
+    g = chain(6, fwd=0.01, bwd=0.03, edge_bytes=10**8)
+    ids = ["a0", "t0", "v0"]
+    plan = Plan(tuple(Stage((f"n{s}",), (ids[s % 3],)) for s in range(6)), 6, "interleaved-1f1b", "test")
+    sim = simulate(g, load_cluster("hetero-4"), plan)
+    orders = rank_orders("interleaved-1f1b", 6, 6, 3)
+    for r, d in enumerate(ids):
+        ran = [s for s in sorted(sim.timeline.spans, key=lambda s: s.start_s) if s.resource == d
+               and s.kind in "FB"]
+        assert [s.label for s in ran] == [str(a) for a in orders[r]]

@@ -40,10 +40,10 @@ def timeline() -> Timeline:
 
 def test_predicted_busy_is_compute_and_optimizer_and_communication_the_rest_until_the_all_reduce_ends():
     t = timeline()
-    assert predicted_replica(t, 0, "d0") == (4.5, 3.0)  # waits 3 s for B0's gradients; no all-reduce
-    assert predicted_replica(t, 1, "d1") == (3.5, 2.5)  # 1.5 s for F0's input, then 1 s all-reducing
-    assert predicted_replica(t, 1, "d2") == (2.5, 3.5)
-    assert predicted_replica(t, 1, "d0") == (0.0, 0.0)  # holds no part of stage 1
+    assert predicted_replica(t, [0], "d0") == (4.5, 3.0)  # waits 3 s for B0's gradients; no all-reduce
+    assert predicted_replica(t, [1], "d1") == (3.5, 2.5)  # 1.5 s for F0's input, then 1 s all-reducing
+    assert predicted_replica(t, [1], "d2") == (2.5, 3.5)
+    assert predicted_replica(t, [1], "d0") == (0.0, 0.0)  # holds no part of stage 1
 
 
 def result(ranks) -> RunResult:

@@ -15,11 +15,10 @@ from hetplan.graph import Tied, at_batch
 from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
 from hetplan.plan import Plan, Stage
-from hetplan.schedule import SCHEDULES
 from hetplan.sim import simulate
 from hetplan.sync import SyncGroup, rank_numbers, sync_groups
 from hetplan.timeline import ALLREDUCE, OPTIMIZER
-from strategies import chain
+from strategies import ONE_PER_RANK, chain
 
 MB = 10**6
 
@@ -47,6 +46,14 @@ def test_ranks_go_host_by_host_and_groups_follow_them():
     assert ranks == {(0, 0): 0, (1, 0): 1, (0, 1): 2}
     groups = sync_groups({"w0": {0}, "tied": {0, 1}, "w1": {1}}, ranks)
     assert [g.members for g in groups] == [((0, 0), (1, 0), (0, 1)), ((0, 0), (0, 1)), ((1, 0),)]
+
+
+def test_an_interleaved_worker_holds_the_stages_of_its_turn():
+    """Under an interleaved schedule on n = 2 workers, replica p of stage k is the worker of
+    (k mod 2, p): numbers for the first two stages only, host by host."""
+    hosts = {"a": "x", "b": "y", "c": "x"}
+    ranks = rank_numbers([("a",), ("b", "c"), ("a",), ("b", "c")], hosts.__getitem__, 2)
+    assert ranks == {(0, 0): 0, (1, 1): 1, (1, 0): 2, (2, 0): 0, (3, 1): 1, (3, 0): 2}
 
 
 def test_the_launcher_numbers_ranks_as_the_cost_model_does():
@@ -118,6 +125,26 @@ def test_a_tied_parameter_across_stages_is_summed_after_both_are_done():
     # each stage updates its own copy of the tied parameter
     assert opt["v1"].end_s - opt["v1"].start_s == pytest.approx(cm.optimizer_s(50 * MB, "v1"))
     assert sim.estimate.step_s == pytest.approx(last + sync_s + max(o.end_s - o.start_s for o in opt.values()))
+
+
+def test_a_worker_holding_both_users_of_a_tied_parameter_sums_nothing_for_it():
+    """Interleaved on two workers, stages 0 and 2 on v0 share the tied parameter: it has one
+    gradient there, so nothing is summed (a sum over a worker and itself would double it); with
+    stages 0 and 1 sharing it, v0 and v1 sum it after their last actions (all their stages')."""
+    g, cluster = tied_chain(4), load_cluster("v100x8")
+    same = replace(g, tied=(Tied(("n0", "n2"), 50 * MB),))
+    plan = Plan(tuple(Stage((f"n{i}",), (f"v{i % 2}",)) for i in range(4)), 4, "interleaved-1f1b", "test")
+    assert plan_syncs(CostModel(same, cluster), plan) == ()
+    across = replace(g, tied=(Tied(("n0", "n1"), 50 * MB),))
+    (sync,) = plan_syncs(CostModel(across, cluster), plan)
+    assert sync.members == ((0, 0), (1, 0)) and sync.devices == ("v0", "v1")
+    spans = simulate(across, cluster, plan).timeline.spans
+    ar = [s for s in spans if s.kind == ALLREDUCE]
+    assert {s.resource for s in ar} == {"v0", "v1"} and len(ar) == 2
+    last = max(s.end_s for s in spans if s.kind not in (ALLREDUCE, OPTIMIZER))
+    assert all(s.start_s == pytest.approx(last) for s in ar)
+    opt = sorted((s for s in spans if s.kind == OPTIMIZER and s.resource == "v0"), key=lambda s: s.start_s)
+    assert [s.stage for s in opt] == [0, 2] and opt[1].start_s == pytest.approx(opt[0].end_s)  # one after the other
 
 
 def test_tied_nodes_in_one_stage_sum_nothing_more_and_count_once():
@@ -192,7 +219,7 @@ def test_the_fast_path_charges_a_tied_parameter_as_the_event_simulator(data):
     devices = data.draw(st.permutations(range(len(MIXED.ids))))[:n]
     assume(one_stream_per_host_interface(MIXED, [MIXED.ids[d] for d in devices]))
     bounds = [0, *cuts, nodes]
-    m, schedule = data.draw(st.integers(1, 8)), data.draw(st.sampled_from(list(SCHEDULES)))
+    m, schedule = data.draw(st.integers(1, 8)), data.draw(st.sampled_from(ONE_PER_RANK))
     plan = Plan(tuple(Stage(tuple(f"n{i}" for i in range(bounds[k], bounds[k + 1])), (MIXED.ids[devices[k]],))
                       for k in range(n)), m, schedule, "test")
     est = simulate(graph, MIXED, plan, routing="relay", timeline=False).estimate

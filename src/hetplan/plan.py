@@ -5,7 +5,9 @@ A plan is valid for a graph and a cluster when:
 - each stage is convex (no path leaves the stage and comes back into it);
 - no edge goes from a later stage to an earlier one, so the stages can run as a pipeline;
 - every device exists, no device appears twice in a stage, and no device holds two stages
-  unless the plan sets `shared_devices` (as interleaved schedules do);
+  unless the plan sets `shared_devices` (a worker per stage, sharing the device) or its schedule
+  interleaves (`Schedule.interleaved`: stage s on the devices of stage s mod n, n groups of
+  devices apart from each other, one worker per device running all its stages);
 - there are no more micro-batches than samples in the batch.
 `validate_plan` checks all of it and names the offending node, edge, stage or device.
 """
@@ -21,7 +23,7 @@ from hetplan._frozen import FrozenMap, freeze
 from hetplan.cluster import Cluster
 from hetplan.errors import PlanError, listing
 from hetplan.graph import Graph
-from hetplan.schedule import SCHEDULE_NAMES
+from hetplan.schedule import SCHEDULE_NAMES, get_schedule
 
 SCHEDULES = SCHEDULE_NAMES  # hetplan.schedule owns what each means
 OBJECTIVES = ("time", "cost", "mdpe", "throughput")
@@ -131,6 +133,14 @@ class Plan:
         """Every device the plan uses, in stage order."""
         return tuple(dict.fromkeys(d for s in self.stages for d in s.devices))
 
+    @property
+    def ranks(self) -> int:
+        """Workers along the pipeline: one per stage, or under an interleaved schedule one per
+        group of devices (stage s runs on the group of stage s mod n)."""
+        if not get_schedule(self.schedule).interleaved:
+            return len(self.stages)
+        return len(dict.fromkeys(s.devices for s in self.stages))
+
     def stage_of(self) -> dict[str, int]:
         """Node id -> index of its stage."""
         return {n: i for i, s in enumerate(self.stages) for n in s.nodes}
@@ -141,6 +151,7 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
     problems, where = _node_problems(plan, graph)
     problems += _order_problems(plan, graph, where)
     problems += _device_problems(plan, cluster)
+    problems += _rank_problems(plan)
     if plan.microbatches > graph.batch_size:
         problems.append(f"{plan.microbatches} micro-batches for a batch of {graph.batch_size} samples; "
                         f"use at most {graph.batch_size}")
@@ -204,10 +215,29 @@ def _device_problems(plan: Plan, cluster: Cluster) -> list[str]:
             if d not in cluster.by_id:
                 problems.append(f"stage {i} uses device {d!r}, which cluster {cluster.name!r} does not have "
                                 f"(devices: {listing(cluster.ids)})")
-            elif d in holder and not plan.shared_devices:
+            elif d in holder and not plan.shared_devices and not get_schedule(plan.schedule).interleaved:
                 problems.append(f"device {d!r} holds stage {holder[d]} and stage {i}; "
                                 "set shared_devices to allow it")
             holder.setdefault(d, i)
+    return problems
+
+
+def _rank_problems(plan: Plan) -> list[str]:
+    """An interleaved plan's stages that do not repeat its groups of devices in turn."""
+    sched = get_schedule(plan.schedule)
+    if not sched.interleaved:
+        return []
+    n = plan.ranks
+    problem = sched.problem(len(plan.stages), n, plan.microbatches)
+    if problem:
+        return [problem]
+    problems = [f"stage {i} runs on {', '.join(s.devices)}, but under {plan.schedule} stage {i} runs on the devices "
+                f"of stage {i % n}: {', '.join(plan.stages[i % n].devices)}"
+                for i, s in enumerate(plan.stages) if s.devices != plan.stages[i % n].devices]
+    groups = [set(s.devices) for s in plan.stages[:n]]
+    problems += [f"stages {a} and {b} share a device but not all their devices; under {plan.schedule} the groups of "
+                 "devices of the first n stages are apart" for a in range(n) for b in range(a + 1, n)
+                 if groups[a] & groups[b]]
     return problems
 
 

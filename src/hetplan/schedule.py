@@ -13,10 +13,16 @@ al., "Zero Bubble Pipeline Parallelism", ICLR 2024): the backward pass is split 
 the gradients of the stage's inputs (I), which the stage before waits for, and those of its
 weights (W), which nobody waits for; 1F1B's order with I for B, stage r deferring its first r
 W actions to fill the cool-down's bubbles. A stage then holds up to min(m, n) micro-batches (it
-frees them at W).
+frees them at W). Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", SC 2021): each of n ranks holds v stages (stage s on
+rank s mod n), so the model is cut in n v stages and the warm-up's bubble shrinks v times; a
+rank runs its stages' forward passes round by round (micro-batches of a round through one
+stage, then the next stage), then one forward one backward, then the backward passes left.
 
 The orders are exactly those torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B
-(`_step_microbatches`) and ScheduleInterleavedZeroBubble with one stage per rank execute.
+(`_step_microbatches`), ScheduleInterleavedZeroBubble with one stage per rank and
+ScheduleInterleaved1F1B execute. A schedule gives each rank one list of actions (`rank_orders`);
+where a rank holds one stage, that is the stage's order (`schedule_order`).
 hetplan's runtime (`hetplan.runtime.executor`) runs these very orders and the simulator
 simulates them, so a simulated step and a real one compare action by action. Tests also hold
 them against torch's printable `_get_pipeline_order` (idle slots and gradient reductions left
@@ -122,6 +128,59 @@ def zero_bubble(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...
     return tuple(orders)
 
 
+def interleaved_rounds(ranks: int, microbatches: int) -> tuple[int, int]:
+    """Interleaved 1F1B's rounds and micro-batches per round: max(1, m // ranks) rounds, which
+    must divide m (as torch's ScheduleInterleaved1F1B requires)."""
+    rounds = max(1, microbatches // ranks)
+    return rounds, microbatches // rounds
+
+
+def interleaved_1f1b(ranks: int, stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Per rank, its actions under interleaved 1F1B; rank r holds stages r, r + n, r + 2n, ...
+    Rank r's warm-up runs (v - 1) x (a round's micro-batches) + 2 (n - 1 - r) forward passes,
+    the k-th forward of the rank going to its local stage (k // round) mod v; the backward passes
+    go through the local stages in reverse, the same way."""
+    _check(stages, microbatches)
+    return tuple(_interleaved_rank(ranks, stages // ranks, microbatches, r) for r in range(ranks))
+
+
+def _interleaved_rank(ranks: int, v: int, microbatches: int, r: int) -> tuple[Action, ...]:
+    _, per_round = interleaved_rounds(ranks, microbatches)
+    total = v * microbatches
+    warmup = min((v - 1) * per_round + 2 * (ranks - 1 - r), total)
+    done: dict[tuple[str, int], int] = {}  # (kind, stage) -> its actions so far
+
+    def act(kind: str, local: int) -> Action:
+        stage = local * ranks + r
+        i = done.get((kind, stage), 0)
+        done[(kind, stage)] = i + 1
+        return Action(stage, kind, i)
+
+    actions = [act(FORWARD, (k // per_round) % v) for k in range(warmup)]
+    for k in range(warmup, total + warmup):
+        if k < total:
+            actions.append(act(FORWARD, (k // per_round) % v))
+        actions.append(act(BACKWARD, v - 1 - ((k - warmup) // per_round) % v))
+    return tuple(actions)
+
+
+def _interleaved_problem(stages: int, ranks: int, microbatches: int) -> str | None:
+    if ranks < 2 or stages % ranks:
+        return (f"interleaved 1F1B puts stage s on rank s mod n: {stages} stages on {ranks} rank(s) do not fit; "
+                "use n >= 2 ranks and a multiple of n stages")
+    rounds, _ = interleaved_rounds(ranks, microbatches)
+    if microbatches % rounds:
+        return (f"interleaved 1F1B on {ranks} ranks runs {microbatches} micro-batches in {rounds} rounds, which must "
+                f"divide them; use {rounds * (microbatches // rounds)} or a multiple of {ranks} micro-batches")
+    return None
+
+
+def _one_per_rank(stages: int, ranks: int, microbatches: int) -> str | None:
+    if ranks != stages:
+        return f"this schedule runs one stage per rank: {stages} stages need {stages} ranks, not {ranks}"
+    return None
+
+
 @dataclass(frozen=True)
 class Schedule:
     """A schedule: its per-stage action orders, how many micro-batches' activations stage
@@ -136,10 +195,22 @@ class Schedule:
     torch_class: str
     summary: str
     split_backward: bool = False  # its backward passes are I and W actions, not B
+    # where ranks hold several stages: (ranks, stages, micro-batches) -> per rank, its actions
+    rank_order: Callable[[int, int, int], tuple[tuple[Action, ...], ...]] | None = None
 
     @property
     def backward_kinds(self) -> tuple[str, ...]:
         return (BACKWARD_INPUT, BACKWARD_WEIGHT) if self.split_backward else (BACKWARD,)
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether a rank may hold several stages (stage s on rank s mod ranks)."""
+        return self.rank_order is not None
+
+    def problem(self, stages: int, ranks: int, microbatches: int) -> str | None:
+        """Why this schedule cannot run `stages` stages on `ranks` ranks with this many
+        micro-batches, in one line; None if it can."""
+        return (_interleaved_problem if self.interleaved else _one_per_rank)(stages, ranks, microbatches)
 
 
 SCHEDULES: dict[str, Schedule] = {
@@ -153,8 +224,14 @@ SCHEDULES: dict[str, Schedule] = {
                             "ScheduleInterleavedZeroBubble",
                             "1F1B with the backward split into inputs' (I) and weights' (W) gradients, W filling "
                             "the bubbles; at most min(m, stages) in flight", split_backward=True),
+    # in flight: read off the order (`peak_in_flight`), which depends on the ranks too
+    "interleaved-1f1b": Schedule("interleaved-1f1b", one_f_one_b, lambda stages, index, m: m, False,
+                                 "ScheduleInterleaved1F1B",
+                                 "v stages per rank (stage s on rank s mod n), 1F1B over them: the warm-up's "
+                                 "bubble v times shorter, more messages", rank_order=interleaved_1f1b),
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
+ONE_STAGE_PER_RANK = tuple(name for name, s in SCHEDULES.items() if not s.interleaved)  # chains of one device per stage
 
 
 def get_schedule(name: str) -> Schedule:
@@ -164,13 +241,35 @@ def get_schedule(name: str) -> Schedule:
         raise HetplanError(f"schedule {name!r} is unknown (allowed: {', '.join(SCHEDULES)})") from None
 
 
-def schedule_order(schedule: str, stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
-    return get_schedule(schedule).order(stages, microbatches)
+def rank_orders(schedule: str, stages: int, microbatches: int, ranks: int | None = None
+                ) -> tuple[tuple[Action, ...], ...]:
+    """Per rank, the actions it runs in order (`ranks`: None for one stage per rank)."""
+    sched = get_schedule(schedule)
+    ranks = stages if ranks is None else ranks
+    problem = sched.problem(stages, ranks, microbatches)
+    if problem:
+        raise HetplanError(problem)
+    if sched.rank_order is not None:
+        return sched.rank_order(ranks, stages, microbatches)
+    return sched.order(stages, microbatches)
 
 
-def inflight_microbatches(schedule: str, stages: int, stage_index: int, microbatches: int) -> int:
+def schedule_order(schedule: str, stages: int, microbatches: int, ranks: int | None = None
+                   ) -> tuple[tuple[Action, ...], ...]:
+    """Per stage, its actions in the order its rank runs them."""
+    per_rank = rank_orders(schedule, stages, microbatches, ranks)
+    if len(per_rank) == stages:
+        return per_rank
+    return tuple(tuple(a for a in per_rank[s % len(per_rank)] if a.stage == s) for s in range(stages))
+
+
+def inflight_microbatches(schedule: str, stages: int, stage_index: int, microbatches: int,
+                          ranks: int | None = None) -> int:
     """Micro-batches whose activations a stage holds at its peak."""
-    return get_schedule(schedule).in_flight(stages, stage_index, microbatches)
+    sched = get_schedule(schedule)
+    if sched.interleaved:
+        return peak_in_flight(schedule_order(schedule, stages, microbatches, ranks)[stage_index])
+    return sched.in_flight(stages, stage_index, microbatches)
 
 
 def peak_in_flight(actions: tuple[Action, ...]) -> int:

@@ -17,14 +17,19 @@ from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 
-def rank_numbers(stage_devices: Sequence[Sequence[str]], host_of: Callable[[str], str]) -> dict[tuple[int, int], int]:
+def rank_numbers(stage_devices: Sequence[Sequence[str]], host_of: Callable[[str], str],
+                 pipeline_ranks: int | None = None) -> dict[tuple[int, int], int]:
     """The rank of every (stage, replica) of a plan whose stage k runs on `stage_devices[k]`:
     host by host, hosts in the order the plan first uses them, and within a host stage by stage,
-    replica by replica (torchrun numbers the ranks of a job host by host)."""
-    members = [(k, p) for k, devices in enumerate(stage_devices) for p in range(len(devices))]
+    replica by replica (torchrun numbers the ranks of a job host by host). With `pipeline_ranks`
+    n (an interleaved schedule: `Plan.ranks`), the workers are the replicas of the first n stages
+    and replica p of stage k is the worker of replica p of stage k mod n."""
+    n = len(stage_devices) if pipeline_ranks is None else pipeline_ranks
+    members = [(k, p) for k, devices in enumerate(stage_devices[:n]) for p in range(len(devices))]
     hosts = list(dict.fromkeys(host_of(stage_devices[k][p]) for k, p in members))
     members.sort(key=lambda m: hosts.index(host_of(stage_devices[m[0]][m[1]])))
-    return {m: r for r, m in enumerate(members)}
+    workers = {m: r for r, m in enumerate(members)}
+    return {(k, p): workers[(k % n, p)] for k, devices in enumerate(stage_devices) for p in range(len(devices))}
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,8 @@ def sync_groups(holders: Mapping[Hashable, Collection[int]], ranks: Mapping[tupl
     """The groups, in the order every rank runs them (by their members' ranks). `holders`: per
     parameter, the stages that use it, in any order of parameters (a group keeps its parameters
     in `holders`' order); `ranks`: the rank of every (stage, replica) (`rank_numbers`). Groups of
-    one member are kept (nothing to sum: callers skip them)."""
+    one member are kept (nothing to sum: callers skip them). Members on one rank (a worker that
+    holds several stages) share one gradient: callers sum over the members' distinct ranks."""
     by_stage: dict[int, list[tuple[int, int]]] = {}
     for member in ranks:
         by_stage.setdefault(member[0], []).append(member)

@@ -49,13 +49,14 @@ def plan_syncs(cm, plan: Plan) -> tuple[SyncCost, ...]:
     if not holders:
         return ()
     out = []
-    ranks = rank_numbers([st.devices for st in plan.stages], lambda d: cm.cluster.device(d).host)
+    ranks = rank_numbers([st.devices for st in plan.stages], lambda d: cm.cluster.device(d).host, plan.ranks)
     for group in sync_groups(holders, ranks):
-        if len(group.members) < 2:
-            continue
         devices = tuple(plan.stages[k].devices[p] for k, p in group.members)
+        workers = tuple(dict.fromkeys(devices))  # a worker holding several stages sums once
+        if len(workers) < 2:
+            continue
         dense, index = (sum(sizes[key][j] for key in group.params) for j in (0, 1))
-        out.append(SyncCost(group.members, devices, float(cm.gradient_sync_s(dense, index, devices))))
+        out.append(SyncCost(group.members, devices, float(cm.gradient_sync_s(dense, index, workers))))
     return tuple(out)
 
 

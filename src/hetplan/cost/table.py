@@ -129,6 +129,7 @@ class StepCosts:
     schedule: str
     routing: str
     batch_size: int
+    ranks: int  # workers along the pipeline (`Plan.ranks`; fewer than the stages where they interleave)
     syncs: tuple[SyncCost, ...] = ()  # every gradient sum, in the order the ranks run them
 
     @property
@@ -146,7 +147,7 @@ class StepCosts:
 
 
 def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: int, acts: int,
-             used: tuple[str, ...], split: bool) -> Replica:
+             used: tuple[str, ...], split: bool, first_of_worker: bool) -> Replica:
     d = stage.devices[p]
     dtype = cluster.device(d).type
     slow = cm.corun_factor(d, used)  # other CPU workers of the plan on its host (calibrated clusters)
@@ -162,7 +163,9 @@ def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: 
         halves = tuple(tuple(action_s(fix, scaled, f) if f > 0 else 0.0 for f in frac)
                        for fix, scaled in ((i_fix, i_s), (w_fix, w_s)))
     return Replica(d, share, share * fwd, share * bwd, share * acts, ffix, bfix,
-                   replica_tail_s(cm.stage_optimizer_s(stage.nodes, d), slow, dev.step_overhead_s),
+                   # a worker holding several stages (interleaved) pays the runtime's per-step cost once
+                   replica_tail_s(cm.stage_optimizer_s(stage.nodes, d), slow,
+                                  dev.step_overhead_s if first_of_worker else 0.0),
                    tuple(action_s(ffix, fwd, f) if f > 0 else 0.0 for f in frac),
                    tuple(action_s(bfix, bwd, f) if f > 0 else 0.0 for f in frac),
                    tuple(acts * f for f in frac), *halves, weights)
@@ -190,7 +193,7 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
     stages = []
     for k, stage in enumerate(plan.stages):
         acts = sum(by_id[n].act_bytes for n in stage.nodes)
-        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, plan.devices, split)
+        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, plan.devices, split, k < plan.ranks)
                          for p in range(len(stage.devices)))
         stages.append(StageWork(k, replicas, graph.param_bytes_of(stage.nodes), own.get(k, 0.0)))
     messages = []
@@ -203,4 +206,4 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
                 if any(x is not None for x in per_mb):
                     messages.append(Message(a, b, src, dst, per_mb, *secs))
     return StepCosts(tuple(stages), tuple(messages), microbatch_fractions(graph.batch_size, plan.microbatches),
-                     plan.schedule, routing, graph.batch_size, syncs)
+                     plan.schedule, routing, graph.batch_size, plan.ranks, syncs)

@@ -19,6 +19,7 @@ from hetplan.plan import Plan, validate_plan
 from hetplan.planners import baselines
 from hetplan.planners.options import AUTO_SCHEDULE, PlanOptions
 from hetplan.runtime.support import runtime_refusal
+from hetplan.schedule import SCHEDULE_NAMES, get_schedule
 from hetplan.sim import simulate
 
 PlannerFn = Callable[[Graph, Cluster, PlanOptions], Plan]
@@ -107,26 +108,15 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
               progress: Callable[[float], None] | None = None) -> Plan:
     """Run a planner, check its plan and attach the estimate and the planning time. `progress`
     is called with the fraction done by planners that search for a while. With `--schedule
-    auto` the planner plans under 1F1B and the plan takes the best schedule for it
-    (`refine.best_schedule`)."""
+    auto` or an interleaved schedule the planner plans under 1F1B and the plan takes the best
+    schedule for it (`_planned`)."""
     spec = get_planner(planner)
     options = options or PlanOptions()
     if options.microbatches and options.microbatches > graph.batch_size:
         raise HetplanError(f"--microbatches: {options.microbatches} micro-batches for a batch of {graph.batch_size} "
                            f"samples; use at most {graph.batch_size}")
     start = time.perf_counter()
-    auto = options.schedule == AUTO_SCHEDULE
-    if auto:
-        options = replace(options, schedule="1f1b")
-    if spec.reports_progress and progress is not None:
-        plan = spec.run(graph, cluster, options, progress=progress)
-    else:
-        plan = spec.run(graph, cluster, options)
-    if auto:
-        from hetplan.planners.refine import best_schedule
-        from hetplan.planners.scoring import Scorer
-
-        plan = best_schedule(Scorer(graph, cluster, options), plan)
+    plan = _planned(spec, graph, cluster, options, progress)
     planning_s = time.perf_counter() - start
     validate_plan(plan, graph, cluster)
     return replace(
@@ -139,6 +129,46 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
               # what hetplan run would say of this plan on this cluster (None: it runs)
               "runtime_refusal": runtime_refusal(plan, cluster)},
     )
+
+
+def _run(spec: PlannerSpec, graph: Graph, cluster: Cluster, options: PlanOptions,
+         progress: Callable[[float], None] | None) -> Plan:
+    if spec.reports_progress and progress is not None:
+        return spec.run(graph, cluster, options, progress=progress)
+    return spec.run(graph, cluster, options)
+
+
+def _planned(spec: PlannerSpec, graph: Graph, cluster: Cluster, options: PlanOptions,
+             progress: Callable[[float], None] | None) -> Plan:
+    """The planner's plan under the schedule asked for. Planners plan chains of one stage per
+    device: under `auto` or an interleaved schedule, they plan under 1F1B and `_with_schedule`
+    takes it from there; a plan that does not pipeline (data parallel) cannot interleave, so then
+    the best straight pipeline (`max_replicas` 1) is tried."""
+    asked = options.schedule
+    if asked != AUTO_SCHEDULE and not get_schedule(asked).interleaved:
+        return _run(spec, graph, cluster, options, progress)
+    chain = replace(options, schedule="1f1b")
+    plan = _with_schedule(graph, cluster, chain, _run(spec, graph, cluster, chain, progress), asked)
+    if asked == AUTO_SCHEDULE or plan.schedule == asked:
+        return plan
+    if options.max_replicas != 1:
+        plan = _with_schedule(graph, cluster, chain, spec.run(graph, cluster, replace(chain, max_replicas=1)), asked)
+    if plan.schedule != asked:
+        raise HetplanError(f"--schedule {asked}: the {plan.planner} plan has {len(plan.stages)} stage(s) on "
+                           f"{len(plan.devices)} device(s), which cannot take {asked}'s turns (it needs 2 or more "
+                           "stages on separate devices and more nodes than stages); use --schedule auto or 1f1b")
+    return plan
+
+
+def _with_schedule(graph: Graph, cluster: Cluster, options: PlanOptions, plan: Plan, asked: str) -> Plan:
+    """The planner's 1F1B plan under the schedule asked for: `auto`, whichever the objective
+    prefers; an interleaved one, the best of its interleavings (`refine.best_schedule`; the plan
+    as it is where it has none)."""
+    from hetplan.planners.refine import best_schedule
+    from hetplan.planners.scoring import Scorer
+
+    names = SCHEDULE_NAMES if asked == AUTO_SCHEDULE else (asked,)
+    return best_schedule(Scorer(graph, cluster, options), plan, names)
 
 
 def best_baseline(graph: Graph, cluster: Cluster, options: PlanOptions | None = None) -> Plan | None:

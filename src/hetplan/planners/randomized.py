@@ -15,12 +15,13 @@ import numpy as np
 from hetplan.cluster import Cluster
 from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec
-from hetplan.plan import SCHEDULES, Plan, Stage
+from hetplan.plan import Plan, Stage
+from hetplan.schedule import ONE_STAGE_PER_RANK
 
 
 def random_plan(graph: Graph, cluster: Cluster, rng: np.random.Generator, *, stages: int | None = None,
                 max_replicas: int = 1, microbatches: Sequence[int] = (1, 2, 4, 8, 16),
-                schedules: Sequence[str] = SCHEDULES) -> Plan:
+                schedules: Sequence[str] = ONE_STAGE_PER_RANK) -> Plan:
     """A random valid plan; `stages` None draws it from 1 .. min(nodes, devices)."""
     order = graph.topo_order
     most = min(len(order), len(cluster.devices))

@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hetplan.plan import Plan, Stage, plan_problems
+from hetplan.planners.interleave import interleavings
 from hetplan.planners.scoring import Scorer
-from hetplan.schedule import SCHEDULE_NAMES
+from hetplan.schedule import SCHEDULE_NAMES, get_schedule
 
 MAX_ROUNDS = 8  # boundary moves taken at most
 
@@ -35,12 +36,20 @@ def refine_microbatches(scorer: Scorer, plan: Plan, choices: tuple[int, ...]) ->
     return best
 
 
-def best_schedule(scorer: Scorer, plan: Plan) -> Plan:
-    """The plan under the schedule whose simulated objective is best (ties: its own); its
-    stages and micro-batches as they are (zero bubble holds more micro-batches than 1F1B, so a
-    plan that fits under one may not under the other: the simulator says)."""
-    others = [replace(plan, schedule=s, predicted=None) for s in SCHEDULE_NAMES if s != plan.schedule]
-    return min([plan, *others], key=scorer.value)
+def best_schedule(scorer: Scorer, plan: Plan, names: tuple[str, ...] = SCHEDULE_NAMES) -> Plan:
+    """The plan under the schedule of `names` whose simulated objective is best (ties: the
+    plan's own, then the first named): under a schedule of one stage per rank, its stages and
+    micro-batches as they are (zero bubble holds more micro-batches than 1F1B, so a plan that fits
+    under one may not under the other: the simulator says); under an interleaved one, the plan's
+    devices with the model cut again (`interleave.interleavings`). The plan itself if `names`
+    gives no candidate."""
+    candidates = [plan] if plan.schedule in names else []
+    for name in names:
+        if get_schedule(name).interleaved:
+            candidates += interleavings(scorer.cost, plan, name)
+        elif name != plan.schedule:
+            candidates.append(replace(plan, schedule=name, predicted=None))
+    return min(candidates, key=scorer.value, default=plan)
 
 
 def boundary_moves(plan: Plan) -> list[Plan]:

@@ -35,7 +35,8 @@ def load_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.
 
 
 def checkpoint_step(directory: Path, stages: int) -> int | None:
-    """The step every stage's checkpoint has reached (None when a stage has none)."""
+    """The step the checkpoints of stages 0 .. stages - 1 have all reached (None when one has
+    none); a worker holding several stages (interleaved) writes one, under its first stage."""
     steps = []
     for s in range(stages):
         path = stage_path(directory, s)

@@ -1,12 +1,14 @@
-"""One stage replica's part of a training step: the schedule's actions, run over point-to-point
+"""One worker's part of a training step: the schedule's actions, run over point-to-point
 messages, as PipeDream's and DeepSpeed's pipeline runtimes do (DeepSpeed's `PipeSchedule`
-documents each instruction by the code it runs; so does this module).
+documents each instruction by the code it runs; so does this module). A worker is one stage
+replica, or under an interleaved schedule replica p of stages k, k + n, k + 2n, ... (one
+`StageRunner` each), whose actions `RankRunner` runs in the rank's one order.
 
-The action order is `hetplan.schedule.schedule_order`, the one the simulator simulates, and
+The action order is `hetplan.schedule.rank_orders`, the one the simulator simulates, and
 the rows of every replica are `hetplan.rows`, the split the simulator charges; so a run does what
 its prediction assumed, action by action. Every plan that `hetplan.plan.validate_plan` accepts
 runs: any number of replicas per stage (3 + 1, 1 + 2 + 1, ...), stages without parameters, more
-or fewer micro-batches than stages, GPipe, 1F1B or zero bubble.
+or fewer micro-batches than stages, GPipe, 1F1B, zero bubble or interleaved 1F1B.
 
 For replica p of stage k, micro-batch j, with rows [lo, hi) of it (`StepRows.slices`):
 
@@ -65,8 +67,10 @@ class Role:
         return self.stage == len(self.ranks) - 1
 
 
-def _tag(microbatch: int, kind: str) -> int:
-    return 2 * microbatch + (0 if kind == FORWARD else 1)
+def _tag(stages: int, boundary: int, microbatch: int, kind: str) -> int:
+    """A message's tag: its boundary (stage k to k + 1), micro-batch and direction, so that two
+    workers exchanging over several boundaries (interleaved) pair every message."""
+    return 2 * (microbatch * stages + boundary) + (0 if kind == FORWARD else 1)
 
 
 @dataclass(frozen=True)
@@ -78,21 +82,22 @@ class Peer:
 
 
 class StageRunner:
-    """Runs the actions of one stage replica; `step(batch)` runs one training step's actions."""
+    """Runs the actions of one stage replica (`act`), for `RankRunner`."""
 
-    def __init__(self, role: Role, order: Sequence[Action], module_for: Callable[[int], nn.Module],
-                 layouts_in: Sequence[ValueLayout], layouts_out: Sequence[ValueLayout], transport: Transport,
-                 device: torch.device) -> None:
-        self.role, self.order, self.module_for = role, tuple(order), module_for
+    def __init__(self, role: Role, module_for: Callable[[int], nn.Module], layouts_in: Sequence[ValueLayout],
+                 layouts_out: Sequence[ValueLayout], transport: Transport, device: torch.device) -> None:
+        self.role, self.module_for = role, module_for
         self.layouts_in, self.layouts_out = tuple(layouts_in), tuple(layouts_out)
         self.transport, self.device = transport, device
-        self.executed: list[str] = []  # the actions of the last step, as run (tests compare it with the simulator)
-        # the last step's spans, perf_counter clock: (kind, stage, micro-batch, start, end, from rank or -1)
+        # the step's spans, perf_counter clock: (kind, stage, micro-batch, start, end, from rank or -1)
         # for every action (-1) and every message received in it (the rank it came from)
         self.spans: list[tuple[str, int, int, float, float, int]] = []
 
+    def tag(self, boundary: int, microbatch: int, kind: str) -> int:
+        return _tag(len(self.role.ranks), boundary, microbatch, kind)
+
     # --- who shares rows with whom -------------------------------------------------------
-    def _mine(self, j: int) -> tuple[int, int]:
+    def mine(self, j: int) -> tuple[int, int]:
         return self.role.rows.slices[self.role.stage][j][self.role.replica]
 
     def _peers(self, j: int, stage: int) -> list[Peer]:
@@ -135,7 +140,7 @@ class StageRunner:
             idx = self._carried(layouts, sender_whole(peer), grads)
             metas = [(layouts[i].dtype, layouts[i].shape_for(peer.end - peer.first)) for i in idx]
             began = time.perf_counter()
-            got = self._recv(metas, peer.rank, _tag(j, kind))
+            got = self._recv(metas, peer.rank, self.tag(min(stage, self.role.stage), j, kind))
             self.spans.append((kind, stage, j, began, time.perf_counter(), peer.rank))
             for i, value in zip(idx, got, strict=True):
                 parts[i].append(value)
@@ -144,7 +149,7 @@ class StageRunner:
     # --- actions ---------------------------------------------------------------------------
     def _forward(self, j: int, batch: Sequence[torch.Tensor], saved: dict, pending: list) -> None:
         k, p = self.role.stage, self.role.replica
-        lo, hi = self._mine(j)
+        lo, hi = self.mine(j)
         if self.role.first:
             start = self.role.rows.start[j]
             inputs = [v[start + lo:start + hi].to(self.device) for v in batch]
@@ -165,7 +170,7 @@ class StageRunner:
             idx = self._carried(self.layouts_out, whole, False)
             values = [self.layouts_out[i].take(outs[i], peer.first - lo, peer.end - lo) for i in idx]
             self._check(values, idx, peer)
-            self._send(values, peer.rank, _tag(j, FORWARD), pending)
+            self._send(values, peer.rank, self.tag(k, j, FORWARD), pending)
 
     def _check(self, values: list[torch.Tensor], idx: list[int], peer: Peer) -> None:
         for v, i in zip(values, idx, strict=True):
@@ -179,7 +184,7 @@ class StageRunner:
         """B, or I of a split backward (what W then needs is kept in `saved`, under (W, j));
         either sends the inputs' gradients to stage k - 1."""
         k, p = self.role.stage, self.role.replica
-        lo, hi = self._mine(j)
+        lo, hi = self.mine(j)
         inputs, outs = saved.pop(j)
         loss = 0.0
         if self.role.last:
@@ -202,7 +207,7 @@ class StageRunner:
                     x = inputs[i]
                     g = x.grad if x.grad is not None else torch.zeros_like(x)
                     values.append(self.layouts_in[i].take(g, peer.first - lo, peer.end - lo))
-                self._send(values, peer.rank, _tag(j, "B"), pending)
+                self._send(values, peer.rank, self.tag(k - 1, j, "B"), pending)
         return loss
 
     def _output_grads(self, j: int, outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -217,26 +222,46 @@ class StageRunner:
                 grads.append(lay.join(got) if lay.batch_dim is not None else torch.stack(got).sum(0))
         return tensors, grads
 
+    def act(self, action: Action, batch: Sequence[torch.Tensor], saved: dict, pending: list) -> float:
+        """Run one action; returns its share of the batch's mean loss (B or I on the last stage)."""
+        if action.kind == FORWARD:
+            self._forward(action.microbatch, batch, saved, pending)
+        elif action.kind == BACKWARD_WEIGHT:
+            backward_weights(saved.pop((BACKWARD_WEIGHT, action.microbatch)))
+        else:
+            return self._backward(action.microbatch, saved, pending, action.kind)
+        return 0.0
+
+
+class RankRunner:
+    """Runs a worker's actions in its rank's order over the stages it holds; `step(batch)` runs
+    one training step's actions."""
+
+    def __init__(self, runners: Sequence[StageRunner], order: Sequence[Action]) -> None:
+        self.runners = {r.role.stage: r for r in runners}
+        self.order = tuple(order)
+        self.executed: list[str] = []  # the actions of the last step, as run (tests compare it with the simulator)
+        self.spans: list[tuple[str, int, int, float, float, int]] = []  # the last step's (`StageRunner.spans`)
+
     def step(self, batch: Sequence[torch.Tensor] = ()) -> float:
-        """Run the step's actions; returns this replica's share of the batch's mean loss (last
-        stage; 0 elsewhere). `batch`: the whole batch's input values (stage 0 only)."""
-        saved: dict = {}
+        """Run the step's actions; returns this worker's share of the batch's mean loss (the last
+        stage's; 0 elsewhere). `batch`: the whole batch's input values (stage 0 only)."""
+        saved: dict[int, dict] = {k: {} for k in self.runners}
         pending: list = []
         loss = 0.0
-        self.executed, self.spans = [], []
+        self.executed = []
+        for runner in self.runners.values():
+            runner.spans = []
         for action in self.order:
-            lo, hi = self._mine(action.microbatch)
+            runner = self.runners[action.stage]
+            lo, hi = runner.mine(action.microbatch)
             if hi == lo:
                 continue
             self.executed.append(str(action))
             began = time.perf_counter()
-            if action.kind == FORWARD:
-                self._forward(action.microbatch, batch, saved, pending)
-            elif action.kind == BACKWARD_WEIGHT:
-                backward_weights(saved.pop((BACKWARD_WEIGHT, action.microbatch)))
-            else:
-                loss += self._backward(action.microbatch, saved, pending, action.kind)
-            self.spans.append((action.kind, action.stage, action.microbatch, began, time.perf_counter(), -1))
+            loss += runner.act(action, batch, saved[action.stage], pending)
+            runner.spans.append((action.kind, action.stage, action.microbatch, began, time.perf_counter(), -1))
         for handle, _ in pending:
             handle.wait()
+        self.spans = sorted((s for r in self.runners.values() for s in r.spans), key=lambda s: s[3])
         return loss

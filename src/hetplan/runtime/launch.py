@@ -115,7 +115,7 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
         raise HetplanError(f"the plan has {plan.microbatches} micro-batches but the batch only {batch_size} samples: "
                            f"plan with --microbatches {batch_size} or fewer")
     ranks = []
-    for k, stage in enumerate(plan.stages):
+    for k, stage in enumerate(plan.stages[:plan.ranks]):  # interleaved: the worker of stage k holds k + n, ...
         for p, d in enumerate(stage.devices):
             device = cluster.device(d)
             binding = device.binding or "cpu"
@@ -124,7 +124,7 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
                                   threads=threads))
     # torchrun numbers ranks host by host: so do we (`hetplan.sync.rank_numbers`, which the cost
     # model's gradient sums follow too), and a stage's replicas may sit on any hosts (`rank.rank_table`)
-    numbers = rank_numbers([st.devices for st in plan.stages], lambda d: cluster.device(d).host)
+    numbers = rank_numbers([st.devices for st in plan.stages], lambda d: cluster.device(d).host, plan.ranks)
     ranks.sort(key=lambda r: numbers[(r.stage, r.replica)])
     weights = tuple(tuple(float(x) for x in w)
                     for w in (_given_weights(plan, weights) if weights else replica_weights(plan, cluster, graph)))

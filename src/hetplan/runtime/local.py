@@ -28,7 +28,7 @@ def run_threads(spec: RunSpec, timeout_s: float = 120.0) -> list[dict[str, Any]]
         zoo_model, prepared, opt = built[rank]
         try:
             out = train(spec, rank, zoo_model, prepared, opt, hub.transport(rank))
-            out["weights"] = {n: p.detach().cpu().clone() for n, p in prepared.own.named_parameters()}
+            out["weights"] = {n: p.detach().cpu().clone() for n, p in prepared.named_parameters().items()}
             results[rank] = out
         except BaseException as exc:  # noqa: BLE001 - re-raised below, with the rank
             results[rank] = exc

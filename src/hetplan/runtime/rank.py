@@ -12,7 +12,7 @@ no device of the tracing machine survives in it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,17 +29,18 @@ from hetplan.runtime.executor import Role
 from hetplan.runtime.gradients import sparse_parameter_ids
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.stages import StageModule, stage_modules
-from hetplan.schedule import schedule_order
+from hetplan.schedule import rank_orders
 from hetplan.sync import sync_groups
 
 
 def rank_table(spec: RunSpec) -> tuple[tuple[int, ...], ...]:
-    """`table[k][p]`: the rank of replica p of stage k (RUN.json lists ranks stage by stage)."""
-    n = len(spec.plan.stages)
+    """`table[k][p]`: the rank of replica p of stage k (RUN.json lists each worker's first stage;
+    under an interleaved schedule the worker of (k mod n, p) holds stage k too)."""
+    n = spec.plan.ranks
     table: list[dict[int, int]] = [{} for _ in range(n)]
     for rank, me in enumerate(spec.ranks):
         table[me.stage][me.replica] = rank
-    return tuple(tuple(t[p] for p in range(len(t))) for t in table)
+    return tuple(tuple(table[k % n][p] for p in range(len(table[k % n]))) for k in range(len(spec.plan.stages)))
 
 
 def spec_rows(spec: RunSpec, plan: Plan) -> StepRows:
@@ -131,41 +132,56 @@ def gradient_groups(traces: Traces, table: tuple[tuple[int, ...], ...],
                 params[id(prm)] = prm
     out = []
     for group in sync_groups(holders, {(k, p): r for k, ranks in enumerate(table) for p, r in enumerate(ranks)}):
-        ranks = tuple(table[k][p] for k, p in group.members)
+        ranks = tuple(dict.fromkeys(table[k][p] for k, p in group.members))  # a worker's stages share a gradient
         out.append((ranks, sorted((params[pid] for pid in group.params), key=lambda prm: names[id(prm)])))
     return out
 
 
-def slice_sizes(role: Role) -> set[int]:
-    """The numbers of rows a rank runs its stage on (one per distinct slice of a micro-batch)."""
-    rows = role.rows
-    return {rows.rows(role.stage, j, role.replica) for j in range(len(rows.micro))} - {0} or {1}
+def slice_sizes(roles: Sequence[Role]) -> set[int]:
+    """The numbers of rows a worker runs its stages on (one per distinct slice of a micro-batch)."""
+    return {r.rows.rows(r.stage, j, r.replica) for r in roles for j in range(len(r.rows.micro))} - {0} or {1}
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """A rank ready to train: its role, its stage's modules and what it sums with whom."""
+    """A worker ready to train: its roles (one per stage it holds, in stage order: one unless the
+    schedule interleaves), its actions, its stages' modules and what it sums with whom."""
 
-    role: Role
+    roles: tuple[Role, ...]
     order: tuple
     traces: Traces
-    layouts_in: tuple[ValueLayout, ...]
-    layouts_out: tuple[ValueLayout, ...]
+    layouts: tuple[tuple[tuple[ValueLayout, ...], tuple[ValueLayout, ...]], ...]  # per role: (in, out)
     groups: list[tuple[tuple[int, ...], list[nn.Parameter]]]  # all of them, mine or not
     device: torch.device
     sparse: frozenset[int] = frozenset()  # the ids of the tables with sparse gradients (`gradients`)
 
     @property
-    def own(self) -> StageModule:
-        """The stage's module (any trace: they hold the same parameters), for weights and checkpoints."""
-        return self.module_for(max(self.sizes))
+    def role(self) -> Role:
+        """The role of its first stage (its rank's stage in RUN.json)."""
+        return self.roles[0]
+
+    @property
+    def first(self) -> bool:
+        return any(r.first for r in self.roles)
+
+    @property
+    def last(self) -> bool:
+        return any(r.last for r in self.roles)
 
     @property
     def sizes(self) -> set[int]:
-        return slice_sizes(self.role)
+        return slice_sizes(self.roles)
 
-    def module_for(self, rows: int) -> StageModule:
-        return self.traces.stages(rows)[self.role.stage]
+    def module_for(self, rows: int, stage: int) -> StageModule:
+        return self.traces.stages(rows)[stage]
+
+    @property
+    def modules(self) -> list[StageModule]:
+        """Its stages' modules (any trace: they hold the same parameters), for weights and checkpoints."""
+        return [self.module_for(max(self.sizes), r.stage) for r in self.roles]
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        return {name: prm for mod in self.modules for name, prm in mod.named_parameters()}
 
     @property
     def my_groups(self) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
@@ -173,25 +189,27 @@ class Prepared:
         return [(ranks, ps) for ranks, ps in self.groups if me in ranks]
 
     def parameters(self) -> list[nn.Parameter]:
-        return [prm for prm in dict.fromkeys(self.own.parameters()) if prm.requires_grad]
+        return [prm for prm in dict.fromkeys(p for mod in self.modules for p in mod.parameters()) if prm.requires_grad]
 
 
 def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.device,
             on_trace: Callable[[int], None] | None = None) -> Prepared:
     table = rank_table(spec)
     me = spec.ranks[rank]
-    role = Role(me.stage, me.replica, table, spec_rows(spec, plan))
+    rows = spec_rows(spec, plan)
+    roles = tuple(Role(k, me.replica, table, rows) for k in range(me.stage, len(plan.stages), plan.ranks))
     traces = Traces(zoo_model.step, zoo_model.batch, plan, spec.granularity,
                     tuple(spec.block_classes or zoo_model.block_classes or ()) or None, {}, on_trace)
-    for rows in sorted(slice_sizes(role)):
-        traces.stages(rows)
+    for size in sorted(slice_sizes(roles)):
+        traces.stages(size)
     bounds = boundary_layouts(traces) if len(plan.stages) > 1 else []
     names = {id(prm): name for name, prm in zoo_model.step.named_parameters()}
     groups = gradient_groups(traces, table, names)
-    k = role.stage
-    prepared = Prepared(role, schedule_order(plan.schedule, len(plan.stages), plan.microbatches)[k], traces,
-                        bounds[k - 1] if k > 0 else (), bounds[k] if k < len(bounds) else (), groups, device,
-                        sparse_parameter_ids(zoo_model.step))
-    for rows in sorted(prepared.sizes):
-        place(prepared.module_for(rows), device)
+    layouts = tuple((bounds[r.stage - 1] if r.stage > 0 else (), bounds[r.stage] if r.stage < len(bounds) else ())
+                    for r in roles)
+    order = rank_orders(plan.schedule, len(plan.stages), plan.microbatches, plan.ranks)[me.stage]
+    prepared = Prepared(roles, order, traces, layouts, groups, device, sparse_parameter_ids(zoo_model.step))
+    for size in sorted(prepared.sizes):
+        for r in roles:
+            place(prepared.module_for(size, r.stage), device)
     return prepared

@@ -14,8 +14,10 @@ time from the step's start to the end of its all-reduce (or of its last backward
 stage has no all-reduce) that it does not spend computing, i.e. the time its next action waits
 for inputs (transfers and the peers' compute) and its wait for and time in the all-reduce, as a
 blocking receive and all-reduce measure them. Per stage, the mean over replicas; the share is of
-the simulated step. (On a device that holds several stages, the time it computes the others is
-counted as waiting here.)
+the simulated step. (On a device that holds several stages, one worker each, the time it
+computes the others is counted as waiting here.) Under an interleaved schedule a worker holds
+stages k, k + n, ...: its row is its first stage's, with all its stages' work, and the other
+stages' rows are empty.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ class StageTime:
     measured_comm_share: float | None
 
 
-def predicted_replica(timeline: Timeline, stage: int, device: str) -> tuple[float, float]:
-    """(busy_s, comm_s) of `stage`'s replica on `device` in a simulated step (module docstring)."""
-    mine = [s for s in timeline.spans if s.resource == device and s.stage == stage]
+def predicted_replica(timeline: Timeline, stages: Sequence[int], device: str) -> tuple[float, float]:
+    """(busy_s, comm_s) of the worker of `stages` on `device` in a simulated step (module docstring)."""
+    mine = [s for s in timeline.spans if s.resource == device and s.stage in stages]
     compute = sum(s.end_s - s.start_s for s in mine if s.kind in COMPUTE)
     optimizer = sum(s.end_s - s.start_s for s in mine if s.kind == OPTIMIZER)
     ends = [s.end_s for s in mine if s.kind in (*COMPUTE, ALLREDUCE)]
@@ -87,10 +89,12 @@ def replica_times(plan: Plan, result: RunResult | None,
     """A row per stage replica (`devices` holds its one device): measured from `result`,
     predicted from the simulated `timeline` (either may be missing)."""
     measured = measured_replicas(result, plan) if result is not None else {}
+    n = plan.ranks
     rows = []
     for k, stage in enumerate(plan.stages):
+        held = range(k, len(plan.stages), n) if k < n else ()  # the stages of its worker, under its first
         for d in stage.devices:
-            p = predicted_replica(timeline, k, d) if timeline is not None else (None, None)
+            p = predicted_replica(timeline, held, d) if timeline is not None and held else (None, None)
             m = measured.get((k, d), (None, None))
             rows.append(StageTime(
                 stage=k, devices=(d,), predicted_busy_s=p[0], measured_busy_s=m[0],

@@ -30,8 +30,9 @@ def measured_timeline(result: RunResult, spec: RunSpec) -> Timeline:
             link = f"{device_of[src]}->{me}"
             if link not in links:
                 links.append(link)
-            # a message's stage is the sender's (the executor records the peer's stage)
-            spans.append(Span(link, kind, stage, mb, start, end, spec.ranks[rank["rank"]].stage))
+            # a message's stage is the sender's (the executor records the peer's stage); activations
+            # go to the stage after it, gradients to the one before
+            spans.append(Span(link, kind, stage, mb, start, end, stage + 1 if kind == "F" else stage - 1))
     devices = tuple(dict.fromkeys(device_of[k] for k in range(len(spec.ranks))))
     step = max((s.end_s for s in spans), default=0.0)
     return Timeline(tuple(spans), devices, tuple(links), step)

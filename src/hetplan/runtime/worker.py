@@ -1,4 +1,5 @@
-"""A worker: one process per device of the plan, one pipeline stage each.
+"""A worker: one process per device of the plan, one pipeline stage each (several where the
+schedule interleaves: stages k, k + n, ...).
 
 Run by the local launcher (`hetplan run`) or by `torchrun`, which set RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT:
@@ -85,15 +86,18 @@ def build_rank(spec: RunSpec, rank: int, heartbeat=None):
 
 def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbeat=None) -> dict:
     """The rank's steps: each between two barriers, its actions, the gradient sums, the optimizer."""
-    from hetplan.runtime.executor import StageRunner
+    from functools import partial
+
+    from hetplan.runtime.executor import RankRunner, StageRunner
 
     role = prepared.role
-    runner = StageRunner(role, prepared.order, prepared.module_for, prepared.layouts_in, prepared.layouts_out,
-                         transport, prepared.device)
+    runner = RankRunner([StageRunner(r, partial(prepared.module_for, stage=r.stage), lay_in, lay_out, transport,
+                                     prepared.device) for r, (lay_in, lay_out) in zip(prepared.roles, prepared.layouts,
+                                                                                      strict=True)], prepared.order)
     if spec.resume_step:
         from hetplan.runtime.checkpoint import load_stage
 
-        load_stage(Path(spec.checkpoint_dir), role.stage, prepared.own, opt)
+        load_stage(Path(spec.checkpoint_dir), role.stage, _saved_module(prepared), opt)
     times, losses, trace, busy_s, comm_s = [], [], [], [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
@@ -104,8 +108,8 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
             if fault[0] == "hang":
                 time.sleep(10**6)
             os._exit(3)
-        batch = _batches(spec, zoo_model, step) if role.first else {}
-        values = tuple(batch[k] for k in prepared.traces.input_keys) if role.first else ()
+        batch = _batches(spec, zoo_model, step) if prepared.first else {}
+        values = tuple(batch[k] for k in prepared.traces.input_keys) if prepared.first else ()
         transport.barrier()
         t0 = time.perf_counter()
         for prm in params:
@@ -119,7 +123,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         comm_s.append(comm)
         if spec.trace:
             trace = step_trace(runner.spans, tail, role.stage, t0)
-        if role.last:
+        if prepared.last:
             losses.append(loss)
         every = spec.checkpoint_every
         # with a checkpoint folder, the last step is always saved (a resumed run too)
@@ -127,11 +131,19 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         if spec.checkpoint_dir is not None and due and role.replica == 0:  # replicas hold the same weights
             from hetplan.runtime.checkpoint import save_stage
 
-            save_stage(spec.checkpoint_dir, role.stage, prepared.own, opt, step + 1)
+            save_stage(spec.checkpoint_dir, role.stage, _saved_module(prepared), opt, step + 1)
     out = {"times_s": times, "losses": losses, "actions": runner.executed, "busy_s": busy_s, "comm_s": comm_s}
     if spec.trace:
         out["trace"] = trace  # the last step's
     return out
+
+
+def _saved_module(prepared):
+    """What a worker's checkpoint holds, under its first stage's name: its stage, or its stages."""
+    from torch import nn
+
+    mods = prepared.modules
+    return mods[0] if len(mods) == 1 else nn.ModuleList(mods)
 
 
 def _reduce_and_update(prepared, opt, transport) -> tuple[float, float, float]:
@@ -202,7 +214,7 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     mine.update(rank=rank, stage=me.stage, replica=me.replica, device=me.device, peak_mem_bytes=peak)
     gathered = transport.gather_objects(mine, world)
     if spec.return_weights:
-        torch.save({name: p.detach().cpu() for name, p in prepared.own.named_parameters()},
+        torch.save({name: p.detach().cpu() for name, p in prepared.named_parameters().items()},
                    out_dir / f"weights.{rank}.pt")
     if rank == 0:
         _write(out_dir / "result.json", {"ranks": gathered})

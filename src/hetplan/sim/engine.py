@@ -11,9 +11,11 @@ tensors, as hetplan's runtime does (`hetplan.sim.interfaces`).
 The work of each stage replica is the schedule's action order (`hetplan.schedule`), run in
 that order as hetplan's runtime runs it (`hetplan.runtime.executor`): an action starts when the
 one before it on the same stage is done and its inputs (activations for a forward pass,
-gradients for a backward pass) have arrived. A device that holds several stages (plans with
-`shared_devices`) runs, of the actions at the heads of its stages' orders, the one whose inputs
-arrived first (ties: the lower stage). After its last backward pass, each replica takes part
+gradients for a backward pass) have arrived. Under an interleaved schedule a device runs its
+rank's one list of actions over all its stages (`hetplan.schedule.rank_orders`), as the runtime's
+worker does. A device that holds several stages otherwise (plans with `shared_devices`: a worker
+per stage) runs, of the actions at the heads of its stages' orders, the one whose inputs arrived
+first (ties: the lower stage). After its last backward pass, each replica takes part
 in its gradient sums (`hetplan.cost.syncs`: a replicated stage's own parameters, and a tied
 parameter over all the stages that use it; each an all-reduce by the ring formula or the curve
 measured on a calibrated cluster; of a table with sparse gradients only its looked-up rows), in
@@ -37,7 +39,16 @@ from dataclasses import dataclass
 from hetplan.cluster import Cluster
 from hetplan.cost.table import StepCosts
 from hetplan.errors import HetplanError
-from hetplan.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FREES, get_schedule, schedule_order
+from hetplan.schedule import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FREES,
+    get_schedule,
+    rank_orders,
+    schedule_order,
+)
 from hetplan.sim.interfaces import Interfaces
 from hetplan.timeline import ALLREDUCE, OPTIMIZER, Span, Timeline
 
@@ -83,7 +94,7 @@ class _Tasks:
 
     def __init__(self, model: StepCosts) -> None:
         m = model.microbatches
-        orders = schedule_order(model.schedule, len(model.stages), m)
+        orders = schedule_order(model.schedule, len(model.stages), m, model.ranks)
         self.devices: list[str] = list(dict.fromkeys(rep.device for st in model.stages for rep in st.replicas))
         self.dev_index = {d: k for k, d in enumerate(self.devices)}
         self.programs: list[list[list[int]]] = [[] for _ in self.devices]
@@ -100,6 +111,8 @@ class _Tasks:
         self.grad_kind = BACKWARD_INPUT if get_schedule(model.schedule).split_backward else BACKWARD
         for st in model.stages:
             self._add_stage(st, orders[st.index], m)
+        if get_schedule(model.schedule).interleaved:
+            self._one_list_per_device(model)
         self.count = len(self.dev)
         self.wait = [0] * self.count  # inputs not yet arrived
         self.ready = [0.0] * self.count  # when the last input arrived
@@ -131,6 +144,14 @@ class _Tasks:
             self.programs[dev].append(list(range(base, base + size)))
             lasts.append(base + size - 1)
         self.last.append((st.index, lasts))
+
+    def _one_list_per_device(self, model: StepCosts) -> None:
+        """Each device's stages in one program: its rank's actions, in the rank's order."""
+        per_rank = rank_orders(model.schedule, len(model.stages), model.microbatches, model.ranks)
+        for dev, device in enumerate(self.devices):
+            stage = next(st.index for st in model.stages if any(rep.device == device for rep in st.replicas))
+            self.programs[dev] = [[self.task(a.stage, device, a.kind, a.microbatch)
+                                   for a in per_rank[stage % model.ranks]]]
 
     def task(self, stage: int, device: str, kind: str, microbatch: int) -> int:
         return self.base[(stage, device)] + self.position[stage][kind][microbatch]
@@ -167,15 +188,15 @@ class _Transfers:
         """Per interface, the groups of transfers it carries one group after the other when that
         order is fixed (the receiving side of a device holding one stage replica: the inputs of
         each of its actions, in the order of its actions), else None (served as issued)."""
-        single = [len(progs) == 1 for progs in tasks.programs]
+        place = {t: k for progs in tasks.programs if len(progs) == 1 for k, t in enumerate(progs[0])}
         by_port: dict[int, dict[int, list[int]]] = {}
         for x, lk in enumerate(self.link):
             task = self.dst[x]
-            if single[tasks.dev[task]]:  # the receiving side is second on a path (`Cluster.interfaces`)
+            if task in place:  # the receiving side is second on a path (`Cluster.interfaces`)
                 by_port.setdefault(self.ports[lk][1], {}).setdefault(task, []).append(x)
         out: list[list[list[int]] | None] = [None] * len(self.port_index)
         for p, groups in by_port.items():
-            out[p] = [groups[t] for t in sorted(groups)]
+            out[p] = [groups[t] for t in sorted(groups, key=place.__getitem__)]
         return out
 
     def link_id(self, src: str, dst: str) -> int:
@@ -347,25 +368,32 @@ class _EventLoop:
 
 
 def _tail(model: StepCosts, tasks: _Tasks, c_end: list[float], now: float, record: bool) -> tuple[float, list[Span]]:
-    """After its last action, each replica's gradient sums (`StepCosts.syncs`, in the ranks'
-    order: each starts when all its members are there), then its optimizer step. Returns the
-    step's end and, when recording, their spans."""
-    ready = {(s, p): c_end[t] for s, lasts in tasks.last for p, t in enumerate(lasts)}
+    """After its last action, each worker's gradient sums (`StepCosts.syncs`, in the ranks'
+    order: each starts when all its workers are there), then its optimizer steps. A worker is a
+    stage replica, or under an interleaved schedule replica p of all the stages k, k + n, ... it
+    holds, which sums and steps one after the other. Returns the step's end and, when recording,
+    their spans."""
+    n = model.ranks
+    ready: dict[tuple[int, int], float] = {}
+    for s, lasts in tasks.last:
+        for p, t in enumerate(lasts):
+            ready[(s % n, p)] = max(ready.get((s % n, p), 0.0), c_end[t])
     step = now
     spans: list[Span] = []
     for sync in model.syncs:
-        begin = max(ready[m] for m in sync.members)
+        workers = dict.fromkeys(((k % n, p), d) for (k, p), d in zip(sync.members, sync.devices, strict=True))
+        begin = max(ready[w] for w, _ in workers)
         end = begin + sync.seconds
-        for m in sync.members:
-            ready[m] = end
+        for w, _ in workers:
+            ready[w] = end
         step = max(step, end)
         if record and sync.seconds > 0:
-            spans += [Span(d, ALLREDUCE, k, -1, begin, end)
-                      for (k, _), d in zip(sync.members, sync.devices, strict=True)]
+            spans += [Span(d, ALLREDUCE, w[0], -1, begin, end) for w, d in workers]
     for st in model.stages:
         for p, rep in enumerate(st.replicas):
             if rep.optimizer_s > 0:
-                start = ready[(st.index, p)]
+                start = ready[(st.index % n, p)]
+                ready[(st.index % n, p)] = start + rep.optimizer_s
                 step = max(step, start + rep.optimizer_s)
                 if record:
                     spans.append(Span(rep.device, OPTIMIZER, st.index, -1, start, start + rep.optimizer_s))

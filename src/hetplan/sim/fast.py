@@ -60,6 +60,9 @@ class ChainProgram:
 
     def __post_init__(self) -> None:
         n, m = self.stages, len(self.fractions)
+        if get_schedule(self.schedule).interleaved:
+            raise HetplanError(f"the fast path scores chains of one stage per device, not {self.schedule} plans; "
+                               "simulate them with hetplan.sim.simulate")
         object.__setattr__(self, "kinds", (FORWARD, *get_schedule(self.schedule).backward_kinds))
         orders = schedule_order(self.schedule, n, m)
         deps, sides = self._dependencies(orders)
