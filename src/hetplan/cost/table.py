@@ -190,10 +190,11 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
     syncs = plan_syncs(cm, plan)
     split = get_schedule(plan.schedule).split_backward
     own = {s.members[0][0]: s.seconds for s in syncs if len({k for k, _ in s.members}) == 1}
+    ranks = plan.ranks
     stages = []
     for k, stage in enumerate(plan.stages):
         acts = sum(by_id[n].act_bytes for n in stage.nodes)
-        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, plan.devices, split, k < plan.ranks)
+        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, plan.devices, split, k < ranks)
                          for p in range(len(stage.devices)))
         stages.append(StageWork(k, replicas, graph.param_bytes_of(stage.nodes), own.get(k, 0.0)))
     messages = []
@@ -206,4 +207,4 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
                 if any(x is not None for x in per_mb):
                     messages.append(Message(a, b, src, dst, per_mb, *secs))
     return StepCosts(tuple(stages), tuple(messages), microbatch_fractions(graph.batch_size, plan.microbatches),
-                     plan.schedule, routing, graph.batch_size, plan.ranks, syncs)
+                     plan.schedule, routing, graph.batch_size, ranks, syncs)

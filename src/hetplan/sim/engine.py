@@ -111,7 +111,8 @@ class _Tasks:
         self.grad_kind = BACKWARD_INPUT if get_schedule(model.schedule).split_backward else BACKWARD
         for st in model.stages:
             self._add_stage(st, orders[st.index], m)
-        if get_schedule(model.schedule).interleaved:
+        self.interleaved = get_schedule(model.schedule).interleaved
+        if self.interleaved:
             self._one_list_per_device(model)
         self.count = len(self.dev)
         self.wait = [0] * self.count  # inputs not yet arrived
@@ -187,16 +188,20 @@ class _Transfers:
     def turns(self, tasks: _Tasks) -> list[list[list[int]] | None]:
         """Per interface, the groups of transfers it carries one group after the other when that
         order is fixed (the receiving side of a device holding one stage replica: the inputs of
-        each of its actions, in the order of its actions), else None (served as issued)."""
-        place = {t: k for progs in tasks.programs if len(progs) == 1 for k, t in enumerate(progs[0])}
+        each of its actions, in the order of its actions), else None (served as issued). A stage's
+        tasks are numbered in its order, so only a device's list over several stages (interleaved)
+        needs its places looked up."""
+        single = [len(progs) == 1 for progs in tasks.programs]
         by_port: dict[int, dict[int, list[int]]] = {}
         for x, lk in enumerate(self.link):
             task = self.dst[x]
-            if task in place:  # the receiving side is second on a path (`Cluster.interfaces`)
+            if single[tasks.dev[task]]:  # the receiving side is second on a path (`Cluster.interfaces`)
                 by_port.setdefault(self.ports[lk][1], {}).setdefault(task, []).append(x)
+        place = ({t: k for progs in tasks.programs if len(progs) == 1 for k, t in enumerate(progs[0])}
+                 if tasks.interleaved else None)
         out: list[list[list[int]] | None] = [None] * len(self.port_index)
         for p, groups in by_port.items():
-            out[p] = [groups[t] for t in sorted(groups, key=place.__getitem__)]
+            out[p] = [groups[t] for t in sorted(groups, key=place.__getitem__ if place else None)]
         return out
 
     def link_id(self, src: str, dst: str) -> int:
