@@ -45,6 +45,7 @@ from hetplan.planners import PlanOptions, make_plan
 from hetplan.planners.rl.heterps import all_one_type
 from hetplan.profile import profile_step
 from hetplan.runtime.launch import launch, run_spec
+from hetplan.runtime.settings import RunSettings
 from hetplan.sim import simulate
 from hetplan.zoo import load_model
 
@@ -124,8 +125,8 @@ def measure(plan, cluster, steps: int, tmp: Path, k: int) -> list[float]:
     """The median step of two runs of the plan (this machine's speed drifts between runs)."""
     out = []
     for run in range(2):
-        spec = run_spec(plan, cluster, "ctr-dnn", batch_size=BATCH, seq_len=None, granularity="block",
-                        steps=steps, warmup=3, out_dir=tmp / f"run-{k}-{run}")
+        spec = run_spec(plan, cluster, "ctr-dnn", RunSettings(batch_size=BATCH, seq_len=None, granularity="block",
+                        steps=steps, warmup=3, out_dir=tmp / f"run-{k}-{run}"))
         out.append(launch(spec).measured_step_s)
     return out
 

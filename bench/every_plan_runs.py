@@ -36,6 +36,7 @@ from hetplan.planners import PlanOptions, make_plan  # noqa: E402
 from hetplan.profile import profile_step  # noqa: E402
 from hetplan.runtime.launch import launch, run_spec  # noqa: E402
 from hetplan.runtime.local import run_threads  # noqa: E402
+from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.spec import RunSpec  # noqa: E402
 from hetplan.runtime.stages import stage_modules  # noqa: E402
 from hetplan.runtime.worker import _batches  # noqa: E402
@@ -79,7 +80,7 @@ def options(planner: str, i: int, schedule: str) -> PlanOptions:
 def reference(name: str, spec: RunSpec) -> dict[str, torch.Tensor]:
     """Single-process SGD on the same batches; parameters by id."""
     batch, seq = MODELS[name]
-    zm = load_model(name, batch_size=batch, seq_len=seq, seed=spec.seed)
+    zm = load_model(name, batch_size=batch, seq_len=seq, seed=spec.settings.seed)
     for mod in zm.step.modules():
         if isinstance(mod, nn.Dropout):
             mod.p = 0.0
@@ -93,9 +94,9 @@ def reference(name: str, spec: RunSpec) -> dict[str, torch.Tensor]:
 
 def check_run(name: str, plan, cluster, graph, out: Path, threads: bool) -> dict:
     batch, seq = MODELS[name]
-    spec = run_spec(plan, cluster, name, batch_size=batch, seq_len=seq, granularity="layer", steps=STEPS, warmup=0,
-                    optimizer="sgd", lr=LR, out_dir=out, no_dropout=True, return_weights=True, graph=graph,
-                    timeout_s=120)
+    spec = run_spec(plan, cluster, name, RunSettings(batch_size=batch, seq_len=seq, granularity="layer", steps=STEPS,
+                    warmup=0, optimizer="sgd", lr=LR, out_dir=out, no_dropout=True, return_weights=True,
+                    timeout_s=120), graph=graph)
     t0 = time.perf_counter()
     if threads:
         weights = [r["weights"] for r in run_threads(spec)]

@@ -25,6 +25,7 @@ from hetplan.io.clusters import load_cluster
 from hetplan.plan import Plan, Stage
 from hetplan.planners import make_plan
 from hetplan.runtime.launch import launch, run_spec
+from hetplan.runtime.settings import RunSettings
 
 HERE = Path(__file__).resolve().parent
 MODELS = [("mlp", 64, None), ("gpt2-tiny", 8, 64), ("inception-tiny", 16, None), ("bench_models:encoder", 16, 32)]
@@ -48,8 +49,8 @@ def _run(plan, cluster, model, batch, seq, steps, out_dir, setting) -> float:
     before = os.environ.get("HETPLAN_HOST_MEMORY")
     os.environ["HETPLAN_HOST_MEMORY"] = setting
     try:
-        spec = run_spec(plan, cluster, model, batch_size=batch, seq_len=seq, granularity="layer", steps=steps,
-                        warmup=3, out_dir=out_dir)
+        spec = run_spec(plan, cluster, model, RunSettings(batch_size=batch, seq_len=seq, granularity="layer",
+                        steps=steps, warmup=3, out_dir=out_dir))
         return launch(spec).measured_step_s
     finally:
         if before is None:

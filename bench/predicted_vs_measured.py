@@ -42,6 +42,7 @@ from hetplan.planners import PlanOptions, make_plan
 from hetplan.profile import profile_step
 from hetplan.runtime.calibrate import calibrate_cluster
 from hetplan.runtime.launch import launch, run_spec
+from hetplan.runtime.settings import RunSettings
 from hetplan.sim import simulate
 from hetplan.zoo import load_model
 
@@ -112,8 +113,9 @@ def run_round(entry, clusters, args, tmp, rounds):
         graph, clusters[0])
     runs = []
     for label, plan in plans:
-        spec = run_spec(plan, clusters[0], model, batch_size=batch, seq_len=seq, granularity=granularity,
-                        steps=args.steps, warmup=3, out_dir=Path(tmp) / f"run-{model}-{len(rounds[model])}-{len(runs)}")
+        spec = run_spec(plan, clusters[0], model, RunSettings(batch_size=batch, seq_len=seq, granularity=granularity,
+                        steps=args.steps, warmup=3,
+                        out_dir=Path(tmp) / f"run-{model}-{len(rounds[model])}-{len(runs)}"))
         measured = launch(spec).measured_step_s
         runs.append((label, plan, measured, predict(graph, clusters, plan)))
         print(f"{model:>22} {label:<20} round {len(rounds[model]) + 1}: measured {measured * 1e3:7.1f} ms | "

@@ -36,6 +36,7 @@ from hetplan.planners import PlanOptions, make_plan
 from hetplan.planners.interleave import interleaved
 from hetplan.runtime.calibrate import calibrate_cluster
 from hetplan.runtime.launch import launch, run_spec
+from hetplan.runtime.settings import RunSettings
 from hetplan.schedule import get_schedule
 from hetplan.sim import simulate
 
@@ -62,9 +63,9 @@ def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
                 plan = replace(base, microbatches=m, schedule=schedule)
                 if get_schedule(schedule).interleaved:
                     plan = interleaved(CostModel(graphs[0], cluster), base, schedule, 2, m)
-                spec = run_spec(plan, cluster, model, batch_size=batch, seq_len=seq, granularity=granularity,
-                                block_classes=tuple(blocks or ()), steps=args.steps, warmup=3,
-                                out_dir=Path(tmp) / f"{model.replace(':', '-')}-{r}-{m}-{schedule}")
+                spec = run_spec(plan, cluster, model, RunSettings(batch_size=batch, seq_len=seq,
+                                granularity=granularity, block_classes=tuple(blocks or ()), steps=args.steps,
+                                warmup=3, out_dir=Path(tmp) / f"{model.replace(':', '-')}-{r}-{m}-{schedule}"))
                 result = launch(spec)
                 measured.setdefault((m, schedule), []).append((result.measured_step_s, measured_bubble(result), plan))
                 print(f"{model:>22} m={m} {schedule:<12} round {r + 1}: {result.measured_step_s * 1e3:7.1f} ms, "

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hetplan.io import serde
+from hetplan.runtime.settings import RunSettings
 
 
 def test_help_explains_the_workflow(cli):
@@ -683,7 +684,7 @@ def test_a_run_folder_made_for_torchrun_holds_nothing_of_an_earlier_run(tmp_path
     for name in ("graph.json", "summary.json", "gantt.png"):
         (tmp_path / name).write_text("an earlier run's")
     cluster = load_cluster("local")
-    spec = run_spec(Plan((Stage(("input",), ("cpu0",)),), 1, "1f1b", "test"), cluster, "mlp", batch_size=4,
-                    seq_len=None, granularity="layer", out_dir=tmp_path)
+    spec = run_spec(Plan((Stage(("input",), ("cpu0",)),), 1, "1f1b", "test"), cluster, "mlp",
+                    RunSettings(batch_size=4, seq_len=None, granularity="layer", out_dir=tmp_path))
     write_for_elsewhere(spec, None, cluster)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.json", "run.json"]

@@ -16,6 +16,7 @@ from hetplan.rows import step_rows
 from hetplan.runtime.launch import run_spec
 from hetplan.runtime.local import run_threads
 from hetplan.runtime.rank import Traces, boundary_layouts
+from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
 from hetplan.schedule import ONE_STAGE_PER_RANK, rank_orders, schedule_order
@@ -82,9 +83,9 @@ def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=Non
     split = split_step(zm.step, zm.batch, granularity, zm.block_classes)
     names = [p.name for p in split.pieces]
     plan = chain_plan(names, replicas, m, schedule, cuts=names_of(names) if names_of else cuts)
-    spec = run_spec(plan, cpus(sum(replicas), bindings), ref, batch_size=batch, seq_len=seq, granularity=granularity,
-                    block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0, optimizer=optimizer, lr=lr,
-                    out_dir="unused", no_dropout=True, weights=weights)
+    spec = run_spec(plan, cpus(sum(replicas), bindings), ref, RunSettings(batch_size=batch, seq_len=seq,
+                    granularity=granularity, block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0,
+                    optimizer=optimizer, lr=lr, out_dir="unused", no_dropout=True), weights=weights)
     results = run_threads(spec)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     zm.step.to(ref_device)  # in place: the stage modules below share these parameters
@@ -174,14 +175,14 @@ def test_replicas_of_two_types_take_the_weights_given_or_need_a_graph():
     gives them (tests/test_gpu.py runs such a plan on a GPU)."""
     plan = chain_plan(["a", "b"], [1, 2], 2, "gpipe")
     cluster = cpus(3, ["cpu", "cuda:0", "cpu"])
-    kwargs = {"batch_size": 10, "seq_len": 16, "granularity": "layer", "out_dir": "unused"}
+    settings = RunSettings(batch_size=10, seq_len=16, granularity="layer", out_dir="unused")
     with pytest.raises(HetplanError, match="replicas of different types"):
-        run_spec(plan, cluster, "gpt2-tiny", **kwargs)
-    spec = run_spec(plan, cluster, "gpt2-tiny", weights=[[1], [4, 1]], **kwargs)
+        run_spec(plan, cluster, "gpt2-tiny", settings)
+    spec = run_spec(plan, cluster, "gpt2-tiny", settings, weights=[[1], [4, 1]])
     assert spec.replica_weights == ((1.0,), (4.0, 1.0))
     for wrong in ([[1], [4]], [[1], [4, 0]]):
         with pytest.raises(HetplanError, match="one weight > 0 per replica"):
-            run_spec(plan, cluster, "gpt2-tiny", weights=wrong, **kwargs)
+            run_spec(plan, cluster, "gpt2-tiny", settings, weights=wrong)
 
 
 def test_a_replica_with_no_row_of_a_microbatch_skips_it():
@@ -221,8 +222,8 @@ def test_two_stages_on_one_device_run_as_two_workers():
     a, b = len(names) // 3, 2 * len(names) // 3
     plan = Plan((Stage(tuple(names[:a]), ("c0",)), Stage(tuple(names[a:b]), ("c1",)), Stage(tuple(names[b:]), ("c0",))),
                 2, "1f1b", "test", shared_devices=True)
-    spec = run_spec(plan, cpus(2), "gpt2-tiny", batch_size=4, seq_len=16, granularity="layer", steps=1, warmup=0,
-                    optimizer="sgd", lr=0.1, out_dir="unused", no_dropout=True)
+    spec = run_spec(plan, cpus(2), "gpt2-tiny", RunSettings(batch_size=4, seq_len=16, granularity="layer", steps=1,
+                    warmup=0, optimizer="sgd", lr=0.1, out_dir="unused", no_dropout=True))
     assert [(r.stage, r.device) for r in spec.ranks] == [(0, "c0"), (1, "c1"), (2, "c0")]
     results = run_threads(spec)
     ref_loss = reference_step(zm, _batches(spec, zm, 0), 2, 0.1)
@@ -249,7 +250,7 @@ def test_zero_bubble_splits_the_backward_and_equals_single_process(name, replica
     result = pipelined_vs_single(name, replicas, m, "zero-bubble", batch=6 if m == 6 else 8, weights=weights)
     check(*result)
     _, _, _, _, plan, spec, results = result
-    rows = step_rows(spec.batch_size, m, spec.replica_weights)
+    rows = step_rows(spec.settings.batch_size, m, spec.replica_weights)
     orders = schedule_order("zero-bubble", len(replicas), m)
     for rank, res in enumerate(results):
         k, p = spec.ranks[rank].stage, spec.ranks[rank].replica
@@ -290,9 +291,9 @@ def test_interleaved_1f1b_holds_several_stages_per_worker_and_equals_single_proc
     zm = no_dropout(load_model(name, batch_size=batch, seq_len=16, seed=0))
     split = split_step(zm.step, zm.batch, "layer", zm.block_classes)
     plan = interleaved_plan([p.name for p in split.pieces], groups, per_rank, m)
-    spec = run_spec(plan, cpus(sum(groups)), name, batch_size=batch, seq_len=16, granularity="layer",
+    spec = run_spec(plan, cpus(sum(groups)), name, RunSettings(batch_size=batch, seq_len=16, granularity="layer",
                     block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0, optimizer="sgd", lr=lr,
-                    out_dir="unused", no_dropout=True, weights=weights)
+                    out_dir="unused", no_dropout=True), weights=weights)
     assert spec.world == sum(groups)
     results = run_threads(spec)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
@@ -309,7 +310,7 @@ def test_interleaved_1f1b_holds_several_stages_per_worker_and_equals_single_proc
                 moved = max(moved, (p.detach() - before[id(p)]).abs().max().item())
     loss = sum(res["losses"][0] for rank, res in enumerate(results) if spec.ranks[rank].stage == len(groups) - 1)
     check(worst, moved, loss, ref_loss)
-    rows = step_rows(spec.batch_size, m, spec.replica_weights)
+    rows = step_rows(spec.settings.batch_size, m, spec.replica_weights)
     orders = rank_orders("interleaved-1f1b", len(plan.stages), m, len(groups))
     for rank, res in enumerate(results):
         me = spec.ranks[rank]

@@ -205,6 +205,7 @@ def kept_run(folder: Path, losses: tuple[float, ...], traced: bool):
     from hetplan.plan import Estimate, Plan, Stage
     from hetplan.runtime.launch import RunResult
     from hetplan.runtime.run import RunReport, keep
+    from hetplan.runtime.settings import RunSettings
     from hetplan.runtime.spec import RunSpec
 
     plan = Plan((Stage(("a",), ("cpu0",)), Stage(("b",), ("cpu1",))), 2, "1f1b", "hand",
@@ -219,7 +220,7 @@ def kept_run(folder: Path, losses: tuple[float, ...], traced: bool):
     report = RunReport(plan, "mlp", result, measured, None, 0, ("trace",) if traced else (),
                        replicas=replica_times(plan, result))
     folder.mkdir(parents=True, exist_ok=True)
-    spec = RunSpec(plan, "mlp", 8, None, "layer", folder, ((1.0,), (1.0,)), ())
+    spec = RunSpec(plan, "mlp", RunSettings(batch_size=8, granularity="layer", out_dir=folder), ((1.0,), (1.0,)), ())
     (folder / "run.json").write_text(spec.to_json())
     keep(report, folder, None, load_cluster("local"), "p.json")
     return report

@@ -17,6 +17,7 @@ from hetplan.plan import Plan, Stage
 from hetplan.rows import microbatch_rows, split_rows, step_rows
 from hetplan.runtime.launch import run_spec
 from hetplan.runtime.rank import spec_rows
+from hetplan.runtime.settings import RunSettings
 
 
 def test_exact_splits():
@@ -70,8 +71,8 @@ def test_the_runtime_splits_every_microbatch_as_the_simulator_charges_it(threads
         stages.append(Stage((f"n{k}",), tuple(ids)))
     cluster = cluster_from_spec({"name": "r", "devices": devices}, "r")
     plan = Plan(tuple(stages), m, schedule, "test")
-    spec = run_spec(plan, cluster, "gpt2-tiny", batch_size=batch, seq_len=8, granularity="layer", out_dir="x",
-                    graph=graph)
+    spec = run_spec(plan, cluster, "gpt2-tiny", RunSettings(batch_size=batch, seq_len=8, granularity="layer",
+                    out_dir="x"), graph=graph)
     cm = CostModel(graph, cluster)
     rows = spec_rows(spec, plan)
     assert rows == cm.plan_rows(plan)

@@ -9,11 +9,13 @@ from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec
 from hetplan.plan import Estimate, Plan, Stage
 from hetplan.runtime.launch import run_spec, torchrun_commands, write_spec
+from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.spec import RankSpec, RunSpec
 
-RUN_JSON_KEYS = ["plan", "model", "batch_size", "seq_len", "granularity", "block_classes", "steps", "warmup", "seed",
-                 "optimizer", "lr", "data", "out_dir", "timeout_s", "no_dropout", "return_weights", "checkpoint_dir",
-                 "checkpoint_every", "resume_step", "trace", "replica_weights", "ranks"]
+RUN_JSON_KEYS = ["plan", "model", "settings", "replica_weights", "ranks"]
+SETTINGS_KEYS = ["steps", "warmup", "batch_size", "seq_len", "granularity", "block_classes", "seed", "optimizer", "lr",
+                 "data", "out_dir", "timeout_s", "checkpoint_dir", "checkpoint_every", "resume", "no_dropout", "trace",
+                 "return_weights", "resume_step"]
 
 
 def graph(n=6, batch=12):
@@ -37,10 +39,11 @@ def realistic(tmp_path: Path) -> RunSpec:
     plan = Plan((Stage(("n0", "n1"), ("c0", "c1")), Stage(("n2", "n3"), ("c2",)), Stage(("n4", "n5"), ("g0",))),
                 4, "1f1b", "dp", graph="g", cluster="mixed", predicted=predicted,
                 meta={"seed": 3, "planning_s": 0.25, "search": {"iters": [1, 2, 3]}})
-    return run_spec(plan, cluster, "gpt2-tiny", batch_size=12, seq_len=16, granularity="block",
+    return run_spec(plan, cluster, "gpt2-tiny", RunSettings(batch_size=12, seq_len=16, granularity="block",
                     block_classes=("GPT2Block",), steps=20, warmup=3, seed=7, optimizer="sgd", lr=3e-3, data="text",
                     out_dir=tmp_path / "run", timeout_s=45.5, no_dropout=True, return_weights=True,
-                    checkpoint_dir=tmp_path / "ckpt", checkpoint_every=5, resume_step=10, graph=graph(), trace=True)
+                    checkpoint_dir=tmp_path / "ckpt", checkpoint_every=5, trace=True, resume=True, resume_step=10),
+                    graph=graph())
 
 
 def test_a_realistic_spec_round_trips_through_json(tmp_path):
@@ -56,27 +59,32 @@ def test_a_realistic_spec_round_trips_through_json(tmp_path):
     assert path == tmp_path / "run" / "run.json"
     assert RunSpec.from_json(path.read_text()) == spec
     data = json.loads(path.read_text())
-    assert list(data) == RUN_JSON_KEYS
-    assert data["out_dir"] == str(tmp_path / "run") and data["checkpoint_dir"] == str(tmp_path / "ckpt")
+    assert list(data) == RUN_JSON_KEYS and list(data["settings"]) == SETTINGS_KEYS
+    assert data["settings"]["out_dir"] == str(tmp_path / "run")
+    assert data["settings"]["checkpoint_dir"] == str(tmp_path / "ckpt")
     assert data["ranks"][3] == {"stage": 2, "replica": 0, "device": "g0", "host": "m1", "binding": "cuda:0",
                                 "threads": 1}
     assert len(torchrun_commands(path, spec)) == 2  # one per host
 
 
 def test_defaults_round_trip_and_optional_settings_may_be_left_out(tmp_path):
-    spec = replace(realistic(tmp_path), seq_len=None, checkpoint_dir=None, block_classes=(), resume_step=0)
+    spec = realistic(tmp_path)
+    spec = replace(spec, settings=replace(spec.settings, seq_len=None, checkpoint_dir=None, block_classes=(),
+                                          resume_step=0))
     assert RunSpec.from_json(spec.to_json()) == spec
     data = spec.to_dict()
     for key in ("block_classes", "no_dropout", "return_weights", "checkpoint_dir", "checkpoint_every", "resume_step",
                 "data"):
-        del data[key]
+        del data["settings"][key]
     bare = RunSpec.from_dict(data)
-    assert bare == replace(spec, no_dropout=False, return_weights=False, checkpoint_every=0, data="synthetic")
+    assert bare == replace(spec, settings=replace(spec.settings, no_dropout=False, return_weights=False,
+                                                  checkpoint_every=0, data="synthetic"))
 
 
 def test_lists_and_text_paths_become_tuples_and_paths(tmp_path):
-    spec = replace(realistic(tmp_path), replica_weights=[[1.0, 2.0], [1.0], [1.0]], out_dir=str(tmp_path / "x"),
-                   block_classes=["Block"])
-    assert spec.replica_weights == ((1.0, 2.0), (1.0,), (1.0,)) and spec.out_dir == tmp_path / "x"
-    assert spec.block_classes == ("Block",)
+    spec = realistic(tmp_path)
+    spec = replace(spec, replica_weights=[[1.0, 2.0], [1.0], [1.0]],
+                   settings=replace(spec.settings, out_dir=str(tmp_path / "x"), block_classes=["Block"]))
+    assert spec.replica_weights == ((1.0, 2.0), (1.0,), (1.0,)) and spec.settings.out_dir == tmp_path / "x"
+    assert spec.settings.block_classes == ("Block",)
     assert hash(spec) == hash(RunSpec.from_json(spec.to_json()))

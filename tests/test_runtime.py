@@ -16,6 +16,7 @@ from hetplan.plan import Plan, Stage
 from hetplan.rows import step_rows
 from hetplan.runtime.checkpoint import checkpoint_step
 from hetplan.runtime.launch import WorkerFailure, launch, run_spec
+from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
 from hetplan.schedule import schedule_order
@@ -60,8 +61,8 @@ def run_and_compare(tmp_path, name, replicas, threads, m, schedule, batch_size=1
     devices = [{"id": f"c{i}", "type": "cpu", "threads": t, "binding": "cpu", "host": "here"}
                for i, t in enumerate(threads)]
     cluster = cluster_from_spec({"name": "mixed", "devices": devices}, "mixed")
-    spec = run_spec(plan, cluster, name, batch_size=batch_size, seq_len=16, granularity="layer", steps=1, warmup=0,
-                    optimizer="sgd", lr=0.1, out_dir=tmp_path, no_dropout=True, return_weights=True,
+    spec = run_spec(plan, cluster, name, RunSettings(batch_size=batch_size, seq_len=16, granularity="layer", steps=1,
+                    warmup=0, optimizer="sgd", lr=0.1, out_dir=tmp_path, no_dropout=True, return_weights=True),
                     graph=graph_of(split, batch_size))
     result = launch(spec)
     ref_loss = reference_step(zm, _batches(spec, zm, 0), m, 0.1)
@@ -106,8 +107,8 @@ def test_a_dead_worker_stops_every_worker_with_its_name(tmp_path):
     zm = model("gpt2-tiny")
     split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
     plan = three_stage_plan(split, 4, "1f1b")
-    spec = run_spec(plan, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer", steps=2,
-                    out_dir=tmp_path, timeout_s=30)
+    spec = run_spec(plan, THREE_CPUS, "gpt2-tiny", RunSettings(batch_size=8, seq_len=16, granularity="layer", steps=2,
+                    out_dir=tmp_path, timeout_s=30))
     spec = replace(spec, model="no-such-model")  # every worker fails while building its stage
     with pytest.raises(WorkerFailure, match=r"worker \d \(stage \d, device c\d\): HetplanError: unknown model"):
         launch(spec)
@@ -120,8 +121,8 @@ def two_stage(tmp_path, steps, **kw):
     names = [p.name for p in split.pieces]
     half = len(names) // 2
     plan = Plan((Stage(tuple(names[:half]), ("c0",)), Stage(tuple(names[half:]), ("c1",))), 4, "1f1b", "test")
-    return run_spec(plan, THREE_CPUS, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer", steps=steps,
-                    out_dir=tmp_path, **kw)
+    return run_spec(plan, THREE_CPUS, "gpt2-tiny", RunSettings(batch_size=8, seq_len=16, granularity="layer",
+                    steps=steps, out_dir=tmp_path, **kw))
 
 
 @pytest.mark.parametrize("fault", ["hang", "die"])
@@ -181,8 +182,8 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
     split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
     names = [p.name for p in split.pieces]
     plan = Plan((Stage(tuple(names[:20]), ("a",)), Stage(tuple(names[20:]), ("b",))), 4, "gpipe", "test")
-    spec = run_spec(plan, two_hosts, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer", steps=2,
-                    warmup=0, out_dir=tmp_path)
+    spec = run_spec(plan, two_hosts, "gpt2-tiny", RunSettings(batch_size=8, seq_len=16, granularity="layer", steps=2,
+                    warmup=0, out_dir=tmp_path))
     graph = Graph("g", tuple(Node(n, "Op", {"cpu-1t": 1e-3}, {"cpu-1t": 2e-3}) for n in names),
                   tuple(Edge(a, b, 1024) for a, b in zip(names, names[1:], strict=False)), 8, "cpu-1t")
     path = write_for_elsewhere(spec, graph, two_hosts)
@@ -207,10 +208,10 @@ def test_runtime_runs_only_bound_cpu_devices(tmp_path):
     names = tuple(p.name for p in split.pieces)
     with pytest.raises(HetplanError, match="device a0 of cluster 'hetero-4' has no binding, so it can only be"):
         run_spec(Plan((Stage(names, ("a0",)),), 4, "1f1b", "test"), load_cluster("hetero-4"), "gpt2-tiny",
-                 batch_size=8, seq_len=16, granularity="layer", out_dir=tmp_path)
+                 RunSettings(batch_size=8, seq_len=16, granularity="layer", out_dir=tmp_path))
     gpu = cluster_from_spec({"devices": [{"id": "g", "type": "a100-40gb", "binding": "cuda:0"}]}, "gpu")
-    spec = run_spec(Plan((Stage(names, ("g",)),), 4, "1f1b", "test"), gpu, "gpt2-tiny",
-                    batch_size=8, seq_len=16, granularity="layer", out_dir=tmp_path)
+    spec = run_spec(Plan((Stage(names, ("g",)),), 4, "1f1b", "test"), gpu, "gpt2-tiny", RunSettings(batch_size=8,
+                    seq_len=16, granularity="layer", out_dir=tmp_path))
     assert spec.ranks[0].binding == "cuda:0"  # a spec for torchrun on a GPU machine is fine
     if not torch.cuda.is_available():
         with pytest.raises(HetplanError, match="bound to cuda:0, but this machine has no CUDA GPUs: bind it to cpu"):
@@ -242,8 +243,8 @@ def test_torchrun_three_hosts_with_replicas_across_hosts_equals_one_process(tmp_
     split = split_step(zm.step, zm.batch)
     names = [p.name for p in split.pieces]
     plan = Plan((Stage(tuple(names[:20]), ("a", "b")), Stage(tuple(names[20:]), ("c", "d"))), 2, "1f1b", "test")
-    spec = run_spec(plan, cluster, "gpt2-tiny", batch_size=8, seq_len=16, granularity="layer", steps=1, warmup=0,
-                    optimizer="sgd", lr=0.1, out_dir=tmp_path, no_dropout=True, return_weights=True,
+    spec = run_spec(plan, cluster, "gpt2-tiny", RunSettings(batch_size=8, seq_len=16, granularity="layer", steps=1,
+                    warmup=0, optimizer="sgd", lr=0.1, out_dir=tmp_path, no_dropout=True, return_weights=True),
                     graph=graph_of(split, 8))
     assert [r.device for r in spec.ranks] == ["a", "c", "b", "d"]  # m0's two, then m1's, then m2's
     path = write_spec(spec)

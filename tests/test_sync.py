@@ -15,6 +15,7 @@ from hetplan.graph import Tied, at_batch
 from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
 from hetplan.plan import Plan, Stage
+from hetplan.runtime.settings import RunSettings
 from hetplan.sim import simulate
 from hetplan.sync import SyncGroup, rank_numbers, sync_groups
 from hetplan.timeline import ALLREDUCE, OPTIMIZER
@@ -63,8 +64,8 @@ def test_the_launcher_numbers_ranks_as_the_cost_model_does():
     cluster = cluster_from_spec({"devices": [{"id": i, "type": "cpu-1t", "host": h, "binding": "cpu", "threads": 1}
                                              for i, h in (("a", "x"), ("b", "y"), ("c", "x"), ("d", "y"))]}, "c")
     plan = Plan((Stage(("n0",), ("b", "a")), Stage(("n1",), ("c",)), Stage(("n2",), ("d",))), 2, "1f1b", "t")
-    spec = run_spec(plan, cluster, "mlp", batch_size=4, seq_len=None, granularity="layer", out_dir="unused",
-                    weights=[[1.0, 1.0], [1.0], [1.0]])
+    spec = run_spec(plan, cluster, "mlp", RunSettings(batch_size=4, seq_len=None, granularity="layer",
+                    out_dir="unused"), weights=[[1.0, 1.0], [1.0], [1.0]])
     numbers = rank_numbers([s.devices for s in plan.stages], lambda d: cluster.device(d).host)
     assert [(r.stage, r.replica) for r in spec.ranks] == sorted(numbers, key=numbers.__getitem__)
 

@@ -53,7 +53,8 @@ def run_demo(out_dir: Path, steps: int = 12, budget_s: float = 3.0,
     """The flow above on `cluster_ref` (`local`, or its calibrated file: `make demo` calibrates
     first, so that the predictions it shows include this machine's runtime costs)."""
     from hetplan.profile import profile_step
-    from hetplan.runtime.run import RunSettings, run_plan
+    from hetplan.runtime.run import run_plan
+    from hetplan.runtime.settings import RunSettings
     from hetplan.timeline.gantt import draw_gantt
     from hetplan.zoo import load_model
 

@@ -17,6 +17,7 @@ from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, INPUT_TIMES
 from hetplan.plan import OBJECTIVES
 from hetplan.planners import PLANNERS, RL_PLANNERS
 from hetplan.planners.options import SCHEDULE_CHOICES
+from hetplan.runtime.settings import DEFAULTS as RUN
 from hetplan.zoo import zoo_names
 from hetplan.zoo.llm import SHAPES as LLM_SHAPES
 
@@ -198,21 +199,25 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--granularity", choices=GRANULARITIES, help="as profiled (default: the graph's)")
     p.add_argument("--block-class", action="append", metavar="CLASS",
                    help="as profiled (default: the graph's, else the model's own blocks)")
-    p.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
-    p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (default: 2)")
-    p.add_argument("--data", choices=("synthetic", "text"), default="synthetic",
-                   help="synthetic random batches, or text: the Python standard library's sources, byte-level")
-    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    # no defaults here: a flag not given takes RunSettings' (`RunSettings.from_args`)
+    p.add_argument("--steps", type=int, help=f"training steps (default: {RUN.steps})")
+    p.add_argument("--warmup", type=int, help=f"steps left out of the timing (default: {RUN.warmup})")
+    p.add_argument("--data", choices=("synthetic", "text"),
+                   help="synthetic random batches, or text: the Python standard library's sources, byte-level "
+                        f"(default: {RUN.data})")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), help=f"(default: {RUN.optimizer})")
+    p.add_argument("--lr", type=float, help=f"(default: {RUN.lr:g})")
+    p.add_argument("--seed", type=int, help=f"(default: {RUN.seed})")
     p.add_argument("--no-dropout", action="store_true",
                    help="set every dropout layer to p=0, so that the run can equal one process's training")
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR")
     p.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="save every K steps, K >= 1 (with --checkpoint-dir; default: the last step only)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="stop every worker when none moves for this long")
-    p.add_argument("--out", type=Path, default=Path("out/run"), help="the run folder: logs, run.json, result")
+    p.add_argument("--timeout-s", type=float,
+                   help=f"stop every worker when none moves for this long (default: {RUN.timeout_s:g})")
+    p.add_argument("--out", type=Path, default=RUN.out_dir,
+                   help=f"the run folder: logs, run.json, result (default: {RUN.out_dir})")
     p.add_argument("--dry-run", action="store_true",
                    help="write the run folder's run.json and print the torchrun command of each machine")
     p.add_argument("--trace", action="store_true",

@@ -37,7 +37,8 @@ def plan_cluster_ref(plan) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hetplan.runtime.run import RunSettings, faithful_warnings, prepare_run, run_plan
+    from hetplan.runtime.run import faithful_warnings, prepare_run, run_plan
+    from hetplan.runtime.settings import RunSettings
 
     plan = serde.load(args.plan, expect="plan")
     graph = load_graph(args.graph) if args.graph else None
@@ -48,12 +49,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.checkpoint_every is not None and (args.checkpoint_every < 1 or not args.checkpoint_dir):
         raise HetplanError(f"--checkpoint-every {args.checkpoint_every}: K must be >= 1 and needs --checkpoint-dir "
                            "DIR (without --checkpoint-every, the last step is saved there)")
-    settings = RunSettings(
-        steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
-        granularity=args.granularity, block_classes=tuple(args.block_class or ()), seed=args.seed,
-        optimizer=args.optimizer, lr=args.lr, data=args.data,
-        out_dir=args.out, timeout_s=args.timeout_s, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every or 0, resume=args.resume, trace=args.trace, no_dropout=args.no_dropout)
+    settings = RunSettings.from_args(args)
     spec = prepare_run(plan, cluster, args.model, graph, settings, source=str(args.plan))[0]
     args.warnings.extend(faithful_warnings(spec))
     serde.check_output_dir(args.out, "the run folder")  # probes only: a refused run leaves no folder behind
@@ -108,7 +104,7 @@ def _dry_run(args: argparse.Namespace, spec: RunSpec, graph, cluster) -> int:
     for cmd in commands:
         console.print(f"  {cmd}", soft_wrap=True)
     console.print(f"when they end, the first machine's rank 0 prints the step measured against the prediction "
-                  f"and leaves {spec.out_dir} ready for `hetplan report {spec.out_dir}`")
+                  f"and leaves {spec.settings.out_dir} ready for `hetplan report {spec.settings.out_dir}`")
     return 0
 
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from hetplan.cluster import AllreduceCurve, Calibration, Cluster, Device, Link
 from hetplan.errors import HetplanError
+from hetplan.runtime.settings import RunSettings
 
 PROBE, PROBE_BATCH, PROBE_SEQ = "hetplan.runtime.calibrate:probe_model", 32, None
 
@@ -96,8 +97,8 @@ def calibrate_action_overhead(cluster: Cluster, steps: int = 15, microbatches: S
             plan = Plan(tuple(Stage(tuple(order[cuts[k]:cuts[k + 1]]), (workers[k].id,)) for k in range(n)), m,
                         "1f1b", "calibrate")
             say(f"running the probe as {n} stage{'s' if n > 1 else ''} with {m} micro-batches")
-            spec = run_spec(plan, bare, PROBE, batch_size=PROBE_BATCH, seq_len=PROBE_SEQ, granularity="layer",
-                            steps=steps, warmup=3, out_dir=Path(tmp) / f"m{m}", graph=graph)
+            spec = run_spec(plan, bare, PROBE, RunSettings(batch_size=PROBE_BATCH, seq_len=PROBE_SEQ,
+                            granularity="layer", steps=steps, warmup=3, out_dir=Path(tmp) / f"m{m}"), graph=graph)
             measured = launch(spec).measured_step_s
             predicted = simulate(graph, bare, plan, timeline=False).estimate.step_s
             points[m] = {"measured_step_s": measured, "predicted_step_s": predicted, "actions": 2 * (m + n - 1)}

@@ -34,12 +34,11 @@ from hetplan.graph import Graph
 from hetplan.io.serde import atomic_write_text
 from hetplan.machine import core_ids
 from hetplan.plan import Plan
+from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.spec import RankSpec, RunSpec
 from hetplan.runtime.supervise import LAUNCHER_PID, run_folder_lock, stop_on_terminate
 from hetplan.runtime.support import runtime_refusal
 from hetplan.sync import rank_numbers
-
-DEFAULT_TIMEOUT_S = 60.0
 
 
 class WorkerFailure(HetplanError):
@@ -97,23 +96,23 @@ def _given_weights(plan: Plan, weights: Sequence[Sequence[float]]) -> Sequence[S
     return weights
 
 
-def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_len: int | None, granularity: str,
-             block_classes: tuple[str, ...] = (), steps: int = 10, warmup: int = 2, seed: int = 0,
-             optimizer: str = "adam", lr: float = 1e-3, data: str = "synthetic", out_dir: Path,
-             timeout_s: float = DEFAULT_TIMEOUT_S, no_dropout: bool = False, return_weights: bool = False,
-             checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume_step: int = 0,
-             graph: Graph | None = None, trace: bool = False,
+def run_spec(plan: Plan, cluster: Cluster, model: str, settings: RunSettings, *, graph: Graph | None = None,
              weights: Sequence[Sequence[float]] | None = None) -> RunSpec:
-    """The RUN.json of a plan (`RunSpec`): the settings, the replicas' weights and, per rank
-    (stage by stage, replica by replica), its stage, replica and device. What the runtime can run is
-    `hetplan.runtime.support`; the batch is split by `hetplan.rows`. `weights` (per stage, one per
-    replica) replaces the cost model's speeds: for replicas whose speeds the caller knows."""
+    """The RUN.json of a plan (`RunSpec`): the settings (complete: a batch size and a
+    granularity; `hetplan.runtime.run.prepare_run` works them out from a graph), the replicas'
+    weights and the workers, host by host, each with its (first) stage, replica and device. What the
+    runtime can run is `hetplan.runtime.support`; the batch is split by `hetplan.rows`. `weights`
+    (per stage, one per replica) replaces the cost model's speeds: for replicas whose speeds the
+    caller knows."""
     why = runtime_refusal(plan, cluster)
     if why:
         raise HetplanError(why)
-    if plan.microbatches > batch_size:
-        raise HetplanError(f"the plan has {plan.microbatches} micro-batches but the batch only {batch_size} samples: "
-                           f"plan with --microbatches {batch_size} or fewer")
+    if settings.batch_size is None or settings.granularity is None:
+        raise HetplanError("run_spec needs the settings' batch_size and granularity; prepare_run takes them from a "
+                           "graph")
+    if plan.microbatches > settings.batch_size:
+        raise HetplanError(f"the plan has {plan.microbatches} micro-batches but the batch only {settings.batch_size} "
+                           f"samples: plan with --microbatches {settings.batch_size} or fewer")
     ranks = []
     for k, stage in enumerate(plan.stages[:plan.ranks]):  # interleaved: the worker of stage k holds k + n, ...
         for p, d in enumerate(stage.devices):
@@ -128,18 +127,12 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, *, batch_size: int, seq_l
     ranks.sort(key=lambda r: numbers[(r.stage, r.replica)])
     weights = tuple(tuple(float(x) for x in w)
                     for w in (_given_weights(plan, weights) if weights else replica_weights(plan, cluster, graph)))
-    return RunSpec(
-        plan=plan, model=model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
-        block_classes=tuple(block_classes), steps=steps, warmup=warmup, seed=seed, optimizer=optimizer, lr=lr,
-        data=data, out_dir=Path(out_dir), timeout_s=timeout_s, no_dropout=no_dropout, return_weights=return_weights,
-        checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every,
-        resume_step=resume_step, replica_weights=weights, ranks=tuple(ranks), trace=trace,
-    )
+    return RunSpec(plan=plan, model=model, settings=settings, replica_weights=weights, ranks=tuple(ranks))
 
 
 def write_spec(spec: RunSpec) -> Path:
     """Write RUN.json into the run folder (made if missing)."""
-    path = spec.out_dir / "run.json"
+    path = spec.settings.out_dir / "run.json"
     atomic_write_text(path, spec.to_json())
     return path
 
@@ -204,7 +197,7 @@ def pin_cores(threads: list[int]) -> list[list[int]]:
 
 
 def _start_workers(spec: RunSpec, spec_path: Path) -> list[subprocess.Popen]:
-    out_dir = spec.out_dir
+    out_dir = spec.settings.out_dir
     world = spec.world
     port = free_port()
     # one set of cores per device: workers of stages that share a device share its cores
@@ -240,7 +233,7 @@ def _heartbeats(out_dir: Path, world: int) -> list[dict | None]:
 
 def _wait(procs: list[subprocess.Popen], spec: RunSpec, progress) -> None:
     """Until every worker has ended well; a failed or silent worker stops them all."""
-    out_dir, world, timeout = spec.out_dir, len(procs), float(spec.timeout_s)
+    out_dir, world, timeout = spec.settings.out_dir, len(procs), float(spec.settings.timeout_s)
     last_move, last_seen = time.time(), None
     while True:
         codes = [p.poll() for p in procs]
@@ -254,7 +247,7 @@ def _wait(procs: list[subprocess.Popen], spec: RunSpec, progress) -> None:
         if seen != last_seen:
             last_seen, last_move = seen, time.time()
             if progress is not None:
-                progress(min((b or {}).get("step", -1) for b in beats) + 1, spec.steps)
+                progress(min((b or {}).get("step", -1) for b in beats) + 1, spec.settings.steps)
         elif time.time() - last_move > timeout:
             # a hung worker and the ones waiting for it look alike from outside: name all that
             # have not finished, with the step each is in
@@ -269,7 +262,7 @@ def _wait(procs: list[subprocess.Popen], spec: RunSpec, progress) -> None:
 def launch(spec: RunSpec, progress=None) -> RunResult:
     """Start the workers of a RUN.json spec, wait for them, and read the result. The run folder
     is locked while they run; however the wait ends, no worker outlives it."""
-    out_dir = spec.out_dir
+    out_dir = spec.settings.out_dir
     for me in spec.ranks:  # every worker runs here: its GPU must be here
         if me.on_cuda:
             _check_cuda(me.device, me.binding)
@@ -295,6 +288,7 @@ def read_result(out_dir: Path, spec: RunSpec) -> RunResult:
     last = max(r["stage"] for r in ranks)
     with_loss = [r["losses"] for r in ranks if r["stage"] == last]
     losses = tuple(math.fsum(values) for values in zip(*with_loss, strict=True)) if with_loss else ()
-    return RunResult(steps=steps, warmup=min(spec.warmup, max(0, steps - 1)), step_times_s=times, losses=losses,
+    warmup = min(spec.settings.warmup, max(0, steps - 1))
+    return RunResult(steps=steps, warmup=warmup, step_times_s=times, losses=losses,
                      peak_mem_bytes={r["device"]: int(r["peak_mem_bytes"]) for r in ranks}, out_dir=str(out_dir),
                      ranks=tuple(ranks))

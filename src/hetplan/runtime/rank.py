@@ -44,7 +44,7 @@ def rank_table(spec: RunSpec) -> tuple[tuple[int, ...], ...]:
 
 
 def spec_rows(spec: RunSpec, plan: Plan) -> StepRows:
-    return step_rows(spec.batch_size, plan.microbatches, spec.replica_weights)
+    return step_rows(spec.settings.batch_size, plan.microbatches, spec.replica_weights)
 
 
 @dataclass(frozen=True)
@@ -198,8 +198,8 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     me = spec.ranks[rank]
     rows = spec_rows(spec, plan)
     roles = tuple(Role(k, me.replica, table, rows) for k in range(me.stage, len(plan.stages), plan.ranks))
-    traces = Traces(zoo_model.step, zoo_model.batch, plan, spec.granularity,
-                    tuple(spec.block_classes or zoo_model.block_classes or ()) or None, {}, on_trace)
+    traces = Traces(zoo_model.step, zoo_model.batch, plan, spec.settings.granularity,
+                    tuple(spec.settings.block_classes or zoo_model.block_classes or ()) or None, {}, on_trace)
     for size in sorted(slice_sizes(roles)):
         traces.stages(size)
     bounds = boundary_layouts(traces) if len(plan.stages) > 1 else []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,33 +24,11 @@ from hetplan.io import serde
 from hetplan.io.serde import atomic_write_text
 from hetplan.plan import Estimate, Plan, prediction_error, validate_plan
 from hetplan.runtime.launch import RunResult, launch, read_result, run_spec, write_spec
+from hetplan.runtime.settings import DEFAULTS, RunSettings
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.stage_times import StageTime, replica_times, stages_of
 
 TRACE_FILES = ("trace_measured.json", "gantt.png")  # what `--trace` writes into the run folder
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """How to train: the CLI's `hetplan run` flags, with its defaults. None: from the graph."""
-
-    steps: int = 10
-    warmup: int = 2
-    batch_size: int | None = None
-    seq_len: int | None = None
-    granularity: str | None = None
-    block_classes: tuple[str, ...] = ()  # as profiled: () takes the graph's, else the model's own
-    seed: int = 0
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    data: str = "synthetic"
-    out_dir: Path = Path("out/run")
-    timeout_s: float = 60.0
-    checkpoint_dir: Path | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    no_dropout: bool = False  # every dropout layer at p=0 (`hetplan.zoo.faithful.dropouts`)
-    trace: bool = False  # record the last step and draw it under the prediction (`hetplan.runtime.trace`)
 
 
 @dataclass(frozen=True)
@@ -147,7 +125,7 @@ def _resume_step(plan: Plan, s: RunSettings) -> int:
 
 
 def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = None,
-                settings: RunSettings = RunSettings(), source: str | None = None) -> tuple[RunSpec, int]:
+                settings: RunSettings = DEFAULTS, source: str | None = None) -> tuple[RunSpec, int]:
     """The workers' spec (RUN.json) and the step the run starts at; checks everything first
     (`source`: the plan's file, named in an invalid plan's message)."""
     s = settings
@@ -158,13 +136,9 @@ def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = 
     if graph is not None:
         validate_plan(plan, at_batch(graph, batch_size), cluster, source=source)
     first = _resume_step(plan, s)
-    spec = run_spec(plan, cluster, model, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
-                    block_classes=_blocks(graph, s), steps=s.steps, warmup=s.warmup, seed=s.seed,
-                    optimizer=s.optimizer, lr=s.lr, data=s.data,
-                    out_dir=s.out_dir, timeout_s=s.timeout_s, checkpoint_dir=s.checkpoint_dir,
-                    checkpoint_every=s.checkpoint_every, resume_step=first, graph=graph, trace=s.trace,
-                    no_dropout=s.no_dropout)
-    return spec, first
+    resolved = replace(s, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
+                       block_classes=_blocks(graph, s), resume_step=first)
+    return run_spec(plan, cluster, model, resolved, graph=graph), first
 
 
 def measured_estimate(result: RunResult, plan: Plan, cluster: Cluster, batch_size: int) -> Estimate:
@@ -178,12 +152,12 @@ def measured_estimate(result: RunResult, plan: Plan, cluster: Cluster, batch_siz
 
 
 def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = None,
-             settings: RunSettings = RunSettings(), progress=None, source: str | None = None) -> RunReport:
+             settings: RunSettings = DEFAULTS, progress=None, source: str | None = None) -> RunReport:
     """Train `model` under `plan` on `cluster`'s bound devices and compare with the prediction."""
     spec, first = prepare_run(plan, cluster, model, graph, settings, source)
-    graph = at_batch(graph, spec.batch_size) if graph is not None else None  # predicted at the batch it runs
+    graph = at_batch(graph, spec.settings.batch_size) if graph is not None else None  # predicted at the batch it runs
     report = _report(spec, first, launch(spec, progress=progress), graph, cluster)
-    keep(report, spec.out_dir, graph, cluster, source)
+    keep(report, spec.settings.out_dir, graph, cluster, source)
     return report
 
 
@@ -193,8 +167,9 @@ def faithful_warnings(spec: RunSpec) -> list[str]:
     from hetplan.zoo import load_model
     from hetplan.zoo.faithful import pipeline_warnings, switch_off_dropout
 
-    zm = load_model(spec.model, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
-    if spec.no_dropout:
+    s = spec.settings
+    zm = load_model(spec.model, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed)
+    if spec.settings.no_dropout:
         switch_off_dropout(zm.step)
     splits = spec.plan.microbatches > 1 or any(len(st.devices) > 1 for st in spec.plan.stages)
     try:
@@ -215,8 +190,8 @@ def _report(spec: RunSpec, first: int, result: RunResult, graph: Graph | None, c
 
         sim = simulate(graph, cluster, spec.plan, timeline=True)  # the stage table's prediction needs it
         predicted, sim_timeline = sim.estimate, sim.timeline
-    measured = measured_estimate(result, spec.plan, cluster, spec.batch_size)
-    files = write_trace(result, spec, sim_timeline) if spec.trace else ()
+    measured = measured_estimate(result, spec.plan, cluster, spec.settings.batch_size)
+    files = write_trace(result, spec, sim_timeline) if spec.settings.trace else ()
     return RunReport(plan=spec.plan, model=spec.model, result=result, measured=measured, predicted=predicted,
                      first_step=first, trace_files=files, replicas=replica_times(spec.plan, result, sim_timeline))
 
@@ -225,11 +200,11 @@ def write_for_elsewhere(spec: RunSpec, graph: Graph | None, cluster: Cluster) ->
     """`hetplan run --dry-run`: the run folder for workers started by torchrun: run.json, and the
     cluster and graph (at the run's batch) that rank 0 predicts with at the end (`finish_elsewhere`)."""
     path = write_spec(spec)
-    serde.dump(cluster, spec.out_dir / "cluster.json")
+    serde.dump(cluster, spec.settings.out_dir / "cluster.json")
     if graph is not None:
-        serde.dump(at_batch(graph, spec.batch_size), spec.out_dir / "graph.json")
+        serde.dump(at_batch(graph, spec.settings.batch_size), spec.settings.out_dir / "graph.json")
     for name in (["graph.json"] if graph is None else []) + ["summary.json", *TRACE_FILES]:  # an earlier run's
-        (spec.out_dir / name).unlink(missing_ok=True)
+        (spec.settings.out_dir / name).unlink(missing_ok=True)
     return path
 
 
@@ -240,7 +215,7 @@ def finish_elsewhere(spec: RunSpec) -> str:
     from hetplan.io.clusters import load_cluster
     from hetplan.io.graphs import load_graph
 
-    folder = spec.out_dir
+    folder = spec.settings.out_dir
     cluster_file, graph_file = folder / "cluster.json", folder / "graph.json"
     result = read_result(folder, spec)
     if not cluster_file.is_file():
@@ -248,7 +223,7 @@ def finish_elsewhere(spec: RunSpec) -> str:
                 "(no cluster.json beside run.json, so no summary for hetplan report)")
     graph = load_graph(graph_file) if graph_file.is_file() else None
     cluster = load_cluster(cluster_file)
-    report = _report(spec, spec.resume_step, result, graph, cluster)
+    report = _report(spec, spec.settings.resume_step, result, graph, cluster)
     keep(report, folder, graph, cluster, str(folder / "run.json"))
     said = f"predicted {report.predicted.step_s * 1e3:.1f} ms, " if report.predicted else ""
     loss = f", loss {result.losses[0]:.4g} -> {result.losses[-1]:.4g}" if result.losses else ""
@@ -277,9 +252,9 @@ def write_trace(result: RunResult, spec: RunSpec, predicted=None) -> tuple[str, 
     from hetplan.timeline.gantt import draw_gantts, write_chrome_trace
 
     measured = measured_timeline(result, spec)
-    trace = write_chrome_trace(measured, spec.out_dir / TRACE_FILES[0])
+    trace = write_chrome_trace(measured, spec.settings.out_dir / TRACE_FILES[0])
     charts = [(measured, f"measured, last step ({measured.step_s * 1e3:.1f} ms)")]
     if predicted is not None:
         charts.insert(0, (predicted, f"predicted ({predicted.step_s * 1e3:.1f} ms)"))
-    gantt = draw_gantts(charts, spec.out_dir / TRACE_FILES[1])
+    gantt = draw_gantts(charts, spec.settings.out_dir / TRACE_FILES[1])
     return str(trace), str(gantt)

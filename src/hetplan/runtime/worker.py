@@ -50,10 +50,10 @@ def _batches(spec: RunSpec, zoo_model, step: int):
     from hetplan.runtime.data import input_vocab, synthetic_batch, text_batch
 
     if zoo_model.batches is not None:
-        return zoo_model.batches(step, spec.seed)
-    if spec.data == "text":
-        return text_batch(zoo_model.batch, step, seed=spec.seed, vocab=input_vocab(zoo_model.step))
-    return synthetic_batch(zoo_model.batch, step, seed=spec.seed)
+        return zoo_model.batches(step, spec.settings.seed)
+    if spec.settings.data == "text":
+        return text_batch(zoo_model.batch, step, seed=spec.settings.seed, vocab=input_vocab(zoo_model.step))
+    return synthetic_batch(zoo_model.batch, step, seed=spec.settings.seed)
 
 
 def _optimizer(spec: RunSpec, params: list, sparse_ids=None):
@@ -63,7 +63,7 @@ def _optimizer(spec: RunSpec, params: list, sparse_ids=None):
 
     if not params:  # a stage without parameters (a lone GELU, a reshape) has nothing to update
         return None
-    return StageOptimizer(params, spec.optimizer, spec.lr, sparse_ids)
+    return StageOptimizer(params, spec.settings.optimizer, spec.settings.lr, sparse_ids)
 
 
 def build_rank(spec: RunSpec, rank: int, heartbeat=None):
@@ -75,8 +75,9 @@ def build_rank(spec: RunSpec, rank: int, heartbeat=None):
     from hetplan.zoo.faithful import switch_off_dropout
 
     me = spec.ranks[rank]
-    zoo_model = load_model(spec.model, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
-    if spec.no_dropout:
+    s = spec.settings
+    zoo_model = load_model(spec.model, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed)
+    if spec.settings.no_dropout:
         switch_off_dropout(zoo_model.step)
     device = torch.device(me.binding if me.on_cuda else "cpu")
     on_trace = (lambda rows: heartbeat(f"tracing {rows} rows", -1)) if heartbeat is not None else None
@@ -94,14 +95,14 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     runner = RankRunner([StageRunner(r, partial(prepared.module_for, stage=r.stage), lay_in, lay_out, transport,
                                      prepared.device) for r, (lay_in, lay_out) in zip(prepared.roles, prepared.layouts,
                                                                                       strict=True)], prepared.order)
-    if spec.resume_step:
+    if spec.settings.resume_step:
         from hetplan.runtime.checkpoint import load_stage
 
-        load_stage(Path(spec.checkpoint_dir), role.stage, _saved_module(prepared), opt)
+        load_stage(Path(spec.settings.checkpoint_dir), role.stage, _saved_module(prepared), opt)
     times, losses, trace, busy_s, comm_s = [], [], [], [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
-    for step in range(spec.resume_step, spec.steps):
+    for step in range(spec.settings.resume_step, spec.settings.steps):
         if heartbeat is not None:
             heartbeat("step", step)
         if len(fault) == 3 and int(fault[1]) == rank and int(fault[2]) == step:
@@ -121,19 +122,19 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         busy, comm = step_busy_comm(runner.spans, tail)
         busy_s.append(busy)
         comm_s.append(comm)
-        if spec.trace:
+        if spec.settings.trace:
             trace = step_trace(runner.spans, tail, role.stage, t0)
         if prepared.last:
             losses.append(loss)
-        every = spec.checkpoint_every
+        every = spec.settings.checkpoint_every
         # with a checkpoint folder, the last step is always saved (a resumed run too)
-        due = (every and (step + 1) % every == 0) or step + 1 == spec.steps
-        if spec.checkpoint_dir is not None and due and role.replica == 0:  # replicas hold the same weights
+        due = (every and (step + 1) % every == 0) or step + 1 == spec.settings.steps
+        if spec.settings.checkpoint_dir is not None and due and role.replica == 0:  # replicas hold the same weights
             from hetplan.runtime.checkpoint import save_stage
 
-            save_stage(spec.checkpoint_dir, role.stage, _saved_module(prepared), opt, step + 1)
+            save_stage(spec.settings.checkpoint_dir, role.stage, _saved_module(prepared), opt, step + 1)
     out = {"times_s": times, "losses": losses, "actions": runner.executed, "busy_s": busy_s, "comm_s": comm_s}
-    if spec.trace:
+    if spec.settings.trace:
         out["trace"] = trace  # the last step's
     return out
 
@@ -191,7 +192,7 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     from hetplan.pieces.hostmem import keep_freed_memory
     from hetplan.runtime.transport import GlooTransport
 
-    out_dir = spec.out_dir
+    out_dir = spec.settings.out_dir
     me = spec.ranks[rank]
     heartbeat_path = out_dir / f"heartbeat.{rank}"
 
@@ -205,7 +206,7 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     keep_freed_memory()  # as the profiler measured (hostmem)
     zoo_model, prepared, opt = build_rank(spec, rank, heartbeat)  # each trace moves the heartbeat
     transport = GlooTransport(rank, world, [ranks for ranks, _ in prepared.groups if len(ranks) > 1],
-                              spec.timeout_s)
+                              spec.settings.timeout_s)
     mine = train(spec, rank, zoo_model, prepared, opt, transport, heartbeat)
     device = prepared.device
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -213,12 +214,12 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
         peak = torch.cuda.max_memory_allocated(device)
     mine.update(rank=rank, stage=me.stage, replica=me.replica, device=me.device, peak_mem_bytes=peak)
     gathered = transport.gather_objects(mine, world)
-    if spec.return_weights:
+    if spec.settings.return_weights:
         torch.save({name: p.detach().cpu() for name, p in prepared.named_parameters().items()},
                    out_dir / f"weights.{rank}.pt")
     if rank == 0:
         _write(out_dir / "result.json", {"ranks": gathered})
-    heartbeat("done", spec.steps)
+    heartbeat("done", spec.settings.steps)
     transport.close()
 
 
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the launcher reports it, naming the worker
         me = spec.ranks[rank] if rank < spec.world else None
         stage, device = (me.stage, me.device) if me is not None else (None, None)
-        (spec.out_dir / f"error.{rank}").write_text(
+        (spec.settings.out_dir / f"error.{rank}").write_text(
             f"worker {rank} (stage {stage}, device {device}): {type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n{traceback.format_exc()}")
         return 1
@@ -258,7 +259,7 @@ def _summed_up(spec) -> str:
     try:
         return finish_elsewhere(spec)
     except Exception as exc:  # noqa: BLE001 - the results are in result.json whatever happens here
-        return (f"hetplan: run finished, results in {spec.out_dir}/result.json; no summary for hetplan report "
+        return (f"hetplan: run finished, results in {spec.settings.out_dir}/result.json; no summary for hetplan report "
                 f"({type(exc).__name__}: {str(exc).strip()[:200]})")
 
 

@@ -1,0 +1,74 @@
+"""How to train a plan: every setting of a run, defined once.
+
+`RunSettings` is what `hetplan run` asks (its flags take their defaults from here and nowhere
+else: `from_args`), what the library's `run_plan` takes, and what each worker reads back from
+RUN.json (`RunSpec.settings`, serialised by `to_dict` / `from_dict`). A field left None (batch
+size, sequence length, granularity) is worked out from the graph before the workers start
+(`hetplan.runtime.run.prepare_run`), so a spec's settings are complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+# `hetplan run`'s flags whose destination differs from the field they set
+FLAG_FIELDS = {"out": "out_dir", "block_class": "block_classes"}
+LIBRARY_ONLY = ("return_weights", "resume_step")  # set by the library, not by a flag
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How to train. None: from the graph (or the plan, or the zoo's default)."""
+
+    steps: int = 10
+    warmup: int = 2  # steps left out of the timing
+    batch_size: int | None = None
+    seq_len: int | None = None
+    granularity: str | None = None
+    block_classes: tuple[str, ...] = ()  # as profiled: () takes the graph's, else the model's own
+    seed: int = 0
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    data: str = "synthetic"  # or "text" (`hetplan.runtime.data`)
+    out_dir: Path = Path("out/run")
+    timeout_s: float = 60.0  # stop every worker when none moves for this long
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0  # save every K steps (0: the last step only, with checkpoint_dir)
+    resume: bool = False  # from the checkpoint in checkpoint_dir
+    no_dropout: bool = False  # every dropout layer at p=0 (`hetplan.zoo.faithful.dropouts`)
+    trace: bool = False  # record the last step and draw it under the prediction (`hetplan.runtime.trace`)
+    return_weights: bool = False  # each worker saves its trained weights (tests, benchmarks)
+    resume_step: int = 0  # the step a resumed run starts at (worked out from the checkpoint)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+        if self.checkpoint_dir is not None:
+            object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
+        object.__setattr__(self, "block_classes", tuple(self.block_classes))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON values (paths as text)."""
+        out = asdict(self)
+        out["out_dir"] = str(self.out_dir)
+        out["checkpoint_dir"] = str(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        out["block_classes"] = list(self.block_classes)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunSettings:
+        """Settings from `to_dict`'s object; a field it leaves out (or sets to None) takes its default."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known and v is not None})
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunSettings:
+        """The settings `hetplan run`'s flags give; a flag not given (None) takes the default."""
+        given = {FLAG_FIELDS.get(k, k): v for k, v in vars(args).items()}
+        return cls.from_dict({f.name: given[f.name] for f in fields(cls) if f.name in given})
+
+
+DEFAULTS = RunSettings()
