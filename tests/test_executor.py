@@ -315,3 +315,64 @@ def test_interleaved_1f1b_holds_several_stages_per_worker_and_equals_single_proc
     for rank, res in enumerate(results):
         me = spec.ranks[rank]
         assert res["actions"] == [str(a) for a in orders[me.stage] if rows.rows(a.stage, a.microbatch, me.replica)]
+
+
+def v_gpipe(ranks, stages, m):
+    """A schedule of a test's own, on ZB-V's V-shaped map (stage s on rank s, then on rank
+    2n - 1 - s): each rank runs all forward passes of its stages in stage order, then all
+    backward passes in reverse."""
+    from hetplan.schedule import Action
+
+    held = [[s for s in range(stages) if v_rank(s, ranks) == r] for r in range(ranks)]
+    return tuple(tuple(Action(s, "F", j) for s in mine for j in range(m))
+                 + tuple(Action(s, "B", j) for s in reversed(mine) for j in range(m)) for mine in held)
+
+
+def v_rank(stage, ranks):
+    return stage % (2 * ranks) if stage % (2 * ranks) < ranks else 2 * ranks - 1 - stage % (2 * ranks)
+
+
+def test_a_schedule_with_its_own_stage_to_rank_map_needs_nothing_but_its_entry(monkeypatch):
+    """A schedule is its entry in `hetplan.schedule.SCHEDULES`: with a V-shaped map (stages 0
+    and 3 on one worker, 1 and 2 on the other) the plan validates against the map, the simulator
+    runs each device's list and the runtime's weights equal one process's."""
+    from hetplan import schedule as schedule_module
+    from hetplan.schedule import Schedule
+    from hetplan.sim import simulate
+
+    v = Schedule("v-gpipe", None, lambda stages, index, m: m, False, "ScheduleGPipe", "a test's", rank_order=v_gpipe,
+                 stage_rank=v_rank)
+    monkeypatch.setitem(schedule_module.SCHEDULES, "v-gpipe", v)
+    batch, lr, m = 8, 0.1, 2
+    zm = no_dropout(load_model("gpt2-tiny", batch_size=batch, seq_len=16, seed=0))
+    split = split_step(zm.step, zm.batch, "layer", zm.block_classes)
+    names = [p.name for p in split.pieces]
+    bounds = [len(names) * i // 4 for i in range(5)]
+    plan = Plan(tuple(Stage(tuple(names[bounds[s]:bounds[s + 1]]), (f"c{v_rank(s, 2)}",)) for s in range(4)), m,
+                "v-gpipe", "test")
+    assert plan.stage_ranks == (0, 1, 1, 0) and plan.rank_stages == ((0, 3), (1, 2))
+    spec = run_spec(plan, cpus(2), "gpt2-tiny", RunSettings(batch_size=batch, seq_len=16, granularity="layer", steps=1,
+                    warmup=0, optimizer="sgd", lr=lr, out_dir="unused", no_dropout=True))
+    assert [(r.stage, r.device) for r in spec.ranks] == [(0, "c0"), (1, "c1")]
+    results = run_threads(spec)
+    assert results[0]["actions"] == [str(a) for a in v_gpipe(2, 4, m)[0]]
+    ref_loss = reference_step(zm, _batches(spec, zm, 0), m, lr)
+    modules = stage_modules(split, plan)
+    for rank, held in enumerate(plan.rank_stages):
+        for k in held:
+            for pname, p in modules[k].named_parameters():
+                assert (results[rank]["weights"][pname] - p.detach()).abs().max().item() <= 1e-5
+    assert results[0]["losses"][0] == pytest.approx(ref_loss, rel=1e-5)  # worker 0 holds the last stage
+    graph = chain_graph_for(plan)
+    spans = simulate(graph, cpus(2), plan).timeline.spans
+    ran = [s.label for s in sorted(spans, key=lambda s: s.start_s) if s.resource == "c0" and s.kind in "FB"]
+    assert ran == [str(a) for a in v_gpipe(2, 4, m)[0]]
+
+
+def chain_graph_for(plan):
+    """A graph of the plan's nodes in a chain, each taking 1 ms each way on a 1-thread CPU."""
+    from hetplan.graph import Edge, Graph, Node
+
+    names = [n for s in plan.stages for n in s.nodes]
+    nodes = tuple(Node(n, "Linear", {"cpu-1t": 1e-3}, {"cpu-1t": 1e-3}) for n in names)
+    return Graph("chain", nodes, tuple(Edge(a, b, 1000) for a, b in zip(names, names[1:], strict=False)), 8, "cpu-1t")

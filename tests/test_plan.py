@@ -83,8 +83,8 @@ def test_interleaved_stages_take_turns_on_groups_apart(diamond, v4):
         "stage 2 runs on v1, but under interleaved-1f1b stage 2 runs on the devices of stage 0: v0",
         "stage 3 runs on v0, but under interleaved-1f1b stage 3 runs on the devices of stage 1: v1"]
     problems = _one(il(("a", ["v0"]), ("b", ["v0", "v1"]), ("c", ["v0"]), ("d", ["v0", "v1"])), diamond, v4)
-    assert problems == ["stages 0 and 1 share a device but not all their devices; under interleaved-1f1b the "
-                        "groups of devices of the first n stages are apart"]
+    assert problems == ["stages 0 and 1 share a device but not all their devices; under interleaved-1f1b each "
+                        "rank's devices are its own"]
     assert "5 micro-batches in 2 rounds" in _one(il(("a", ["v0"]), ("b", ["v1"]), ("c", ["v0"]), ("d", ["v1"]), m=5),
                                                  diamond, v4)[0]
     assert "3 stages on 2 rank(s)" in _one(il(("ab", ["v0"]), ("c", ["v1"]), ("d", ["v0"])), diamond, v4)[0]

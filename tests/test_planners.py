@@ -177,7 +177,7 @@ def test_interleaved_1f1b_is_planned_from_the_planners_pipeline():
 @given(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=7), st.integers(1, 3), st.integers(1, 4), st.data())
 def test_linear_cuts_are_the_brute_force_optimum(times, rows, parts, data):
     """`interleave.linear_cuts` against every way to cut N positions in `parts` pieces, part c
-    timed on row c mod rows, each cut costing its row's price at its position."""
+    timed on its row (any map of parts to rows), each cut costing its own price at its position."""
     import itertools
 
     import numpy as np
@@ -186,14 +186,15 @@ def test_linear_cuts_are_the_brute_force_optimum(times, rows, parts, data):
 
     n = len(times)
     speeds = np.array([[1.0 + r] for r in range(rows)]) * np.array(times)[None, :]
+    row_of = data.draw(st.lists(st.integers(0, rows - 1), min_size=parts, max_size=parts))
     cut_s = np.array(data.draw(st.lists(st.lists(st.floats(0.0, 10.0), min_size=n + 1, max_size=n + 1),
-                                        min_size=rows, max_size=rows)))
+                                        min_size=parts - 1, max_size=parts - 1))).reshape(parts - 1, n + 1)
 
     def cost(bounds):
-        worst = max(speeds[c % rows, a:b].sum() for c, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)))
-        return max([worst, *(cut_s[c % rows, bounds[c + 1]] for c in range(parts - 1))])
+        worst = max(speeds[row_of[c], a:b].sum() for c, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)))
+        return max([worst, *(cut_s[c, bounds[c + 1]] for c in range(parts - 1))])
 
-    cuts = linear_cuts(speeds, parts, cut_s)
+    cuts = linear_cuts(speeds, row_of, cut_s)
     if n < parts:
         assert cuts is None
         return

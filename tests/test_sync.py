@@ -53,7 +53,7 @@ def test_an_interleaved_worker_holds_the_stages_of_its_turn():
     """Under an interleaved schedule on n = 2 workers, replica p of stage k is the worker of
     (k mod 2, p): numbers for the first two stages only, host by host."""
     hosts = {"a": "x", "b": "y", "c": "x"}
-    ranks = rank_numbers([("a",), ("b", "c"), ("a",), ("b", "c")], hosts.__getitem__, 2)
+    ranks = rank_numbers([("a",), ("b", "c"), ("a",), ("b", "c")], hosts.__getitem__, [0, 1, 0, 1])
     assert ranks == {(0, 0): 0, (1, 1): 1, (1, 0): 2, (2, 0): 0, (3, 1): 1, (3, 0): 2}
 
 

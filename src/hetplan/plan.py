@@ -23,7 +23,8 @@ from hetplan._frozen import FrozenMap, freeze
 from hetplan.cluster import Cluster
 from hetplan.errors import PlanError, listing
 from hetplan.graph import Graph
-from hetplan.schedule import SCHEDULE_NAMES, get_schedule
+from hetplan.schedule import SCHEDULE_NAMES, get_schedule, stage_ranks
+from hetplan.schedule import SCHEDULES as REGISTRY
 
 SCHEDULES = SCHEDULE_NAMES  # hetplan.schedule owns what each means
 OBJECTIVES = ("time", "cost", "mdpe", "throughput")
@@ -123,8 +124,8 @@ class Plan:
             raise PlanError("a plan needs at least one stage")
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise PlanError(f"microbatches is {self.microbatches!r}; it must be a whole number >= 1")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"schedule {self.schedule!r} is unknown (allowed: {', '.join(SCHEDULES)})")
+        if self.schedule not in REGISTRY:  # the registry itself: a schedule is its entry there
+            raise PlanError(f"schedule {self.schedule!r} is unknown (allowed: {', '.join(REGISTRY)})")
         if self.objective not in OBJECTIVES:
             raise PlanError(f"objective {self.objective!r} is unknown (allowed: {', '.join(OBJECTIVES)})")
 
@@ -136,10 +137,23 @@ class Plan:
     @property
     def ranks(self) -> int:
         """Workers along the pipeline: one per stage, or under an interleaved schedule one per
-        group of devices (stage s runs on the group of stage s mod n)."""
+        group of devices (which stages each holds: `stage_ranks`)."""
         if not get_schedule(self.schedule).interleaved:
             return len(self.stages)
         return len(dict.fromkeys(s.devices for s in self.stages))
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """Per stage, the rank (worker, per replica) that holds it (`hetplan.schedule.stage_ranks`)."""
+        return stage_ranks(self.schedule, len(self.stages), self.ranks)
+
+    @property
+    def rank_stages(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, the stages it holds, in order (the first names it)."""
+        held: dict[int, list[int]] = {}
+        for k, r in enumerate(self.stage_ranks):
+            held.setdefault(r, []).append(k)
+        return tuple(tuple(held.get(r, ())) for r in range(self.ranks))
 
     def stage_of(self) -> dict[str, int]:
         """Node id -> index of its stage."""
@@ -231,13 +245,14 @@ def _rank_problems(plan: Plan) -> list[str]:
     problem = sched.problem(len(plan.stages), n, plan.microbatches)
     if problem:
         return [problem]
+    first = [held[0] for held in plan.rank_stages]
+    holder = plan.stage_ranks
     problems = [f"stage {i} runs on {', '.join(s.devices)}, but under {plan.schedule} stage {i} runs on the devices "
-                f"of stage {i % n}: {', '.join(plan.stages[i % n].devices)}"
-                for i, s in enumerate(plan.stages) if s.devices != plan.stages[i % n].devices]
-    groups = [set(s.devices) for s in plan.stages[:n]]
-    problems += [f"stages {a} and {b} share a device but not all their devices; under {plan.schedule} the groups of "
-                 "devices of the first n stages are apart" for a in range(n) for b in range(a + 1, n)
-                 if groups[a] & groups[b]]
+                f"of stage {first[holder[i]]}: {', '.join(plan.stages[first[holder[i]]].devices)}"
+                for i, s in enumerate(plan.stages) if s.devices != plan.stages[first[holder[i]]].devices]
+    groups = [set(plan.stages[k].devices) for k in first]
+    problems += [f"stages {first[a]} and {first[b]} share a device but not all their devices; under {plan.schedule} "
+                 "each rank's devices are its own" for a in range(n) for b in range(a + 1, n) if groups[a] & groups[b]]
     return problems
 
 

@@ -164,6 +164,11 @@ def _interleaved_rank(ranks: int, v: int, microbatches: int, r: int) -> tuple[Ac
     return tuple(actions)
 
 
+def looped(stage: int, ranks: int) -> int:
+    """Megatron-LM's interleaving: stage s on rank s mod n (v passes over the ranks)."""
+    return stage % ranks
+
+
 def _interleaved_problem(stages: int, ranks: int, microbatches: int) -> str | None:
     if ranks < 2 or stages % ranks:
         return (f"interleaved 1F1B puts stage s on rank s mod n: {stages} stages on {ranks} rank(s) do not fit; "
@@ -197,6 +202,7 @@ class Schedule:
     split_backward: bool = False  # its backward passes are I and W actions, not B
     # where ranks hold several stages: (ranks, stages, micro-batches) -> per rank, its actions
     rank_order: Callable[[int, int, int], tuple[tuple[Action, ...], ...]] | None = None
+    stage_rank: Callable[[int, int], int] = looped  # (stage, ranks) -> the rank that holds it, where ranks hold several
 
     @property
     def backward_kinds(self) -> tuple[str, ...]:
@@ -204,7 +210,7 @@ class Schedule:
 
     @property
     def interleaved(self) -> bool:
-        """Whether a rank may hold several stages (stage s on rank s mod ranks)."""
+        """Whether a rank may hold several stages (`stage_rank` says which)."""
         return self.rank_order is not None
 
     def problem(self, stages: int, ranks: int, microbatches: int) -> str | None:
@@ -254,13 +260,24 @@ def rank_orders(schedule: str, stages: int, microbatches: int, ranks: int | None
     return sched.order(stages, microbatches)
 
 
+def stage_ranks(schedule: str, stages: int, ranks: int | None = None) -> tuple[int, ...]:
+    """Per stage, the rank that holds it: stage k on rank k, or where ranks hold several stages
+    (`ranks` of them) the schedule's map. Every rank's first stage is the one it is known by
+    (RUN.json, checkpoints)."""
+    sched = get_schedule(schedule)
+    if not sched.interleaved or ranks is None:
+        return tuple(range(stages))
+    return tuple(sched.stage_rank(k, ranks) for k in range(stages))
+
+
 def schedule_order(schedule: str, stages: int, microbatches: int, ranks: int | None = None
                    ) -> tuple[tuple[Action, ...], ...]:
     """Per stage, its actions in the order its rank runs them."""
     per_rank = rank_orders(schedule, stages, microbatches, ranks)
     if len(per_rank) == stages:
         return per_rank
-    return tuple(tuple(a for a in per_rank[s % len(per_rank)] if a.stage == s) for s in range(stages))
+    holder = stage_ranks(schedule, stages, len(per_rank))
+    return tuple(tuple(a for a in per_rank[holder[s]] if a.stage == s) for s in range(stages))
 
 
 def inflight_microbatches(schedule: str, stages: int, stage_index: int, microbatches: int,

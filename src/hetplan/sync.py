@@ -18,18 +18,20 @@ from dataclasses import dataclass
 
 
 def rank_numbers(stage_devices: Sequence[Sequence[str]], host_of: Callable[[str], str],
-                 pipeline_ranks: int | None = None) -> dict[tuple[int, int], int]:
+                 stage_ranks: Sequence[int] | None = None) -> dict[tuple[int, int], int]:
     """The rank of every (stage, replica) of a plan whose stage k runs on `stage_devices[k]`:
     host by host, hosts in the order the plan first uses them, and within a host stage by stage,
-    replica by replica (torchrun numbers the ranks of a job host by host). With `pipeline_ranks`
-    n (an interleaved schedule: `Plan.ranks`), the workers are the replicas of the first n stages
-    and replica p of stage k is the worker of replica p of stage k mod n."""
-    n = len(stage_devices) if pipeline_ranks is None else pipeline_ranks
-    members = [(k, p) for k, devices in enumerate(stage_devices[:n]) for p in range(len(devices))]
+    replica by replica (torchrun numbers the ranks of a job host by host). With `stage_ranks`
+    (an interleaved schedule: `Plan.stage_ranks`, the pipeline rank of each stage), a worker
+    holds replica p of all the stages of one pipeline rank and is numbered by the first of them."""
+    holder = list(range(len(stage_devices))) if stage_ranks is None else list(stage_ranks)
+    first = {r: holder.index(r) for r in holder}  # each pipeline rank's first stage
+    members = [(k, p) for k in sorted(first.values()) for p in range(len(stage_devices[k]))]
     hosts = list(dict.fromkeys(host_of(stage_devices[k][p]) for k, p in members))
     members.sort(key=lambda m: hosts.index(host_of(stage_devices[m[0]][m[1]])))
     workers = {m: r for r, m in enumerate(members)}
-    return {(k, p): workers[(k % n, p)] for k, devices in enumerate(stage_devices) for p in range(len(devices))}
+    return {(k, p): workers[(first[holder[k]], p)] for k, devices in enumerate(stage_devices)
+            for p in range(len(devices))}
 
 
 @dataclass(frozen=True)

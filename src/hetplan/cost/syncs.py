@@ -49,7 +49,7 @@ def plan_syncs(cm, plan: Plan) -> tuple[SyncCost, ...]:
     if not holders:
         return ()
     out = []
-    ranks = rank_numbers([st.devices for st in plan.stages], lambda d: cm.cluster.device(d).host, plan.ranks)
+    ranks = rank_numbers([st.devices for st in plan.stages], lambda d: cm.cluster.device(d).host, plan.stage_ranks)
     for group in sync_groups(holders, ranks):
         devices = tuple(plan.stages[k].devices[p] for k, p in group.members)
         workers = tuple(dict.fromkeys(devices))  # a worker holding several stages sums once

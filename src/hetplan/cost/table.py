@@ -129,12 +129,17 @@ class StepCosts:
     schedule: str
     routing: str
     batch_size: int
-    ranks: int  # workers along the pipeline (`Plan.ranks`; fewer than the stages where they interleave)
+    stage_ranks: tuple[int, ...]  # per stage, the pipeline rank holding it (`Plan.stage_ranks`)
     syncs: tuple[SyncCost, ...] = ()  # every gradient sum, in the order the ranks run them
 
     @property
     def microbatches(self) -> int:
         return len(self.fractions)
+
+    @property
+    def ranks(self) -> int:
+        """Pipeline ranks (fewer than the stages where they interleave)."""
+        return max(self.stage_ranks) + 1
 
     def peak_memory_bytes(self, peak_act_bytes: dict[str, float]) -> dict[str, int]:
         """Per device, from the activations it held at its peak: the weights, gradients and
@@ -190,11 +195,12 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
     syncs = plan_syncs(cm, plan)
     split = get_schedule(plan.schedule).split_backward
     own = {s.members[0][0]: s.seconds for s in syncs if len({k for k, _ in s.members}) == 1}
-    ranks = plan.ranks
+    holder = plan.stage_ranks
+    firsts = {held[0] for held in plan.rank_stages}
     stages = []
     for k, stage in enumerate(plan.stages):
         acts = sum(by_id[n].act_bytes for n in stage.nodes)
-        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, plan.devices, split, k < ranks)
+        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, plan.devices, split, k in firsts)
                          for p in range(len(stage.devices)))
         stages.append(StageWork(k, replicas, graph.param_bytes_of(stage.nodes), own.get(k, 0.0)))
     messages = []
@@ -207,4 +213,4 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
                 if any(x is not None for x in per_mb):
                     messages.append(Message(a, b, src, dst, per_mb, *secs))
     return StepCosts(tuple(stages), tuple(messages), microbatch_fractions(graph.batch_size, plan.microbatches),
-                     plan.schedule, routing, graph.batch_size, ranks, syncs)
+                     plan.schedule, routing, graph.batch_size, holder, syncs)

@@ -1,9 +1,10 @@
 """Plans for interleaved schedules, made from a plan of one stage per group of devices.
 
 Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
-Clusters Using Megatron-LM", SC 2021) runs v stages on each of n ranks, stage s on rank s mod n.
-From a plan whose n stages each run on their own devices, `interleavings` keeps the devices and
-cuts the model again into n v stages, stage s on the devices of the plan's stage s mod n: pieces
+Clusters Using Megatron-LM", SC 2021) runs v stages on each of n ranks (stage s on rank s mod n;
+the schedule says, `hetplan.schedule.stage_ranks`). From a plan whose n stages each run on their
+own devices, `interleavings` keeps the devices and cuts the model again into n v stages, stage s
+on the devices of the plan's stage that is the schedule's rank of s: pieces
 of a topological order (so each stage is convex and no edge goes backwards), chosen by a linear
 partition (Bokhari, "Partitioning problems in parallel, pipelined, and distributed computing",
 1988) that makes the slowest resource as fast as it can be: a stage's compute on its devices,
@@ -14,13 +15,14 @@ simulator, which scores every candidate.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
 
 from hetplan.cost import CostModel
 from hetplan.plan import Plan, Stage
-from hetplan.schedule import get_schedule
+from hetplan.schedule import get_schedule, stage_ranks
 
 MAX_PER_RANK = 4  # stages per rank tried
 
@@ -41,24 +43,24 @@ def crossing_bytes(cost: CostModel, order: list[str]) -> np.ndarray:
     return out
 
 
-def linear_cuts(times: np.ndarray, parts: int, cut_s: np.ndarray | None = None) -> list[int] | None:
+def linear_cuts(times: np.ndarray, row_of: Sequence[int], cut_s: np.ndarray | None = None) -> list[int] | None:
     """Cut points 0 = b_0 < b_1 < ... < b_parts = N of the N positions that make least the
-    largest of: the sums `times[c % rows, b_c:b_c+1]` (part c on row c mod rows of the (rows, N)
-    array), and `cut_s[c % rows, b_c+1]`, the cost of cutting after part c before position b_c+1
-    ((rows, N + 1), or None for nothing). None if there are fewer positions than parts."""
-    rows, n = times.shape
+    largest of: the sums `times[row_of[c], b_c:b_c+1]` (part c on row `row_of[c]` of the (rows, N)
+    array), and `cut_s[c, b_c+1]`, the cost of cutting after part c before position b_c+1
+    ((parts - 1, N + 1), or None for nothing). None if there are fewer positions than parts."""
+    parts, n = len(row_of), times.shape[1]
     if n < parts:
         return None
-    prefix = np.concatenate([np.zeros((rows, 1)), np.cumsum(times, axis=1)], axis=1)
+    prefix = np.concatenate([np.zeros((times.shape[0], 1)), np.cumsum(times, axis=1)], axis=1)
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
     choice = np.zeros((parts, n + 1), dtype=int)
     for c in range(parts):
-        p = prefix[c % rows]
+        p = prefix[row_of[c]]
         span = p[None, :] - p[:, None]  # span[j, i]: positions j..i-1
         worst = np.maximum(best[:, None], span)
         if cut_s is not None and c < parts - 1:
-            worst = np.maximum(worst, cut_s[c % rows][None, :])
+            worst = np.maximum(worst, cut_s[c][None, :])
         worst[np.tril_indices(n + 1)] = np.inf  # a part holds at least one position
         choice[c] = np.argmin(worst, axis=0)
         best = worst[choice[c], np.arange(n + 1)]
@@ -77,13 +79,15 @@ def interleaved(cost: CostModel, plan: Plan, schedule: str, per_rank: int, micro
         return None
     order = _node_order(cost, plan)
     times = np.array([[cost.stage_compute_s([node], g) for node in order] for g in groups])
+    row_of = stage_ranks(schedule, n * per_rank, n)
     crossing = crossing_bytes(cost, order)
-    cut_s = np.array([crossing * cost.routed_cut_s(g, groups[(k + 1) % n]) for k, g in enumerate(groups)])
-    cuts = linear_cuts(times, n * per_rank, cut_s)
+    cut_s = np.array([crossing * cost.routed_cut_s(groups[row_of[c]], groups[row_of[c + 1]])
+                      for c in range(len(row_of) - 1)]).reshape(len(row_of) - 1, len(order) + 1)
+    cuts = linear_cuts(times, row_of, cut_s)
     if cuts is None:
         return None
     bounds = zip(cuts, cuts[1:], strict=False)
-    stages = tuple(Stage(tuple(order[a:b]), groups[c % n]) for c, (a, b) in enumerate(bounds))
+    stages = tuple(Stage(tuple(order[a:b]), groups[row_of[c]]) for c, (a, b) in enumerate(bounds))
     return replace(plan, stages=stages, schedule=schedule, microbatches=microbatches, predicted=None)
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -34,11 +35,11 @@ def load_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.
     return int(state["step"])
 
 
-def checkpoint_step(directory: Path, stages: int) -> int | None:
-    """The step the checkpoints of stages 0 .. stages - 1 have all reached (None when one has
-    none); a worker holding several stages (interleaved) writes one, under its first stage."""
+def checkpoint_step(directory: Path, stages: Sequence[int]) -> int | None:
+    """The step the checkpoints of `stages` have all reached (None when one has none); a worker
+    holding several stages (interleaved) writes one, under its first stage."""
     steps = []
-    for s in range(stages):
+    for s in stages:
         path = stage_path(directory, s)
         if not path.exists():
             return None

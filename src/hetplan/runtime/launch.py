@@ -114,8 +114,8 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, settings: RunSettings, *,
         raise HetplanError(f"the plan has {plan.microbatches} micro-batches but the batch only {settings.batch_size} "
                            f"samples: plan with --microbatches {settings.batch_size} or fewer")
     ranks = []
-    for k, stage in enumerate(plan.stages[:plan.ranks]):  # interleaved: the worker of stage k holds k + n, ...
-        for p, d in enumerate(stage.devices):
+    for k in (held[0] for held in plan.rank_stages):  # a worker is known by its first stage
+        for p, d in enumerate(plan.stages[k].devices):
             device = cluster.device(d)
             binding = device.binding or "cpu"
             threads = 1 if binding.startswith("cuda") else device.threads or 1
@@ -123,7 +123,7 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, settings: RunSettings, *,
                                   threads=threads))
     # torchrun numbers ranks host by host: so do we (`hetplan.sync.rank_numbers`, which the cost
     # model's gradient sums follow too), and a stage's replicas may sit on any hosts (`rank.rank_table`)
-    numbers = rank_numbers([st.devices for st in plan.stages], lambda d: cluster.device(d).host, plan.ranks)
+    numbers = rank_numbers([st.devices for st in plan.stages], lambda d: cluster.device(d).host, plan.stage_ranks)
     ranks.sort(key=lambda r: numbers[(r.stage, r.replica)])
     weights = tuple(tuple(float(x) for x in w)
                     for w in (_given_weights(plan, weights) if weights else replica_weights(plan, cluster, graph)))

@@ -34,13 +34,14 @@ from hetplan.sync import sync_groups
 
 
 def rank_table(spec: RunSpec) -> tuple[tuple[int, ...], ...]:
-    """`table[k][p]`: the rank of replica p of stage k (RUN.json lists each worker's first stage;
-    under an interleaved schedule the worker of (k mod n, p) holds stage k too)."""
-    n = spec.plan.ranks
-    table: list[dict[int, int]] = [{} for _ in range(n)]
+    """`table[k][p]`: the rank of replica p of stage k (RUN.json names each worker by its first
+    stage; under an interleaved schedule it holds every stage of its pipeline rank, `Plan.rank_stages`)."""
+    plan = spec.plan
+    first = [plan.rank_stages[r][0] for r in plan.stage_ranks]
+    table: dict[int, dict[int, int]] = {}
     for rank, me in enumerate(spec.ranks):
-        table[me.stage][me.replica] = rank
-    return tuple(tuple(table[k % n][p] for p in range(len(table[k % n]))) for k in range(len(spec.plan.stages)))
+        table.setdefault(me.stage, {})[me.replica] = rank
+    return tuple(tuple(table[first[k]][p] for p in range(len(table[first[k]]))) for k in range(len(plan.stages)))
 
 
 def spec_rows(spec: RunSpec, plan: Plan) -> StepRows:
@@ -197,7 +198,8 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     table = rank_table(spec)
     me = spec.ranks[rank]
     rows = spec_rows(spec, plan)
-    roles = tuple(Role(k, me.replica, table, rows) for k in range(me.stage, len(plan.stages), plan.ranks))
+    mine = plan.stage_ranks[me.stage]
+    roles = tuple(Role(k, me.replica, table, rows) for k in plan.rank_stages[mine])
     traces = Traces(zoo_model.step, zoo_model.batch, plan, spec.settings.granularity,
                     tuple(spec.settings.block_classes or zoo_model.block_classes or ()) or None, {}, on_trace)
     for size in sorted(slice_sizes(roles)):
@@ -207,7 +209,7 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     groups = gradient_groups(traces, table, names)
     layouts = tuple((bounds[r.stage - 1] if r.stage > 0 else (), bounds[r.stage] if r.stage < len(bounds) else ())
                     for r in roles)
-    order = rank_orders(plan.schedule, len(plan.stages), plan.microbatches, plan.ranks)[me.stage]
+    order = rank_orders(plan.schedule, len(plan.stages), plan.microbatches, plan.ranks)[mine]
     prepared = Prepared(roles, order, traces, layouts, groups, device, sparse_parameter_ids(zoo_model.step))
     for size in sorted(prepared.sizes):
         for r in roles:

@@ -114,7 +114,7 @@ def _resume_step(plan: Plan, s: RunSettings) -> int:
         return 0
     if not s.checkpoint_dir:
         raise HetplanError("--resume needs --checkpoint-dir DIR")
-    found = checkpoint_step(s.checkpoint_dir, plan.ranks)  # a file per worker: its first stage
+    found = checkpoint_step(s.checkpoint_dir, [held[0] for held in plan.rank_stages])  # a file per worker
     if found is None:
         raise HetplanError(f"{s.checkpoint_dir}: no complete checkpoint of all {len(plan.stages)} stages "
                            "to resume from")

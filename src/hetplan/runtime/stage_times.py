@@ -89,10 +89,10 @@ def replica_times(plan: Plan, result: RunResult | None,
     """A row per stage replica (`devices` holds its one device): measured from `result`,
     predicted from the simulated `timeline` (either may be missing)."""
     measured = measured_replicas(result, plan) if result is not None else {}
-    n = plan.ranks
+    held_by = {held[0]: held for held in plan.rank_stages}  # a worker's stages, under its first
     rows = []
     for k, stage in enumerate(plan.stages):
-        held = range(k, len(plan.stages), n) if k < n else ()  # the stages of its worker, under its first
+        held = held_by.get(k, ())
         for d in stage.devices:
             p = predicted_replica(timeline, held, d) if timeline is not None and held else (None, None)
             m = measured.get((k, d), (None, None))

@@ -19,16 +19,17 @@ from __future__ import annotations
 from hetplan.cluster import Cluster
 from hetplan.plan import Plan
 from hetplan.schedule import SCHEDULE_NAMES
+from hetplan.schedule import SCHEDULES as REGISTRY
 
 ROUTING = "relay"
-SCHEDULES = SCHEDULE_NAMES
+SCHEDULES = SCHEDULE_NAMES  # every one of them (the registry, `hetplan.schedule.SCHEDULES`, at import)
 BINDINGS = ("cpu", "cuda")
 
 
 def runtime_refusal(plan: Plan, cluster: Cluster) -> str | None:
     """Why the runtime cannot run this (valid) plan on this cluster, in one line; None if it can."""
-    if plan.schedule not in SCHEDULES:
-        return f"the runtime runs the schedules {', '.join(SCHEDULES)}, not {plan.schedule!r}"
+    if plan.schedule not in REGISTRY:
+        return f"the runtime runs the schedules {', '.join(REGISTRY)}, not {plan.schedule!r}"
     for d in plan.devices:
         binding = cluster.device(d).binding
         if binding is None:

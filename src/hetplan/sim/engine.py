@@ -152,7 +152,7 @@ class _Tasks:
         for dev, device in enumerate(self.devices):
             stage = next(st.index for st in model.stages if any(rep.device == device for rep in st.replicas))
             self.programs[dev] = [[self.task(a.stage, device, a.kind, a.microbatch)
-                                   for a in per_rank[stage % model.ranks]]]
+                                   for a in per_rank[model.stage_ranks[stage]]]]
 
     def task(self, stage: int, device: str, kind: str, microbatch: int) -> int:
         return self.base[(stage, device)] + self.position[stage][kind][microbatch]
@@ -375,30 +375,32 @@ class _EventLoop:
 def _tail(model: StepCosts, tasks: _Tasks, c_end: list[float], now: float, record: bool) -> tuple[float, list[Span]]:
     """After its last action, each worker's gradient sums (`StepCosts.syncs`, in the ranks'
     order: each starts when all its workers are there), then its optimizer steps. A worker is a
-    stage replica, or under an interleaved schedule replica p of all the stages k, k + n, ... it
-    holds, which sums and steps one after the other. Returns the step's end and, when recording,
-    their spans."""
-    n = model.ranks
+    stage replica, or under an interleaved schedule replica p of all the stages of one pipeline
+    rank (`StepCosts.stage_ranks`), which sums and steps one after the other. Returns the step's
+    end and, when recording, their spans."""
+    rank = model.stage_ranks
     ready: dict[tuple[int, int], float] = {}
     for s, lasts in tasks.last:
         for p, t in enumerate(lasts):
-            ready[(s % n, p)] = max(ready.get((s % n, p), 0.0), c_end[t])
+            ready[(rank[s], p)] = max(ready.get((rank[s], p), 0.0), c_end[t])
     step = now
     spans: list[Span] = []
     for sync in model.syncs:
-        workers = dict.fromkeys(((k % n, p), d) for (k, p), d in zip(sync.members, sync.devices, strict=True))
-        begin = max(ready[w] for w, _ in workers)
+        workers: dict[tuple[int, int], tuple[str, int]] = {}  # (rank, replica) -> (device, first stage in it)
+        for (k, p), d in zip(sync.members, sync.devices, strict=True):
+            workers.setdefault((rank[k], p), (d, k))
+        begin = max(ready[w] for w in workers)
         end = begin + sync.seconds
-        for w, _ in workers:
+        for w in workers:
             ready[w] = end
         step = max(step, end)
         if record and sync.seconds > 0:
-            spans += [Span(d, ALLREDUCE, w[0], -1, begin, end) for w, d in workers]
+            spans += [Span(d, ALLREDUCE, k, -1, begin, end) for d, k in workers.values()]
     for st in model.stages:
         for p, rep in enumerate(st.replicas):
             if rep.optimizer_s > 0:
-                start = ready[(st.index % n, p)]
-                ready[(st.index % n, p)] = start + rep.optimizer_s
+                start = ready[(rank[st.index], p)]
+                ready[(rank[st.index], p)] = start + rep.optimizer_s
                 step = max(step, start + rep.optimizer_s)
                 if record:
                     spans.append(Span(rep.device, OPTIMIZER, st.index, -1, start, start + rep.optimizer_s))
