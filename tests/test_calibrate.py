@@ -159,8 +159,12 @@ def test_fit_overheads_is_the_line_of_the_excess_against_the_actions():
     # 2.5 ms per action and 5 ms per step, exactly
     assert fit_overheads([run(6, 0.020), run(10, 0.030), run(18, 0.050)]) == pytest.approx((0.0025, 0.005))
     assert fit_overheads([run(6, 0.010), run(18, 0.040)]) == pytest.approx((0.0025, 0.0))
-    # noise around the line: least squares
+    # noise around the line: the median of the pairwise slopes
     assert fit_overheads([run(6, 0.021), run(10, 0.029), run(18, 0.050)])[0] == pytest.approx(0.0025, rel=0.1)
+    # one run of five out of line (4x slower: something else ran) leaves the line where it was;
+    # least squares put it at 13.5 ms per action
+    line = [run(a, 0.0025 * a + 0.005) for a in (6, 8, 10, 14)]
+    assert fit_overheads([*line, run(18, 4 * (0.0025 * 18 + 0.005))]) == pytest.approx((0.0025, 0.005))
     # a falling excess: nothing per action, the mean per step; never negative
     assert fit_overheads([run(6, 0.040), run(18, 0.020)]) == pytest.approx((0.0, 0.030))
     # a flat excess: a slope of zero up to the BLAS kernel's rounding, never below zero

@@ -10,12 +10,15 @@ fresh processes like the workers (`hetplan.runtime.probes`), and written into th
 5. last, with all of the above charged, the runtime's own cost per pipeline action and per step
    (the executor's bookkeeping in Python, waking up the next worker), which nothing else sees.
    `calibrate_action_overhead` runs a probe model as a pipeline over all of the cluster's
-   workers (one stage each) with 2, 4 and 8 micro-batches, and fits a line through the extra
-   time the simulator did not predict against the actions on the critical path:
+   workers (one stage each) with 2, 3, 4, 6 and 8 micro-batches, and fits a line through the
+   extra time the simulator did not predict against the actions on the critical path:
 
        excess = measured - predicted = overhead * actions + per_step, actions = 2 (m + stages - 1)
 
-   Its slope is the cost per action, its intercept the cost per step (`fit_overheads`).
+   Its slope is the cost per action, its intercept the cost per step (`fit_overheads`): Theil and
+   Sen's line (the median of the slopes between every two runs, `scipy.stats.theilslopes`), so
+   that one run slowed by something else on the machine does not move it (with three runs and
+   least squares, one such run moved the slope tenfold).
    The probe is a perceptron of its own (12 layers of width 256, `probe_model`), not one of the
    models of the benchmark of predicted against measured, so that the benchmark checks the
    calibration rather than repeats it.
@@ -61,7 +64,7 @@ def _profile_spec(device) -> str:
     return binding if binding.startswith("cuda") else f"cpu:{device.threads or 1}"
 
 
-MICROBATCHES = (2, 4, 8)  # the probe's runs, for the line of the excess against the actions
+MICROBATCHES = (2, 3, 4, 6, 8)  # the probe's runs, for the line of the excess against the actions
 PHASES = 5 + len(MICROBATCHES)  # what `calibrate_cluster` says it is doing, one `say` each
 
 
@@ -107,15 +110,17 @@ def calibrate_action_overhead(cluster: Cluster, steps: int = 15, microbatches: S
 
 def fit_overheads(points: Sequence[dict]) -> tuple[float, float]:
     """Seconds per action and per step from runs of one pipeline with different numbers of
-    micro-batches, each {measured_step_s, predicted_step_s, actions}: the least-squares line of
-    the excess over the prediction against the actions, its slope per action and its intercept
-    per step. Neither is negative: with a falling excess, nothing per action and the mean excess
-    per step."""
+    micro-batches, each {measured_step_s, predicted_step_s, actions}: Theil and Sen's line of the
+    excess over the prediction against the actions (the median of the pairwise slopes; through
+    both points for two), its slope per action and the median of what is left per step. Neither
+    is negative: with a falling excess, nothing per action and the median excess per step."""
+    from scipy.stats import theilslopes
+
     actions = np.array([x["actions"] for x in points], dtype=float)
     excess = np.array([x["measured_step_s"] - x["predicted_step_s"] for x in points])
-    slope = float(np.polyfit(actions, excess, 1)[0]) if len(set(actions)) > 1 else 0.0
+    slope = float(theilslopes(excess, actions).slope) if len(set(actions)) > 1 else 0.0
     slope = max(0.0, slope)
-    return slope, max(0.0, float(np.mean(excess - slope * actions)))
+    return slope, max(0.0, float(np.median(excess - slope * actions)))
 
 
 def calibrate_link(repeats: int = 10) -> tuple[Link, dict]:
