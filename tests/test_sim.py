@@ -399,3 +399,16 @@ def test_a_device_runs_its_ranks_one_list_under_interleaving():
         ran = [s for s in sorted(sim.timeline.spans, key=lambda s: s.start_s) if s.resource == d
                and s.kind in "FB"]
         assert [s.label for s in ran] == [str(a) for a in orders[r]]
+
+
+def test_the_cost_models_stage_memory_holds_what_the_interleaved_order_holds():
+    """4 stages on 2 devices, 6 micro-batches: stage k holds 4, 3, 2, 1 micro-batches at its peak
+    under the ranks' lists (read as 4 ranks of one stage: 6, 5, 3, 1), and each device's
+    simulated peak is at most its two stages' peaks together."""
+    g = chain(4, params=1000, acts=600, batch=48)
+    plan = Plan(tuple(Stage((f"n{s}",), (f"v{s % 2}",)) for s in range(4)), 6, "interleaved-1f1b", "test")
+    cm = CostModel(g, load_cluster("v100x8"))
+    per_stage = [cm.stage_memory_bytes(plan, k, f"v{k % 2}") for k in range(4)]
+    assert per_stage == [4 * 1000 + 600 * held // 6 for held in (4, 3, 2, 1)]
+    peak = simulate(g, load_cluster("v100x8"), plan).estimate.peak_mem_bytes
+    assert peak["v0"] <= per_stage[0] + per_stage[2] and peak["v1"] <= per_stage[1] + per_stage[3]

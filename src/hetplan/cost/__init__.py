@@ -341,7 +341,7 @@ class CostModel:
         acts = sum(self.graph.by_id[n].act_bytes for n in stage.nodes)
         # this stage's split only: planners ask this per stage and device, in loops
         rows = step_rows(self.graph.batch_size, plan.microbatches, [self.stage_weights(stage.nodes, stage.devices)])
-        held = inflight_microbatches(plan.schedule, len(plan.stages), stage_index, plan.microbatches)
+        held = inflight_microbatches(plan.schedule, len(plan.stages), stage_index, plan.microbatches, plan.ranks)
         return {dev: formulas.stage_memory_bytes(
                     params, acts, sum(rows.rows(0, j, p) for j in range(held)) / self.graph.batch_size)
                 for p, dev in enumerate(stage.devices)}
