@@ -6,8 +6,9 @@ A plan is valid for a graph and a cluster when:
 - no edge goes from a later stage to an earlier one, so the stages can run as a pipeline;
 - every device exists, no device appears twice in a stage, and no device holds two stages
   unless the plan sets `shared_devices` (a worker per stage, sharing the device) or its schedule
-  interleaves (`Schedule.interleaved`: stage s on the devices of stage s mod n, n groups of
-  devices apart from each other, one worker per device running all its stages);
+  interleaves (`Schedule.interleaved`: each stage on the devices of its rank's first stage, by
+  the schedule's map, `Plan.stage_ranks`; ranks' devices apart; one worker per device running
+  all its stages);
 - there are no more micro-batches than samples in the batch.
 `validate_plan` checks all of it and names the offending node, edge, stage or device.
 """

@@ -23,6 +23,7 @@ import numpy as np
 from hetplan.cost import CostModel
 from hetplan.plan import Plan, Stage
 from hetplan.schedule import get_schedule, stage_ranks
+from hetplan.sim.chains import chain_crossing_bytes
 
 MAX_PER_RANK = 4  # stages per rank tried
 
@@ -31,16 +32,6 @@ def _node_order(cost: CostModel, plan: Plan) -> list[str]:
     """The graph's topological order, the plan's stages kept in turn (its edges go forward)."""
     where = plan.stage_of()
     return sorted(cost.graph.topo_order, key=where.__getitem__)  # sorted() is stable
-
-
-def crossing_bytes(cost: CostModel, order: list[str]) -> np.ndarray:
-    """Bytes crossing the cut before each position of `order` (N + 1 entries, 0 at both ends),
-    relayed as the runtime relays them (`Graph.crossing_bytes`)."""
-    graph, where = cost.graph, {node: i for i, node in enumerate(order)}
-    out = np.zeros(len(order) + 1)
-    for i in range(1, len(order)):
-        out[i] = graph.crossing_bytes(e for e in graph.edges if where[e.src] < i <= where[e.dst])
-    return out
 
 
 def linear_cuts(times: np.ndarray, row_of: Sequence[int], cut_s: np.ndarray | None = None) -> list[int] | None:
@@ -80,7 +71,7 @@ def interleaved(cost: CostModel, plan: Plan, schedule: str, per_rank: int, micro
     order = _node_order(cost, plan)
     times = np.array([[cost.stage_compute_s([node], g) for node in order] for g in groups])
     row_of = stage_ranks(schedule, n * per_rank, n)
-    crossing = crossing_bytes(cost, order)
+    crossing = chain_crossing_bytes(cost.graph, {node: i for i, node in enumerate(order)})
     cut_s = np.array([crossing * cost.routed_cut_s(groups[row_of[c]], groups[row_of[c + 1]])
                       for c in range(len(row_of) - 1)]).reshape(len(row_of) - 1, len(order) + 1)
     cuts = linear_cuts(times, row_of, cut_s)
