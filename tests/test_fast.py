@@ -9,11 +9,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
+from hetplan.cost.table import lower_chain, step_costs
 from hetplan.graph import Edge
 from hetplan.io.clusters import load_cluster
 from hetplan.io.pipedream import import_pipedream
 from hetplan.plan import Plan, Stage
 from hetplan.planners.randomized import random_plan
+from hetplan.schedule import get_schedule
 from hetplan.sim import simulate
 from hetplan.sim.chains import ChainScorer
 from hetplan.sim.fast import ChainProgram, fast_step_s
@@ -46,6 +48,30 @@ def test_fast_path_equals_the_event_simulator_on_chains(case):
     assert fast_step_s(graph, CLUSTER, [plan])[0] == pytest.approx(event, rel=1e-9, abs=1e-12)
 
 
+@settings(max_examples=60, deadline=None)
+@given(chain_plans())
+def test_the_tables_array_form_equals_its_scalar_form(case):
+    """One table, two forms: a chain's actions, transfers and tails per micro-batch in
+    `ChainScorer.lower` (arrays, from prefix sums) are the scalar table's (`step_costs`)."""
+    graph, plan = case
+    scorer = ChainScorer(graph, CLUSTER)
+    sizes = np.cumsum([len(s.nodes) for s in plan.stages])[:-1]
+    costs, _ = scorer.lower(sizes[None, :], [[CLUSTER.ids.index(s.devices[0]) for s in plan.stages]],
+                            plan.microbatches, plan.schedule)
+    table = step_costs(graph, CLUSTER, plan, "relay")
+    split = get_schedule(plan.schedule).split_backward
+    for k, stage in enumerate(table.stages):
+        rep = stage.replicas[0]
+        scalar = (rep.fwd_mb_s, *((rep.bwd_input_mb_s, rep.bwd_weight_mb_s) if split else (rep.bwd_mb_s,)))
+        for array, one in zip(costs.actions_s, scalar, strict=True):
+            assert array[k, :, 0] == pytest.approx(one, rel=1e-12, abs=1e-15)
+        assert costs.optimizer_s[k, 0] == pytest.approx(rep.optimizer_s, rel=1e-12, abs=1e-15)
+    assert len(table.messages) == len(plan.stages) - 1
+    for msg in table.messages:
+        assert costs.transfer_s[msg.src_stage, :, 0] == pytest.approx(msg.seconds_mb, rel=1e-12, abs=1e-15)
+        assert costs.sent[msg.src_stage, 0] == (msg.bytes_per_batch > 0)
+
+
 def test_a_boundary_carrying_nothing_takes_no_turn_on_an_interface():
     """Found by the test above in CI: stage 0 sends nothing to stage 1, which sends 1 byte to
     stage 2. Stage 1 receives stage 2's gradient of micro-batch 0 while stage 0 still runs; the
@@ -68,7 +94,8 @@ def test_fast_path_pipeline_formula(n, m, schedule):
     fwd, bwd = np.full((3, n), 0.03), np.full((3, n), 0.05)
     fwd[1] *= 2
     bwd[1] *= 2
-    step = program.step_s(fwd, bwd, np.zeros((3, n - 1)), np.zeros((3, n - 1)))
+    none = np.zeros((3, n - 1))
+    step = program.step_s(lower_chain(schedule, program.fractions, fwd, bwd, none, none))
     assert step == pytest.approx(np.array([1, 2, 1]) * (m + n - 1) * 0.08 / m)
 
 

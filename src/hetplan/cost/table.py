@@ -24,10 +24,13 @@ optimizer steps, built once from a graph, a cluster and a plan. The event simula
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from hetplan.cluster import Cluster
-from hetplan.cost import CostModel, formulas, microbatch_fractions, weight_bytes
+from hetplan.cost import CostModel, formulas, in_flight_share, microbatch_fractions, weight_bytes
 from hetplan.cost.formulas import action_s, replica_passes_s, replica_tail_s, split_backward_s
 from hetplan.cost.syncs import SyncCost, plan_syncs
 from hetplan.errors import HetplanError
@@ -214,3 +217,165 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
                     messages.append(Message(a, b, src, dst, per_mb, *secs))
     return StepCosts(tuple(stages), tuple(messages), microbatch_fractions(graph.batch_size, plan.microbatches),
                      plan.schedule, routing, graph.batch_size, holder, syncs)
+
+
+# The array form: P plans at once, each a chain of stages on one device each (a replicated
+# stage folded into one by its caller), for the fast path (`hetplan.sim.fast`). Arrays put the
+# plans last, so that one micro-batch's action is one row of P numbers.
+
+@dataclass(frozen=True)
+class ChainCosts:
+    """P chain plans' steps: every action and transfer per micro-batch, the tail of each stage.
+
+    actions_s: per block of the schedule's action kinds (F, then B, or I and W), (stages, m, P).
+    transfer_s: (stages - 1, m, P): a micro-batch's activations across boundary r (its gradients
+    take as long back); sent: (stages - 1, P), False where nothing crosses. After a stage's last
+    action: allreduce_s (stages, P), the tied sums (tied_members (G, stages, P) over tied_s
+    (G, P), one after the other), then optimizer_s (stages, P)."""
+
+    actions_s: tuple[np.ndarray, ...]
+    transfer_s: np.ndarray
+    sent: np.ndarray
+    optimizer_s: np.ndarray | None = None
+    allreduce_s: np.ndarray | None = None
+    tied_members: np.ndarray | None = None
+    tied_s: np.ndarray | None = None
+
+    @property
+    def stages(self) -> int:
+        return self.actions_s[0].shape[0]
+
+
+def _plans_last(x, p: int, n: int) -> np.ndarray | None:
+    return None if x is None else np.asarray(x, dtype=float).reshape(p, n).T
+
+
+def lower_chain(schedule: str, fractions: Sequence[float], fwd_s, bwd_s, send_s, latency_s, *, fwd_fixed_s=None,
+                bwd_fixed_s=None, allreduce_s=None, optimizer_s=None, tied_members=None, tied_s=None,
+                weight_share=None, action_overhead_s=None) -> ChainCosts:
+    """P chains' whole-batch figures, (P, stages) each, lowered to every micro-batch's action
+    and transfer: fwd_s, bwd_s the parts that scale with the samples (fixed parts apart, None for
+    0); send_s (P, stages - 1) the batch's bytes over each boundary's bandwidth, latency_s 0
+    where nothing is sent; weight_share and action_overhead_s for a schedule that splits the
+    backward (`formulas.split_backward_s`; bwd_fixed_s then includes the overhead)."""
+    f = np.asarray(fractions, dtype=float)[None, :, None]
+    fwd = np.atleast_2d(np.asarray(fwd_s, dtype=float))
+    p, n = fwd.shape
+    actions = []
+    for scaled, fixed in _pass_blocks(schedule, fwd, fwd_fixed_s, bwd_s, bwd_fixed_s, weight_share, action_overhead_s):
+        fixed = 0.0 if fixed is None else np.asarray(fixed, dtype=float).reshape(p, n).T[:, None, :]
+        scaled = np.atleast_2d(np.asarray(scaled, dtype=float)).T[:, None, :]
+        actions.append(np.broadcast_to(action_s(fixed, scaled, f), (n, f.size, p)))
+    send = np.asarray(send_s, dtype=float).reshape(p, n - 1).T
+    lat = np.broadcast_to(np.asarray(latency_s, dtype=float), (p, n - 1)).T
+    members = None if tied_members is None else np.asarray(tied_members, dtype=bool).reshape(p, -1, n)
+    return ChainCosts(tuple(actions), action_s(lat[:, None, :], send[:, None, :], f), send > 0,
+                      _plans_last(optimizer_s, p, n), _plans_last(allreduce_s, p, n),
+                      None if members is None else members.transpose(1, 2, 0),
+                      None if tied_s is None else np.asarray(tied_s, dtype=float).reshape(p, -1).T)
+
+
+def _pass_blocks(schedule: str, fwd, fwd_fixed, bwd, bwd_fixed, weight_share, overhead) -> list[tuple]:
+    """(scaled, fixed) of each block of actions: F, then B or I and W."""
+    if not get_schedule(schedule).split_backward:
+        return [(fwd, fwd_fixed), (bwd, bwd_fixed)]
+    p = fwd.shape[0]
+    share = np.zeros(fwd.shape) if weight_share is None else np.asarray(weight_share, dtype=float).reshape(p, -1)
+    fixed = 0.0 if bwd_fixed is None else np.asarray(bwd_fixed, dtype=float)
+    over = 0.0 if overhead is None else np.asarray(overhead, dtype=float)
+    i_s, i_fix, w_s, w_fix = split_backward_s(np.atleast_2d(np.asarray(bwd, dtype=float)), fixed, share, over)
+    return [(fwd, fwd_fixed), (i_s, np.broadcast_to(i_fix, fwd.shape)), (w_s, np.broadcast_to(w_fix, fwd.shape))]
+
+
+@dataclass(frozen=True)
+class ChainStages:
+    """P chains of n stages, one device each (an index of `cluster.devices`, (P, n)), as the sums
+    of each stage's nodes on its device's type, for the whole batch: what a caller adds up along
+    a topological order (`hetplan.sim.chains`)."""
+
+    devices: np.ndarray
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    fwd_fixed_s: np.ndarray
+    bwd_fixed_s: np.ndarray
+    bwd_weighted_s: np.ndarray  # the backward of its nodes with weights
+    optimizer_s: np.ndarray  # its weights' optimizer step on its device (`CostModel.optimizer_step_s`)
+    param_bytes: np.ndarray  # a tied parameter once
+    act_bytes: np.ndarray
+    cut_bytes: np.ndarray  # (P, n - 1): a batch's bytes across each boundary
+    tied_members: np.ndarray | None = None  # (P, G, n): the stages each tied parameter spans
+    tied_s: np.ndarray | None = None  # (P, G): its sum (`CostModel.gradient_sync_s`)
+
+
+@dataclass(frozen=True)
+class ChainResources:
+    """What P chains hold and cost besides time: per stage its peak memory, whether every stage
+    fits, the devices' price per hour, the busiest link's time sending in a step, and PipeDream's
+    steady state (`CostModel.bottleneck_s`)."""
+
+    peak_memory_bytes: np.ndarray  # (P, n)
+    fits: np.ndarray  # (P,)
+    usd_per_hour: np.ndarray  # (P,)
+    link_busy_s: np.ndarray  # (P,)
+    bottleneck_s: np.ndarray  # (P,)
+
+    def usd_per_step(self, step_s: np.ndarray) -> np.ndarray:
+        return formulas.usd_per_step(self.usd_per_hour, step_s)
+
+
+class ChainDevices:
+    """A cluster's devices as arrays by index of `cluster.devices`, for lowering chains."""
+
+    def __init__(self, cm: CostModel) -> None:
+        cluster = cm.cluster
+        ids = cluster.ids
+        self.bandwidth_Bps = np.array([[cluster.link(a, b).bandwidth_Bps for b in ids] for a in ids])
+        self.latency_s = np.array([[cluster.link(a, b).latency_s for b in ids] for a in ids])
+        self.mem_bytes = np.array([d.mem_bytes for d in cluster.devices], dtype=float)
+        self.usd_per_hour = np.array([d.usd_per_hour for d in cluster.devices])
+        self.action_overhead_s = np.array([d.action_overhead_s for d in cluster.devices])
+        self.step_overhead_s = np.array([d.step_overhead_s for d in cluster.devices])
+        self._host = np.array([cluster.hosts.index(d.host) for d in cluster.devices])
+        self._cpu = np.array([cm.is_cpu(d.id) for d in cluster.devices])
+        slowdown = cluster.calibration.corun_slowdown if cluster.calibration is not None else ()
+        self._corun = np.array([formulas.corun_factor(k, slowdown) for k in range(len(ids) + 2)]) if slowdown else None
+
+    def corun(self, devices: np.ndarray) -> np.ndarray:
+        """(P, n) `CostModel.corun_factor` of each stage's device among the plan's devices."""
+        if self._corun is None:
+            return np.ones(devices.shape)
+        same = (self._host[devices][:, :, None] == self._host[devices][:, None, :]) & self._cpu[devices][:, None, :]
+        # distinct devices only: a device holding two stages is one worker
+        dup = np.triu(devices[:, :, None] == devices[:, None, :], 1).any(axis=1)
+        busy = (same & ~dup[:, None, :]).sum(axis=2)
+        return np.where(self._cpu[devices], self._corun[busy], 1.0)
+
+
+def chain_costs(dev: ChainDevices, st: ChainStages, schedule: str, batch_size: int,
+                microbatches: int) -> tuple[ChainCosts, ChainResources]:
+    """P chains lowered as `step_costs` lowers one plan (the same formulas, in arrays)."""
+    p, n = st.devices.shape
+    slow = dev.corun(st.devices)
+    overhead = dev.action_overhead_s[st.devices]
+    fwd, bwd, ffix, bfix = replica_passes_s(st.fwd_s, st.bwd_s, st.fwd_fixed_s, st.bwd_fixed_s, slow, overhead)
+    src, dst = st.devices[:, :-1], st.devices[:, 1:]
+    send = formulas.wire_s(st.cut_bytes, dev.bandwidth_Bps[src, dst])
+    lat = np.where(st.cut_bytes > 0, dev.latency_s[src, dst], 0.0)
+    split = {}
+    if get_schedule(schedule).split_backward:
+        split = {"weight_share": formulas.weight_share(st.bwd_weighted_s, st.bwd_s, np.arange(n)[None, :] == 0),
+                 "action_overhead_s": overhead}
+    costs = lower_chain(schedule, microbatch_fractions(batch_size, microbatches), fwd, bwd, send, lat,
+                        fwd_fixed_s=ffix, bwd_fixed_s=bfix, tied_members=st.tied_members, tied_s=st.tied_s,
+                        optimizer_s=replica_tail_s(st.optimizer_s, slow, dev.step_overhead_s[st.devices]), **split)
+    share = np.array([in_flight_share(schedule, n, r, batch_size, microbatches) for r in range(n)])
+    peak = formulas.stage_memory_bytes_array(st.param_bytes, st.act_bytes, share)
+    # each boundary's link carries the batch's activations one way and its gradients (as many
+    # bytes) the other, one message per micro-batch
+    busy = (send + microbatches * lat).max(axis=1) if n > 1 else np.zeros(p)
+    # one device per stage: no all-reduce, one lane per cut
+    steady = np.maximum((st.fwd_s + st.bwd_s).max(axis=1),
+                        formulas.steady_cut_s(st.cut_bytes, dev.bandwidth_Bps[src, dst], 1).max(axis=1)
+                        if n > 1 else 0.0)
+    return costs, ChainResources(peak, (peak <= dev.mem_bytes[st.devices]).all(axis=1),
+                                 dev.usd_per_hour[st.devices].sum(axis=1), busy, steady)

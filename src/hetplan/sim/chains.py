@@ -1,7 +1,8 @@
 """Scoring chains of single-device stages given as cut points in a fixed topological order and
-one device per stage, for planners that search over cuts (the RL environment): their inputs to
-`hetplan.sim.fast.ChainProgram` from prefix sums along the order, so a batch of plans is scored
-without a Python loop over plans. Exactly the event simulator where the fast path is
+one device per stage, for planners that search over cuts (the RL environment): each stage's sums
+along the order from prefix sums (`ChainStages`), lowered by the cost table's array form
+(`hetplan.cost.table.chain_costs`) and run by `hetplan.sim.fast.ChainProgram`, so a batch of
+plans is scored without a Python loop over plans. Exactly the event simulator where the fast path is
 (`hetplan.sim.fast`); tied parameters spanning the same stages are summed one after the other,
 where the runtime sums them together.
 """
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.cost import CostModel, formulas, in_flight_share, microbatch_fractions
+from hetplan.cost import CostModel, microbatch_fractions
+from hetplan.cost.table import ChainCosts, ChainDevices, ChainResources, ChainStages, chain_costs
 from hetplan.graph import Graph
-from hetplan.schedule import get_schedule
 from hetplan.sim.fast import ChainProgram
 
 
@@ -82,23 +83,11 @@ class ChainScorer:
                      for m in (cm.measured_optimizer_s(t) for t in sorted(set(types)))]
         self._acts = np.concatenate([zero, np.cumsum([by_id[v].act_bytes for v in self.order], dtype=float)])
         self._crossing = chain_crossing_bytes(graph, pos)
-        ids = cluster.ids
-        self._bw = np.array([[cluster.link(a, b).bandwidth_Bps for b in ids] for a in ids])
-        self._lat = np.array([[cluster.link(a, b).latency_s for b in ids] for a in ids])
-        self._mem = np.array([d.mem_bytes for d in cluster.devices], dtype=float)
-        self._usd = np.array([d.usd_per_hour for d in cluster.devices])
-        self._overhead = np.array([d.action_overhead_s for d in cluster.devices])
-        self._step_overhead = np.array([d.step_overhead_s for d in cluster.devices])
         self._programs: dict[tuple[int, int, str], ChainProgram] = {}
         self._cm = cm
+        self._devices = ChainDevices(cm)
         self._tied_at = [(np.array([pos[v] for v in t.nodes]), t.bytes) for t in graph.tied]
         self._tied_cache: dict[tuple[int, tuple[str, ...]], float] = {}
-        # co-running (a calibrated cluster): host index and CPU-ness per device, and the factor
-        # on a CPU device's compute by how many CPU devices of the plan share its host
-        self._host = np.array([cluster.hosts.index(d.host) for d in cluster.devices])
-        self._cpu = np.array([cm.is_cpu(d.id) for d in cluster.devices])
-        slowdown = cluster.calibration.corun_slowdown if cluster.calibration is not None else ()
-        self._corun = np.array([formulas.corun_factor(k, slowdown) for k in range(len(cluster.devices) + 2)])
 
     def _optimizer_s(self, lo: np.ndarray, hi: np.ndarray, devices: np.ndarray, excess) -> np.ndarray:
         """(P, stages) optimizer step of each stage's weights on its device (as
@@ -138,17 +127,6 @@ class ChainScorer:
                 seconds[i, g] = self._tied_cache[(g, ids)]
         return members, seconds, excess
 
-    def _corun_factor(self, devices: np.ndarray) -> np.ndarray:
-        """(P, stages) `CostModel.corun_factor` of each stage's device among the plan's devices."""
-        if self.cluster.calibration is None or not self.cluster.calibration.corun_slowdown:
-            return np.ones(devices.shape)
-        same = (self._host[devices][:, :, None] == self._host[devices][:, None, :]) & self._cpu[devices][:, None, :]
-        # distinct devices only: a device holding two stages is one worker
-        first = devices[:, :, None] == devices[:, None, :]
-        dup = np.triu(first, 1).any(axis=1)  # (P, n): this position repeats an earlier device
-        busy = (same & ~dup[:, None, :]).sum(axis=2)
-        return np.where(self._cpu[devices], self._corun[busy], 1.0)
-
     def _prefix(self, per_type: list[dict[str, tuple[float, float]]], k: int) -> np.ndarray:
         return np.array([np.concatenate([np.zeros(1), np.cumsum([x[v][k] for v in self.order])]) for x in per_type])
 
@@ -159,43 +137,29 @@ class ChainScorer:
                                                schedule)
         return self._programs[key]
 
-    def score(self, cuts: np.ndarray, devices: np.ndarray, microbatches: int, schedule: str) -> FastScores:
+    def lower(self, cuts: np.ndarray, devices: np.ndarray, microbatches: int,
+              schedule: str) -> tuple[ChainCosts, ChainResources]:
+        """The plans' table in array form (`hetplan.cost.table.chain_costs`), from their stages'
+        sums along the order."""
         devices = np.atleast_2d(np.asarray(devices, dtype=int))
         p, n = devices.shape
         cuts = np.asarray(cuts, dtype=int).reshape(p, n - 1)
         bounds = np.concatenate([np.zeros((p, 1), int), cuts, np.full((p, 1), len(self.order))], axis=1)
         lo, hi = bounds[:, :-1], bounds[:, 1:]
         types = self._type_of[devices]
-        whole_f = self._fwd[types, hi] - self._fwd[types, lo]
-        whole_b = self._bwd[types, hi] - self._bwd[types, lo]
-        compute = whole_f + whole_b  # the stage's forward + backward of the batch, as CostModel's
-        slow = self._corun_factor(devices)
-        fwd, bwd, ffix, bfix = formulas.replica_passes_s(
-            whole_f, whole_b, self._ffix[types, hi] - self._ffix[types, lo],
-            self._bfix[types, hi] - self._bfix[types, lo], slow, self._overhead[devices])
-        nbytes = self._crossing[cuts]
-        src, dst = devices[:, :-1], devices[:, 1:]
-        send = formulas.wire_s(nbytes, self._bw[src, dst])
-        lat = np.where(nbytes > 0, self._lat[src, dst], 0.0)
         tied_members, tied_s, excess = self._tied(cuts, devices) if self._tied_at else (None, None, 0.0)
-        params = self._params[hi] - self._params[lo] - excess
-        opt = formulas.replica_tail_s(self._optimizer_s(lo, hi, devices, excess), slow, self._step_overhead[devices])
-        split = {}
-        if get_schedule(schedule).split_backward:
-            weighted = self._bwd_weighted[types, hi] - self._bwd_weighted[types, lo]
-            split = {"weight_share": formulas.weight_share(weighted, whole_b, np.arange(n)[None, :] == 0),
-                     "action_overhead_s": self._overhead[devices]}
-        step = self.program(n, microbatches, schedule).step_s(fwd, bwd, send, lat, fwd_fixed_s=ffix,
-                                                              bwd_fixed_s=bfix, optimizer_s=opt,
-                                                              tied_members=tied_members, tied_s=tied_s, **split)
-        share = np.array([in_flight_share(schedule, n, r, self.graph.batch_size, microbatches) for r in range(n)])
-        peak = formulas.stage_memory_bytes_array(params, self._acts[hi] - self._acts[lo], share)
-        feasible = (peak <= self._mem[devices]).all(axis=1)
-        usd = formulas.usd_per_step(self._usd[devices].sum(axis=1), step)
-        # each boundary's link carries the batch's activations one way and its gradients (as
-        # many bytes) the other, one message per micro-batch
-        busy = (send + microbatches * lat).max(axis=1) if n > 1 else np.zeros(p)
-        # one device per stage: no all-reduce, one lane per cut
-        steady = np.maximum(compute.max(axis=1), formulas.steady_cut_s(nbytes, self._bw[src, dst], 1).max(axis=1)
-                            if n > 1 else 0.0)
-        return FastScores(step, self.graph.batch_size / step, peak, feasible, usd, busy, steady)
+
+        def stage_sum(prefix: np.ndarray) -> np.ndarray:
+            return prefix[types, hi] - prefix[types, lo]
+
+        stages = ChainStages(devices, stage_sum(self._fwd), stage_sum(self._bwd), stage_sum(self._ffix),
+                             stage_sum(self._bfix), stage_sum(self._bwd_weighted),
+                             self._optimizer_s(lo, hi, devices, excess), self._params[hi] - self._params[lo] - excess,
+                             self._acts[hi] - self._acts[lo], self._crossing[cuts], tied_members, tied_s)
+        return chain_costs(self._devices, stages, schedule, self.graph.batch_size, microbatches)
+
+    def score(self, cuts: np.ndarray, devices: np.ndarray, microbatches: int, schedule: str) -> FastScores:
+        costs, held = self.lower(cuts, devices, microbatches, schedule)
+        step = self.program(costs.stages, microbatches, schedule).step_s(costs)
+        return FastScores(step, self.graph.batch_size / step, held.peak_memory_bytes, held.fits,
+                          held.usd_per_step(step), held.link_busy_s, held.bottleneck_s)

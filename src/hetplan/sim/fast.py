@@ -21,12 +21,15 @@ network interface carries the tensors of two pairs of devices (a chain on one ho
 each host once), this is exactly the event simulator (a test checks it). Otherwise the event
 simulator also makes transfers of two pairs take turns on a host's interface; replicated stages
 are folded into one stage (the slowest replica's share, a cut's transfers as long as its busiest
-interface is busy), and tensors that skip stages are relayed. So the fast path ranks such plans rather than timing
-them, and a planner's final choice is re-scored by `hetplan.sim.simulate`.
+interface is busy), and tensors that skip stages are relayed. So the fast path ranks such
+plans rather than timing them, and a planner's final choice is re-scored by
+`hetplan.sim.simulate`.
 
-`hetplan.sim.chains.ChainScorer` builds the inputs for plans written as cut points in a
-topological order plus one device per stage, from prefix sums, so a batch of such plans is
-scored without a Python loop over plans.
+The durations come from the lowered table's array form (`hetplan.cost.table.ChainCosts`, made
+by `lower_chain`); this module computes no cost of its own (`tests/test_cost_formulas.py`).
+`hetplan.sim.chains.ChainScorer` lowers plans written as cut points in a topological order plus
+one device per stage, from prefix sums, so a batch of such plans is scored without a Python loop
+over plans.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.cost import CostModel, formulas, microbatch_fractions
-from hetplan.cost.table import step_costs
+from hetplan.cost import CostModel, microbatch_fractions
+from hetplan.cost.table import ChainCosts, lower_chain, step_costs
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
@@ -121,60 +124,25 @@ class ChainProgram:
         m = len(self.fractions)
         return self._actions + (self.stages - 1) * m + (r - 1) * m + i
 
-    def step_s(self, fwd_s: np.ndarray, bwd_s: np.ndarray, send_s: np.ndarray, latency_s: np.ndarray,
-               allreduce_s: np.ndarray | None = None, fwd_fixed_s: np.ndarray | None = None,
-               bwd_fixed_s: np.ndarray | None = None, optimizer_s: np.ndarray | None = None,
-               tied_members: np.ndarray | None = None, tied_s: np.ndarray | None = None,
-               weight_share: np.ndarray | None = None, action_overhead_s: np.ndarray | None = None) -> np.ndarray:
-        """Step time of P plans.
-
-        fwd_s, bwd_s: (P, stages) forward and backward time of each stage for the whole batch
-        (without the fixed parts, if those are given). fwd_fixed_s, bwd_fixed_s: (P, stages) the
-        time of every action whatever its size, or None for 0.
-        send_s: (P, stages - 1) bytes / bandwidth across each boundary for the whole batch (both
-        directions use it). latency_s: (P, stages - 1), 0 where nothing is sent.
-        allreduce_s: (P, stages) gradient all-reduce after each stage's last action, or None.
-        tied_members: (P, G, stages) bool, tied_s: (P, G): G sums of tied parameters over the
-        stages marked (`hetplan.cost.syncs`), one after the other, each once all its stages are
-        done, or None. weight_share, action_overhead_s: (P, stages), for a schedule that splits the
-        backward (`formulas.split_backward_s`; bwd_fixed_s then includes the overhead)."""
-        n = self.stages
-        f = np.asarray(self.fractions)
-        fwd = np.atleast_2d(np.asarray(fwd_s, dtype=float))
-        p = fwd.shape[0]
-        parts = []
-        for scaled, fixed in self._passes(fwd, fwd_fixed_s, bwd_s, bwd_fixed_s, weight_share, action_overhead_s):
-            fixed = 0.0 if fixed is None else np.asarray(fixed, dtype=float).reshape(p, n).T[:, None, :]
-            scaled = np.atleast_2d(np.asarray(scaled, dtype=float)).T[:, None, :]
-            parts.append(np.broadcast_to(formulas.action_s(fixed, scaled, f[None, :, None]), (n, len(f), p)))
-        if n > 1:
-            send = np.asarray(send_s, dtype=float).reshape(p, n - 1).T
-            lat = np.broadcast_to(np.asarray(latency_s, dtype=float), (p, n - 1)).T
-            comm = formulas.action_s(lat[:, None, :], send[:, None, :], f[None, :, None])  # latency + share of bytes
-            parts += [comm, comm]
+    def step_s(self, costs: ChainCosts) -> np.ndarray:
+        """Step time of the P plans whose actions and transfers `costs` gives (`hetplan.cost.table`)."""
+        n, m = self.stages, len(self.fractions)
+        if len(costs.actions_s) != len(self.kinds) or costs.actions_s[0].shape[:2] != (n, m):
+            raise HetplanError(f"the costs are lowered for {costs.actions_s[0].shape[:2]} (stages, micro-batches) "
+                               f"and {len(costs.actions_s)} kinds of action, the program is for {(n, m)} and "
+                               f"{self.schedule}; lower them with its schedule and micro-batches")
+        p = costs.actions_s[0].shape[2]
+        parts = [*costs.actions_s, costs.transfer_s, costs.transfer_s] if n > 1 else list(costs.actions_s)
         dur = np.concatenate([x.reshape(-1, p) for x in parts])
-        t = self._times(dur, None if n == 1 else np.tile(np.repeat(send > 0, len(f), axis=0), (2, 1)))
+        t = self._times(dur, None if n == 1 else np.tile(np.repeat(costs.sent, m, axis=0), (2, 1)))
         ends = t[list(self.last)]
-        if allreduce_s is not None:
-            ends = ends + np.asarray(allreduce_s, dtype=float).reshape(p, n).T
-        if tied_members is not None and tied_s is not None:
-            ends = _tied_sums(ends, np.asarray(tied_members, dtype=bool).reshape(p, -1, n),
-                              np.asarray(tied_s, dtype=float).reshape(p, -1))
-        if optimizer_s is not None:
-            ends = ends + np.asarray(optimizer_s, dtype=float).reshape(p, n).T
+        if costs.allreduce_s is not None:
+            ends = ends + costs.allreduce_s
+        if costs.tied_members is not None and costs.tied_s is not None:
+            ends = _tied_sums(ends, costs.tied_members, costs.tied_s)
+        if costs.optimizer_s is not None:
+            ends = ends + costs.optimizer_s
         return ends.max(axis=0)
-
-    def _passes(self, fwd, fwd_fixed, bwd, bwd_fixed, weight_share, overhead) -> list[tuple]:
-        """(scaled, fixed) of each block of action events: F, then B or I and W."""
-        if len(self.kinds) == 2:
-            return [(fwd, fwd_fixed), (bwd, bwd_fixed)]
-        p = fwd.shape[0]
-        share = np.zeros(fwd.shape) if weight_share is None else np.asarray(weight_share, dtype=float).reshape(p, -1)
-        fixed = 0.0 if bwd_fixed is None else np.asarray(bwd_fixed, dtype=float)
-        over = 0.0 if overhead is None else np.asarray(overhead, dtype=float)
-        i_s, i_fix, w_s, w_fix = formulas.split_backward_s(np.atleast_2d(np.asarray(bwd, dtype=float)), fixed, share,
-                                                           over)
-        return [(fwd, fwd_fixed), (i_s, np.broadcast_to(i_fix, fwd.shape)), (w_s, np.broadcast_to(w_fix, fwd.shape))]
 
     def _times(self, dur: np.ndarray, sent: np.ndarray | None) -> np.ndarray:
         """Each event's end, (events, P). sent: (transfers, P), False where a boundary carries
@@ -207,12 +175,11 @@ class ChainProgram:
 
 
 def _tied_sums(ends: np.ndarray, members: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-    """ends (stages, P) after each sum g of members[:, g] (P, stages): its stages wait for the
-    last of them, then for the sum."""
-    for g in range(members.shape[1]):
-        mask = members[:, g, :].T  # (stages, P)
-        begin = np.where(mask, ends, -np.inf).max(axis=0)
-        ends = np.where(mask, begin + seconds[:, g], ends)
+    """ends (stages, P) after each sum g over the stages members[g] (stages, P) marks: they wait
+    for the last of them, then for the sum."""
+    for g in range(members.shape[0]):
+        begin = np.where(members[g], ends, -np.inf).max(axis=0)
+        ends = np.where(members[g], begin + seconds[g], ends)
     return ends
 
 
@@ -240,10 +207,10 @@ def _topological(deps: list[list[int]]) -> list[tuple[int, tuple[int, ...]]]:
 
 
 def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | None = None) -> dict[str, np.ndarray]:
-    """The `ChainProgram.step_s` inputs of any plan: replicated stages folded into one stage (the
-    slowest replica; a cut's transfers as long as its busiest interface is busy,
-    `CostModel.busiest_interface_s`) and skipping tensors relayed (an approximation where the
-    plan has either; exact otherwise)."""
+    """`lower_chain`'s inputs for any plan's table (`step_costs`) as a chain: replicated stages
+    folded into one stage (the slowest replica; a cut's transfers as long as its busiest
+    interface is busy, `CostModel.busiest_interface_s`) and skipping tensors relayed (an
+    approximation where the plan has either; exact otherwise)."""
     cm = cost or CostModel(graph, cluster)
     model = step_costs(graph, cluster, plan, "relay", cm)
     n = len(model.stages)
@@ -254,36 +221,25 @@ def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | N
         if msg.src != msg.dst and msg.bytes_per_batch > 0:
             pairs[k][(msg.src, msg.dst)] = pairs[k].get((msg.src, msg.dst), 0.0) + msg.bytes_per_batch
             lat[k] = max(lat[k], cluster.link(msg.src, msg.dst).latency_s)
-    send = np.array([cm.busiest_interface_s(p) for p in pairs])
-    return {
-        "fwd_s": np.array([max(r.fwd_s for r in st.replicas) for st in model.stages]),
-        "bwd_s": np.array([max(r.bwd_s for r in st.replicas) for st in model.stages]),
-        "fwd_fixed_s": np.array([max(r.fwd_fixed_s for r in st.replicas) for st in model.stages]),
-        "bwd_fixed_s": np.array([max(r.bwd_fixed_s for r in st.replicas) for st in model.stages]),
-        "send_s": send,
-        "latency_s": lat,
-        "allreduce_s": np.array([st.allreduce_s for st in model.stages]),
-        "optimizer_s": np.array([max(r.optimizer_s for r in st.replicas) for st in model.stages]),
-        **_tied_inputs(model, n),
-        **(_split_inputs(model, cluster) if get_schedule(plan.schedule).split_backward else {}),
-    }
 
+    def slowest(field: str) -> np.ndarray:
+        return np.array([max(getattr(r, field) for r in st.replicas) for st in model.stages])
 
-def _split_inputs(model, cluster: Cluster) -> dict[str, np.ndarray]:
-    """For a schedule that splits the backward: how replica 0 of each stage splits it (the table's
-    share) and its device's cost per action."""
-    return {"weight_share": np.array([st.replicas[0].weight_share for st in model.stages]),
-            "action_overhead_s": np.array([cluster.device(st.replicas[0].device).action_overhead_s
-                                           for st in model.stages])}
-
-
-def _tied_inputs(model, n: int) -> dict[str, np.ndarray]:
-    """The step's sums that span stages (tied parameters), stages marked, for `step_s`."""
-    spanning = [sync for sync in model.syncs if len({k for k, _ in sync.members}) > 1]
+    spanning = [sync for sync in model.syncs if len({k for k, _ in sync.members}) > 1]  # tied parameters
     members = np.zeros((len(spanning), n), dtype=bool)
     for g, sync in enumerate(spanning):
         members[g, [k for k, _ in sync.members]] = True
-    return {"tied_members": members, "tied_s": np.array([sync.seconds for sync in spanning])}
+    split = {}
+    if get_schedule(plan.schedule).split_backward:  # as replica 0 of each stage splits it
+        split = {"weight_share": np.array([st.replicas[0].weight_share for st in model.stages]),
+                 "action_overhead_s": np.array([cluster.device(st.replicas[0].device).action_overhead_s
+                                                for st in model.stages])}
+    return {"fwd_s": slowest("fwd_s"), "bwd_s": slowest("bwd_s"),
+            "send_s": np.array([cm.busiest_interface_s(p) for p in pairs]), "latency_s": lat,
+            "fwd_fixed_s": slowest("fwd_fixed_s"), "bwd_fixed_s": slowest("bwd_fixed_s"),
+            "allreduce_s": np.array([st.allreduce_s for st in model.stages]),
+            "optimizer_s": slowest("optimizer_s"), "tied_members": members,
+            "tied_s": np.array([sync.seconds for sync in spanning]), **split}
 
 
 def fast_step_s(graph: Graph, cluster: Cluster, plans: Sequence[Plan]) -> np.ndarray:
@@ -295,7 +251,7 @@ def fast_step_s(graph: Graph, cluster: Cluster, plans: Sequence[Plan]) -> np.nda
     for k, plan in enumerate(plans):
         groups.setdefault((len(plan.stages), plan.microbatches, plan.schedule, len(inputs[k]["tied_s"])), []).append(k)
     for (n, m, schedule, _), members in groups.items():
-        stacked = {key: np.stack([inputs[k][key] for k in members]) for key in inputs[members[0]]}
         program = ChainProgram(n, microbatch_fractions(graph.batch_size, m), schedule)
-        out[members] = program.step_s(**stacked)
+        stacked = {key: np.stack([inputs[k][key] for k in members]) for key in inputs[members[0]]}
+        out[members] = program.step_s(lower_chain(schedule, program.fractions, **stacked))
     return out
