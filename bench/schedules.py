@@ -1,14 +1,15 @@
-"""Zero bubble and interleaved 1F1B against 1F1B (and GPipe) on the same workers: step and
-bubble, predicted against measured, on this machine's CPU workers.
+"""Zero bubble, interleaved 1F1B and ZB-V against 1F1B (and GPipe) on the same workers: step
+and bubble, predicted against measured, on this machine's CPU workers.
 
     .venv/bin/python bench/schedules.py [--steps 20] [--rounds 3] [--repeats 10]
         [-o bench/results/schedules.json]
 
 `hetplan calibrate` of `local` first (as bench/predicted_vs_measured.py), then per model a profile
 on one thread and, per round, the same two-stage split run under each schedule with 4 and 8
-micro-batches (median step after 3 warm-up steps; the median over rounds); interleaved 1F1B runs
-the same two workers with two stages each, the model cut in four by the planner's
-`hetplan.planners.interleave.interleaved` from the first profile. The prediction is the
+micro-batches (median step after 3 warm-up steps; the median over rounds); interleaved 1F1B and
+ZB-V run the same two workers with two stages each (stages 0, 2 and 1, 3; ZB-V's V: 0, 3 and
+1, 2), the model cut in four by the planner's `hetplan.planners.interleave.interleaved` from the
+first profile. The prediction is the
 event simulator's on the calibrated cluster, from the median profile. Measured bubble: one minus
 the workers' busy time (their actions less the receives inside them, and the optimizer step;
 `hetplan.runtime.worker.step_busy_comm`) over workers x step. Zero bubble's I and W split the
@@ -44,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 # (model, batch, sequence length, granularity, block classes)
 MODELS = [("gpt2-tiny", 8, 64, "layer", None), ("mlp", 64, None, "layer", None),
           ("bench_models:encoder", 16, 32, "block", ("TransformerEncoderLayer",))]
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b", "zb-v")
 
 
 def measured_bubble(result) -> float:

@@ -19,7 +19,7 @@ from hetplan.runtime.rank import Traces, boundary_layouts
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
-from hetplan.schedule import ONE_STAGE_PER_RANK, rank_orders, schedule_order
+from hetplan.schedule import ONE_STAGE_PER_RANK, rank_orders, schedule_order, stage_ranks
 from hetplan.zoo import ZOO, load_model
 from hf_families import FAMILIES
 
@@ -266,31 +266,37 @@ def test_zero_bubble_on_ctr_tables_with_sparse_gradients_and_adam():
                                optimizer="adam"))
 
 
-def interleaved_plan(names, groups, per_rank, m):
+def interleaved_plan(names, groups, per_rank, m, schedule="interleaved-1f1b"):
     """`groups[g]` replicas for rank g; the pieces cut evenly into len(groups) x per_rank stages,
-    stage s on the devices of group s mod n."""
+    stage s on the devices of the group the schedule's map gives it."""
     n = len(groups)
     first = chain_plan(names, groups, m, "1f1b")
     stages = n * per_rank
     bounds = [len(names) * i // stages for i in range(stages + 1)]
-    return Plan(tuple(Stage(tuple(names[bounds[s]:bounds[s + 1]]), first.stages[s % n].devices)
-                      for s in range(stages)), m, "interleaved-1f1b", "test")
+    holder = stage_ranks(schedule, stages, n)
+    return Plan(tuple(Stage(tuple(names[bounds[s]:bounds[s + 1]]), first.stages[holder[s]].devices)
+                      for s in range(stages)), m, schedule, "test")
 
 
-@pytest.mark.parametrize("name,groups,per_rank,m,weights", [
-    ("gpt2-tiny", [1, 1], 2, 4, None),  # tied embedding: stages 0 and 3 on different workers
-    ("gpt2-tiny", [1, 1, 1], 2, 3, None),  # fewer micro-batches than ranks
-    ("gpt2-tiny", [1, 2], 2, 2, [[1.0], [1.0, 2.0], [1.0], [1.0, 2.0]]),  # a replicated group, uneven
-    ("inception-tiny", [1, 1], 2, 4, None),  # branches, batch norm
+@pytest.mark.parametrize("name,groups,per_rank,m,weights,schedule", [
+    ("gpt2-tiny", [1, 1], 2, 4, None, "interleaved-1f1b"),  # tied embedding: stages 0 and 3 on different workers
+    ("gpt2-tiny", [1, 1, 1], 2, 3, None, "interleaved-1f1b"),  # fewer micro-batches than ranks
+    ("gpt2-tiny", [1, 2], 2, 2, [[1.0], [1.0, 2.0], [1.0], [1.0, 2.0]], "interleaved-1f1b"),  # replicated, uneven
+    ("inception-tiny", [1, 1], 2, 4, None, "interleaved-1f1b"),  # branches, batch norm
+    # ZB-V: the first and the last stage on worker 0 (the tied embedding's two ends on one
+    # worker), the backward split in I and W
+    ("gpt2-tiny", [1, 1], 2, 4, None, "zb-v"),
+    ("gpt2-tiny", [1, 1, 1], 2, 2, None, "zb-v"),  # fewer micro-batches than a full V needs
+    ("gpt2-tiny", [1, 2], 2, 3, [[1.0], [1.0, 2.0], [1.0, 2.0], [1.0]], "zb-v"),  # replicated, uneven
 ])
-def test_interleaved_1f1b_holds_several_stages_per_worker_and_equals_single_process(name, groups, per_rank, m,
-                                                                                     weights):
-    """Each worker runs its stages k, k + n, ... in its rank's order (torch's
-    ScheduleInterleaved1F1B); the weights after one step equal one process's."""
+def test_interleaved_schedules_hold_several_stages_per_worker_and_equal_single_process(name, groups, per_rank, m,
+                                                                                      weights, schedule):
+    """Each worker runs its stages in its rank's order (torch's ScheduleInterleaved1F1B, or
+    ScheduleZBVZeroBubble on its V-shaped map); the weights after one step equal one process's."""
     batch, lr = 8, 0.1
     zm = no_dropout(load_model(name, batch_size=batch, seq_len=16, seed=0))
     split = split_step(zm.step, zm.batch, "layer", zm.block_classes)
-    plan = interleaved_plan([p.name for p in split.pieces], groups, per_rank, m)
+    plan = interleaved_plan([p.name for p in split.pieces], groups, per_rank, m, schedule)
     spec = run_spec(plan, cpus(sum(groups)), name, RunSettings(batch_size=batch, seq_len=16, granularity="layer",
                     block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0, optimizer="sgd", lr=lr,
                     out_dir="unused", no_dropout=True), weights=weights)
@@ -302,19 +308,21 @@ def test_interleaved_1f1b_holds_several_stages_per_worker_and_equals_single_proc
     modules = stage_modules(split, plan)
     for rank, res in enumerate(results):
         me = spec.ranks[rank]
-        held = [modules[k] for k in range(me.stage, len(plan.stages), len(groups))]
+        held = [modules[k] for k in plan.rank_stages[plan.stage_ranks[me.stage]]]
         assert set(res["weights"]) == {n for mod in held for n, _ in mod.named_parameters()}
         for mod in held:
             for pname, p in mod.named_parameters():
                 worst = max(worst, (res["weights"][pname] - p.detach()).abs().max().item())
                 moved = max(moved, (p.detach() - before[id(p)]).abs().max().item())
-    loss = sum(res["losses"][0] for rank, res in enumerate(results) if spec.ranks[rank].stage == len(groups) - 1)
+    last = plan.stage_ranks[-1]  # the rank holding the last stage computes the loss
+    loss = sum(res["losses"][0] for rank, res in enumerate(results) if plan.stage_ranks[spec.ranks[rank].stage] == last)
     check(worst, moved, loss, ref_loss)
     rows = step_rows(spec.settings.batch_size, m, spec.replica_weights)
-    orders = rank_orders("interleaved-1f1b", len(plan.stages), m, len(groups))
+    orders = rank_orders(schedule, len(plan.stages), m, len(groups))
     for rank, res in enumerate(results):
         me = spec.ranks[rank]
-        assert res["actions"] == [str(a) for a in orders[me.stage] if rows.rows(a.stage, a.microbatch, me.replica)]
+        assert res["actions"] == [str(a) for a in orders[plan.stage_ranks[me.stage]]
+                                  if rows.rows(a.stage, a.microbatch, me.replica)]
 
 
 def v_gpipe(ranks, stages, m):

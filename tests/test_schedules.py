@@ -14,6 +14,7 @@ from hetplan.schedule import (
     peak_in_flight,
     rank_orders,
     schedule_order,
+    stage_ranks,
 )
 
 
@@ -147,6 +148,33 @@ def test_a_known_interleaved_order_and_its_refusals():
         rank_orders("1f1b", 4, 4, 2)
 
 
+def torch_zbv(ranks, microbatches):
+    """ScheduleZBVZeroBubble's order per rank, idle slots left out, and its stage-to-rank map."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, generate_stage_to_rank_mapping
+
+    fake = SimpleNamespace(pp_group_size=ranks, num_stages=2 * ranks, _n_microbatches=microbatches)
+    orders = tuple(tuple(str(a) for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(fake, r)
+                         if a is not None) for r in range(ranks))
+    mapping = generate_stage_to_rank_mapping(ranks, 2 * ranks, style="v")
+    return orders, tuple(mapping[s] for s in range(2 * ranks))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 4, 5, 7, 8, 12])
+def test_zbv_matches_torch(ranks, microbatches):
+    ours = tuple(tuple(str(a) for a in rank) for rank in rank_orders("zb-v", 2 * ranks, microbatches, ranks))
+    assert (ours, stage_ranks("zb-v", 2 * ranks, ranks)) == torch_zbv(ranks, microbatches)
+
+
+def test_a_known_zbv_order_and_its_refusal():
+    assert [str(a) for a in rank_orders("zb-v", 4, 4, 2)[1]] == [
+        "1F0", "2F0", "1F1", "2F1", "2I0", "2W0", "1F2", "1I0", "1W0", "2F2", "2I1", "2W1", "1F3", "1I1", "1W1",
+        "2F3", "2I2", "2W2", "1I2", "2I3", "1I3", "1W2", "2W3", "1W3"]
+    assert stage_ranks("zb-v", 6, 3) == (0, 1, 2, 2, 1, 0)
+    with pytest.raises(HetplanError, match="ZB-V puts two stages on each rank"):
+        rank_orders("zb-v", 6, 4, 2)
+
+
 def runs_to_the_end(orders, stages):
     """Whether ranks that run their lists in order, each action waiting for its input (blocking
     receives, sends that never block), all finish."""
@@ -180,7 +208,8 @@ def test_every_action_once_forward_first_deadlock_free_and_memory_as_the_cost_mo
         assert sched.interleaved  # the others run any micro-batches on one stage per rank
         return
     per_rank_orders = rank_orders(schedule, stages, microbatches, ranks)
-    assert all(a.stage % ranks == r for r, order in enumerate(per_rank_orders) for a in order)
+    holder = stage_ranks(schedule, stages, ranks)
+    assert all(holder[a.stage] == r for r, order in enumerate(per_rank_orders) for a in order)
     assert runs_to_the_end(per_rank_orders, stages)
     orders = schedule_order(schedule, stages, microbatches, ranks)
     kinds = sched.backward_kinds

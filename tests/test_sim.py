@@ -13,7 +13,7 @@ from hetplan.errors import GraphError
 from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec, load_cluster
 from hetplan.plan import Estimate, Plan, Stage, validate_plan
-from hetplan.schedule import SCHEDULES, get_schedule, rank_orders, schedule_order
+from hetplan.schedule import SCHEDULES, get_schedule, rank_orders, schedule_order, stage_ranks
 from hetplan.sim import simulate
 from hetplan.timeline import ALLREDUCE, OPTIMIZER
 from strategies import MIXED as CLUSTER
@@ -196,18 +196,21 @@ def random_plans(draw, shared=False):
     schedule, n >= 2 groups of devices take the stages in turn."""
     graph = draw(graphs(min_nodes=1, max_nodes=9, types=("v100-16gb",)).filter(lambda g: g.batch_size >= 1))
     order = graph.topo_order
-    schedule = draw(st.sampled_from([s for s in SCHEDULES if len(order) >= 2 or not SCHEDULES[s].interleaved]))
+    shapes = {name: [(n, n * v) for n in range(2, min(len(order), 3) + 1) for v in range(1, len(order) // n + 1)
+                     if any(not sched.problem(n * v, n, m) for m in range(1, 13))]
+              for name, sched in SCHEDULES.items() if sched.interleaved}  # (ranks, stages) each can run
+    schedule = draw(st.sampled_from([s for s in SCHEDULES if shapes.get(s, True)]))
     interleaved = SCHEDULES[schedule].interleaved
-    ranks = draw(st.integers(2, min(len(order), 3))) if interleaved else 0
-    k = ranks * draw(st.integers(1, len(order) // ranks)) if interleaved else draw(st.integers(1, min(len(order), 4)))
+    ranks, k = draw(st.sampled_from(shapes[schedule])) if interleaved else (0, draw(st.integers(1, min(len(order), 4))))
+    holder = stage_ranks(schedule, k, ranks) if interleaved else ()
     cuts = sorted(draw(st.sets(st.integers(1, len(order) - 1), min_size=k - 1, max_size=k - 1))) if k > 1 else []
     bounds = [0, *cuts, len(order)]
     pool = list(draw(st.permutations(CLUSTER.ids)))
     stages = []
     for i in range(k):
         reps = draw(st.integers(1, 3 if shared else max(1, (len(pool) - (k - 1 - i)) // 2)))
-        if interleaved and i >= ranks:
-            devices = stages[i % ranks].devices
+        if interleaved and holder[i] < i:  # its rank's devices, taken by a stage before
+            devices = stages[holder.index(holder[i])].devices
         elif interleaved:
             devices, pool = tuple(pool[:min(reps, 2)]), pool[min(reps, 2):]
         elif shared:

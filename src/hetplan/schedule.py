@@ -1,7 +1,7 @@
 """What a pipeline schedule means, in one place: per-stage action orders, micro-batches in
 flight, and the torch class that runs the same order. Pure Python; the cost model, the
-simulators, the planners and the runtime all read it (adding a schedule touches this module, the
-runtime's mapping in `hetplan.runtime.executor` and the tests).
+simulators, the planners and the runtime all read it (adding a schedule is an entry of
+`SCHEDULES` here and its tests).
 
 GPipe (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
 Parallelism", 2019): every stage runs the forward pass of all m micro-batches, then all the
@@ -18,11 +18,14 @@ Training on GPU Clusters Using Megatron-LM", SC 2021): each of n ranks holds v s
 rank s mod n), so the model is cut in n v stages and the warm-up's bubble shrinks v times; a
 rank runs its stages' forward passes round by round (micro-batches of a round through one
 stage, then the next stage), then one forward one backward, then the backward passes left.
+ZB-V (Qi et al., section 6): two stages per rank on a V (stage s on rank s, then back up, so
+rank 0 holds the first and the last stage), the backward split into I and W as in zero bubble.
 
 The orders are exactly those torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B
-(`_step_microbatches`), ScheduleInterleavedZeroBubble with one stage per rank and
-ScheduleInterleaved1F1B execute. A schedule gives each rank one list of actions (`rank_orders`);
-where a rank holds one stage, that is the stage's order (`schedule_order`).
+(`_step_microbatches`), ScheduleInterleavedZeroBubble with one stage per rank,
+ScheduleInterleaved1F1B and ScheduleZBVZeroBubble execute. A schedule gives each rank one list
+of actions (`rank_orders`); where a rank holds one stage, that is the stage's order
+(`schedule_order`).
 hetplan's runtime (`hetplan.runtime.executor`) runs these very orders and the simulator
 simulates them, so a simulated step and a real one compare action by action. Tests also hold
 them against torch's printable `_get_pipeline_order` (idle slots and gradient reductions left
@@ -164,6 +167,61 @@ def _interleaved_rank(ranks: int, v: int, microbatches: int, r: int) -> tuple[Ac
     return tuple(actions)
 
 
+def zero_bubble_v(ranks: int, stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Per rank, its actions under ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
+    2024, section 6): rank r holds stage r on the way down the V and stage 2n - 1 - r on the way
+    back (`v_shape`), so rank 0 holds the first and the last stage. Its order is that of a
+    pipeline kept full (at least 2n - 1 micro-batches; actions of micro-batches past m dropped):
+    2(n - r) - 1 forward passes of its first stage, r pairs of forward passes (second stage,
+    first), n - r forward passes of its second stage each followed by its I and W; then, while
+    forward passes are left, a forward, I and W of the first stage and of the second; then r
+    pairs of I (first stage, second), n - r of the first stage's I and W, and the W actions left
+    (second stage, then first)."""
+    _check(stages, microbatches)
+    return tuple(_zbv_rank(ranks, microbatches, r) for r in range(ranks))
+
+
+def _zbv_rank(n: int, m: int, r: int) -> tuple[Action, ...]:
+    full = max(2 * n - 1, m)
+    down, up = r, 2 * n - 1 - r
+    done: dict[tuple[int, str], int] = {}  # (stage, kind) -> its actions so far
+    out: list[Action] = []
+
+    def run(times: int, *steps: tuple[int, str]) -> None:
+        for _ in range(times):
+            for stage, kind in steps:
+                done[(stage, kind)] = done.get((stage, kind), 0) + 1
+                out.append(Action(stage, kind, done[(stage, kind)] - 1))
+
+    def count(stage: int, kind: str) -> int:
+        return done.get((stage, kind), 0)
+
+    f, i, w = FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
+    run(2 * (n - r) - 1, (down, f))
+    run(r, (up, f), (down, f))
+    run(n - r, (up, f), (up, i), (up, w))
+    while count(up, f) < count(down, f) or count(down, f) < full:
+        run(int(count(down, f) < full), (down, f))
+        run(1, (down, i), (down, w), (up, f), (up, i), (up, w))
+    run(r, (down, i), (up, i))
+    run(n - r, (down, i), (down, w))
+    run(count(up, i) - count(up, w), (up, w))
+    run(count(down, i) - count(down, w), (down, w))
+    return tuple(a for a in out if a.microbatch < m)
+
+
+def v_shape(stage: int, ranks: int) -> int:
+    """ZB-V's map: stage s on rank s for the first n stages, then back up, rank 2n - 1 - s."""
+    return stage if stage < ranks else 2 * ranks - 1 - stage
+
+
+def _two_per_rank(stages: int, ranks: int, microbatches: int) -> str | None:
+    if stages != 2 * ranks:
+        return (f"ZB-V puts two stages on each rank (stage s and 2n - 1 - s): {stages} stages on {ranks} rank(s) "
+                f"do not fit; use {2 * ranks} stages")
+    return None
+
+
 def looped(stage: int, ranks: int) -> int:
     """Megatron-LM's interleaving: stage s on rank s mod n (v passes over the ranks)."""
     return stage % ranks
@@ -203,6 +261,9 @@ class Schedule:
     # where ranks hold several stages: (ranks, stages, micro-batches) -> per rank, its actions
     rank_order: Callable[[int, int, int], tuple[tuple[Action, ...], ...]] | None = None
     stage_rank: Callable[[int, int], int] = looped  # (stage, ranks) -> the rank that holds it, where ranks hold several
+    # (stages, ranks, micro-batches) -> why it cannot run them, or None; by default one stage per
+    # rank, or for interleaved schedules interleaved 1F1B's rule
+    fits: Callable[[int, int, int], str | None] | None = None
 
     @property
     def backward_kinds(self) -> tuple[str, ...]:
@@ -216,7 +277,8 @@ class Schedule:
     def problem(self, stages: int, ranks: int, microbatches: int) -> str | None:
         """Why this schedule cannot run `stages` stages on `ranks` ranks with this many
         micro-batches, in one line; None if it can."""
-        return (_interleaved_problem if self.interleaved else _one_per_rank)(stages, ranks, microbatches)
+        rule = self.fits or (_interleaved_problem if self.interleaved else _one_per_rank)
+        return rule(stages, ranks, microbatches)
 
 
 SCHEDULES: dict[str, Schedule] = {
@@ -235,6 +297,10 @@ SCHEDULES: dict[str, Schedule] = {
                                  "ScheduleInterleaved1F1B",
                                  "v stages per rank (stage s on rank s mod n), 1F1B over them: the warm-up's "
                                  "bubble v times shorter, more messages", rank_order=interleaved_1f1b),
+    "zb-v": Schedule("zb-v", zero_bubble, lambda stages, index, m: m, False, "ScheduleZBVZeroBubble",
+                     "two stages per rank on a V (stage s on rank s, then back up), the backward split into I "
+                     "and W as zero bubble's; the first and the last stage on rank 0", split_backward=True,
+                     rank_order=zero_bubble_v, stage_rank=v_shape, fits=_two_per_rank),
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
 ONE_STAGE_PER_RANK = tuple(name for name, s in SCHEDULES.items() if not s.interleaved)  # chains of one device per stage
