@@ -22,7 +22,7 @@ from hetplan.runtime.worker import _batches
 from hetplan.schedule import schedule_order
 from hetplan.zoo import load_model
 from slowness import limit_s
-from test_executor import chain_plan, reference_step
+from test_executor import chain_plan, interleaved_plan, reference_step
 
 THREE_CPUS = cluster_from_spec({"name": "three", "devices": [
     {"id": f"c{i}", "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for i in range(3)]}, "three")
@@ -101,6 +101,31 @@ def test_a_stage_without_parameters_passes_integers_across_two_boundaries(tmp_pa
     middle = names.index("transformer.drop")
     run_and_compare(tmp_path, "gpt2-tiny", [1, 1, 1], [1, 1, 1], 4, schedule, batch_size=8,
                     cuts=[middle, middle + 1])
+
+
+def test_zbv_sends_between_the_two_stages_of_one_worker_process(tmp_path):
+    """ZB-V in two worker processes over gloo: the last worker holds stages 1 and 2, so it sends
+    to itself, which gloo cannot (no pair from a rank to itself: `hetplan run` failed with
+    "Pair is not connected" while the threads' test passed); the weights after one step equal
+    one process's, stages 0 and 3 (the tied embedding's two ends) on worker 0."""
+    zm = model("gpt2-tiny", 8)
+    split = split_step(zm.step, zm.batch, "layer", zm.block_classes)
+    plan = interleaved_plan([p.name for p in split.pieces], [1, 1], 2, 4, "zb-v")
+    assert plan.rank_stages == ((0, 3), (1, 2))
+    cluster = cluster_from_spec({"name": "two", "devices": [
+        {"id": f"c{i}", "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for i in range(2)]}, "two")
+    spec = run_spec(plan, cluster, "gpt2-tiny", RunSettings(batch_size=8, seq_len=16, granularity="layer", steps=1,
+                    warmup=0, optimizer="sgd", lr=0.1, out_dir=tmp_path, no_dropout=True, return_weights=True),
+                    graph=graph_of(split, 8))
+    result = launch(spec)
+    assert result.losses[0] == pytest.approx(reference_step(zm, _batches(spec, zm, 0), 4, 0.1), rel=1e-5)
+    modules = stage_modules(split, plan)
+    for rank, held in enumerate(plan.rank_stages):
+        trained = torch.load(tmp_path / f"weights.{rank}.pt")
+        assert set(trained) == {n for k in held for n, _ in modules[k].named_parameters()}
+        for k in held:
+            for n, p in modules[k].named_parameters():
+                assert (trained[n] - p.detach()).abs().max().item() <= 1e-5, (rank, n)
 
 
 def test_a_dead_worker_stops_every_worker_with_its_name(tmp_path):

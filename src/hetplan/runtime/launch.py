@@ -284,9 +284,10 @@ def read_result(out_dir: Path, spec: RunSpec) -> RunResult:
     ranks = sorted(data["ranks"], key=lambda r: r["rank"])
     steps = len(ranks[0]["times_s"])
     times = tuple(max(r["times_s"][i] for r in ranks) for i in range(steps))
-    # the last stage's replicas each hold their rows' share of the batch's mean loss
-    last = max(r["stage"] for r in ranks)
-    with_loss = [r["losses"] for r in ranks if r["stage"] == last]
+    # the last stage's replicas each hold their rows' share of the batch's mean loss; a worker
+    # is known by its first stage, and under a V-shaped map the first worker holds the last stage
+    holder = spec.plan.stage_ranks
+    with_loss = [r["losses"] for r in ranks if holder[r["stage"]] == holder[-1]]
     losses = tuple(math.fsum(values) for values in zip(*with_loss, strict=True)) if with_loss else ()
     warmup = min(spec.settings.warmup, max(0, steps - 1))
     return RunResult(steps=steps, warmup=warmup, step_times_s=times, losses=losses,

@@ -7,7 +7,10 @@ cannot tell the two apart.
 
 Messages are CPU tensors (gloo sends CPU tensors only; a GPU stage packs on its GPU and copies
 once). Every message carries a tag (micro-batch and direction), so that messages between two
-ranks pair up by tag and never by arrival order alone.
+ranks pair up by tag and never by arrival order alone. A rank holding two neighbouring stages
+(ZB-V's V: stages n - 1 and n on the last rank) sends to itself: gloo has no pair from a rank to
+itself, so both transports keep such a message in the rank's own mailbox (`_Own`), and the
+threads' hub refuses a message to oneself as gloo does.
 """
 
 from __future__ import annotations
@@ -37,6 +40,29 @@ class Transport(Protocol):
     def barrier(self) -> None: ...
 
 
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class _Own:
+    """Messages a rank sends to itself, by tag: its list of actions runs the sender before the
+    receiver, so a receive finds its message or the order is broken."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._box: dict[int, torch.Tensor] = {}
+
+    def put(self, tensor: torch.Tensor, tag: int) -> Sent:
+        self._box[tag] = tensor.clone()
+        return _Done()
+
+    def take(self, tensor: torch.Tensor, tag: int) -> None:
+        if tag not in self._box:
+            raise RuntimeError(f"rank {self.rank} receives message {tag} from itself before sending it")
+        tensor.copy_(self._box.pop(tag))
+
+
 class GlooTransport:
     """torch.distributed (gloo). Every rank creates the same groups, in the same order, as
     torch.distributed requires; `groups` are all the rank sets that will sum together."""
@@ -49,11 +75,16 @@ class GlooTransport:
         if not dist.is_initialized():
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         self._groups = {g: dist.new_group(list(g)) for g in groups}
+        self._own = _Own(rank)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Sent:
+        if dst == self.rank:
+            return self._own.put(tensor, tag)
         return self._dist.isend(tensor, dst, tag=tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
+        if src == self.rank:
+            return self._own.take(tensor, tag)
         self._dist.recv(tensor, src, tag=tag)
 
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
@@ -71,11 +102,6 @@ class GlooTransport:
         self._dist.destroy_process_group()
 
 
-class _Done:
-    def wait(self) -> bool:
-        return True
-
-
 class LocalHub:
     """The meeting point of `world` ranks running as threads of one process."""
 
@@ -88,6 +114,8 @@ class LocalHub:
         self._barrier = threading.Barrier(world, timeout=timeout_s)
 
     def box(self, src: int, dst: int, tag: int) -> queue.Queue:
+        if src == dst:  # as gloo: no pair from a rank to itself
+            raise RuntimeError(f"rank {src} cannot send to itself through the hub (tag {tag})")
         with self._lock:
             return self._boxes.setdefault((src, dst, tag), queue.Queue())
 
@@ -103,12 +131,17 @@ class LocalTransport:
     def __init__(self, hub: LocalHub, rank: int) -> None:
         self.hub, self.rank = hub, rank
         self._rounds: dict[tuple[int, ...], int] = {}
+        self._own = _Own(rank)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Sent:
+        if dst == self.rank:
+            return self._own.put(tensor, tag)
         self.hub.box(self.rank, dst, tag).put(tensor.clone())
         return _Done()
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
+        if src == self.rank:
+            return self._own.take(tensor, tag)
         got = self.hub.box(src, self.rank, tag).get(timeout=self.hub.timeout_s)
         tensor.copy_(got)
 
