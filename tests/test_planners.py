@@ -174,6 +174,25 @@ def test_interleaved_1f1b_is_planned_from_the_planners_pipeline():
         make_plan(g, cluster, "single", PlanOptions(schedule="interleaved-1f1b"))
 
 
+def test_zbv_is_planned_on_the_planners_devices_in_a_v():
+    """The same chain under ZB-V: two stages per device on a V (the first device holds the first
+    and the last), cut evenly, the micro-batches asked for (ZB-V runs any number); and the
+    simulator's step is what it makes of torch's order (checked on its own in tests/test_sim.py)."""
+    from strategies import chain
+
+    g = chain(8, fwd=0.08, bwd=0.16)
+    cluster = cluster_from_spec({"devices": [{"id": f"v{i}", "type": "v100-16gb", "host": "h"} for i in range(2)]},
+                                "two")
+    plan = make_plan(g, cluster, "uniform", PlanOptions(schedule="zb-v", microbatches=3))
+    assert plan.schedule == "zb-v" and plan.ranks == 2 and plan.microbatches == 3
+    assert [s.devices for s in plan.stages] == [("v0",), ("v1",), ("v1",), ("v0",)]
+    assert [len(s.nodes) for s in plan.stages] == [2, 2, 2, 2] and not plan_problems(plan, g, cluster)
+    ones = make_plan(g, cluster, "uniform", PlanOptions(schedule="1f1b", microbatches=3))
+    assert plan.predicted.step_s < ones.predicted.step_s
+    with pytest.raises(HetplanError, match="--schedule zb-v: the single plan has 1 stage"):
+        make_plan(g, cluster, "single", PlanOptions(schedule="zb-v"))
+
+
 @given(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=7), st.integers(1, 3), st.integers(1, 4), st.data())
 def test_linear_cuts_are_the_brute_force_optimum(times, rows, parts, data):
     """`interleave.linear_cuts` against every way to cut N positions in `parts` pieces, part c
