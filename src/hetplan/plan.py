@@ -33,10 +33,13 @@ OBJECTIVES = ("time", "cost", "mdpe", "throughput")
 
 @dataclass(frozen=True)
 class Stage:
-    """A convex set of nodes run by one device, or by several data-parallel replicas."""
+    """A convex set of nodes run by one device, or by several data-parallel replicas. With
+    `recompute`, the stage keeps only its inputs per micro-batch and runs its forward again in
+    its backward (activation recomputation, torch.utils.checkpoint): less memory, more time."""
 
     nodes: tuple[str, ...]
     devices: tuple[str, ...]
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))

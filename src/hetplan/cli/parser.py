@@ -16,7 +16,7 @@ from hetplan.graph import GRANULARITIES
 from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, INPUT_TIMES
 from hetplan.plan import OBJECTIVES
 from hetplan.planners import PLANNERS, RL_PLANNERS
-from hetplan.planners.options import SCHEDULE_CHOICES
+from hetplan.planners.options import RECOMPUTE_CHOICES, SCHEDULE_CHOICES
 from hetplan.runtime.settings import DEFAULTS as RUN
 from hetplan.zoo import zoo_names
 from hetplan.zoo.llm import SHAPES as LLM_SHAPES
@@ -91,6 +91,10 @@ def _planning_options() -> argparse.ArgumentParser:
     planning.add_argument("--schedule", default="1f1b", choices=SCHEDULE_CHOICES,
                           help="pipeline schedule (default: 1f1b; auto: the planner's plan under the schedule "
                                "its objective prefers)")
+    planning.add_argument("--recompute", default="never", choices=RECOMPUTE_CHOICES,
+                          help="which stages recompute their activations in their backward, keeping only what "
+                               "crosses their cuts: never, always, or where-needed (the stages over their "
+                               "devices' memory) (default: never)")
     planning.add_argument("--objective", default="time", choices=OBJECTIVES,
                           help="time: shortest step; cost: lowest price per sample above --min-samples-per-s; "
                                "mdpe: Trinity's runtime + communication + memory model; throughput: PipeDream's "

@@ -342,9 +342,23 @@ class CostModel:
         # this stage's split only: planners ask this per stage and device, in loops
         rows = step_rows(self.graph.batch_size, plan.microbatches, [self.stage_weights(stage.nodes, stage.devices)])
         held = inflight_microbatches(plan.schedule, len(plan.stages), stage_index, plan.microbatches, plan.ranks)
-        return {dev: formulas.stage_memory_bytes(
-                    params, acts, sum(rows.rows(0, j, p) for j in range(held)) / self.graph.batch_size)
+
+        def share(p: int, micro: range) -> float:
+            return sum(rows.rows(0, j, p) for j in micro) / self.graph.batch_size
+
+        if stage.recompute:
+            kept = self.kept_bytes(plan, stage_index)
+            return {dev: formulas.recompute_memory_bytes(params, kept, acts, share(p, range(held)), share(p, range(1)))
+                    for p, dev in enumerate(stage.devices)}
+        return {dev: formulas.stage_memory_bytes(params, acts, share(p, range(held)))
                 for p, dev in enumerate(stage.devices)}
+
+    def kept_bytes(self, plan: Plan, k: int) -> float:
+        """What a stage that recomputes keeps per batch between its forward and its backward: the
+        tensors it received (the cut before it, relayed tensors included) and those it made for
+        the next stage (the cut after it)."""
+        last = len(plan.stages) - 1
+        return (self.cut_bytes(plan, k - 1) if k > 0 else 0.0) + (self.cut_bytes(plan, k) if k < last else 0.0)
 
     def stage_compute_s(self, nodes: Sequence[str], devices: Sequence[str]) -> float:
         """Forward + backward of the batch on a stage's replicas together (each its share)."""

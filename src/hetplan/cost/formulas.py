@@ -132,6 +132,14 @@ def stage_memory_bytes_array(param_bytes, act_bytes, in_flight_share) -> np.ndar
                                                                         * in_flight_share)
 
 
+def recompute_memory_bytes(param_bytes: float, input_bytes: float, act_bytes: float, in_flight_share: float,
+                           largest_share: float) -> int:
+    """Peak memory of a stage replica that recomputes its forward in its backward: its weight
+    copies, its inputs for the share of the batch in flight, and the activations of one
+    micro-batch (the largest share), rebuilt while its backward runs."""
+    return int(weight_bytes(param_bytes) + math.ceil(input_bytes * in_flight_share + act_bytes * largest_share))
+
+
 def activation_room_bytes(mem_bytes, param_bytes):
     """What a device has left for activations once a stage's weight copies are in (numbers or
     arrays; negative when they do not fit)."""
@@ -175,6 +183,13 @@ def weight_share(bwd_weighted_s, bwd_s, first):
         ratio = np.where(np.asarray(bwd_s) > 0, WEIGHT_GRAD_SHARE * np.asarray(bwd_weighted_s) / np.asarray(bwd_s), 0.0)
     out = np.where(first, 1.0, ratio)
     return float(out) if out.ndim == 0 else out
+
+
+def recomputed_backward_s(bwd_scaled_s, bwd_fixed_s, fwd_scaled_s, fwd_fixed_s, action_overhead_s):
+    """A backward (or its inputs' half, I) that first runs the stage's forward again, from the
+    passes as `replica_passes_s` gives them: the forward's parts added, the runtime's cost per
+    action paid once. Returns (scaled, fixed)."""
+    return bwd_scaled_s + fwd_scaled_s, bwd_fixed_s + fwd_fixed_s - action_overhead_s
 
 
 def replica_tail_s(optimizer_step_s, corun, step_overhead_s):

@@ -31,7 +31,13 @@ import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel, formulas, in_flight_share, microbatch_fractions, weight_bytes
-from hetplan.cost.formulas import action_s, replica_passes_s, replica_tail_s, split_backward_s
+from hetplan.cost.formulas import (
+    action_s,
+    recomputed_backward_s,
+    replica_passes_s,
+    replica_tail_s,
+    split_backward_s,
+)
 from hetplan.cost.syncs import SyncCost, plan_syncs
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
@@ -87,6 +93,9 @@ class Replica:
     bwd_input_mb_s: tuple[float, ...] = ()
     bwd_weight_mb_s: tuple[float, ...] = ()
     weight_share: float = 0.0  # of its backward, the weights' part (W) where the schedule splits it
+    # a stage that recomputes (`Stage.recompute`): per micro-batch, the activations its backward
+    # (B, or I) rebuilds and holds while it runs; act_mb_bytes is then what it keeps between passes
+    rebuilt_mb_bytes: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,7 +163,7 @@ class StepCosts:
         return {d: formulas.stage_memory_bytes(params[d], acts, 1.0) for d, acts in peak_act_bytes.items()}
 
 
-def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: int, acts: int,
+def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: int, acts: int, kept: float,
              used: tuple[str, ...], split: bool, first_of_worker: bool) -> Replica:
     d = stage.devices[p]
     dtype = cluster.device(d).type
@@ -168,15 +177,21 @@ def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: 
     weights = cm.stage_weight_share(stage.nodes, dtype, k == 0) if split else 0.0
     if split:
         i_s, i_fix, w_s, w_fix = split_backward_s(bwd, bfix, weights, dev.action_overhead_s)
+        if stage.recompute:  # the inputs' half runs the forward again first
+            i_s, i_fix = recomputed_backward_s(i_s, i_fix, fwd, ffix, dev.action_overhead_s)
         halves = tuple(tuple(action_s(fix, scaled, f) if f > 0 else 0.0 for f in frac)
                        for fix, scaled in ((i_fix, i_s), (w_fix, w_s)))
+    rebuilt: tuple[float, ...] = ()
+    if stage.recompute:
+        bwd, bfix = recomputed_backward_s(bwd, bfix, fwd, ffix, dev.action_overhead_s)
+        rebuilt, acts = tuple(acts * f for f in frac), kept
     return Replica(d, share, share * fwd, share * bwd, share * acts, ffix, bfix,
                    # a worker holding several stages (interleaved) pays the runtime's per-step cost once
                    replica_tail_s(cm.stage_optimizer_s(stage.nodes, d), slow,
                                   dev.step_overhead_s if first_of_worker else 0.0),
                    tuple(action_s(ffix, fwd, f) if f > 0 else 0.0 for f in frac),
                    tuple(action_s(bfix, bwd, f) if f > 0 else 0.0 for f in frac),
-                   tuple(acts * f for f in frac), *halves, weights)
+                   tuple(acts * f for f in frac), *halves, weights, rebuilt)
 
 
 def _transfers_s(cluster: Cluster, src: str, dst: str, per_mb: tuple[float | None, ...]) -> tuple[float, ...]:
@@ -203,7 +218,8 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
     stages = []
     for k, stage in enumerate(plan.stages):
         acts = sum(by_id[n].act_bytes for n in stage.nodes)
-        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, plan.devices, split, k in firsts)
+        kept = cm.kept_bytes(plan, k) if stage.recompute else 0.0
+        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, kept, plan.devices, split, k in firsts)
                          for p in range(len(stage.devices)))
         stages.append(StageWork(k, replicas, graph.param_bytes_of(stage.nodes), own.get(k, 0.0)))
     messages = []

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from hetplan.cluster import Cluster
+from hetplan.cost import CostModel
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, validate_plan
@@ -115,8 +116,11 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
     if options.microbatches and options.microbatches > graph.batch_size:
         raise HetplanError(f"--microbatches: {options.microbatches} micro-batches for a batch of {graph.batch_size} "
                            f"samples; use at most {graph.batch_size}")
+    from hetplan.planners.refine import with_recompute
+
     start = time.perf_counter()
-    plan = _planned(spec, graph, cluster, options, progress)
+    plan = with_recompute(CostModel(graph, cluster), _planned(spec, graph, cluster, options, progress),
+                          options.recompute)
     planning_s = time.perf_counter() - start
     validate_plan(plan, graph, cluster)
     return replace(

@@ -10,6 +10,7 @@ from hetplan.plan import OBJECTIVES, SCHEDULES
 
 AUTO_SCHEDULE = "auto"  # not a schedule: the planner's plan under whichever the objective prefers
 SCHEDULE_CHOICES = (*SCHEDULES, AUTO_SCHEDULE)
+RECOMPUTE_CHOICES = ("never", "where-needed", "always")  # which stages recompute (`Stage.recompute`)
 
 @dataclass(frozen=True)
 class PlanOptions:
@@ -33,6 +34,9 @@ class PlanOptions:
     that replicate search within it and no planner returns a plan beyond it.
     faithful: for the RL planners, the paper's set-up (cold start, the paper's hyper-parameters)
     instead of hetplan's default (warm start from dp, never worse than dp).
+    recompute: which stages of the plan recompute their activations in their backward:
+    `never`, `always`, or `where-needed`, the stages with a replica over its device's memory
+    (`hetplan.planners.refine.with_recompute`; the planners' own programs do not weigh it yet).
     """
 
     microbatches: int | None = None
@@ -50,6 +54,7 @@ class PlanOptions:
     max_iters: int | None = None
     max_replicas: int | None = None
     faithful: bool = False
+    recompute: str = "never"
 
     def __post_init__(self) -> None:
         # in this order, so that the first thing wrong is the one reported
@@ -62,6 +67,8 @@ class PlanOptions:
             raise HetplanError(f"--microbatches: {self.microbatches!r} is not a whole number >= 1")
         if self.schedule not in SCHEDULE_CHOICES:
             raise HetplanError(f"--schedule: {self.schedule!r} is unknown (allowed: {', '.join(SCHEDULE_CHOICES)})")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise HetplanError(f"--recompute: {self.recompute!r} is unknown (allowed: {', '.join(RECOMPUTE_CHOICES)})")
         if self.objective not in OBJECTIVES:
             raise HetplanError(f"--objective: {self.objective!r} is unknown (allowed: {', '.join(OBJECTIVES)})")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hetplan.cost import CostModel
 from hetplan.plan import Plan, Stage, plan_problems
 from hetplan.planners.interleave import interleavings
 from hetplan.planners.scoring import Scorer
@@ -50,6 +51,20 @@ def best_schedule(scorer: Scorer, plan: Plan, names: tuple[str, ...] = SCHEDULE_
         elif name != plan.schedule:
             candidates.append(replace(plan, schedule=name, predicted=None))
     return min(candidates, key=scorer.value, default=plan)
+
+
+def with_recompute(cost: CostModel, plan: Plan, mode: str) -> Plan:
+    """The plan with its stages' `recompute` set: `always` every stage, `where-needed` each stage
+    with a replica whose peak memory (`CostModel.stage_replicas_memory_bytes`) is over its
+    device's, `never` none; the plan as it is otherwise."""
+    if mode == "never":
+        return plan
+    over = {k for k in range(len(plan.stages)) if mode == "always" or any(
+        need > cost.cluster.device(d).mem_bytes for d, need in cost.stage_replicas_memory_bytes(plan, k).items())}
+    if not over:
+        return plan
+    return replace(plan, stages=tuple(replace(s, recompute=k in over) for k, s in enumerate(plan.stages)),
+                   predicted=None)
 
 
 def boundary_moves(plan: Plan) -> list[Plan]:

@@ -96,7 +96,8 @@ def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster:
         table.add_column("fwd+bwd", justify="right")
         table.add_column("memory", justify="right")
     for i, stage in enumerate(plan.stages):
-        row = [str(i), _devices_cell(stage.devices, cluster), str(len(stage.nodes)),
+        row = [f"{i} (recompute)" if stage.recompute else str(i), _devices_cell(stage.devices, cluster),
+               str(len(stage.nodes)),
                f"{stage.nodes[0]} .. {stage.nodes[-1]}"]
         if scored:
             row.append(_per_replica([fmt_seconds(cm.device_stage_s(stage.nodes, d)) for d in stage.devices]))

@@ -15,7 +15,7 @@ For replica p of stage k, micro-batch j, with rows [lo, hi) of it (`StepRows.sli
     F j:  stage 0: x = rows [lo, hi) of micro-batch j of the batch
           else:    x = the rows each replica of stage k-1 shares with mine, joined in order
                    (a value without batch dimension: whole, from the replica holding my first row)
-          y = stage(x); keep (x, y) for B j
+          y = stage(x); keep (x, y) for B j   (a stage that recomputes: y = checkpoint(stage, x))
           last stage: loss_j = y;  else: send each replica of stage k+1 the rows of y we share
     B j:  last stage: backward(loss_j * (hi - lo) / batch)   # the batch's mean loss, by samples
           else:       g = the gradients of y from stage k+1's replicas, joined; backward(y, g)
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hetplan.errors import HetplanError
 from hetplan.rows import StepRows
@@ -57,6 +58,7 @@ class Role:
     replica: int
     ranks: tuple[tuple[int, ...], ...]
     rows: StepRows
+    recompute: bool = False  # keep only the inputs and outputs; run the forward again in the backward
 
     @property
     def first(self) -> bool:
@@ -160,7 +162,11 @@ class StageRunner:
             for lay, got in zip(self.layouts_in, parts, strict=True):
                 value = lay.join(got) if lay.batch_dim is not None else got[0]
                 inputs.append(value.requires_grad_(True) if lay.grad else value)
-        out = self.module_for(hi - lo)(*inputs)
+        module = self.module_for(hi - lo)
+        # torch's non-reentrant checkpoint keeps the inputs, restores the RNG state and runs the
+        # forward again when the backward first needs what it saved
+        out = checkpoint(_once_per_step(module), *inputs, use_reentrant=False) if self.role.recompute \
+            else module(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
         saved[j] = (inputs, outs)
         if self.role.last:
@@ -231,6 +237,29 @@ class StageRunner:
         else:
             return self._backward(action.microbatch, saved, pending, action.kind)
         return 0.0
+
+
+def _once_per_step(module: nn.Module) -> Callable[..., object]:
+    """The module's forward, whose second run (the recomputation) leaves its buffers as it found
+    them: batch norm's running statistics count each micro-batch once, as without it. (torch
+    stops a recomputation early, by an exception, once it has rebuilt what the backward needs:
+    hence `finally`.)"""
+    runs = 0
+
+    def forward(*inputs: torch.Tensor) -> object:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            return module(*inputs)
+        kept = [b.detach().clone() for b in module.buffers()]
+        try:
+            return module(*inputs)
+        finally:
+            with torch.no_grad():
+                for b, value in zip(module.buffers(), kept, strict=True):
+                    b.copy_(value)
+
+    return forward
 
 
 class RankRunner:

@@ -29,6 +29,7 @@ def run_threads(spec: RunSpec, timeout_s: float = 120.0) -> list[dict[str, Any]]
         try:
             out = train(spec, rank, zoo_model, prepared, opt, hub.transport(rank))
             out["weights"] = {n: p.detach().cpu().clone() for n, p in prepared.named_parameters().items()}
+            out["buffers"] = {n: b.detach().cpu().clone() for mod in prepared.modules for n, b in mod.named_buffers()}
             results[rank] = out
         except BaseException as exc:  # noqa: BLE001 - re-raised below, with the rank
             results[rank] = exc

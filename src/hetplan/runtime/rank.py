@@ -199,7 +199,7 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     me = spec.ranks[rank]
     rows = spec_rows(spec, plan)
     mine = plan.stage_ranks[me.stage]
-    roles = tuple(Role(k, me.replica, table, rows) for k in plan.rank_stages[mine])
+    roles = tuple(Role(k, me.replica, table, rows, plan.stages[k].recompute) for k in plan.rank_stages[mine])
     traces = Traces(zoo_model.step, zoo_model.batch, plan, spec.settings.granularity,
                     tuple(spec.settings.block_classes or zoo_model.block_classes or ()) or None, {}, on_trace)
     for size in sorted(slice_sizes(roles)):

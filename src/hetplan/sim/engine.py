@@ -45,6 +45,7 @@ from hetplan.schedule import (
     BACKWARD_WEIGHT,
     FORWARD,
     FREES,
+    SENDS_GRADIENTS,
     get_schedule,
     rank_orders,
     schedule_order,
@@ -101,6 +102,7 @@ class _Tasks:
         self.dev: list[int] = []
         self.dur: list[float] = []
         self.hold: list[float] = []  # activation bytes a forward stashes (+), its B or W frees (-), else 0
+        self.rebuilt: list[float] = []  # activation bytes a recomputing stage's B or I holds while it runs
         self.kind: list[str] = []
         self.stage: list[int] = []
         self.mb: list[int] = []
@@ -139,6 +141,8 @@ class _Tasks:
             self.dur.extend([durations[k][i] for k, i in zip(kinds, mbs, strict=True)])
             self.hold.extend([rep.act_mb_bytes[i] if k == FORWARD else -rep.act_mb_bytes[i] if k in FREES else 0.0
                               for k, i in zip(kinds, mbs, strict=True)])
+            self.rebuilt.extend([rep.rebuilt_mb_bytes[i] if rep.rebuilt_mb_bytes and k in SENDS_GRADIENTS else 0.0
+                                 for k, i in zip(kinds, mbs, strict=True)])
             self.kind.extend(kinds)
             self.stage.extend([st.index] * size)
             self.mb.extend(mbs)
@@ -253,7 +257,7 @@ class _EventLoop:
 
     def __init__(self, tasks: _Tasks, xs: _Transfers, record: bool) -> None:
         self.programs, self.wait, self.ready = tasks.programs, tasks.wait, tasks.ready
-        self.dur, self.hold, self.dev = tasks.dur, tasks.hold, tasks.dev
+        self.dur, self.hold, self.rebuilt, self.dev = tasks.dur, tasks.hold, tasks.rebuilt, tasks.dev
         self.succ_x, self.succ_c = tasks.succ_x, tasks.succ_c
         self.x_link, self.x_dur, self.x_bytes, self.x_dst = xs.link, xs.dur, xs.bytes, xs.dst
         self.record = record
@@ -308,6 +312,8 @@ class _EventLoop:
             self.dev_act[dev] = held
             if held > self.dev_peak[dev]:
                 self.dev_peak[dev] = held
+        elif self.rebuilt[tid] > 0 and self.dev_act[dev] + self.rebuilt[tid] > self.dev_peak[dev]:
+            self.dev_peak[dev] = self.dev_act[dev] + self.rebuilt[tid]
         self.seq += 1
         heapq.heappush(self.heap, (end, self.seq, tid))
         if self.record:

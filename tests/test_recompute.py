@@ -1,0 +1,129 @@
+"""Activation recomputation per stage (`Stage.recompute`): the cost table charges the forward
+again in the backward and keeps only the stage's boundary tensors, the simulator's and the cost
+model's peak memory follow the closed form, and the runtime's weights equal one process's and,
+to the last bit, the same plan's without recomputation."""
+
+from dataclasses import replace
+
+import pytest
+
+from hetplan.cost import CostModel
+from hetplan.io import serde
+from hetplan.io.clusters import load_cluster
+from hetplan.pieces.split import split_step
+from hetplan.plan import Plan
+from hetplan.runtime.launch import run_spec
+from hetplan.runtime.local import run_threads
+from hetplan.runtime.settings import RunSettings
+from hetplan.runtime.stages import stage_modules
+from hetplan.runtime.worker import _batches
+from hetplan.sim import simulate
+from hetplan.zoo import load_model
+from strategies import chain, one_per_stage
+from test_executor import chain_plan, cpus, no_dropout, reference_step
+
+V100X4 = load_cluster("v100x4")
+
+
+def recomputing(plan: Plan, stages=None) -> Plan:
+    keep = set(range(len(plan.stages)) if stages is None else stages)
+    return replace(plan, stages=tuple(replace(s, recompute=k in keep) for k, s in enumerate(plan.stages)))
+
+
+@pytest.mark.parametrize("n,m", [(1, 1), (3, 4), (4, 8)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_backward_runs_the_forward_again(n, m, schedule):
+    """Equal stages, nothing sent: a flushed pipeline takes (m + n - 1) (F + B) / m, and
+    recomputation makes B = 0.05 + 0.03."""
+    g = chain(n, fwd=0.03, bwd=0.05)
+    plain = one_per_stage(n, m, schedule)
+    assert simulate(g, V100X4, plain).estimate.step_s == pytest.approx((m + n - 1) * 0.08 / m)
+    assert simulate(g, V100X4, recomputing(plain)).estimate.step_s == pytest.approx((m + n - 1) * 0.11 / m)
+
+
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_peak_memory_keeps_the_boundaries_and_one_micro_batch(m):
+    """4 stages under 1F1B hold min(m, 4 - k) micro-batches: without recomputation their
+    activations (A = 1 MB per batch each); recomputing, only what crosses their cuts (E = 10 kB
+    a cut: E for the end stages, 2E between) plus one micro-batch's activations while its backward
+    runs. The simulator and the cost model (which planners ask) agree with the closed form."""
+    a, e, params = 1e6, 1e4, 1000
+    g = chain(4, acts=a, edge_bytes=e, params=params, batch=8)
+    for plan in (one_per_stage(4, m), recomputing(one_per_stage(4, m))):
+        est = simulate(g, V100X4, plan).estimate
+        cm = CostModel(g, V100X4)
+        for k, stage in enumerate(plan.stages):
+            held = min(m, 4 - k)
+            kept = e * (1 if k in (0, 3) else 2)
+            acts = kept * held / m + a / m if stage.recompute else a * held / m
+            want = 4 * params + acts
+            assert est.peak_mem_bytes[f"v{k}"] == pytest.approx(want, abs=1)
+            assert cm.stage_memory_bytes(plan, k, f"v{k}") == pytest.approx(want, abs=1)
+
+
+def test_a_plan_file_says_which_stages_recompute():
+    plan = recomputing(one_per_stage(3, 2), stages=[1])
+    back = serde.loads(serde.dumps(plan))
+    assert [s.recompute for s in back.stages] == [False, True, False] and back == plan
+    old = serde.to_dict(one_per_stage(3, 2))
+    for s in old["stages"]:
+        s.pop("recompute")
+    assert serde.from_dict(old) == one_per_stage(3, 2)  # plan files from before read as before
+
+
+def run_weights(name, replicas, m, schedule, recompute, batch=8):
+    zm = no_dropout(load_model(name, batch_size=batch, seq_len=16, seed=0))
+    split = split_step(zm.step, zm.batch, "layer", zm.block_classes)
+    plan = chain_plan([p.name for p in split.pieces], replicas, m, schedule)
+    plan = recomputing(plan, recompute)
+    spec = run_spec(plan, cpus(sum(replicas)), name, RunSettings(batch_size=batch, seq_len=16, granularity="layer",
+                    block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0, optimizer="sgd", lr=0.1,
+                    out_dir="unused", no_dropout=True))
+    return zm, split, plan, spec, run_threads(spec)
+
+
+@pytest.mark.parametrize("name,replicas,m,schedule,recompute", [
+    ("gpt2-tiny", [1, 2], 3, "1f1b", [0, 1]),  # a replicated stage recomputing, rows split 4 + 4
+    ("gpt2-tiny", [1, 1, 1], 4, "gpipe", [1]),  # one stage of three
+    ("gpt2-tiny", [1, 1], 4, "zero-bubble", [0, 1]),  # the backward split in I and W
+    ("inception-tiny", [1, 1], 2, "1f1b", [0, 1]),  # branches, batch norm's running statistics
+])
+def test_recomputing_stages_train_as_one_process_and_as_without(name, replicas, m, schedule, recompute):
+    zm, split, plan, spec, results = run_weights(name, replicas, m, schedule, recompute)
+    _, _, _, _, plain = run_weights(name, replicas, m, schedule, [])
+    before = {id(p): p.detach().clone() for p in zm.step.parameters()}
+    ref_loss = reference_step(zm, _batches(spec, zm, 0), m, 0.1)
+    modules = stage_modules(split, plan)
+    worst = moved = 0.0
+    for rank, (res, other) in enumerate(zip(results, plain, strict=True)):
+        assert res["weights"].keys() == other["weights"].keys()
+        for pname in res["weights"]:
+            assert res["weights"][pname].equal(other["weights"][pname]), pname  # bit for bit
+        for bname in res["buffers"]:  # batch norm's running statistics: updated once, not again
+            assert res["buffers"][bname].equal(other["buffers"][bname]), bname
+        for pname, p in modules[spec.ranks[rank].stage].named_parameters():
+            worst = max(worst, (res["weights"][pname] - p.detach()).abs().max().item())
+            moved = max(moved, (p.detach() - before[id(p)]).abs().max().item())
+    assert moved > 1e-4 and worst <= 1e-5
+    last = len(replicas) - 1
+    loss = sum(res["losses"][0] for rank, res in enumerate(results) if spec.ranks[rank].stage == last)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_where_needed_recomputes_the_stages_over_memory():
+    """Four equal stages on 16 GB V100s, 4 micro-batches under 1F1B, 20 GB of activations per
+    stage and batch: stage 0 holds all four micro-batches' (20 GB) and does not fit, the others
+    hold 3, 2, 1 of them (15, 10, 5 GB) and fit. `where-needed` recomputes stage 0 only (it then
+    holds 4 x its boundary and one micro-batch's 5 GB), which makes the plan fit; `always`
+    recomputes every stage."""
+    from hetplan.planners import PlanOptions, make_plan
+
+    g = chain(4, fwd=0.03, bwd=0.05, acts=20e9, edge_bytes=1e6, batch=8)
+    asked = {mode: make_plan(g, V100X4, "uniform", PlanOptions(microbatches=4, recompute=mode))
+             for mode in ("never", "where-needed", "always")}
+    assert [s.recompute for s in asked["never"].stages] == [False] * 4 and not asked["never"].predicted.feasible
+    assert [s.recompute for s in asked["where-needed"].stages] == [True, False, False, False]
+    assert asked["where-needed"].predicted.feasible
+    assert [s.recompute for s in asked["always"].stages] == [True] * 4
+    steps = [asked[mode].predicted.step_s for mode in ("never", "where-needed", "always")]
+    assert steps[0] < steps[1] < steps[2]  # each recomputing stage pays its forward again
