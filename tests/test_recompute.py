@@ -127,3 +127,39 @@ def test_where_needed_recomputes_the_stages_over_memory():
     assert [s.recompute for s in asked["always"].stages] == [True] * 4
     steps = [asked[mode].predicted.step_s for mode in ("never", "where-needed", "always")]
     assert steps[0] < steps[1] < steps[2]  # each recomputing stage pays its forward again
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("acts", [(30e9, 1e9, 1e9, 1e9), (30e9, 30e9, 2e9, 2e9), (8e9, 8e9, 8e9, 8e9)])
+def test_dp_chooses_where_to_recompute_as_exact_does(schedule, acts):
+    """Four nodes of 1 GB of parameters each (the model's weights, 4 x 4 GB, fit no 16 GB V100
+    whole) with large activations, on 4 V100s: where the activations of a one-node stage do not
+    fit at 8 micro-batches, it recomputes. dp (which weighs each stage both ways) finds the plan
+    and step of exact (every split and number of micro-batches, each stage recomputing exactly
+    where it would not fit), with `--recompute where-needed` and without; with it the step is
+    never longer, and shorter where memory binds. (dp once lost its recomputing plans to the
+    simulator's cache, whose key left the choice out.)"""
+    from hetplan.errors import InfeasibleError
+    from hetplan.planners import PlanOptions, make_plan
+
+    g = chain(4, fwd=0.03, bwd=0.05, edge_bytes=1e8, batch=8, params=1e9)
+    g = replace(g, nodes=tuple(replace(n, act_bytes=a, fwd_s={t: v * (1 + i) for t, v in n.fwd_s.items()})
+                               for i, (n, a) in enumerate(zip(g.nodes, acts, strict=True))))
+    steps = {}
+    for mode in ("never", "where-needed"):
+        found = {}
+        for planner in ("exact", "dp"):
+            try:
+                plan = make_plan(g, V100X4, planner, PlanOptions(schedule=schedule, recompute=mode))
+            except InfeasibleError:
+                found[planner] = None
+                continue
+            found[planner] = (plan.predicted.step_s, plan.microbatches, [s.recompute for s in plan.stages])
+            assert plan.predicted.feasible
+        assert (found["dp"] is None) == (found["exact"] is None)
+        if found["dp"] is not None:
+            assert found["dp"][0] == pytest.approx(found["exact"][0], rel=1e-9)
+            assert found["dp"][1:] == found["exact"][1:]
+        steps[mode] = found["exact"][0] if found["exact"] else float("inf")
+    assert steps["where-needed"] <= steps["never"] * (1 + 1e-9)
+    assert (steps["where-needed"] < steps["never"]) == (acts[0] == 30e9)

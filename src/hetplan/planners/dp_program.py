@@ -45,7 +45,8 @@ class Label(NamedTuple):
     usd_per_hour: float  # of every device from its first one to the end of the order
     k_first: int  # replicas of its first stage
     lat_s: float  # latencies along its cuts
-    stage: tuple[int, int, int, int] | None  # its first stage: (state i, state j, position d, replicas k)
+    stage: tuple[int, int, int, int, bool] | None  # its first stage: (state i, state j, position d, replicas k,
+    # whether it recomputes)
     parent: Label | None
     rank: float  # the step at the most micro-batches it can use (times the price for cost): which a full front drops
     k_max: int = 1  # its largest replica group: micro-batches need at least that many rows
@@ -96,6 +97,10 @@ class _Order:
         self.dtype = [tindex[d.type] for d in self.dev]
         self.times = np.array([prob.time[t] for t in prob.types])  # (types, states)
         self.fixed = np.array([prob.fixed[t] for t in prob.types])
+        # recomputation (`Stage.recompute`): what it adds to a stage, and whether stages may or must
+        self.fwd = np.array([prob.fwd[t] for t in prob.types])
+        self.fwd_fixed = np.array([prob.fwd_fixed[t] for t in prob.types])
+        self.recompute = {"never": (False,), "where-needed": (False, True), "always": (True,)}[options.recompute]
         self.bounded = get_schedule(options.schedule).bounded  # in flight bounded by the stages after
         # a full front drops the label whose step is worst at the most micro-batches it can use:
         # the most whose micro-batches have a row for each replica of its widest stage
@@ -154,6 +159,15 @@ class _Order:
                                 prob.params[j] - prob.params[below], prob.acts[j] - prob.acts[below], opt))
         return self._ending[1]
 
+    def rebuilt_at(self, prob: StateSums, j: int) -> tuple[np.ndarray, ...]:
+        """For the same stages, what recomputing adds: the forward's time and its fixed part per
+        device type (types, candidates), and the bytes it keeps instead of its activations (the
+        cut before it and the cut after it, `CostModel.kept_bytes`)."""
+        below = prob.below_arr[j]
+        kept = np.where(below > 0, prob.cut[below], 0.0) + (prob.cut[j] if j != len(prob.ideals) - 1 else 0.0)
+        return (self.fwd[:, j][:, None] - self.fwd[:, below], self.fwd_fixed[:, j][:, None] - self.fwd_fixed[:, below],
+                kept)
+
     def _group(self, prob: StateSums, scorer: Scorer, d: int, k: int) -> tuple:
         cnt = [0] * len(prob.types)
         mem: dict[int, float] = {}
@@ -206,48 +220,65 @@ class _Front:
             labels.remove(max(shared, key=lambda o: o.rank))
 
 
-def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound_s: float) -> tuple:
+def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound_s: float,
+                   recompute: bool = False) -> tuple:
     """For the stage S_j - S_i on devices d .. d+k-1, over every earlier state i at once: which
     i are allowed (time bound, memory, devices left), the stage's time, its memory need over
     what is free (the worst replica type), its all-reduce + optimizer step, and (objective
     throughput) its steady-state time per batch, and what each micro-batch costs it whatever its
-    rows (its slowest replica type's fixed parts)."""
+    rows (its slowest replica type's fixed parts). A stage that recomputes runs its forward again
+    and keeps its cuts' bytes instead of its activations, of which it holds one micro-batch's:
+    its memory need is then the kept bytes' ratio plus, last, the activations' ratio."""
     below, diff, w_stage, a_stage, opt_needs = setup.ending_at(prob, j)
     cnt, mem, after_stage, devices = setup.groups[(d, k)]
+    used = [ti for ti, c in enumerate(cnt) if c]
+    if recompute:
+        fwd, fwd_fixed, kept = setup.rebuilt_at(prob, j)
+        diff, held = diff + fwd, kept
+    else:
+        held = a_stage
     with np.errstate(divide="ignore", invalid="ignore"):
-        used = [ti for ti, c in enumerate(cnt) if c]
         speed = sum(cnt[ti] / diff[ti] for ti in used)  # inf where a type needs no time
         t = np.where(np.isfinite(speed) & (speed > 0), 1.0 / speed, 0.0)
         # memory of each replica type: its share of every micro-batch's activations
         ratio = np.zeros(len(below))  # needed / free, the worst replica type
+        rebuilt = np.zeros(len(below))  # recomputing: one micro-batch's activations over what is free
         fits = np.ones(len(below), dtype=bool)
         for ti in used:
             share = np.where(np.isfinite(speed) & (diff[ti] > 0), t / diff[ti], 1.0 / k)
             room = activation_room_bytes(mem[ti], w_stage)
             fits &= room > 0
-            ratio = np.maximum(ratio, np.where(room > 0, a_stage * share / np.maximum(room, 1.0), np.inf))
+            ratio = np.maximum(ratio, np.where(room > 0, held * share / np.maximum(room, 1.0), np.inf))
+            if recompute:
+                rebuilt = np.maximum(rebuilt, np.where(room > 0, a_stage * share / np.maximum(room, 1.0), np.inf))
     ok = (t <= bound_s) & fits & ((ratio <= 1.0) | setup.bounded)
     ok &= (below == 0) if d == 0 else (below != 0)  # with d == 0 no devices are left for nodes before
     ok &= setup.rest[below, d] <= bound_s  # the slowest stage before takes at least that
     sync = setup.cost.gradient_sync_s(opt_needs[0], opt_needs[2], devices)  # bytes updated, index bytes
     ar = after_stage(sync, opt_needs)
     steady = steady_stage_s(t, setup.cost.steady_sync_s(opt_needs[0], devices), k) if setup.track_thr else t
-    fixed = np.max([setup.fixed[ti, j] - setup.fixed[ti, below] for ti in used], axis=0)
-    return np.nonzero(ok)[0], below, t, ratio, ar, steady, fixed
+    fixed = np.max([setup.fixed[ti, j] - setup.fixed[ti, below] + (fwd_fixed[ti] if recompute else 0.0)
+                    for ti in used], axis=0)
+    return np.nonzero(ok)[0], below, t, ratio, ar, steady, fixed, rebuilt
 
 
-def _extend(lab: Label, stage: tuple[int, int, int, int], ts: float, rt: float, ar: float, c_s: float, lt: float,
-            r_i: float, setup: _Order, m_max: int, bounds: tuple[float, float, float],
+def _extend(lab: Label, stage: tuple[int, int, int, int, bool], ts: float, memory: tuple[float, float], ar: float,
+            c_s: float, lt: float, r_i: float, setup: _Order, m_max: int, bounds: tuple[float, float, float],
             steady_s: float = 0.0, fixed_s: float = 0.0) -> Label | None:
-    """The label of `lab` with one more stage in front (time ts, memory ratio rt, all-reduce ar,
-    transfer c_s and latency lt across its cut; its steady-state time, or its cut's if slower,
-    steady_s), or None when memory or the bounds cut it."""
+    """The label of `lab` with one more stage in front (time ts, memory ratios (what it holds per
+    batch, what it rebuilds of one micro-batch when it recomputes; `_stage_options`), all-reduce
+    ar, transfer c_s and latency lt across its cut; its steady-state time, or its cut's if
+    slower, steady_s), or None when memory or the bounds cut it."""
     bound_s, bound_usd, bound_thr = bounds
     thr = max(lab.thr_s, steady_s)
     if thr > bound_thr:
         return None
-    mr = lab.m_req
-    if rt > 1.0:  # 1F1B: this stage holds min(m, r + 1) micro-batches; m must exceed r + 1
+    mr, (rt, rebuilt) = lab.m_req, memory
+    if stage[4]:
+        mr = max(mr, _recompute_microbatches(lab.after, rt, rebuilt, setup.bounded))
+        if mr > m_max:
+            return None
+    elif rt > 1.0:  # 1F1B: this stage holds min(m, r + 1) micro-batches; m must exceed r + 1
         mr = max(mr, math.floor((lab.after + 1) * rt) + 1)
         if mr > m_max:
             return None
@@ -272,6 +303,16 @@ def _extend(lab: Label, stage: tuple[int, int, int, int], ts: float, rt: float, 
     return out._replace(rank=rank)
 
 
+def _recompute_microbatches(after: int, rt: float, rebuilt: float, bounded: bool) -> float:
+    """The fewest micro-batches m with which a recomputing stage fits: rt of its room per batch
+    kept for each micro-batch in flight (all m under GPipe, min(m, after + 1) under 1F1B) plus
+    `rebuilt` for one micro-batch's activations, over m (conservative by one where exact)."""
+    few = 1 if rt + rebuilt <= 1.0 else (math.floor(rebuilt / (1.0 - rt)) + 1 if rt < 1.0 else math.inf)
+    if not bounded or few <= after + 1:
+        return few
+    return max(after + 2, math.floor(rt * (after + 1) + rebuilt) + 1)
+
+
 def run_order(prob: StateSums, scorer: Scorer, order: tuple[str, ...], options: PlanOptions,
                m_max: int, bound_s: float, max_labels: int = MAX_LABELS,
                bound_usd: float = math.inf, bound_thr: float = math.inf) -> list[Label]:
@@ -293,32 +334,35 @@ def run_order(prob: StateSums, scorer: Scorer, order: tuple[str, ...], options: 
 
 def _stages_into(front: _Front, labels: list[Label], prob: StateSums, setup: _Order, j: int, e: int, k: int,
                  m_max: int, bounds: tuple[float, float, float]) -> None:
-    """Every stage S_j - S_i on the k devices before position e, put in front of every label of
-    (j, e), into the front of (i, e - k)."""
+    """Every stage S_j - S_i on the k devices before position e (recomputing or not, as the
+    options allow), put in front of every label of (j, e), into the front of (i, e - k)."""
     d = e - k
-    cand, below, t, ratio, ar_all, steady, fixed = _stage_options(prob, setup, j, d, k, bounds[0])
     link = setup.links[e - 1] if j != len(prob.ideals) - 1 else None
     cut_j = prob.cut[j]
-    for c_idx in cand.tolist():
-        i = int(below[c_idx])
-        ts, rt, ar, r_i = float(t[c_idx]), float(ratio[c_idx]), float(ar_all[c_idx]), float(setup.rest[i, d])
-        for lab in labels:
-            c_s = lt = steady_cut = 0.0
-            if link is not None and cut_j > 0:
-                c_s = cut_j * setup.cut_s_per_byte(d, e, lab.k_first)
-                lt = link.latency_s
-                if setup.track_thr:  # PipeDream's question: the cut as `CostModel.bottleneck_s` sees it
-                    steady_cut = steady_cut_s(cut_j, setup.cut_Bps(d, e, lab.k_first))
-            out = _extend(lab, (i, j, d, k), ts, rt, ar, c_s, lt, r_i, setup, m_max, bounds,
-                          max(float(steady[c_idx]), steady_cut), float(fixed[c_idx]))
-            if out is not None:
-                front.add((i, d), out)
+    for recompute in setup.recompute:
+        cand, below, t, ratio, ar_all, steady, fixed, rebuilt = _stage_options(prob, setup, j, d, k, bounds[0],
+                                                                               recompute)
+        for c_idx in cand.tolist():
+            i = int(below[c_idx])
+            ts, ar, r_i = float(t[c_idx]), float(ar_all[c_idx]), float(setup.rest[i, d])
+            memory = (float(ratio[c_idx]), float(rebuilt[c_idx]))
+            for lab in labels:
+                c_s = lt = steady_cut = 0.0
+                if link is not None and cut_j > 0:
+                    c_s = cut_j * setup.cut_s_per_byte(d, e, lab.k_first)
+                    lt = link.latency_s
+                    if setup.track_thr:  # PipeDream's question: the cut as `CostModel.bottleneck_s` sees it
+                        steady_cut = steady_cut_s(cut_j, setup.cut_Bps(d, e, lab.k_first))
+                out = _extend(lab, (i, j, d, k, recompute), ts, memory, ar, c_s, lt, r_i, setup, m_max, bounds,
+                              max(float(steady[c_idx]), steady_cut), float(fixed[c_idx]))
+                if out is not None:
+                    front.add((i, d), out)
 
 
 def label_plan(prob: StateSums, order: tuple[str, ...], lab: Label, m: int, options: PlanOptions) -> Plan:
     stages = []
     while lab is not None and lab.stage is not None:
-        i, j, d, k = lab.stage
-        stages.append(Stage(prob.nodes(i, j), order[d:d + k]))
+        i, j, d, k, recompute = lab.stage
+        stages.append(Stage(prob.nodes(i, j), order[d:d + k], recompute))
         lab = lab.parent
     return Plan(tuple(stages), m, options.schedule, "dp", options.objective)

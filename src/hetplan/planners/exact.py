@@ -13,7 +13,10 @@ that the simulator can never beat (the slowest stage's time, which its busiest r
 computing, and one micro-batch's forward and backward through all stages), candidates are
 simulated in order of that bound, and the search stops when the bound of the next one cannot
 beat the best value found. Plans that do not fit in memory are skipped before simulation (the
-memory formula is the simulator's). Problems with more than `limit` candidates are refused.
+memory formula is the simulator's). With `recompute` allowed (`where-needed`), each candidate's
+stages recompute exactly where they would not fit otherwise: for a given split and number of
+micro-batches that is the best choice, since recomputing only adds time. Problems with more
+than `limit` candidates are refused.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from hetplan.planners.devices import device_classes
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.objectives import objective
 from hetplan.planners.options import PlanOptions
+from hetplan.planners.refine import with_recompute
 from hetplan.planners.scoring import Scorer
 from hetplan.planners.states import cut_states, subset_matrix
 
@@ -215,7 +219,9 @@ def exact(graph: Graph, cluster: Cluster, options: PlanOptions, limit: int = LIM
             break
         if bound_s > floor_s:
             continue
-        plan = _realise(space.states, space.classes, chain, groups, m, options)
+        # for a given split the best recomputes exactly where memory needs it (it only adds time)
+        plan = with_recompute(scorer.cost, _realise(space.states, space.classes, chain, groups, m, options),
+                              options.recompute)
         if any(scorer.cost.stage_memory_bytes(plan, k, d) > cluster.device(d).mem_bytes
                for k, st in enumerate(plan.stages) for d in st.devices):
             continue

@@ -54,17 +54,18 @@ def best_schedule(scorer: Scorer, plan: Plan, names: tuple[str, ...] = SCHEDULE_
 
 
 def with_recompute(cost: CostModel, plan: Plan, mode: str) -> Plan:
-    """The plan with its stages' `recompute` set: `always` every stage, `where-needed` each stage
-    with a replica whose peak memory (`CostModel.stage_replicas_memory_bytes`) is over its
-    device's, `never` none; the plan as it is otherwise."""
+    """The plan with `recompute` set on more of its stages: `always` on every stage,
+    `where-needed` on each stage with a replica whose peak memory
+    (`CostModel.stage_replicas_memory_bytes`) is over its device's; never taken off a stage that
+    has it (a planner that weighs it, dp, chose it). With `never`, the plan as it is."""
     if mode == "never":
         return plan
-    over = {k for k in range(len(plan.stages)) if mode == "always" or any(
-        need > cost.cluster.device(d).mem_bytes for d, need in cost.stage_replicas_memory_bytes(plan, k).items())}
+    over = {k for k, st in enumerate(plan.stages) if not st.recompute and (mode == "always" or any(
+        need > cost.cluster.device(d).mem_bytes for d, need in cost.stage_replicas_memory_bytes(plan, k).items()))}
     if not over:
         return plan
-    return replace(plan, stages=tuple(replace(s, recompute=k in over) for k, s in enumerate(plan.stages)),
-                   predicted=None)
+    stages = tuple(replace(s, recompute=True) if k in over else s for k, s in enumerate(plan.stages))
+    return replace(plan, stages=stages, predicted=None)
 
 
 def boundary_moves(plan: Plan) -> list[Plan]:
@@ -74,10 +75,10 @@ def boundary_moves(plan: Plan) -> list[Plan]:
     out = []
     for k in range(len(plan.stages) - 1):
         a, b = plan.stages[k], plan.stages[k + 1]
-        if len(a.nodes) > 1:
-            out.append(_with(plan, k, Stage(a.nodes[:-1], a.devices), Stage((a.nodes[-1], *b.nodes), b.devices)))
+        if len(a.nodes) > 1:  # each stage keeps its devices and its recompute choice
+            out.append(_with(plan, k, replace(a, nodes=a.nodes[:-1]), replace(b, nodes=(a.nodes[-1], *b.nodes))))
         if len(b.nodes) > 1:
-            out.append(_with(plan, k, Stage((*a.nodes, b.nodes[0]), a.devices), Stage(b.nodes[1:], b.devices)))
+            out.append(_with(plan, k, replace(a, nodes=(*a.nodes, b.nodes[0])), replace(b, nodes=b.nodes[1:])))
     return out
 
 

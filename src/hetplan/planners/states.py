@@ -188,15 +188,19 @@ class StateSums:
         self.types = sorted({d.type for d in cost.cluster.devices})
         node_t = {t: cost.node_times_s(t) for t in self.types}
         self.time = {t: mat @ np.array([sum(node_t[t][v]) for v in order]) for t in self.types}
+        self.fwd = {t: mat @ np.array([node_t[t][v][0] for v in order]) for t in self.types}  # what recomputing adds
         node_fixed = {t: cost.node_fixed_s(t) for t in self.types}  # what a micro-batch pays whatever its rows
         self.fixed = {t: mat @ np.array([sum(node_fixed[t].get(v, (0.0, 0.0))) for v in order]) for t in self.types}
+        self.fwd_fixed = {t: mat @ np.array([node_fixed[t].get(v, (0.0, 0.0))[0] for v in order]) for t in self.types}
         ref = self.types[0]
         cut = cut_bytes(graph, mat, order)
         keep = zoom(states, self.time[ref], around, width) if around else coarsen(states, self.time[ref], cut,
                                                                                   max_states)
         self.ideals = [states.ideals[k] for k in keep]
         self.time = {t: v[keep] for t, v in self.time.items()}
+        self.fwd = {t: v[keep] for t, v in self.fwd.items()}
         self.fixed = {t: v[keep] for t, v in self.fixed.items()}
+        self.fwd_fixed = {t: v[keep] for t, v in self.fwd_fixed.items()}
         self.params = (mat @ np.array([float(by_id[v].param_bytes) for v in order]))[keep]
         self.updated = (mat @ np.array([float(by_id[v].optimizer_bytes) for v in order]))[keep]  # optimizer's
         self.indices = (mat @ np.array([float(cost.index_bytes([v])) for v in order]))[keep]  # sparse rows' indices
