@@ -1,0 +1,90 @@
+"""Activation recomputation against none on the same two workers: step and predicted peak
+memory, predicted against measured step, on this machine's CPU workers.
+
+    .venv/bin/python bench/recompute.py [--steps 20] [--rounds 3] [--repeats 10]
+        [-o bench/results/recompute.json]
+
+`hetplan calibrate` of `local` first (as bench/schedules.py), then per model a profile on one
+thread and, per round, the uniform two-stage split under 1F1B with 4 micro-batches run with
+no stage, the first stage, and both stages recomputing (median step after 3 warm-up steps; the
+median over rounds), against the event simulator on the calibrated cluster from the median
+profile. The predicted peak memory is the simulator's per worker; the runtime measures the
+process's resident memory on CPU, not the stage's tensors, so no measured memory is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from predicted_vs_measured import median_graph, profile_model
+from schedules import MODELS
+
+from hetplan.io.clusters import load_cluster
+from hetplan.planners import PlanOptions, make_plan
+from hetplan.runtime.calibrate import calibrate_cluster
+from hetplan.runtime.launch import launch, run_spec
+from hetplan.runtime.settings import RunSettings
+from hetplan.sim import simulate
+
+HERE = Path(__file__).resolve().parent
+CHOICES = {"none": (), "first": (0,), "both": (0, 1)}
+
+
+def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
+    model, batch, seq, granularity, blocks = entry
+    graphs, measured = [], {}
+    for r in range(args.rounds):
+        graphs.append(profile_model(model, batch, seq, granularity, blocks, args.repeats))
+        base = make_plan(graphs[0], cluster, "uniform", PlanOptions(microbatches=4, schedule="1f1b"))
+        for name, stages in CHOICES.items():
+            plan = replace(base, stages=tuple(replace(s, recompute=k in stages) for k, s in enumerate(base.stages)))
+            spec = run_spec(plan, cluster, model, RunSettings(batch_size=batch, seq_len=seq, granularity=granularity,
+                            block_classes=tuple(blocks or ()), steps=args.steps, warmup=3,
+                            out_dir=Path(tmp) / f"{model.replace(':', '-')}-{r}-{name}"))
+            result = launch(spec)
+            measured.setdefault(name, []).append((result.measured_step_s, plan))
+            print(f"{model:>22} recompute {name:<6} round {r + 1}: {result.measured_step_s * 1e3:7.1f} ms", flush=True)
+    graph = median_graph(graphs)
+    rows = []
+    for name, runs in measured.items():
+        est = simulate(graph, calibrated, runs[0][1], timeline=False).estimate
+        step = statistics.median(s for s, _ in runs)
+        rows.append({"model": model, "recompute": name, "measured_step_s": step,
+                     "measured_each_s": [s for s, _ in runs], "predicted_step_s": est.step_s,
+                     "error": step / est.step_s - 1, "predicted_peak_mem_bytes": est.peak_mem_bytes})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=10, help="profiler repeats per node")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", nargs="*", help="a subset of the models, by name")
+    parser.add_argument("-o", "--output", type=Path, default=HERE / "results" / "recompute.json")
+    args = parser.parse_args()
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    plain = load_cluster("local")
+    calibrated, figures = calibrate_cluster(plain, say=print)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for entry in (m for m in MODELS if not args.models or m[0] in args.models):
+            rows += run_model(entry, plain, calibrated, args, tmp)
+    for r in rows:
+        mem = ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in r["predicted_peak_mem_bytes"].items())
+        print(f"{r['model']:>22} {r['recompute']:<6} measured {r['measured_step_s'] * 1e3:7.1f} ms predicted "
+              f"{r['predicted_step_s'] * 1e3:7.1f} ms {r['error']:+.0%}; predicted peak {mem}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"calibration": figures, "rounds": args.rounds, "steps": args.steps,
+                                       "cpus": os.cpu_count(), "rows": rows}, indent=1, default=str) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
