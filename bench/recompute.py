@@ -57,7 +57,7 @@ def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
         step = statistics.median(s for s, _ in runs)
         rows.append({"model": model, "recompute": name, "measured_step_s": step,
                      "measured_each_s": [s for s, _ in runs], "predicted_step_s": est.step_s,
-                     "error": step / est.step_s - 1, "predicted_peak_mem_bytes": est.peak_mem_bytes})
+                     "error": step / est.step_s - 1, "predicted_peak_mem_bytes": dict(est.peak_mem_bytes)})
     return rows
 
 
