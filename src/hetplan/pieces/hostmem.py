@@ -59,3 +59,35 @@ def _mallopt():
         return None
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return mallopt
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@functools.cache
+def _mallinfo2():
+    """glibc's `mallinfo2` (2.33 and later); None elsewhere."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.argtypes, mallinfo2.restype = (), _MallInfo2
+    return mallinfo2
+
+
+def malloc_in_use_bytes() -> int | None:
+    """What the C library's malloc has handed out and not had back, over all its arenas and its
+    mapped blocks (glibc's `mallinfo2`): torch's CPU tensors among them. None where the C library
+    cannot say. Sampled between a worker's actions, its rise over the step is the worker's tensors
+    (activations, gradients, optimizer state, messages), which the process's resident size hides
+    under torch's own (about 450 MB here)."""
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
+        return None
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+

@@ -327,13 +327,15 @@ def show_run(console: Console, s: dict, plan: Plan) -> None:
         table.add_row("$ per 1,000 samples", f"{paid:.6f}", f"{priced:.6f}" if priced is not None else "-",
                       f"{paid / priced - 1:+.1%}" if priced else "-")
     console.print(table)
-    mem = Table(title="peak memory per worker", title_justify="left")
-    for col in ("worker", "measured (process RSS)", "predicted (model state + activations)"):
+    mem = Table(title="peak memory per worker: its tensors (CUDA's allocator; on a CPU, what malloc handed out "
+                      "over the step, plus the weights)", title_justify="left")
+    for col in ("worker", "measured", "predicted (model state + activations)", "process RSS"):
         mem.add_column(col, justify="left" if col == "worker" else "right")
-    predicted = s.get("predicted_peak_mem_bytes") or {}
+    predicted, rss = s.get("predicted_peak_mem_bytes") or {}, s.get("rss_peak_bytes") or {}
     for key, value in s["peak_mem_bytes"].items():
         device = key.split(":", 1)[1]
-        mem.add_row(key, fmt_bytes(value), fmt_bytes(predicted[device]) if device in predicted else "-")
+        mem.add_row(key, fmt_bytes(value), fmt_bytes(predicted[device]) if device in predicted else "-",
+                    fmt_bytes(rss[key]) if rss.get(key) else "-")
     console.print(mem)
     if s.get("stages"):
         console.print(_stage_times(s["stages"]))

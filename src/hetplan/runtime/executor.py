@@ -266,11 +266,15 @@ class RankRunner:
     """Runs a worker's actions in its rank's order over the stages it holds; `step(batch)` runs
     one training step's actions."""
 
-    def __init__(self, runners: Sequence[StageRunner], order: Sequence[Action]) -> None:
+    def __init__(self, runners: Sequence[StageRunner], order: Sequence[Action],
+                 memory: Callable[[], int | None] | None = None) -> None:
         self.runners = {r.role.stage: r for r in runners}
         self.order = tuple(order)
         self.executed: list[str] = []  # the actions of the last step, as run (tests compare it with the simulator)
         self.spans: list[tuple[str, int, int, float, float, int]] = []  # the last step's (`StageRunner.spans`)
+        # the process's memory in use, read after each action (`hostmem.malloc_in_use_bytes`), and
+        # the most the last step read
+        self.memory, self.peak_bytes = memory, 0
 
     def step(self, batch: Sequence[torch.Tensor] = ()) -> float:
         """Run the step's actions; returns this worker's share of the batch's mean loss (the last
@@ -278,7 +282,7 @@ class RankRunner:
         saved: dict[int, dict] = {k: {} for k in self.runners}
         pending: list = []
         loss = 0.0
-        self.executed = []
+        self.executed, self.peak_bytes = [], 0
         for runner in self.runners.values():
             runner.spans = []
         for action in self.order:
@@ -290,7 +294,13 @@ class RankRunner:
             began = time.perf_counter()
             loss += runner.act(action, batch, saved[action.stage], pending)
             runner.spans.append((action.kind, action.stage, action.microbatch, began, time.perf_counter(), -1))
+            self._read_memory()
         for handle, _ in pending:
             handle.wait()
         self.spans = sorted((s for r in self.runners.values() for s in r.spans), key=lambda s: s[3])
         return loss
+
+    def _read_memory(self) -> None:
+        now = self.memory() if self.memory is not None else None
+        if now is not None and now > self.peak_bytes:
+            self.peak_bytes = now

@@ -67,7 +67,10 @@ class RunReport:
             "predicted_usd_per_1k_samples": p.usd_per_1k_samples if p else None,
             "step_times_s": list(r.step_times_s), "losses": list(r.losses),
             "loss_first": r.losses[0] if r.losses else None, "loss_last": r.losses[-1] if r.losses else None,
+            # the worker's tensors at their peak (CUDA's allocator, or on a CPU the rise of malloc's
+            # memory in use plus the parameters: `worker._StageMemory`); the process's resident size
             "peak_mem_bytes": {f"{x['rank']}:{x['device']}": x["peak_mem_bytes"] for x in r.ranks},
+            "rss_peak_bytes": {f"{x['rank']}:{x['device']}": x.get("rss_peak_bytes") for x in r.ranks},
             "predicted_peak_mem_bytes": dict(p.peak_mem_bytes) if p else None, "out_dir": r.out_dir,
             "trace_files": list(self.trace_files),
             "stages": [{**asdict(row), "devices": list(row.devices)} for row in self.stages],

@@ -34,6 +34,10 @@ from typing import TYPE_CHECKING, Any
 from hetplan.runtime.supervise import LAUNCHER_PID, end_with_launcher
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    import torch
+
     from hetplan.runtime.spec import RunSpec
 
 
@@ -85,8 +89,29 @@ def build_rank(spec: RunSpec, rank: int, heartbeat=None):
     return zoo_model, prepared, _optimizer(spec, prepared.parameters(), prepared.sparse)
 
 
-def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbeat=None) -> dict:
-    """The rank's steps: each between two barriers, its actions, the gradient sums, the optimizer."""
+class _StageMemory:
+    """A worker's tensors at their peak, on a CPU: the rise of the process's memory in use
+    (`hostmem.malloc_in_use_bytes`) over its level before the first step, read after each action
+    and after the optimizer's step, plus the parameters' bytes (there before); the most of the
+    steps after the warm-up."""
+
+    def __init__(self, read: Callable[[], int | None], params: Sequence[torch.Tensor]) -> None:
+        self.read, self.base = read, read()
+        self.params = sum(p.numel() * p.element_size() for p in params)
+        self.steps: list[int] = []
+
+    def step(self, runner_peak: int) -> None:
+        self.steps.append(max(runner_peak, self.read() or 0))
+
+    def peak_bytes(self, warmup: int) -> int | None:
+        if self.base is None or not self.steps:
+            return None
+        return max(self.steps[warmup:] or self.steps) - self.base + self.params
+
+
+def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbeat=None, memory=None) -> dict:
+    """The rank's steps: each between two barriers, its actions, the gradient sums, the optimizer.
+    `memory`: the process's memory in use, where the worker has the process to itself."""
     from functools import partial
 
     from hetplan.runtime.executor import RankRunner, StageRunner
@@ -94,7 +119,8 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     role = prepared.role
     runner = RankRunner([StageRunner(r, partial(prepared.module_for, stage=r.stage), lay_in, lay_out, transport,
                                      prepared.device) for r, (lay_in, lay_out) in zip(prepared.roles, prepared.layouts,
-                                                                                      strict=True)], prepared.order)
+                                                                                      strict=True)], prepared.order,
+                        memory)
     if spec.settings.resume_step:
         from hetplan.runtime.checkpoint import load_stage
 
@@ -102,6 +128,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     times, losses, trace, busy_s, comm_s = [], [], [], [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
+    held = _StageMemory(memory, params) if memory is not None else None
     for step in range(spec.settings.resume_step, spec.settings.steps):
         if heartbeat is not None:
             heartbeat("step", step)
@@ -117,6 +144,8 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
             prm.grad = None
         loss = runner.step(values)
         tail = _reduce_and_update(prepared, opt, transport)
+        if held is not None:
+            held.step(runner.peak_bytes)
         transport.barrier()
         times.append(time.perf_counter() - t0)
         busy, comm = step_busy_comm(runner.spans, tail)
@@ -133,7 +162,8 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
             from hetplan.runtime.checkpoint import save_stage
 
             save_stage(spec.settings.checkpoint_dir, role.stage, _saved_module(prepared), opt, step + 1)
-    out = {"times_s": times, "losses": losses, "actions": runner.executed, "busy_s": busy_s, "comm_s": comm_s}
+    out = {"times_s": times, "losses": losses, "actions": runner.executed, "busy_s": busy_s, "comm_s": comm_s,
+           "tensor_peak_bytes": held.peak_bytes(spec.settings.warmup) if held is not None else None}
     if spec.settings.trace:
         out["trace"] = trace  # the last step's
     return out
@@ -189,7 +219,7 @@ def step_trace(spans, tail: tuple[float, float, float], stage: int, t0: float) -
 def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     import torch
 
-    from hetplan.pieces.hostmem import keep_freed_memory
+    from hetplan.pieces.hostmem import keep_freed_memory, malloc_in_use_bytes
     from hetplan.runtime.transport import GlooTransport
 
     out_dir = spec.settings.out_dir
@@ -207,12 +237,15 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     zoo_model, prepared, opt = build_rank(spec, rank, heartbeat)  # each trace moves the heartbeat
     transport = GlooTransport(rank, world, [ranks for ranks, _ in prepared.groups if len(ranks) > 1],
                               spec.settings.timeout_s)
-    mine = train(spec, rank, zoo_model, prepared, opt, transport, heartbeat)
     device = prepared.device
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    mine.update(rank=rank, stage=me.stage, replica=me.replica, device=me.device, peak_mem_bytes=peak)
+    mine = train(spec, rank, zoo_model, prepared, opt, transport, heartbeat,
+                 memory=malloc_in_use_bytes if device.type == "cpu" else None)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # the worker's tensors: CUDA's allocator, or on a CPU the rise of malloc's memory in use; the
+    # process's resident size where neither can say
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else mine.pop("tensor_peak_bytes") or rss
+    mine.update(rank=rank, stage=me.stage, replica=me.replica, device=me.device, peak_mem_bytes=peak,
+                rss_peak_bytes=rss)
     gathered = transport.gather_objects(mine, world)
     if spec.settings.return_weights:
         torch.save({name: p.detach().cpu() for name, p in prepared.named_parameters().items()},
