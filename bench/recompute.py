@@ -1,5 +1,5 @@
-"""Activation recomputation against none on the same two workers: step and predicted peak
-memory, predicted against measured step, on this machine's CPU workers.
+"""Activation recomputation against none on the same two workers: step and peak memory,
+predicted against measured, on this machine's CPU workers.
 
     .venv/bin/python bench/recompute.py [--steps 20] [--rounds 3] [--repeats 10]
         [-o bench/results/recompute.json]
@@ -8,8 +8,9 @@ memory, predicted against measured step, on this machine's CPU workers.
 thread and, per round, the uniform two-stage split under 1F1B with 4 micro-batches run with
 no stage, the first stage, and both stages recomputing (median step after 3 warm-up steps; the
 median over rounds), against the event simulator on the calibrated cluster from the median
-profile. The predicted peak memory is the simulator's per worker; the runtime measures the
-process's resident memory on CPU, not the stage's tensors, so no measured memory is compared.
+profile. Peak memory per worker: the simulator's, against the worker's tensors as `hetplan run`
+measures them on a CPU (the most malloc handed out over a step after the warm-up, above its level
+before the first step, plus the weights; the median over rounds).
 """
 
 from __future__ import annotations
@@ -48,15 +49,17 @@ def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
                             block_classes=tuple(blocks or ()), steps=args.steps, warmup=3,
                             out_dir=Path(tmp) / f"{model.replace(':', '-')}-{r}-{name}"))
             result = launch(spec)
-            measured.setdefault(name, []).append((result.measured_step_s, plan))
+            measured.setdefault(name, []).append((result.measured_step_s, plan, result.peak_mem_bytes))
             print(f"{model:>22} recompute {name:<6} round {r + 1}: {result.measured_step_s * 1e3:7.1f} ms", flush=True)
     graph = median_graph(graphs)
     rows = []
     for name, runs in measured.items():
         est = simulate(graph, calibrated, runs[0][1], timeline=False).estimate
-        step = statistics.median(s for s, _ in runs)
+        step = statistics.median(s for s, _, _ in runs)
+        peaks = {d: statistics.median(r[2][d] for r in runs) for d in runs[0][2]}
         rows.append({"model": model, "recompute": name, "measured_step_s": step,
-                     "measured_each_s": [s for s, _ in runs], "predicted_step_s": est.step_s,
+                     "measured_each_s": [s for s, _, _ in runs], "predicted_step_s": est.step_s,
+                     "measured_peak_mem_bytes": peaks,
                      "error": step / est.step_s - 1, "predicted_peak_mem_bytes": dict(est.peak_mem_bytes)})
     return rows
 
@@ -77,9 +80,10 @@ def main() -> None:
         for entry in (m for m in MODELS if not args.models or m[0] in args.models):
             rows += run_model(entry, plain, calibrated, args, tmp)
     for r in rows:
-        mem = ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in r["predicted_peak_mem_bytes"].items())
+        mem = ", ".join(f"{d} {r['measured_peak_mem_bytes'][d] / 2**20:.1f} / {b / 2**20:.1f} MiB"
+                        for d, b in r["predicted_peak_mem_bytes"].items())
         print(f"{r['model']:>22} {r['recompute']:<6} measured {r['measured_step_s'] * 1e3:7.1f} ms predicted "
-              f"{r['predicted_step_s'] * 1e3:7.1f} ms {r['error']:+.0%}; predicted peak {mem}")
+              f"{r['predicted_step_s'] * 1e3:7.1f} ms {r['error']:+.0%}; peak measured / predicted {mem}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"calibration": figures, "rounds": args.rounds, "steps": args.steps,
                                        "cpus": os.cpu_count(), "rows": rows}, indent=1, default=str) + "\n")
