@@ -1,14 +1,15 @@
 """One worker's part of a training step: the schedule's actions, run over point-to-point
 messages, as PipeDream's and DeepSpeed's pipeline runtimes do (DeepSpeed's `PipeSchedule`
 documents each instruction by the code it runs; so does this module). A worker is one stage
-replica, or under an interleaved schedule replica p of stages k, k + n, k + 2n, ... (one
-`StageRunner` each), whose actions `RankRunner` runs in the rank's one order.
+replica, or under an interleaved schedule replica p of stages k, k + n, k + 2n, ... (ZB-V: k and
+2n - 1 - k; one `StageRunner` each), whose actions `RankRunner` runs in the rank's one order.
 
 The action order is `hetplan.schedule.rank_orders`, the one the simulator simulates, and
 the rows of every replica are `hetplan.rows`, the split the simulator charges; so a run does what
 its prediction assumed, action by action. Every plan that `hetplan.plan.validate_plan` accepts
 runs: any number of replicas per stage (3 + 1, 1 + 2 + 1, ...), stages without parameters, more
-or fewer micro-batches than stages, GPipe, 1F1B, zero bubble or interleaved 1F1B.
+or fewer micro-batches than stages, every schedule of `hetplan.schedule` (GPipe, 1F1B, zero
+bubble, interleaved 1F1B, ZB-V), stages that recompute their activations.
 
 For replica p of stage k, micro-batch j, with rows [lo, hi) of it (`StepRows.slices`):
 
