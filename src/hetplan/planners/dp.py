@@ -22,7 +22,11 @@ set S_k minus S_(k-1). We extend both papers:
   `throughput` objective prices a cut as `CostModel.bottleneck_s` does (`cut_Bps`).
 - Memory: a stage whose replica would not fit under the schedule (4x its parameters plus its
   stashed activations: all micro-batches under GPipe, min(m, stages after it + 1) under 1F1B)
-  is not allowed.
+  is not allowed. With `--recompute where-needed` every stage is also tried recomputing its
+  activations (`Stage.recompute`: its forward's time again; it keeps its cuts' bytes per
+  micro-batch in flight and one micro-batch's activations, the fewest micro-batches that allows
+  by `dp_program._recompute_microbatches`), and the fronts keep whichever labels are not
+  dominated: dp chooses per stage.
 - The objective of a flushed pipeline. With t_k a stage's time for the whole batch, c_k the
   transfer time across cut k for the whole batch and m micro-batches,
 
