@@ -102,7 +102,8 @@ class _Tasks:
         self.dev: list[int] = []
         self.dur: list[float] = []
         self.hold: list[float] = []  # activation bytes a forward stashes (+), its B or W frees (-), else 0
-        self.rebuilt: list[float] = []  # activation bytes a recomputing stage's B or I holds while it runs
+        # activation bytes a recomputing stage's B or I holds while it runs, by task (only those)
+        self.rebuilt: dict[int, float] = {}
         self.kind: list[str] = []
         self.stage: list[int] = []
         self.mb: list[int] = []
@@ -141,8 +142,9 @@ class _Tasks:
             self.dur.extend([durations[k][i] for k, i in zip(kinds, mbs, strict=True)])
             self.hold.extend([rep.act_mb_bytes[i] if k == FORWARD else -rep.act_mb_bytes[i] if k in FREES else 0.0
                               for k, i in zip(kinds, mbs, strict=True)])
-            self.rebuilt.extend([rep.rebuilt_mb_bytes[i] if rep.rebuilt_mb_bytes and k in SENDS_GRADIENTS else 0.0
-                                 for k, i in zip(kinds, mbs, strict=True)])
+            if rep.rebuilt_mb_bytes:
+                self.rebuilt.update({base + p: rep.rebuilt_mb_bytes[i]
+                                     for p, (k, i) in enumerate(zip(kinds, mbs, strict=True)) if k in SENDS_GRADIENTS})
             self.kind.extend(kinds)
             self.stage.extend([st.index] * size)
             self.mb.extend(mbs)
@@ -312,7 +314,7 @@ class _EventLoop:
             self.dev_act[dev] = held
             if held > self.dev_peak[dev]:
                 self.dev_peak[dev] = held
-        elif self.rebuilt[tid] > 0 and self.dev_act[dev] + self.rebuilt[tid] > self.dev_peak[dev]:
+        elif self.rebuilt and self.dev_act[dev] + self.rebuilt.get(tid, 0.0) > self.dev_peak[dev]:
             self.dev_peak[dev] = self.dev_act[dev] + self.rebuilt[tid]
         self.seq += 1
         heapq.heappush(self.heap, (end, self.seq, tid))
