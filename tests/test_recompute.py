@@ -213,3 +213,10 @@ def test_measured_peak_memory_falls_where_the_stages_recompute(tmp_path):
             assert r["peak_mem_bytes"] == pytest.approx(predicted[r["device"]], rel=0.25), (name, r["device"])
         peaks[name] = (result.peak_mem_bytes["c0"], predicted["c0"])
     assert peaks["recompute"][0] < peaks["plain"][0] and peaks["recompute"][1] < peaks["plain"][1]
+
+
+def test_the_report_page_names_the_stages_that_recompute():
+    from hetplan.report.page import facts_of
+
+    assert ("stages recomputing", "0, 2") in facts_of(recomputing(one_per_stage(3, 2), stages=[0, 2]))
+    assert all(name != "stages recomputing" for name, _ in facts_of(one_per_stage(3, 2)))

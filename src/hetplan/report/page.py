@@ -306,6 +306,9 @@ def facts_of(plan: Plan, measured_step_s: float | None = None) -> tuple[tuple[st
     est = plan.predicted
     out = [("planner", plan.planner), ("stages", str(len(plan.stages))), ("devices", str(len(plan.devices))),
            ("micro-batches", f"{plan.microbatches} ({plan.schedule})")]
+    recomputing = [str(k) for k, s in enumerate(plan.stages) if s.recompute]
+    if recomputing:
+        out.append(("stages recomputing", ", ".join(recomputing)))
     if est is not None:
         out += [("predicted step", fmt_seconds(est.step_s)), ("predicted samples/s", f"{est.samples_per_s:,.1f}"),
                 ("$ per 1,000 samples", f"{est.usd_per_1k_samples:.4g}"), ("bubble", f"{est.bubble_fraction:.0%}"),
