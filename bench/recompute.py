@@ -15,34 +15,24 @@ before the first step, plus the weights; the median over rounds).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from predicted_vs_measured import median_graph, profile_model
-from schedules import MODELS
+from predicted_vs_measured import median_graph
+from schedules import rounds, run_bench
 
-from hetplan.io.clusters import load_cluster
-from hetplan.planners import PlanOptions, make_plan
-from hetplan.runtime.calibrate import calibrate_cluster
 from hetplan.runtime.launch import launch, run_spec
 from hetplan.runtime.settings import RunSettings
 from hetplan.sim import simulate
 
-HERE = Path(__file__).resolve().parent
 CHOICES = {"none": (), "first": (0,), "both": (0, 1)}
 
 
 def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
     model, batch, seq, granularity, blocks = entry
     graphs, measured = [], {}
-    for r in range(args.rounds):
-        graphs.append(profile_model(model, batch, seq, granularity, blocks, args.repeats))
-        base = make_plan(graphs[0], cluster, "uniform", PlanOptions(microbatches=4, schedule="1f1b"))
+    for r, base in rounds(entry, cluster, args, graphs):
         for name, stages in CHOICES.items():
             plan = replace(base, stages=tuple(replace(s, recompute=k in stages) for k, s in enumerate(base.stages)))
             spec = run_spec(plan, cluster, model, RunSettings(batch_size=batch, seq_len=seq, granularity=granularity,
@@ -64,31 +54,12 @@ def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=10, help="profiler repeats per node")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--models", nargs="*", help="a subset of the models, by name")
-    parser.add_argument("-o", "--output", type=Path, default=HERE / "results" / "recompute.json")
-    args = parser.parse_args()
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
-    plain = load_cluster("local")
-    calibrated, figures = calibrate_cluster(plain, say=print)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for entry in (m for m in MODELS if not args.models or m[0] in args.models):
-            rows += run_model(entry, plain, calibrated, args, tmp)
-    for r in rows:
-        mem = ", ".join(f"{d} {r['measured_peak_mem_bytes'][d] / 2**20:.1f} / {b / 2**20:.1f} MiB"
-                        for d, b in r["predicted_peak_mem_bytes"].items())
-        print(f"{r['model']:>22} {r['recompute']:<6} measured {r['measured_step_s'] * 1e3:7.1f} ms predicted "
-              f"{r['predicted_step_s'] * 1e3:7.1f} ms {r['error']:+.0%}; peak measured / predicted {mem}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"calibration": figures, "rounds": args.rounds, "steps": args.steps,
-                                       "cpus": os.cpu_count(), "rows": rows}, indent=1, default=str) + "\n")
-    print(f"wrote {args.output}")
+def describe(r: dict) -> str:
+    mem = ", ".join(f"{d} {r['measured_peak_mem_bytes'][d] / 2**20:.1f} / {b / 2**20:.1f} MiB"
+                    for d, b in r["predicted_peak_mem_bytes"].items())
+    return (f"{r['model']:>22} {r['recompute']:<6} measured {r['measured_step_s'] * 1e3:7.1f} ms predicted "
+            f"{r['predicted_step_s'] * 1e3:7.1f} ms {r['error']:+.0%}; peak measured / predicted {mem}")
 
 
 if __name__ == "__main__":
-    main()
+    run_bench("recompute", run_model, describe)

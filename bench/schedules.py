@@ -53,12 +53,19 @@ def measured_bubble(result) -> float:
     return max(0.0, 1.0 - sum(busy) / (len(busy) * result.measured_step_s)) if busy else float("nan")
 
 
+def rounds(entry, cluster, args, graphs: list):
+    """Per round: its index and the uniform two-stage plan, under 1F1B with 4 micro-batches, of
+    the first profile; each round adds a profile to `graphs`."""
+    model, batch, seq, granularity, blocks = entry
+    for r in range(args.rounds):
+        graphs.append(profile_model(model, batch, seq, granularity, blocks, args.repeats))
+        yield r, make_plan(graphs[0], cluster, "uniform", PlanOptions(microbatches=4, schedule="1f1b"))
+
+
 def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
     model, batch, seq, granularity, blocks = entry
     graphs, measured = [], {}
-    for r in range(args.rounds):
-        graphs.append(profile_model(model, batch, seq, granularity, blocks, args.repeats))
-        base = make_plan(graphs[0], cluster, "uniform", PlanOptions(microbatches=4, schedule="1f1b"))
+    for r, base in rounds(entry, cluster, args, graphs):
         for m in (4, 8):
             for schedule in SCHEDULES:
                 plan = replace(base, microbatches=m, schedule=schedule)
@@ -87,32 +94,38 @@ def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def run_bench(name: str, run_model, describe) -> None:
+    """The command line and the run shared by the benchmarks of local workers on calibrated
+    `local` (this one and bench/recompute.py): calibrate, then `run_model` per model, print each
+    row by `describe`, write the rows to `-o` (default bench/results/NAME.json)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=10, help="profiler repeats per node")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", nargs="*", help="a subset of the models, by name")
-    parser.add_argument("-o", "--output", type=Path, default=HERE / "results" / "schedules.json")
+    parser.add_argument("-o", "--output", type=Path, default=HERE / "results" / f"{name}.json")
     args = parser.parse_args()
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     plain = load_cluster("local")
     calibrated, figures = calibrate_cluster(plain, say=print)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    serde.dump(calibrated, args.output.with_name("local-calibrated-schedules.json"))
+    serde.dump(calibrated, args.output.with_name(f"local-calibrated-{name}.json"))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for entry in (m for m in MODELS if not args.models or m[0] in args.models):
             rows += run_model(entry, plain, calibrated, args, tmp)
     for r in rows:
-        print(f"{r['model']:>22} m={r['microbatches']} {r['schedule']:<12} "
-              f"measured {r['measured_step_s'] * 1e3:7.1f} ms "
-              f"(bubble {r['measured_bubble']:.0%}) predicted {r['predicted_step_s'] * 1e3:7.1f} ms "
-              f"(bubble {r['predicted_bubble']:.0%}) {r['error']:+.0%}")
+        print(describe(r))
     args.output.write_text(json.dumps({"calibration": figures, "rounds": args.rounds, "steps": args.steps,
                                        "cpus": os.cpu_count(), "rows": rows}, indent=1, default=str) + "\n")
     print(f"wrote {args.output}")
 
 
+def describe(r: dict) -> str:
+    return (f"{r['model']:>22} m={r['microbatches']} {r['schedule']:<12} measured {r['measured_step_s'] * 1e3:7.1f} ms "
+            f"(bubble {r['measured_bubble']:.0%}) predicted {r['predicted_step_s'] * 1e3:7.1f} ms "
+            f"(bubble {r['predicted_bubble']:.0%}) {r['error']:+.0%}")
+
+
 if __name__ == "__main__":
-    main()
+    run_bench("schedules", run_model, describe)
