@@ -48,16 +48,22 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
 
-@functools.cache
-def _mallopt():
-    """glibc's `mallopt` from the C library this process already has loaded; None elsewhere."""
+def _glibc(name: str):
+    """A function of glibc, the C library this process already has loaded; None elsewhere (or
+    where this glibc has no such function)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+
+
+@functools.cache
+def _mallopt():
+    mallopt = _glibc("mallopt")
+    if mallopt is not None:
+        mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return mallopt
 
 
@@ -68,14 +74,9 @@ class _MallInfo2(ctypes.Structure):
 
 @functools.cache
 def _mallinfo2():
-    """glibc's `mallinfo2` (2.33 and later); None elsewhere."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return None
-    mallinfo2.argtypes, mallinfo2.restype = (), _MallInfo2
+    mallinfo2 = _glibc("mallinfo2")  # glibc 2.33 and later
+    if mallinfo2 is not None:
+        mallinfo2.argtypes, mallinfo2.restype = (), _MallInfo2
     return mallinfo2
 
 
