@@ -95,6 +95,9 @@ class StageRunner:
         # the step's spans, perf_counter clock: (kind, stage, micro-batch, start, end, from rank or -1)
         # for every action (-1) and every message received in it (the rank it came from)
         self.spans: list[tuple[str, int, int, float, float, int]] = []
+        # called once a recomputation has rebuilt a micro-batch's activations, the stage's peak
+        # inside its backward (`RankRunner` reads the memory in use there)
+        self.rebuilt: Callable[[], None] = _nothing
 
     def tag(self, boundary: int, microbatch: int, kind: str) -> int:
         return _tag(len(self.role.ranks), boundary, microbatch, kind)
@@ -166,7 +169,7 @@ class StageRunner:
         module = self.module_for(hi - lo)
         # torch's non-reentrant checkpoint keeps the inputs, restores the RNG state and runs the
         # forward again when the backward first needs what it saved
-        out = checkpoint(_once_per_step(module), *inputs, use_reentrant=False) if self.role.recompute \
+        out = checkpoint(_once_per_step(module, self.rebuilt), *inputs, use_reentrant=False) if self.role.recompute \
             else module(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
         saved[j] = (inputs, outs)
@@ -240,11 +243,15 @@ class StageRunner:
         return 0.0
 
 
-def _once_per_step(module: nn.Module) -> Callable[..., object]:
+def _nothing() -> None:
+    return None
+
+
+def _once_per_step(module: nn.Module, rebuilt: Callable[[], None]) -> Callable[..., object]:
     """The module's forward, whose second run (the recomputation) leaves its buffers as it found
-    them: batch norm's running statistics count each micro-batch once, as without it. (torch
-    stops a recomputation early, by an exception, once it has rebuilt what the backward needs:
-    hence `finally`.)"""
+    them: batch norm's running statistics count each micro-batch once, as without it; `rebuilt`
+    is called when that run ends, its activations all there. (torch stops a recomputation early,
+    by an exception, once it has rebuilt what the backward needs: hence `finally`.)"""
     runs = 0
 
     def forward(*inputs: torch.Tensor) -> object:
@@ -256,6 +263,7 @@ def _once_per_step(module: nn.Module) -> Callable[..., object]:
         try:
             return module(*inputs)
         finally:
+            rebuilt()
             with torch.no_grad():
                 for b, value in zip(module.buffers(), kept, strict=True):
                     b.copy_(value)
@@ -273,9 +281,12 @@ class RankRunner:
         self.order = tuple(order)
         self.executed: list[str] = []  # the actions of the last step, as run (tests compare it with the simulator)
         self.spans: list[tuple[str, int, int, float, float, int]] = []  # the last step's (`StageRunner.spans`)
-        # the process's memory in use, read after each action (`hostmem.malloc_in_use_bytes`), and
-        # the most the last step read
+        # the process's memory in use, read after each action and when a recomputation has
+        # rebuilt its activations (`hostmem.malloc_in_use_bytes`), and the most the last step read
         self.memory, self.peak_bytes = memory, 0
+        if memory is not None:
+            for runner in runners:
+                runner.rebuilt = self._read_memory
 
     def step(self, batch: Sequence[torch.Tensor] = ()) -> float:
         """Run the step's actions; returns this worker's share of the batch's mean loss (the last

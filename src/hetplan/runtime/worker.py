@@ -91,9 +91,10 @@ def build_rank(spec: RunSpec, rank: int, heartbeat=None):
 
 class _StageMemory:
     """A worker's tensors at their peak, on a CPU: the rise of the process's memory in use
-    (`hostmem.malloc_in_use_bytes`) over its level before the first step, read after each action
-    and after the optimizer's step, plus the parameters' bytes (there before); the most of the
-    steps after the warm-up."""
+    (`hostmem.malloc_in_use_bytes`) over its level before the first step, read after each action,
+    when a recomputation has rebuilt its activations (inside a backward) and after the
+    optimizer's step, plus the parameters' bytes (there before); the most of the steps after the
+    warm-up. A peak inside an action otherwise (the backward's temporaries) is not seen."""
 
     def __init__(self, read: Callable[[], int | None], params: Sequence[torch.Tensor]) -> None:
         self.read, self.base = read, read()
