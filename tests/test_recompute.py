@@ -137,8 +137,8 @@ def test_dp_chooses_where_to_recompute_as_exact_does(schedule, acts):
     fit at 8 micro-batches, it recomputes. dp (which weighs each stage both ways) finds the plan
     and step of exact (every split and number of micro-batches, each stage recomputing exactly
     where it would not fit), with `--recompute where-needed` and without; with it the step is
-    never longer, and shorter where memory binds. (dp once lost its recomputing plans to the
-    simulator's cache, whose key left the choice out.)"""
+    never longer, and shorter where memory binds. (The planners' simulation cache must key on the
+    choice, or a recomputing plan gets the plain plan's estimate and dp drops it.)"""
     from hetplan.errors import InfeasibleError
     from hetplan.planners import PlanOptions, make_plan
 
@@ -191,9 +191,9 @@ def test_the_workers_tensors_are_read_off_the_memory_in_use():
 def test_measured_peak_memory_falls_where_the_stages_recompute(tmp_path):
     """gpt2-tiny in two worker processes (1F1B, 4 micro-batches) with and without both stages
     recomputing: each worker's measured tensors (malloc's memory in use) are within 25% of the
-    prediction (here +5% and +8% without, +7% and +11% with; read between actions, a recomputing
-    stage's peak, inside its backward, was missed, -14%, until the recomputation's end was read
-    too), and the first worker's fall with recomputation as predicted."""
+    prediction (+5% and +8% without, +7% and +11% with, on the machine this was written on; a
+    recomputing stage peaks inside its backward, so the memory is read where the recomputation
+    ends, not only between actions), and the first worker's fall with recomputation as predicted."""
     from hetplan.pieces.hostmem import malloc_in_use_bytes
     from hetplan.profile import profile_step
     from hetplan.runtime.launch import launch

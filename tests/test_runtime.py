@@ -105,9 +105,9 @@ def test_a_stage_without_parameters_passes_integers_across_two_boundaries(tmp_pa
 
 def test_zbv_sends_between_the_two_stages_of_one_worker_process(tmp_path):
     """ZB-V in two worker processes over gloo: the last worker holds stages 1 and 2, so it sends
-    to itself, which gloo cannot (no pair from a rank to itself: `hetplan run` failed with
-    "Pair is not connected" while the threads' test passed); the weights after one step equal
-    one process's, stages 0 and 3 (the tied embedding's two ends) on worker 0."""
+    to itself, which gloo cannot (it has no pair from a rank to itself: "Pair is not connected"),
+    so the message goes through the worker's own mailbox; the weights after one step equal one
+    process's, stages 0 and 3 (the tied embedding's two ends) on worker 0."""
     zm = model("gpt2-tiny", 8)
     split = split_step(zm.step, zm.batch, "layer", zm.block_classes)
     plan = interleaved_plan([p.name for p in split.pieces], [1, 1], 2, 4, "zb-v")
@@ -173,7 +173,7 @@ def test_loss_falls_on_text_and_resume_continues_the_same_run(tmp_path):
     assert checkpoint_step(ckpt, [0, 1]) == 6
     resumed = launch(two_stage(tmp_path / "b", 10, data="text", lr=3e-3, checkpoint_dir=ckpt, resume_step=6))
     assert resumed.losses == pytest.approx(full.losses[6:10], abs=1e-5)  # the same run, steps 6-9
-    assert checkpoint_step(ckpt, [0, 1]) == 10  # without --checkpoint-every, the last step is saved (issue 13)
+    assert checkpoint_step(ckpt, [0, 1]) == 10  # without --checkpoint-every, the last step is saved
 
 
 def run_torchrun_agents(commands):

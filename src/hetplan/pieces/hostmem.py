@@ -85,7 +85,7 @@ def malloc_in_use_bytes() -> int | None:
     mapped blocks (glibc's `mallinfo2`): torch's CPU tensors among them. None where the C library
     cannot say. Sampled between a worker's actions, its rise over the step is the worker's tensors
     (activations, gradients, optimizer state, messages), which the process's resident size hides
-    under torch's own (about 450 MB here)."""
+    under torch's own libraries and buffers, hundreds of megabytes."""
     mallinfo2 = _mallinfo2()
     if mallinfo2 is None:
         return None

@@ -123,6 +123,7 @@ class _Order:
         self.links = [cluster.link(order[p], order[p + 1]) if p + 1 < self.D else None for p in range(self.D)]
         self.rest = self._rest(len(prob.types))
         self._ending: tuple = (-1, None)
+        self._rebuilt: tuple = (-1, None)
         self._cut_Bps: dict[tuple[int, int, int], float] = {}
         self._cut_s: dict[tuple[int, int, int], float] = {}
         # replicas' shares of a micro-batch, by their type's speed on the whole model
@@ -162,11 +163,13 @@ class _Order:
     def rebuilt_at(self, prob: StateSums, j: int) -> tuple[np.ndarray, ...]:
         """For the same stages, what recomputing adds: the forward's time and its fixed part per
         device type (types, candidates), and the bytes it keeps instead of its activations (the
-        cut before it and the cut after it, `CostModel.kept_bytes`)."""
-        below = prob.below_arr[j]
-        kept = np.where(below > 0, prob.cut[below], 0.0) + (prob.cut[j] if j != len(prob.ideals) - 1 else 0.0)
-        return (self.fwd[:, j][:, None] - self.fwd[:, below], self.fwd_fixed[:, j][:, None] - self.fwd_fixed[:, below],
-                kept)
+        cut before it and the cut after it, `CostModel.kept_bytes`) (kept for the last j)."""
+        if self._rebuilt[0] != j:
+            below = prob.below_arr[j]
+            kept = np.where(below > 0, prob.cut[below], 0.0) + (prob.cut[j] if j != len(prob.ideals) - 1 else 0.0)
+            self._rebuilt = (j, (self.fwd[:, j][:, None] - self.fwd[:, below],
+                                 self.fwd_fixed[:, j][:, None] - self.fwd_fixed[:, below], kept))
+        return self._rebuilt[1]
 
     def _group(self, prob: StateSums, scorer: Scorer, d: int, k: int) -> tuple:
         cnt = [0] * len(prob.types)

@@ -37,7 +37,8 @@ def rank_table(spec: RunSpec) -> tuple[tuple[int, ...], ...]:
     """`table[k][p]`: the rank of replica p of stage k (RUN.json names each worker by its first
     stage; under an interleaved schedule it holds every stage of its pipeline rank, `Plan.rank_stages`)."""
     plan = spec.plan
-    first = [plan.rank_stages[r][0] for r in plan.stage_ranks]
+    held = plan.rank_stages
+    first = [held[r][0] for r in plan.stage_ranks]
     table: dict[int, dict[int, int]] = {}
     for rank, me in enumerate(spec.ranks):
         table.setdefault(me.stage, {})[me.replica] = rank

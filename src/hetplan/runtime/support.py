@@ -5,11 +5,12 @@ The runtime (`hetplan.runtime.executor`) runs the schedule's own per-device acti
 point-to-point messages, so it runs every plan that `hetplan.plan.validate_plan` accepts: any
 chain of stages in pipeline order, each on one device or on replicas of any number and speed
 (each micro-batch split by `hetplan.rows`), stages without parameters, every schedule of
-`hetplan.schedule` (GPipe, 1F1B, zero bubble, interleaved 1F1B) with any number of
+`hetplan.schedule` (GPipe, 1F1B, zero bubble, interleaved 1F1B, ZB-V) with any number of
 micro-batches up to the batch's rows that the schedule takes, several stages on one device
 (`shared_devices`: one worker per stage; an interleaved schedule: one worker holding them
-all). What it needs beyond a valid plan is about the cluster: every device of the plan must say
-where it runs (`binding: cpu` with `threads`, or `binding: cuda:K`).
+all), stages that recompute their activations. What it needs beyond a valid plan is about the
+cluster: every device of the plan must say where it runs (`binding: cpu` with `threads`, or
+`binding: cuda:K`).
 
 It passes tensors only between neighbouring stages (`ROUTING`): a value that skips stages is
 relayed through the ones between, which is how the simulator scores plans by default.
