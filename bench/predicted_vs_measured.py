@@ -98,10 +98,11 @@ def predict(graph, clusters, plan):
             for name, c in (("uncalibrated", plain), ("calibrated", calibrated)) if c is not None}
 
 
-def profile_model(model, batch, seq, granularity, blocks, repeats):
+def profile_model(model, batch, seq, granularity, blocks, repeats, precision="fp32"):
     zm = load_model(model, batch_size=batch, seq_len=seq)
     return profile_step(zm.step, zm.batch, name=model, devices=["cpu:1"], granularity=granularity,
-                        block_classes=blocks or zm.block_classes or None, repeats=repeats).graph
+                        block_classes=blocks or zm.block_classes or None, repeats=repeats,
+                        precision=precision).graph
 
 
 def run_round(entry, clusters, args, tmp, rounds):

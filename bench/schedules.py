@@ -53,12 +53,12 @@ def measured_bubble(result) -> float:
     return max(0.0, 1.0 - sum(busy) / (len(busy) * result.measured_step_s)) if busy else float("nan")
 
 
-def rounds(entry, cluster, args, graphs: list):
+def rounds(entry, cluster, args, graphs: list, precision: str = "fp32"):
     """Per round: its index and the uniform two-stage plan, under 1F1B with 4 micro-batches, of
-    the first profile; each round adds a profile to `graphs`."""
+    the first profile; each round adds a profile in `precision` to `graphs`."""
     model, batch, seq, granularity, blocks = entry
     for r in range(args.rounds):
-        graphs.append(profile_model(model, batch, seq, granularity, blocks, args.repeats))
+        graphs.append(profile_model(model, batch, seq, granularity, blocks, args.repeats, precision))
         yield r, make_plan(graphs[0], cluster, "uniform", PlanOptions(microbatches=4, schedule="1f1b"))
 
 
@@ -96,7 +96,7 @@ def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
 
 def run_bench(name: str, run_model, describe) -> None:
     """The command line and the run shared by the benchmarks of local workers on calibrated
-    `local` (this one and bench/recompute.py): calibrate, then `run_model` per model, print each
+    `local` (this one and bench/memory_choices.py): calibrate, then `run_model` per model, print each
     row by `describe`, write the rows to `-o` (default bench/results/NAME.json)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)

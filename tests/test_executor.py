@@ -4,6 +4,8 @@ with replicas of different speeds, stages without parameters and integer values 
 boundaries; each rank runs exactly the actions the simulator simulates."""
 
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -49,19 +51,23 @@ def chain_plan(names, replicas, m, schedule, cuts=None):
                       for k, r in enumerate(replicas)), m, schedule, "test")
 
 
-def reference_step(zm, batch, m, lr, optimizer="sgd"):
+def reference_step(zm, batch, m, lr, optimizer="sgd", precision="fp32"):
     """Single process: the micro-batches one after the other (batch norm sees micro-batches, as
     in the pipeline), each loss weighted by its share of the batch, one step of SGD, or of Adam
-    on the dense gradients and SparseAdam on the sparse ones (torch's own, made here)."""
+    on the dense gradients and SparseAdam on the sparse ones (torch's own, made here). In bf16
+    or fp16, each forward under torch's autocast, as a training loop writes it."""
     params = list(zm.step.parameters())
     for p in params:
         p.grad = None
     size = next(iter(batch.values())).shape[0]
     chunks = {k: v.tensor_split(m) for k, v in batch.items()}
     total = 0.0
+    device = next(iter(batch.values())).device.type
     for i in range(m):
         part = {k: c[i] for k, c in chunks.items()}
-        loss = zm.step(**part) * (next(iter(part.values())).shape[0] / size)
+        with torch.autocast(device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision),
+                            enabled=precision != "fp32"):
+            loss = zm.step(**part) * (next(iter(part.values())).shape[0] / size)
         loss.backward()
         total += loss.item()
     if optimizer == "sgd":
@@ -75,21 +81,23 @@ def reference_step(zm, batch, m, lr, optimizer="sgd"):
 
 
 def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=None, cuts=None, names_of=None,
-                        bindings=None, ref_device="cpu", optimizer="sgd", granularity="layer"):
+                        bindings=None, ref_device="cpu", optimizer="sgd", granularity="layer", precision="fp32"):
     """Run one step pipelined (threads) and single-process (on `ref_device`); returns the largest
     weight difference, the largest weight change, the two losses, the plan and the run's results."""
     lr = 0.1
     zm = no_dropout(load_model(ref, batch_size=batch, seq_len=seq, seed=0))
     split = split_step(zm.step, zm.batch, granularity, zm.block_classes)
     names = [p.name for p in split.pieces]
-    plan = chain_plan(names, replicas, m, schedule, cuts=names_of(names) if names_of else cuts)
+    plan = replace(chain_plan(names, replicas, m, schedule, cuts=names_of(names) if names_of else cuts),
+                   precision=precision)
     spec = run_spec(plan, cpus(sum(replicas), bindings), ref, RunSettings(batch_size=batch, seq_len=seq,
                     granularity=granularity, block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0,
                     optimizer=optimizer, lr=lr, out_dir="unused", no_dropout=True), weights=weights)
     results = run_threads(spec)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     zm.step.to(ref_device)  # in place: the stage modules below share these parameters
-    ref_loss = reference_step(zm, {k: v.to(ref_device) for k, v in _batches(spec, zm, 0).items()}, m, lr, optimizer)
+    ref_loss = reference_step(zm, {k: v.to(ref_device) for k, v in _batches(spec, zm, 0).items()}, m, lr, optimizer,
+                              precision)
     modules = stage_modules(split, plan)
     worst = moved = 0.0
     for rank, res in enumerate(results):

@@ -167,19 +167,26 @@ def test_dp_chooses_where_to_recompute_as_exact_does(schedule, acts):
 
 def test_the_workers_tensors_are_read_off_the_memory_in_use():
     """`worker._StageMemory`: the most memory in use after the warm-up, above the level before
-    the first step, plus the parameters' bytes; and malloc's memory in use rises by a tensor's
+    the first step, plus the parameters' bytes, less what was held at each step's start beyond
+    the optimizer's state (the libraries' own); and malloc's memory in use rises by a tensor's
     bytes while it lives (glibc)."""
     import torch
 
     from hetplan.pieces.hostmem import malloc_in_use_bytes
     from hetplan.runtime.worker import _StageMemory
 
-    readings = iter([1000, 1500, 1700, 1400])  # before the first step, then after each step's optimizer
-    held = _StageMemory(lambda: next(readings), [torch.zeros(10), torch.zeros(5, dtype=torch.float64)])
+    # before the first step; then per step its start and the reading after its optimizer
+    readings = iter([1000, 1000, 1500, 1130, 1700, 1130, 1400])
+    state = iter([0, 100, 100])  # the optimizer's state: none before its first step
+    held = _StageMemory(lambda: next(readings), [torch.zeros(10), torch.zeros(5, dtype=torch.float64)],
+                        lambda: next(state))
     for runner_peak in (1900, 1600, 1200):  # the most read after an action, per step
+        held.start()
         held.step(runner_peak)
-    assert held.steps == [1900, 1700, 1400]
-    assert held.peak_bytes(warmup=1) == 1700 - 1000 + 10 * 4 + 5 * 8
+    assert held.library == [0, 30, 30]
+    assert held.steps == [1900, 1670, 1370]
+    assert held.peak_bytes(warmup=1) == 1670 - 1000 + 10 * 4 + 5 * 8
+    assert held.library_bytes(warmup=1) == 30
     if malloc_in_use_bytes() is None:
         pytest.skip("this C library does not say what malloc has handed out")
     before = malloc_in_use_bytes()

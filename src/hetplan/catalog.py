@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from hetplan.errors import ClusterError
+from hetplan.precision import BF16, FP32, checked
 
 
 @dataclass(frozen=True)
 class DeviceType:
-    """A kind of device. `peak_flops` is fp32; `peak_flops_fp16` the fp16/bf16 tensor rate.
-    `threads` is set for CPU types only."""
+    """A kind of device. `peak_flops` is fp32; `peak_flops_fp16` the fp16 tensor rate, which bf16
+    reaches too where the device has bf16 tensor cores (`bf16_tensor`: from Ampere on; a V100 or
+    a T4 runs bf16 products at about its fp32 rate). `threads` is set for CPU types only."""
 
     name: str
     kind: str
@@ -35,6 +37,7 @@ class DeviceType:
     usd_per_hour: float
     threads: int | None = None
     description: str = ""
+    bf16_tensor: bool = True
 
     def __post_init__(self) -> None:
         who = f"device type {self.name!r}"
@@ -51,6 +54,12 @@ class DeviceType:
         if self.threads is not None and (self.kind != "cpu" or self.threads < 1):
             raise ClusterError(f"{who}: threads is only for cpu types and must be >= 1")
 
+    def peak_flops_in(self, precision: str) -> float:
+        """The peak FLOP rate of products in `precision` (`hetplan.precision`)."""
+        if checked(precision) == FP32 or (precision == BF16 and not self.bf16_tensor):
+            return self.peak_flops
+        return self.peak_flops_fp16
+
 GiB = 2**30
 
 CATALOG: MappingProxyType[str, DeviceType] = MappingProxyType(
@@ -66,11 +75,11 @@ CATALOG: MappingProxyType[str, DeviceType] = MappingProxyType(
             DeviceType("a100-40gb", "gpu", 19.5e12, 312e12, 40 * GiB, 1.555e12, 1.50,
                        description="NVIDIA A100 SXM4 40GB"),
             DeviceType("v100-32gb", "gpu", 15.7e12, 125e12, 32 * GiB, 900e9, 1.10,
-                       description="NVIDIA V100 SXM2 32GB"),
+                       description="NVIDIA V100 SXM2 32GB", bf16_tensor=False),
             DeviceType("v100-16gb", "gpu", 15.7e12, 125e12, 16 * GiB, 900e9, 0.90,
-                       description="NVIDIA V100 SXM2 16GB"),
+                       description="NVIDIA V100 SXM2 16GB", bf16_tensor=False),
             DeviceType("t4-16gb", "gpu", 8.1e12, 65e12, 16 * GiB, 320e9, 0.35,
-                       description="NVIDIA T4 16GB"),
+                       description="NVIDIA T4 16GB", bf16_tensor=False),
             DeviceType("rtx3090-24gb", "gpu", 35.6e12, 71e12, 24 * GiB, 936e9, 0.30,
                        description="NVIDIA GeForce RTX 3090 24GB (fp16 tensor with fp32 accumulate)"),
             DeviceType("l4-24gb", "gpu", 30.3e12, 121e12, 24 * GiB, 300e9, 0.70,

@@ -19,6 +19,7 @@ import networkx as nx
 
 from hetplan._frozen import FrozenMap
 from hetplan.errors import GraphError, shown
+from hetplan.precision import FP32, PRECISIONS
 
 # How a profiled graph was cut: one node per leaf module, or per repeated block (recorded in
 # Graph.meta["granularity"] by the profiler).
@@ -61,6 +62,11 @@ class Node:
     with the rows (`hetplan.runtime.gradients`). `opt_s`: per device type where the profiler
     measured it, the time of the optimizer step (Adam, SparseAdam on sparse gradients) over the
     node's parameters.
+
+    `cast_bytes`: in 16-bit mixed precision (`Graph.precision`), the bytes of the 16-bit copies
+    autocast makes of the node's weights for its products, which a worker keeps for the whole step
+    (made once per step, whatever the micro-batches); 0 in fp32. `param_bytes` are the fp32
+    parameters' in every precision.
     """
 
     id: str
@@ -79,6 +85,7 @@ class Node:
     updated_bytes: int | None = None
     opt_s: Mapping[str, float] = field(default_factory=FrozenMap)
     sparse_rows: int = 0
+    cast_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -96,7 +103,7 @@ class Node:
                 f"{who}: fwd_s has device types {sorted(self.fwd_s)} but bwd_s has "
                 f"{sorted(self.bwd_s)}; both need the same types"
             )
-        for name in ("flops", "param_bytes", "out_bytes", "act_bytes"):
+        for name in ("flops", "param_bytes", "out_bytes", "act_bytes", "cast_bytes"):
             _check_number(getattr(self, name), f"{who}: {name}")
         object.__setattr__(self, "module", tuple(self.module))
         self._check_updated(who)
@@ -159,7 +166,9 @@ class Tied:
 @dataclass(frozen=True)
 class Graph:
     """A model as a DAG of nodes. `batch_size` is the batch the times and sizes were taken at;
-    `profiled_on` is the device type whose times every node carries."""
+    `profiled_on` is the device type whose times every node carries; `precision` the arithmetic
+    they were taken in (`hetplan.precision`): times, activations and message bytes are that
+    precision's."""
 
     name: str
     nodes: tuple[Node, ...]
@@ -169,6 +178,7 @@ class Graph:
     source: str = ""
     meta: Mapping[str, str] = field(default_factory=FrozenMap)
     tied: tuple[Tied, ...] = ()
+    precision: str = FP32
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
@@ -177,6 +187,7 @@ class Graph:
         object.__setattr__(self, "meta", FrozenMap(self.meta))
         if not self.nodes:
             raise GraphError(f"graph {self.name!r} has no nodes")
+        self._check_precision()
         batch = self.batch_size
         if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH_SIZE:
             raise GraphError(f"graph {self.name!r}: batch_size is {shown(batch)}; it must be an integer from 1 to "
@@ -210,6 +221,14 @@ class Graph:
             path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
             raise GraphError(f"graph {self.name!r} is not a DAG: it has the cycle {path}")
         self._check_tied()
+
+    def _check_precision(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise GraphError(f"graph {self.name!r}: precision is {shown(self.precision)}; it must be one of "
+                             f"{', '.join(PRECISIONS)}")
+        if self.precision == FP32 and any(n.cast_bytes for n in self.nodes):
+            raise GraphError(f"graph {self.name!r} is fp32 but has nodes with cast_bytes; 16-bit copies of the "
+                             "weights are made in bf16 or fp16 only")
 
     def _check_tied(self) -> None:
         for t in self.tied:
@@ -402,6 +421,10 @@ class Graph:
             return 0
         ids = set(nodes)
         return sum(t.bytes * max(0, len(ids.intersection(t.nodes)) - 1) for t in self.tied)
+
+    def cast_bytes_of(self, nodes: Iterable[str]) -> int:
+        """The 16-bit copies of these nodes' weights a worker keeps for a step (`Node.cast_bytes`)."""
+        return sum(self.by_id[n].cast_bytes for n in nodes)
 
     @property
     def act_bytes_total(self) -> int:

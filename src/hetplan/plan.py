@@ -24,6 +24,7 @@ from hetplan._frozen import FrozenMap, freeze
 from hetplan.cluster import Cluster
 from hetplan.errors import PlanError, listing
 from hetplan.graph import Graph
+from hetplan.precision import FP32, PRECISIONS
 from hetplan.schedule import SCHEDULE_NAMES, get_schedule, stage_ranks
 from hetplan.schedule import SCHEDULES as REGISTRY
 
@@ -108,7 +109,8 @@ class Plan:
     """Stages in pipeline order, the number of micro-batches and the schedule.
 
     `planner` and `objective` say how the plan was made; `graph` and `cluster` name what it was
-    made for; `meta` holds the planner's settings (seed, planning time, ...) as JSON values."""
+    made for; `precision` the arithmetic it runs in (`hetplan.precision`: the graph's, which was
+    profiled in it); `meta` holds the planner's settings (seed, planning time, ...) as JSON values."""
 
     stages: tuple[Stage, ...]
     microbatches: int
@@ -120,6 +122,7 @@ class Plan:
     shared_devices: bool = False
     predicted: Estimate | None = None
     meta: Mapping[str, Any] = field(default_factory=FrozenMap)
+    precision: str = FP32
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -132,6 +135,8 @@ class Plan:
             raise PlanError(f"schedule {self.schedule!r} is unknown (allowed: {', '.join(REGISTRY)})")
         if self.objective not in OBJECTIVES:
             raise PlanError(f"objective {self.objective!r} is unknown (allowed: {', '.join(OBJECTIVES)})")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"precision {self.precision!r} is unknown (allowed: {', '.join(PRECISIONS)})")
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -170,6 +175,10 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
     problems += _order_problems(plan, graph, where)
     problems += _device_problems(plan, cluster)
     problems += _rank_problems(plan)
+    if plan.precision != graph.precision:
+        problems.append(f"the plan runs in {plan.precision} but graph {graph.name!r} was profiled in "
+                        f"{graph.precision}; plan again from a profile in {plan.precision} "
+                        f"(hetplan profile --precision {plan.precision})")
     if plan.microbatches > graph.batch_size:
         problems.append(f"{plan.microbatches} micro-batches for a batch of {graph.batch_size} samples; "
                         f"use at most {graph.batch_size}")

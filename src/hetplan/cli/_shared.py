@@ -71,6 +71,17 @@ def graph_at_batch(graph: Graph, batch: int | None) -> Graph:
     return at_batch(graph, batch)
 
 
+def in_precision(graph: Graph, precision: str | None) -> Graph:
+    """The graph, checked to be in the precision asked for (`--precision`; None: whatever it is):
+    a precision changes every time and size in it, so it is profiled, not converted."""
+    if precision is not None and precision != graph.precision:
+        how = (f"hetplan profile {graph.name} --roofline ... --precision {precision}" if graph.source == "analytic"
+               else f"hetplan profile MODEL --precision {precision}")
+        raise HetplanError(f"--precision {precision}: graph {graph.name!r} was profiled in {graph.precision}; "
+                           f"profile it in {precision} ({how}) and plan from that graph")
+    return graph
+
+
 def _positive_int(text: str, flag: str) -> int:
     try:
         value = int(text)

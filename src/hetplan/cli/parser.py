@@ -17,6 +17,7 @@ from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, INPUT_TIMES
 from hetplan.plan import OBJECTIVES
 from hetplan.planners import PLANNERS, RL_PLANNERS
 from hetplan.planners.options import RECOMPUTE_CHOICES, SCHEDULE_CHOICES
+from hetplan.precision import PRECISIONS
 from hetplan.runtime.settings import DEFAULTS as RUN
 from hetplan.zoo import zoo_names
 from hetplan.zoo.llm import SHAPES as LLM_SHAPES
@@ -95,6 +96,9 @@ def _planning_options() -> argparse.ArgumentParser:
                           help="which stages recompute their activations in their backward, keeping only what "
                                "crosses their cuts: never, always, or where-needed (the stages over their "
                                "devices' memory) (default: never)")
+    planning.add_argument("--precision", choices=PRECISIONS,
+                          help="the arithmetic the plan runs in: fp32, or bf16/fp16 mixed precision; the graph "
+                               "must be profiled in it (default: the graph's)")
     planning.add_argument("--objective", default="time", choices=OBJECTIVES,
                           help="time: shortest step; cost: lowest price per sample above --min-samples-per-s; "
                                "mdpe: Trinity's runtime + communication + memory model; throughput: PipeDream's "
@@ -182,6 +186,8 @@ def _add_simulate(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default="relay", choices=ROUTINGS,
                    help="relay: only neighbouring stages talk, as in hetplan's runtime (default); "
                         "direct: each tensor goes straight to the stages that use it, branches run in parallel")
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="check that the plan and graph are in this precision (default: the plan's)")
     p.add_argument("--gantt", type=Path, metavar="OUT.png", help="write a Gantt chart of the step (.png/.svg/.pdf)")
     p.add_argument("--trace", type=Path, metavar="OUT.json",
                    help="write the timeline as a Chrome trace (chrome://tracing, ui.perfetto.dev)")
@@ -200,6 +206,9 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", "--global-batch", type=int, dest="batch_size",
                    help="samples per step (default: the batch the plan was made at, else the graph's)")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the graph's)")
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="fp32, or bf16/fp16 mixed precision (autocast, fp32 master weights; fp16 with a loss "
+                        "scaler); it must be the plan's (default: the plan's)")
     p.add_argument("--granularity", choices=GRANULARITIES, help="as profiled (default: the graph's)")
     p.add_argument("--block-class", action="append", metavar="CLASS",
                    help="as profiled (default: the graph's, else the model's own blocks)")
@@ -279,6 +288,9 @@ def _add_profile(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="timed repeats of the pieces in sequence; each node keeps its median (default: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="time the step in fp32, or in bf16/fp16 mixed precision (autocast: 16-bit products and "
+                        "activations, fp32 weights and optimizer state) (default: fp32)")
     p.add_argument("--check", action="store_true",
                    help="also time the unsplit step and print the ratio of the sum of node times to it")
     p.add_argument("--roofline", action="append", metavar="TYPE",

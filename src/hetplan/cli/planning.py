@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from hetplan.cli._shared import _console, _emit_json, _note_estimates, _options, _progress_bar, graph_at_batch
+from hetplan.cli._shared import (
+    _console,
+    _emit_json,
+    _note_estimates,
+    _options,
+    _progress_bar,
+    graph_at_batch,
+    in_precision,
+)
 from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
 from hetplan.io.graphs import load_graph
@@ -18,7 +26,7 @@ from hetplan.units import fmt_seconds
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    graph = graph_at_batch(load_graph(args.graph), args.global_batch)
+    graph = graph_at_batch(in_precision(load_graph(args.graph), args.precision), args.global_batch)
     cluster = load_cluster(args.cluster)
     _note_estimates(args, graph, cluster)
     options = _options(args)
@@ -54,7 +62,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from hetplan.planners.compare import compare
 
-    graph = graph_at_batch(load_graph(args.graph), args.global_batch)
+    graph = graph_at_batch(in_precision(load_graph(args.graph), args.precision), args.global_batch)
     cluster = load_cluster(args.cluster)
     _note_estimates(args, graph, cluster)
     options = _options(args)
@@ -85,7 +93,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from hetplan.sim import simulate
 
     plan = serde.load(args.plan, expect="plan")
-    graph = graph_at_batch(load_graph(args.graph), args.global_batch or plan.meta.get("batch_size"))
+    graph = graph_at_batch(in_precision(load_graph(args.graph), args.precision or plan.precision),
+                           args.global_batch or plan.meta.get("batch_size"))
     cluster = load_cluster(args.cluster)
     _note_estimates(args, graph, cluster)
     validate_plan(plan, graph, cluster, source=str(args.plan))

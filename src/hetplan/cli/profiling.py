@@ -25,7 +25,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             zoo_model.step, zoo_model.batch, name=zoo_model.name, devices=args.device or ["cpu"],
             granularity=args.granularity,
             block_classes=args.block_class or zoo_model.block_classes or None,
-            repeats=args.repeats, seed=args.seed, check=args.check,
+            repeats=args.repeats, seed=args.seed, check=args.check, precision=args.precision,
             progress=(lambda done, what: bar.update(task, completed=done, description=what)) if bar else None,
         )
     graph = report.graph
@@ -41,7 +41,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out = _console()
     out.print(f"wrote {args.output}: graph {graph.name!r} at {graph.meta['granularity']} granularity, "
               f"{len(graph.nodes)} nodes, {len(graph.edges)} edges, batch {graph.batch_size}, "
-              f"profiled on {', '.join(graph.device_types)} in {report.profile_s:.1f} s")
+              f"{graph.precision}, profiled on {', '.join(graph.device_types)} in {report.profile_s:.1f} s")
     for dtype, ratio in report.check_ratio.items():
         low, high = report.whole_step_range_s[dtype]
         out.print(f"check on {dtype}: sum of node times / measured whole step = {ratio:.3f} repeat by repeat "
@@ -63,7 +63,7 @@ def _count_model(args: argparse.Namespace) -> int:
     for flag, value in (("--batch-size", batch), ("--seq-len", seq)):
         if value < 1:
             raise HetplanError(f"{flag}: {value} must be >= 1")
-    graph = transformer_chain(model, batch, seq, args.roofline)
+    graph = transformer_chain(model, batch, seq, args.roofline, args.precision)
     serde.dump(graph, args.output)
     summary = {**{k: v for k, v in graph_summary(graph).items() if k != "ops"}, "kind": "profile",
                "output": str(args.output), "source": "analytic", "profile_s": 0.0}
@@ -71,7 +71,8 @@ def _count_model(args: argparse.Namespace) -> int:
         _emit_json(summary)
         return 0
     _console().print(f"wrote {args.output}: {model.name} counted, not measured ({len(graph.nodes)} nodes, "
-                     f"{graph.param_bytes_total / 4e9:.2f} billion parameters, batch {batch} x {seq} tokens), "
+                     f"{graph.param_bytes_total / 4e9:.2f} billion parameters, batch {batch} x {seq} tokens, "
+                     f"{graph.precision}), "
                      f"times from the roofline of {', '.join(args.roofline)}")
     return 0
 

@@ -41,6 +41,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from hetplan.runtime.settings import RunSettings
 
     plan = serde.load(args.plan, expect="plan")
+    if args.precision and args.precision != plan.precision:
+        raise HetplanError(f"--precision {args.precision}: {args.plan} was planned for {plan.precision}; plan again "
+                           f"from a graph profiled with --precision {args.precision}")
     graph = load_graph(args.graph) if args.graph else None
     args.cluster = args.cluster or plan_cluster_ref(plan)  # the notes name the file too
     cluster = load_cluster(args.cluster)

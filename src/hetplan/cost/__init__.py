@@ -6,7 +6,8 @@ per node by the time measured on the source type; see there how far off it can b
 type of the same kind (GPU or CPU) as the target is preferred as the source.
 
 Memory on a device under a schedule (DESIGN.md): parameters + gradients + Adam's two fp32
-moments (4x the parameter bytes) + the activations stashed for the micro-batches in flight
+moments (4x the parameter bytes) + in mixed precision the 16-bit copies of the weights kept for
+the step (`Node.cast_bytes`) + the activations stashed for the micro-batches in flight
 (`hetplan.schedule`: GPipe keeps all m of them, 1F1B at most `stages - stage_index`).
 
 Every formula (transfer, all-reduce, memory, optimizer step, price) is written once, in
@@ -128,8 +129,8 @@ class CostModel:
             # a node that runs on the host takes its measured time on any device type
             times = {
                 n.id: (n.fwd_s[name], n.bwd_s[name]) if n.runs_on_host else
-                      (project_s(n.fwd_s[name], n.flops, traffic[n.id], src, target),
-                       project_s(n.bwd_s[name], n.flops, traffic[n.id], src, target))
+                      (project_s(n.fwd_s[name], n.flops, traffic[n.id], src, target, graph.precision),
+                       project_s(n.bwd_s[name], n.flops, traffic[n.id], src, target, graph.precision))
                 for n in graph.nodes
             }
         self._node_times[device_type] = times
@@ -337,7 +338,7 @@ class CostModel:
     def stage_replicas_memory_bytes(self, plan: Plan, stage_index: int) -> dict[str, int]:
         """`stage_memory_bytes` of every replica of a stage, by device id."""
         stage = plan.stages[stage_index]
-        params = self.graph.param_bytes_of(stage.nodes)
+        params, casts = self.graph.param_bytes_of(stage.nodes), self.graph.cast_bytes_of(stage.nodes)
         acts = sum(self.graph.by_id[n].act_bytes for n in stage.nodes)
         # this stage's split only: planners ask this per stage and device, in loops
         rows = step_rows(self.graph.batch_size, plan.microbatches, [self.stage_weights(stage.nodes, stage.devices)])
@@ -348,9 +349,10 @@ class CostModel:
 
         if stage.recompute:
             kept = self.kept_bytes(plan, stage_index)
-            return {dev: formulas.recompute_memory_bytes(params, kept, acts, share(p, range(held)), share(p, range(1)))
+            return {dev: formulas.recompute_memory_bytes(params, kept, acts, share(p, range(held)), share(p, range(1)),
+                                                         casts)
                     for p, dev in enumerate(stage.devices)}
-        return {dev: formulas.stage_memory_bytes(params, acts, share(p, range(held)))
+        return {dev: formulas.stage_memory_bytes(params, acts, share(p, range(held)), casts)
                 for p, dev in enumerate(stage.devices)}
 
     def kept_bytes(self, plan: Plan, k: int) -> float:

@@ -16,8 +16,9 @@ agree with the scalar forms element by element (`tests/test_cost_formulas.py`).
   batch looked up), and for such tables two all-reduces before it: each replica's row count
   (`ROW_INDEX_BYTES` per replica) and the rows' indices (`ROW_INDEX_BYTES` per row); and on the
   host, the gradients copied into the all-reduced buffer and back (`gradient_pack_s`).
-- Memory of a stage replica (DESIGN.md): `WEIGHT_COPIES` times its parameter bytes (weights,
-  gradients, Adam's two fp32 moments) plus the activations it stashes at its peak: its
+- Memory of a stage replica (DESIGN.md): `WEIGHT_COPIES` times its fp32 parameter bytes (weights,
+  gradients, Adam's two fp32 moments), in mixed precision the 16-bit copies of its weights kept
+  for the step (`Node.cast_bytes`), plus the activations it stashes at its peak: its
   activation bytes for the whole batch times the share of the batch in flight
   (`hetplan.schedule` says how many micro-batches a schedule holds).
 - Compute: an action on a share of the batch costs its fixed part plus the rest of the batch's
@@ -115,35 +116,39 @@ def allreduce_s_array(nbytes, replicas, bandwidth_Bps, latency_s) -> np.ndarray:
 
 
 # -- memory ----------------------------------------------------------------------------------
-def weight_bytes(param_bytes):
-    """Weights, gradients and optimizer state of `param_bytes` of parameters (numbers or arrays)."""
-    return WEIGHT_COPIES * param_bytes
+def weight_bytes(param_bytes, cast_bytes=0):
+    """What a replica holds for its weights whatever the batch (numbers or arrays): the weights,
+    gradients and optimizer state of `param_bytes` of fp32 parameters, and in mixed precision
+    the 16-bit copies of the weights its products use, kept for the step (`cast_bytes`,
+    `hetplan.precision`)."""
+    return WEIGHT_COPIES * param_bytes + cast_bytes
 
 
-def stage_memory_bytes(param_bytes: float, act_bytes: float, in_flight_share: float) -> int:
-    """Peak memory of a stage replica: its weight copies plus its activations for the whole
-    batch times the share of the batch it holds in flight at its peak."""
-    return int(weight_bytes(param_bytes) + math.ceil(act_bytes * in_flight_share))
+def stage_memory_bytes(param_bytes: float, act_bytes: float, in_flight_share: float, cast_bytes: float = 0) -> int:
+    """Peak memory of a stage replica: what it holds for its weights plus its activations for
+    the whole batch times the share of the batch it holds in flight at its peak."""
+    return int(weight_bytes(param_bytes, cast_bytes) + math.ceil(act_bytes * in_flight_share))
 
 
-def stage_memory_bytes_array(param_bytes, act_bytes, in_flight_share) -> np.ndarray:
+def stage_memory_bytes_array(param_bytes, act_bytes, in_flight_share, cast_bytes=0) -> np.ndarray:
     """`stage_memory_bytes` element by element (as floats)."""
-    return weight_bytes(np.asarray(param_bytes, dtype=float)) + np.ceil(np.asarray(act_bytes, dtype=float)
-                                                                        * in_flight_share)
+    return weight_bytes(np.asarray(param_bytes, dtype=float), cast_bytes) + np.ceil(
+        np.asarray(act_bytes, dtype=float) * in_flight_share)
 
 
 def recompute_memory_bytes(param_bytes: float, input_bytes: float, act_bytes: float, in_flight_share: float,
-                           largest_share: float) -> int:
-    """Peak memory of a stage replica that recomputes its forward in its backward: its weight
-    copies, its inputs for the share of the batch in flight, and the activations of one
+                           largest_share: float, cast_bytes: float = 0) -> int:
+    """Peak memory of a stage replica that recomputes its forward in its backward: what it holds
+    for its weights, its inputs for the share of the batch in flight, and the activations of one
     micro-batch (the largest share), rebuilt while its backward runs."""
-    return int(weight_bytes(param_bytes) + math.ceil(input_bytes * in_flight_share + act_bytes * largest_share))
+    return int(weight_bytes(param_bytes, cast_bytes)
+               + math.ceil(input_bytes * in_flight_share + act_bytes * largest_share))
 
 
-def activation_room_bytes(mem_bytes, param_bytes):
-    """What a device has left for activations once a stage's weight copies are in (numbers or
-    arrays; negative when they do not fit)."""
-    return mem_bytes - weight_bytes(param_bytes)
+def activation_room_bytes(mem_bytes, param_bytes, cast_bytes=0):
+    """What a device has left for activations once a stage's weights are in (numbers or arrays;
+    negative when they do not fit)."""
+    return mem_bytes - weight_bytes(param_bytes, cast_bytes)
 
 
 # -- compute and price -----------------------------------------------------------------------

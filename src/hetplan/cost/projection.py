@@ -9,7 +9,9 @@ on, so
     t_target = t_measured * roofline(F, B, target) / roofline(F, B, measured_on)
 
 with F the node's forward FLOPs and B its parameter, input and output bytes (the backward pass
-scales by the same factor). A node without FLOPs (PipeDream profiles carry none) falls back to
+scales by the same factor). The peak FLOP rate is that of the graph's precision on each device
+(`DeviceType.peak_flops_in`: the 16-bit tensor rate for bf16 and fp16, fp32's on a device
+without bf16 tensor cores). A node without FLOPs (PipeDream profiles carry none) falls back to
 the ratio of peak FLOP/s.
 
 How far off it can be:
@@ -27,17 +29,21 @@ Profile on the real device type whenever you can: measured times always take pre
 from __future__ import annotations
 
 from hetplan.catalog import DeviceType
+from hetplan.precision import FP32
 
 
-def roofline_s(flops: float, traffic_bytes: float, device: DeviceType) -> float:
-    return max(flops / device.peak_flops, traffic_bytes / device.mem_bw_Bps)
+def roofline_s(flops: float, traffic_bytes: float, device: DeviceType, precision: str = FP32) -> float:
+    """The roofline of a kernel of `flops` products in `precision` moving `traffic_bytes`."""
+    return max(flops / device.peak_flops_in(precision), traffic_bytes / device.mem_bw_Bps)
 
 
-def project_s(measured_s: float, flops: float, traffic_bytes: float, source: DeviceType, target: DeviceType) -> float:
-    """A time measured on `source`, projected to `target`."""
+def project_s(measured_s: float, flops: float, traffic_bytes: float, source: DeviceType, target: DeviceType,
+              precision: str = FP32) -> float:
+    """A time measured on `source`, projected to `target`, both in `precision` (the products'
+    peak rate is that precision's: a 16-bit product runs on the tensor cores)."""
     if measured_s <= 0:
         return 0.0
-    roof_source = roofline_s(flops, traffic_bytes, source)
+    roof_source = roofline_s(flops, traffic_bytes, source, precision)
     if flops <= 0 or roof_source <= 0:
-        return measured_s * source.peak_flops / target.peak_flops
-    return measured_s * roofline_s(flops, traffic_bytes, target) / roof_source
+        return measured_s * source.peak_flops_in(precision) / target.peak_flops_in(precision)
+    return measured_s * roofline_s(flops, traffic_bytes, target, precision) / roof_source

@@ -104,11 +104,12 @@ class StageWork:
     replicas: tuple[Replica, ...]
     param_bytes: int  # its parameters, on each replica
     allreduce_s: float  # the replicas' sum of the gradients only this stage has (`hetplan.cost.syncs`; 0 for one)
+    cast_bytes: int = 0  # the 16-bit copies of its weights kept for the step (mixed precision)
 
     @property
     def weight_bytes(self) -> int:
-        """Parameters, gradients and optimizer state, on each replica."""
-        return weight_bytes(self.param_bytes)
+        """Parameters, gradients and optimizer state, and any 16-bit copies, on each replica."""
+        return weight_bytes(self.param_bytes, self.cast_bytes)
 
 
 @dataclass(frozen=True)
@@ -157,10 +158,12 @@ class StepCosts:
         """Per device, from the activations it held at its peak: the weights, gradients and
         optimizer state of every stage it holds, plus those activations."""
         params: dict[str, int] = {}
+        casts: dict[str, int] = {}
         for st in self.stages:
             for rep in st.replicas:
                 params[rep.device] = params.get(rep.device, 0) + st.param_bytes
-        return {d: formulas.stage_memory_bytes(params[d], acts, 1.0) for d, acts in peak_act_bytes.items()}
+                casts[rep.device] = casts.get(rep.device, 0) + st.cast_bytes
+        return {d: formulas.stage_memory_bytes(params[d], acts, 1.0, casts[d]) for d, acts in peak_act_bytes.items()}
 
 
 def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: int, acts: int, kept: float,
@@ -221,7 +224,8 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
         kept = cm.kept_bytes(plan, k) if stage.recompute else 0.0
         replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, kept, plan.devices, split, k in firsts)
                          for p in range(len(stage.devices)))
-        stages.append(StageWork(k, replicas, graph.param_bytes_of(stage.nodes), own.get(k, 0.0)))
+        stages.append(StageWork(k, replicas, graph.param_bytes_of(stage.nodes), own.get(k, 0.0),
+                                graph.cast_bytes_of(stage.nodes)))
     messages = []
     for (a, b), nbytes in sorted(stage_pair_bytes(graph, plan, routing).items()):
         for p, src in enumerate(plan.stages[a].devices):
@@ -321,6 +325,7 @@ class ChainStages:
     cut_bytes: np.ndarray  # (P, n - 1): a batch's bytes across each boundary
     tied_members: np.ndarray | None = None  # (P, G, n): the stages each tied parameter spans
     tied_s: np.ndarray | None = None  # (P, G): its sum (`CostModel.gradient_sync_s`)
+    cast_bytes: np.ndarray | float = 0.0  # 16-bit copies of its weights (mixed precision)
 
 
 @dataclass(frozen=True)
@@ -385,7 +390,7 @@ def chain_costs(dev: ChainDevices, st: ChainStages, schedule: str, batch_size: i
                         fwd_fixed_s=ffix, bwd_fixed_s=bfix, tied_members=st.tied_members, tied_s=st.tied_s,
                         optimizer_s=replica_tail_s(st.optimizer_s, slow, dev.step_overhead_s[st.devices]), **split)
     share = np.array([in_flight_share(schedule, n, r, batch_size, microbatches) for r in range(n)])
-    peak = formulas.stage_memory_bytes_array(st.param_bytes, st.act_bytes, share)
+    peak = formulas.stage_memory_bytes_array(st.param_bytes, st.act_bytes, share, st.cast_bytes)
     # each boundary's link carries the batch's activations one way and its gradients (as many
     # bytes) the other, one message per micro-batch
     busy = (send + microbatches * lat).max(axis=1) if n > 1 else np.zeros(p)

@@ -40,7 +40,7 @@ _TOP_KEYS = {"name", "types", "devices", "network"}
 _DEVICE_KEYS = {"id", "type", "host", "threads", "memory", "usd_per_hour", "binding", "count", "action_overhead",
                 "step_overhead"}
 _TYPE_KEYS = {"base", "kind", "peak_flops", "peak_flops_fp16", "memory", "memory_bandwidth",
-              "usd_per_hour", "threads", "description"}
+              "usd_per_hour", "threads", "description", "bf16_tensor"}
 _NETWORK_KEYS = {"intra_host", "inter_host", "host_nic", "links"}
 _LINK_KEYS = {"bandwidth", "latency"}
 
@@ -110,6 +110,7 @@ def _type_fields(spec: dict, where: str) -> dict[str, Any]:
         "kind": base.kind, "peak_flops": base.peak_flops, "peak_flops_fp16": base.peak_flops_fp16,
         "mem_bytes": base.mem_bytes, "mem_bw_Bps": base.mem_bw_Bps,
         "usd_per_hour": base.usd_per_hour, "threads": base.threads, "description": base.description,
+        "bf16_tensor": base.bf16_tensor,
     }
     parsers = {"peak_flops": ("peak_flops", parse_flops), "peak_flops_fp16": ("peak_flops_fp16", parse_flops),
                "memory": ("mem_bytes", parse_bytes), "memory_bandwidth": ("mem_bw_Bps", parse_bandwidth)}
@@ -119,6 +120,10 @@ def _type_fields(spec: dict, where: str) -> dict[str, Any]:
     for key in ("kind", "description"):
         if key in spec:
             fields[key] = _text(spec[key], f"{where}.{key}")
+    if "bf16_tensor" in spec:
+        if not isinstance(spec["bf16_tensor"], bool):
+            raise ClusterError(f"{where}.bf16_tensor: {shown(spec['bf16_tensor'])} is not true or false")
+        fields["bf16_tensor"] = spec["bf16_tensor"]
     if "usd_per_hour" in spec:
         fields["usd_per_hour"] = _price(spec["usd_per_hour"], f"{where}.usd_per_hour")
     if threads is not None:

@@ -50,6 +50,11 @@ class StageOptimizer:
         for opt in self.optimizers:
             opt.step()
 
+    def state_bytes(self) -> int:
+        """The bytes of the optimizer's state tensors (Adam's moments; nothing before a step)."""
+        return sum(t.numel() * t.element_size() for opt in self.optimizers for st in opt.state.values()
+                   for t in st.values() if isinstance(t, torch.Tensor))
+
     def state_dict(self) -> dict:
         return {"kind": self.kind, "sparse": self.sparse, "optimizers": [o.state_dict() for o in self.optimizers]}
 

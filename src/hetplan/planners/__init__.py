@@ -119,8 +119,8 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
     from hetplan.planners.refine import with_recompute
 
     start = time.perf_counter()
-    plan = with_recompute(CostModel(graph, cluster), _planned(spec, graph, cluster, options, progress),
-                          options.recompute)
+    plan = replace(with_recompute(CostModel(graph, cluster), _planned(spec, graph, cluster, options, progress),
+                                  options.recompute), precision=graph.precision)
     planning_s = time.perf_counter() - start
     validate_plan(plan, graph, cluster)
     return replace(

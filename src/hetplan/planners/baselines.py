@@ -176,7 +176,8 @@ def data_parallel(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
         if not short:
             return plan
         devices.remove(max(short, key=lambda d: (cm.device_stage_s(nodes, d), d)))
-    need = min(stage_memory_bytes(graph.param_bytes_total, graph.act_bytes_total, 1 / m), 2**63)
+    need = min(stage_memory_bytes(graph.param_bytes_total, graph.act_bytes_total, 1 / m,
+                                  graph.cast_bytes_of(graph.by_id)), 2**63)
     biggest = max(cluster.devices, key=lambda d: d.mem_bytes)
     raise InfeasibleError(
         f"data parallelism needs the whole model on every device it uses, at least {fmt_bytes(need)} "

@@ -111,7 +111,8 @@ class _Order:
         self.max_replicas = min(options.max_replicas or (self.D if self.D <= SMALL_CLUSTER else BIG_CLUSTER_REPLICAS),
                                 self.D)
         # the stages after a stage matter only through 1F1B's memory; skip them when all fits anyway
-        fits_anywhere = stage_memory_bytes(prob.params[-1], prob.acts[-1], 1.0) <= min(d.mem_bytes for d in self.dev)
+        fits_anywhere = stage_memory_bytes(prob.params[-1], prob.acts[-1], 1.0, prob.casts[-1]) <= min(
+            d.mem_bytes for d in self.dev)
         self.track_r = self.bounded and not fits_anywhere
         self.track_price = options.objective == "cost"
         self.track_thr = options.objective == "throughput"
@@ -157,7 +158,8 @@ class _Order:
             opt = (prob.updated[j] - prob.updated[below], {t: o[j] - o[below] for t, o in prob.opt.items()},
                    prob.indices[j] - prob.indices[below])
             self._ending = (j, (below, self.times[:, j][:, None] - self.times[:, below],
-                                prob.params[j] - prob.params[below], prob.acts[j] - prob.acts[below], opt))
+                                (prob.params[j] - prob.params[below], prob.casts[j] - prob.casts[below]),
+                                prob.acts[j] - prob.acts[below], opt))
         return self._ending[1]
 
     def rebuilt_at(self, prob: StateSums, j: int) -> tuple[np.ndarray, ...]:
@@ -249,7 +251,7 @@ def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound
         fits = np.ones(len(below), dtype=bool)
         for ti in used:
             share = np.where(np.isfinite(speed) & (diff[ti] > 0), t / diff[ti], 1.0 / k)
-            room = activation_room_bytes(mem[ti], w_stage)
+            room = activation_room_bytes(mem[ti], *w_stage)
             fits &= room > 0
             ratio = np.maximum(ratio, np.where(room > 0, held * share / np.maximum(room, 1.0), np.inf))
             if recompute:

@@ -168,7 +168,7 @@ class _Program:
         if not pairs:
             raise InfeasibleError("milp: the graph has no stages to plan")
         i_arr, j_arr = (np.array(x, dtype=int) for x in zip(*pairs, strict=True))
-        weights = prob.params[j_arr] - prob.params[i_arr]
+        weights, casts = prob.params[j_arr] - prob.params[i_arr], prob.casts[j_arr] - prob.casts[i_arr]
         updated = prob.updated[j_arr] - prob.updated[i_arr]
         # what the other stages must do: no device computes faster than the fastest type, so
         # the rest of the work over the devices left takes at least this long per stage
@@ -189,7 +189,7 @@ class _Program:
                     speed += np.where(t[j_arr] - t[i_arr] > 0, 1.0 / (t[j_arr] - t[i_arr]), np.inf)
             compute = np.where(np.isfinite(speed), 1.0 / speed, 0.0)
             steady = steady_stage_s(compute, cost.steady_sync_s(updated, group.devices), len(group.devices))
-            fits = weight_bytes(weights) <= min(cost.cluster.device(d).mem_bytes for d in group.devices)
+            fits = weight_bytes(weights, casts) <= min(cost.cluster.device(d).mem_bytes for d in group.devices)
             r = len(group.devices)
             others = total - r
             floor = np.maximum(steady, steady_cut_s(touch, fast_Bps, r))

@@ -146,6 +146,7 @@ class _Tables:
         self.F = np.stack([prob.fixed[t][None, :] - prob.fixed[t][:, None] for t in types])
         self.params = prob.params[None, :] - prob.params[:, None]
         self.acts = prob.acts[None, :] - prob.acts[:, None]
+        self.casts = prob.casts[None, :] - prob.casts[:, None]
         self.ar = self._gradient_sums(scorer)
 
     def _next_devices(self, e: int, k: int) -> tuple[str, ...]:
@@ -178,7 +179,8 @@ def _stage_terms(tab: _Tables, j: int, below: np.ndarray, m: int, batch: int, he
     tau = action_s(F, W - F, frac[..., None])  # a pass's fixed part, then its rows' share
     ok = tab.valid & (tab.reps <= rows)
     need = stage_memory_bytes_array(tab.params[below, j][None, None, :, None], tab.acts[below, j][None, None, :, None],
-                                    frac[..., None, None] * held[None, None, None, :])
+                                    frac[..., None, None] * held[None, None, None, :],
+                                    tab.casts[below, j][None, None, :, None])
     fits = need <= tab.mem[..., None, None]
     return np.where(ok[..., None], tau, math.inf), fits
 

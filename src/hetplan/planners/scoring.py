@@ -107,9 +107,9 @@ def memory_infeasible(graph: Graph, cluster: Cluster, options: PlanOptions,
                       closest: tuple[Plan, str, int] | None = None) -> InfeasibleError:
     """Say what memory the model needs that the cluster does not have: a node that fits on no
     device, more than all devices hold, or else the shortfall of the `closest` plan tried."""
-    worst = max(graph.nodes, key=lambda n: stage_memory_bytes(n.param_bytes, n.act_bytes, 1.0))
+    worst = max(graph.nodes, key=lambda n: stage_memory_bytes(n.param_bytes, n.act_bytes, 1.0, n.cast_bytes))
     biggest = max(cluster.devices, key=lambda d: d.mem_bytes)
-    single = weight_bytes(worst.param_bytes)
+    single = weight_bytes(worst.param_bytes, worst.cast_bytes)
     if single > biggest.mem_bytes:
         return InfeasibleError(
             f"node {worst.id} ({worst.op}) alone needs {fmt_bytes(single)} for its weights, gradients and "
@@ -117,7 +117,7 @@ def memory_infeasible(graph: Graph, cluster: Cluster, options: PlanOptions,
             "no split can fit it; use devices with more memory")
     # at the least, every weight copy; and every activation where the schedule holds all in flight
     need = stage_memory_bytes(graph.param_bytes_total, graph.act_bytes_total,
-                              0.0 if get_schedule(options.schedule).bounded else 1.0)
+                              0.0 if get_schedule(options.schedule).bounded else 1.0, graph.cast_bytes_of(graph.by_id))
     mems = sorted((d.mem_bytes for d in cluster.devices), reverse=True)
     total, count = 0, 0
     for mem in mems:

@@ -202,6 +202,7 @@ class StateSums:
         self.fixed = {t: v[keep] for t, v in self.fixed.items()}
         self.fwd_fixed = {t: v[keep] for t, v in self.fwd_fixed.items()}
         self.params = (mat @ np.array([float(by_id[v].param_bytes) for v in order]))[keep]
+        self.casts = (mat @ np.array([float(by_id[v].cast_bytes) for v in order]))[keep]  # 16-bit weight copies
         self.updated = (mat @ np.array([float(by_id[v].optimizer_bytes) for v in order]))[keep]  # optimizer's
         self.indices = (mat @ np.array([float(cost.index_bytes([v])) for v in order]))[keep]  # sparse rows' indices
         measured = {t: cost.measured_optimizer_s(t) for t in self.types}

@@ -28,7 +28,10 @@ from hetplan._frozen import FrozenMap
 from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node, Tied
 from hetplan.pieces.hostmem import keep_freed_memory
+from hetplan.pieces.mixed import Mixed
 from hetplan.pieces.split import GRANULARITIES, Piece, SplitStep, split_step, tensor_bytes
+from hetplan.precision import FP32
+from hetplan.precision import checked as checked_precision
 from hetplan.profile.devices import ProfileDevice, parse_device
 from hetplan.profile.timing import Timing, optimizer_times, time_in_sequence, warm_pass
 
@@ -91,6 +94,7 @@ class _Measured:
     fixed: dict[str, tuple[float, float]] | None = None  # per node, the fixed parts (`_fixed_parts`)
     opt_s: dict[str, float] = field(default_factory=dict)  # per node with parameters, its optimizer step
     updated: dict[str, tuple[int | None, int]] = field(default_factory=dict)  # per node, `_updated_bytes`
+    casts: dict[str, int] = field(default_factory=dict)  # per node, its weights' 16-bit copies (`Node.cast_bytes`)
 
 
 def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
@@ -113,7 +117,7 @@ def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevic
 
 def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
              block_classes: Sequence[str] | None, repeats: int, seed: int, check: bool, fixed: bool,
-             progress: Callable[[float], None] | None, batch_size: int) -> _Measured:
+             progress: Callable[[float], None] | None, batch_size: int, precision: str) -> _Measured:
     """Cuts a copy of the step into pieces, counts each piece's FLOPs and saved bytes, and times
     the pieces in sequence; with `check`, also the unsplit copy, a step before each repeat (at
     least 5: a shared machine's speed drifts by 10% and more between runs, so a reference from
@@ -123,21 +127,20 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
     data = _to(batch, device.torch_device)
     split = split_step(work, data, granularity, block_classes)
     torch.manual_seed(seed)
-    with torch.no_grad():
+    mixed = Mixed(precision, torch.device(device.torch_device).type)
+    with torch.no_grad(), mixed.step(), mixed.forward():  # the values as they are in that precision
         _, values = split.run(data, capture=True)
-    flops, acts = {}, {}
-    for piece in split.pieces:
-        flops[piece.name], acts[piece.name] = warm_pass(piece, [values[n] for n in piece.inputs], split.input_names)
+    warm = {p.name: warm_pass(p, [values[n] for n in p.inputs], split.input_names, mixed) for p in split.pieces}
     small = _small_batch(step, batch, device, granularity, block_classes, batch_size) if fixed else None
     repeats = max(repeats, 5) if check else repeats
     timed = time_in_sequence(split, data, device.torch_device, repeats, whole=work if check else None,
-                             progress=progress,
-                             also=[small[1:]] if small else [])
+                             progress=progress, also=[small[1:]] if small else [], precision=precision)
     parts = _fixed_parts(timed.times, timed.also[0], batch_size, small[0]) if small else None
     updated = {p.name: _updated_bytes(p.module.parameters()) for p in split.pieces}  # before the steps below
     opt = optimizer_times(split, device.torch_device, repeats)
-    return _Measured(split, values, timed.times, flops, acts, timed.totals_s, timed.whole_s, repeats, parts, opt,
-                     updated)
+    return _Measured(split, values, timed.times, {n: w.flops for n, w in warm.items()},
+                     {n: w.act_bytes for n, w in warm.items()}, timed.totals_s, timed.whole_s, repeats, parts, opt,
+                     updated, {n: w.cast_bytes for n, w in warm.items()})
 
 
 def profile_step(
@@ -153,6 +156,7 @@ def profile_step(
     check: bool = False,
     fixed: bool = True,
     progress: Callable[[float, str], None] | None = None,
+    precision: str = FP32,
 ) -> ProfileReport:
     """Profile `step(**batch)`, a module whose forward returns the training loss.
 
@@ -164,8 +168,11 @@ def profile_step(
     the two times give the part of each pass that does not shrink with the batch
     (`Node.fwd_fixed_s`): t(b) = fixed + rate * b. It keeps this process's freed memory for
     reuse, as the runtime's workers do (`hetplan.pieces.hostmem`), so both measure one allocator.
-    `progress(share of the whole profile done, what it is doing)` is told as it goes."""
+    `progress(share of the whole profile done, what it is doing)` is told as it goes. Every pass
+    runs in `precision` (`hetplan.precision`: torch's autocast for bf16 and fp16), and the graph
+    says so (`Graph.precision`)."""
     parsed, batch_size = _checked(granularity, repeats, devices, batch)
+    checked_precision(precision)
     keep_freed_memory()
     start = time.perf_counter()
     measured: dict[str, _Measured] = {}
@@ -178,7 +185,7 @@ def profile_step(
                     ) if progress else None
             try:
                 measured[device.device_type] = _measure(step, batch, device, granularity, block_classes,
-                                                         repeats, seed, check, fixed, told, batch_size)
+                                                         repeats, seed, check, fixed, told, batch_size, precision)
                 if measured[device.device_type].fixed is not None:
                     fixed_parts[device.device_type] = measured[device.device_type].fixed
                 if len(measured) > 1:  # sizes come from the first device: let the rest go
@@ -190,7 +197,8 @@ def profile_step(
                         "try a smaller --batch-size"
                     ) from None
                 raise
-    graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, fixed_parts, host_modules(step))
+    graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, fixed_parts, host_modules(step),
+                         precision)
     if granularity == "block" and block_classes:  # so that `hetplan run` cuts the model the same way
         graph = replace(graph, meta={**graph.meta, "block_classes": ",".join(block_classes)})
     return _report(graph, start, measured)
@@ -270,7 +278,7 @@ def _updated_bytes(params: Iterable[torch.Tensor]) -> tuple[int | None, int]:
 def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence[ProfileDevice],
                  batch: Mapping[str, Any], batch_size: int, granularity: str,
                  fixed_parts: Mapping[str, Mapping[str, tuple[float, float]]] | None = None,
-                 host: Sequence[str] = ()) -> Graph:
+                 host: Sequence[str] = (), precision: str = FP32) -> Graph:
     first = measured[devices[0].device_type]
     split = first.split
     names = [p.name for p in split.pieces]
@@ -301,6 +309,7 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
             param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
             out_bytes=tensor_bytes([values[o] for o in piece.outputs]),
             act_bytes=first.act_bytes[piece.name],
+            cast_bytes=first.casts.get(piece.name, 0),
             module=piece.modules,
             runs_on_host=any(m == h or m.startswith(h + ".") for m in piece.modules for h in host),
             updated_bytes=first.updated[piece.name][0],
@@ -325,6 +334,7 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
                  if isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].dim() == 2 else {}),
               "timing": f"pieces run in sequence, a timestamp between pieces, median of {first.repeats} repeats"},
         tied=tied,
+        precision=precision,
     )
 
 
@@ -356,13 +366,15 @@ def profile(
     repeats: int = 3,
     name: str | None = None,
     check: bool = False,
+    precision: str = FP32,
 ) -> Graph:
     """Profile one training step of `model` on `example_inputs` (a dict of keyword arguments
     or a sequence of positional ones) into a `Graph`.
 
     `loss_fn(output)` turns the model's output into the scalar loss; by default the output's
     `.loss` if it has one, else the mean of the output tensor. `device` is one spec or several
-    (`"cpu"`, `"cpu:4"`, `"cuda"`): each becomes a device type with its own times."""
+    (`"cpu"`, `"cpu:4"`, `"cuda"`): each becomes a device type with its own times. `precision`:
+    fp32, or bf16 / fp16 mixed precision (`hetplan.precision`)."""
     from hetplan.zoo.models import TrainStep, output_loss
 
     if isinstance(example_inputs, Mapping):
@@ -378,5 +390,6 @@ def profile(
 
     devices = [device] if isinstance(device, str) else list(device)
     report = profile_step(TrainStep(model, loss), batch, name=name or type(model).__name__, devices=devices,
-                          granularity=granularity, block_classes=block_classes, repeats=repeats, check=check)
+                          granularity=granularity, block_classes=block_classes, repeats=repeats, check=check,
+                          precision=precision)
     return report.graph

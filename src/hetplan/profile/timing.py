@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from hetplan.pieces.mixed import Mixed, is_weight_copy
 from hetplan.pieces.split import Piece, SplitStep, changed_in_place
+from hetplan.precision import FP32
 
 
 def _leaves(inputs: Sequence[Any], data: Sequence[bool]) -> list[Any]:
@@ -58,26 +60,42 @@ def _clear_grads(piece: Piece) -> None:
         p.grad = None
 
 
-def warm_pass(piece: Piece, inputs: Sequence[Any], data: Collection[str] = ()) -> tuple[float, int]:
-    """One untimed forward and backward: returns forward FLOPs and bytes saved for backward.
-    `data`: the names of the batch's values (`SplitStep.input_names`)."""
+@dataclass(frozen=True)
+class Warm:
+    """What `warm_pass` counts: forward FLOPs, the bytes saved for the backward, and of those
+    apart, the 16-bit copies of the weights (mixed precision), which a step keeps once."""
+
+    flops: float
+    act_bytes: int
+    cast_bytes: int
+
+
+def warm_pass(piece: Piece, inputs: Sequence[Any], data: Collection[str] = (), mixed: Mixed | None = None) -> Warm:
+    """One untimed forward and backward, in `mixed`'s precision (fp32 without). `data`: the
+    names of the batch's values (`SplitStep.input_names`)."""
+    mixed = mixed or Mixed(FP32, "cpu")
     params = {p.untyped_storage().data_ptr() for p in piece.module.parameters()}
+    param_ids = {id(p) for p in piece.module.parameters()}
     saved: dict[int, int] = {}
+    casts: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
+            into = casts if is_weight_copy(t, param_ids) else saved
+            into[storage.data_ptr()] = max(into.get(storage.data_ptr(), 0), storage.nbytes())
         return t
 
     _clear_grads(piece)
     leaves = _leaves(inputs, [n in data for n in piece.inputs])
-    with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outs = piece.module(*leaves)
-    diff = _differentiable(outs)
-    if diff:
-        torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
-    return float(counter.get_total_flops()), sum(saved.values())
+    with mixed.step():
+        with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                mixed.forward():
+            outs = piece.module(*leaves)
+        diff = _differentiable(outs)
+        if diff:
+            torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
+    return Warm(float(counter.get_total_flops()), sum(saved.values()), sum(casts.values()))
 
 
 @dataclass(frozen=True)
@@ -153,10 +171,17 @@ def _to_send(piece: Piece, env: dict[str, Any], grads: dict[str, Any]) -> tuple[
 
 
 def run_in_sequence(split: SplitStep, batch: Mapping[str, Any], clock: Clock,
-                    mutated: Mapping[str, set[str]] | None = None) -> Pass:
+                    mutated: Mapping[str, set[str]] | None = None, mixed: Mixed | None = None) -> Pass:
     """Forward and backward of every piece in turn, a stamp before and after each; leaves each
     parameter's gradient in `.grad` as the unsplit step's `loss.backward()` would. `mutated`:
-    per piece, the inputs it changes in place (`changed_in_place`; found here if not given)."""
+    per piece, the inputs it changes in place (`changed_in_place`; found here if not given).
+    `mixed`: the precision the passes run in, as a step (`hetplan.pieces.mixed`; fp32 without)."""
+    with (mixed or Mixed(FP32, "cpu")).step():
+        return _in_sequence(split, batch, clock, mutated, mixed or Mixed(FP32, "cpu"))
+
+
+def _in_sequence(split: SplitStep, batch: Mapping[str, Any], clock: Clock, mutated: Mapping[str, set[str]] | None,
+                 mixed: Mixed) -> Pass:
     if mutated is None:
         mutated = {p.name: changed_in_place(p) for p in split.pieces}
     env: dict[str, Any] = {name: batch[key] for key, name in zip(split.input_keys, split.input_names, strict=True)}
@@ -165,7 +190,8 @@ def run_in_sequence(split: SplitStep, batch: Mapping[str, Any], clock: Clock,
     for piece in split.pieces:
         args, leaves[piece.name] = _received(piece, env, mutated[piece.name])
         start = clock.stamp()
-        results = piece.module(*args)
+        with mixed.forward():
+            results = piece.module(*args)
         out.fwd[piece.name] = (start, clock.stamp())
         env.update(zip(piece.outputs, results, strict=True))
     grads: dict[str, Any] = {split.loss: torch.ones_like(env[split.loss])}
@@ -199,8 +225,8 @@ class InSequence:
 class _Samples:
     """The per-node forward and backward times of one split over the repeats."""
 
-    def __init__(self, split: SplitStep, batch: Mapping[str, Any]) -> None:
-        self.split, self.batch = split, batch
+    def __init__(self, split: SplitStep, batch: Mapping[str, Any], mixed: Mixed) -> None:
+        self.split, self.batch, self.mixed = split, batch, mixed
         self.mutated = {p.name: changed_in_place(p) for p in split.pieces}
         self.params = _params(split)
         self.fwd: dict[str, list[float]] = {p.name: [] for p in split.pieces}
@@ -209,7 +235,7 @@ class _Samples:
     def run(self, clock: Clock) -> Pass:
         for p in self.params:
             p.grad = None
-        stamps = run_in_sequence(self.split, self.batch, clock, self.mutated)
+        stamps = run_in_sequence(self.split, self.batch, clock, self.mutated, self.mixed)
         clock.finish()  # the one synchronisation of the repeat
         return stamps
 
@@ -234,12 +260,16 @@ def _params(split: SplitStep) -> list[torch.nn.Parameter]:
     return list({id(p): p for piece in split.pieces for p in piece.module.parameters()}.values())
 
 
-def time_whole(step: torch.nn.Module, batch: Mapping[str, Any], clock: Clock) -> float:
-    """One forward and backward of the unsplit step, with fresh gradients."""
+def time_whole(step: torch.nn.Module, batch: Mapping[str, Any], clock: Clock, mixed: Mixed | None = None) -> float:
+    """One forward and backward of the unsplit step, with fresh gradients, in `mixed`'s precision."""
+    mixed = mixed or Mixed(FP32, "cpu")
     for p in step.parameters():
         p.grad = None
     start = clock.stamp()
-    step(**batch).backward()
+    with mixed.step():
+        with mixed.forward():
+            loss = step(**batch)
+        loss.backward()
     end = clock.stamp()
     clock.finish()
     return clock.seconds(start, end)
@@ -262,26 +292,27 @@ def empty_backward_s(calls: int = 50) -> float:
 
 def time_in_sequence(split: SplitStep, batch: Mapping[str, Any], device: str, repeats: int,
                      whole: torch.nn.Module | None = None, progress: Callable[[float], None] | None = None,
-                     also: Sequence[tuple[SplitStep, Mapping[str, Any]]] = ()) -> InSequence:
+                     also: Sequence[tuple[SplitStep, Mapping[str, Any]]] = (), precision: str = FP32) -> InSequence:
     """Times every piece in sequence (`run_in_sequence`) over `repeats` after one untimed
     warm-up. With `whole` (the unsplit step, sharing the pieces' parameters), each repeat first
     times a step of it: interleaved, the reference and the pieces see the same machine, which
     on a shared one drifts by 2x and more within a minute. `also`: other (split, batch) pairs
     (the step at a smaller batch, for the fixed parts) run in the same repeats, right after,
     so that a drift of the machine does not fall between the two sizes and into their line.
-    `progress(share done)` is told before each repeat.
+    `progress(share done)` is told before each repeat. Every pass runs in `precision`.
 
     On the CPU, the cost of an empty backward call (`empty_backward_s`) is taken off each
     piece's backward time. On CUDA the CPU's calls overlap the GPU's work, so nothing is."""
     clock = Clock(device)
+    mixed = Mixed(precision, clock.device.type)
     overhead = 0.0 if clock.cuda else empty_backward_s()
-    samples = [_Samples(split, batch), *(_Samples(s, b) for s, b in also)]
+    samples = [_Samples(split, batch, mixed), *(_Samples(s, b, mixed) for s, b in also)]
     totals, wholes = [], []
     for i in range(repeats + 1):
         if progress:
             progress(i / (repeats + 1))  # the share of the repeats done (the warm-up counts as one)
         if whole is not None:
-            took = time_whole(whole, batch, clock)
+            took = time_whole(whole, batch, clock, mixed)
             if i:
                 wholes.append(took)
         stamps = [x.run(clock) for x in samples]

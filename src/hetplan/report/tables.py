@@ -86,7 +86,8 @@ def show_cluster(console: Console, cluster: Cluster) -> None:
 
 def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster: Cluster | None = None) -> None:
     title = (f"plan by {plan.planner}: {len(plan.stages)} stage{'s' if len(plan.stages) > 1 else ''}, "
-             f"{plan.microbatches} micro-batch{'es' if plan.microbatches > 1 else ''}, {plan.schedule}")
+             f"{plan.microbatches} micro-batch{'es' if plan.microbatches > 1 else ''}, {plan.schedule}, "
+             f"{plan.precision}")
     table = Table(title=title, title_justify="left")
     for col in ("stage", "devices", "nodes", "first .. last"):
         table.add_column(col)
@@ -328,13 +329,16 @@ def show_run(console: Console, s: dict, plan: Plan) -> None:
                       f"{paid / priced - 1:+.1%}" if priced else "-")
     console.print(table)
     mem = Table(title="peak memory per worker: its tensors (CUDA's allocator; on a CPU, what malloc handed out "
-                      "over the step, plus the weights)", title_justify="left")
-    for col in ("worker", "measured", "predicted (model state + activations)", "process RSS"):
+                      "over the step, plus the weights, less what the math libraries keep between steps)",
+                title_justify="left")
+    for col in ("worker", "measured", "predicted (model state + activations)", "libraries' own", "process RSS"):
         mem.add_column(col, justify="left" if col == "worker" else "right")
     predicted, rss = s.get("predicted_peak_mem_bytes") or {}, s.get("rss_peak_bytes") or {}
+    library = s.get("library_bytes") or {}
     for key, value in s["peak_mem_bytes"].items():
         device = key.split(":", 1)[1]
         mem.add_row(key, fmt_bytes(value), fmt_bytes(predicted[device]) if device in predicted else "-",
+                    fmt_bytes(library[key]) if library.get(key) is not None else "-",
                     fmt_bytes(rss[key]) if rss.get(key) else "-")
     console.print(mem)
     if s.get("stages"):

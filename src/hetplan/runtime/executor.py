@@ -9,7 +9,9 @@ the rows of every replica are `hetplan.rows`, the split the simulator charges; s
 its prediction assumed, action by action. Every plan that `hetplan.plan.validate_plan` accepts
 runs: any number of replicas per stage (3 + 1, 1 + 2 + 1, ...), stages without parameters, more
 or fewer micro-batches than stages, every schedule of `hetplan.schedule` (GPipe, 1F1B, zero
-bubble, interleaved 1F1B, ZB-V), stages that recompute their activations.
+bubble, interleaved 1F1B, ZB-V), stages that recompute their activations, every precision
+(`hetplan.pieces.mixed`: each forward under autocast, the whole step inside one outer context so
+that the weights' 16-bit copies are made once per step; fp16's loss scaled on the last stage).
 
 For replica p of stage k, micro-batch j, with rows [lo, hi) of it (`StepRows.slices`):
 
@@ -44,6 +46,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hetplan.errors import HetplanError
+from hetplan.pieces.mixed import Mixed
+from hetplan.precision import FP32
 from hetplan.rows import StepRows
 from hetplan.runtime.boundary import ValueLayout, pack, packed_bytes, unpack
 from hetplan.runtime.split_backward import backward_inputs, backward_weights
@@ -60,6 +64,7 @@ class Role:
     ranks: tuple[tuple[int, ...], ...]
     rows: StepRows
     recompute: bool = False  # keep only the inputs and outputs; run the forward again in the backward
+    precision: str = FP32  # the arithmetic of its passes (`hetplan.pieces.mixed`)
 
     @property
     def first(self) -> bool:
@@ -92,6 +97,8 @@ class StageRunner:
         self.role, self.module_for = role, module_for
         self.layouts_in, self.layouts_out = tuple(layouts_in), tuple(layouts_out)
         self.transport, self.device = transport, device
+        self.mixed = Mixed(role.precision, device.type)
+        self.loss_scale = 1.0  # what the last stage multiplies its loss by (fp16's loss scaling)
         # the step's spans, perf_counter clock: (kind, stage, micro-batch, start, end, from rank or -1)
         # for every action (-1) and every message received in it (the rank it came from)
         self.spans: list[tuple[str, int, int, float, float, int]] = []
@@ -167,10 +174,11 @@ class StageRunner:
                 value = lay.join(got) if lay.batch_dim is not None else got[0]
                 inputs.append(value.requires_grad_(True) if lay.grad else value)
         module = self.module_for(hi - lo)
-        # torch's non-reentrant checkpoint keeps the inputs, restores the RNG state and runs the
-        # forward again when the backward first needs what it saved
-        out = checkpoint(_once_per_step(module, self.rebuilt), *inputs, use_reentrant=False) if self.role.recompute \
-            else module(*inputs)
+        # torch's non-reentrant checkpoint keeps the inputs, restores the RNG state and autocast's
+        # and runs the forward again when the backward first needs what it saved
+        with self.mixed.forward():
+            out = checkpoint(_once_per_step(module, self.rebuilt), *inputs, use_reentrant=False) \
+                if self.role.recompute else module(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
         saved[j] = (inputs, outs)
         if self.role.last:
@@ -199,7 +207,8 @@ class StageRunner:
         loss = 0.0
         if self.role.last:
             weight = (hi - lo) / self.role.rows.batch_size
-            tensors, grads = [outs[0] * weight], [torch.ones((), dtype=outs[0].dtype, device=outs[0].device)]
+            tensors = [outs[0] * (weight * self.loss_scale)]
+            grads = [torch.ones((), dtype=outs[0].dtype, device=outs[0].device)]
             loss = float(outs[0].detach().float().item()) * weight
         else:
             tensors, grads = self._output_grads(j, outs)
@@ -288,15 +297,24 @@ class RankRunner:
             for runner in runners:
                 runner.rebuilt = self._read_memory
 
-    def step(self, batch: Sequence[torch.Tensor] = ()) -> float:
+    def step(self, batch: Sequence[torch.Tensor] = (), loss_scale: float = 1.0) -> float:
         """Run the step's actions; returns this worker's share of the batch's mean loss (the last
-        stage's; 0 elsewhere). `batch`: the whole batch's input values (stage 0 only)."""
+        stage's; 0 elsewhere). `batch`: the whole batch's input values (stage 0 only);
+        `loss_scale`: what the last stage multiplies the loss by before its backward (fp16)."""
         saved: dict[int, dict] = {k: {} for k in self.runners}
         pending: list = []
-        loss = 0.0
         self.executed, self.peak_bytes = [], 0
         for runner in self.runners.values():
-            runner.spans = []
+            runner.spans, runner.loss_scale = [], loss_scale
+        with next(iter(self.runners.values())).mixed.step():
+            loss = self._actions(batch, saved, pending)
+        for handle, _ in pending:
+            handle.wait()
+        self.spans = sorted((s for r in self.runners.values() for s in r.spans), key=lambda s: s[3])
+        return loss
+
+    def _actions(self, batch: Sequence[torch.Tensor], saved: dict, pending: list) -> float:
+        loss = 0.0
         for action in self.order:
             runner = self.runners[action.stage]
             lo, hi = runner.mine(action.microbatch)
@@ -307,9 +325,6 @@ class RankRunner:
             loss += runner.act(action, batch, saved[action.stage], pending)
             runner.spans.append((action.kind, action.stage, action.microbatch, began, time.perf_counter(), -1))
             self._read_memory()
-        for handle, _ in pending:
-            handle.wait()
-        self.spans = sorted((s for r in self.runners.values() for s in r.spans), key=lambda s: s[3])
         return loss
 
     def _read_memory(self) -> None:

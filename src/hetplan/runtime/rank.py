@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.pieces.mixed import Mixed
 from hetplan.pieces.portable import place
 from hetplan.pieces.split import split_step
 from hetplan.plan import Plan
@@ -104,7 +105,8 @@ def _example_boundaries(traces: Traces, rows: int) -> list[tuple[torch.Tensor, .
     mods = traces.stages(rows)
     buffers = {name: b.clone() for name, b in traces.step.named_buffers()}
     out: list[tuple[torch.Tensor, ...]] = []
-    with torch.random.fork_rng(devices=[]):
+    mixed = Mixed(traces.plan.precision, "cpu")  # the values' dtypes as a run makes them
+    with torch.random.fork_rng(devices=[]), mixed.step(), mixed.forward():
         values: tuple[torch.Tensor, ...] = tuple(traces.batch[k][:rows] for k in traces.input_keys)
         for k, mod in enumerate(mods[:-1]):
             if k > 0:  # received floating values that carry gradients ask for them, as in a run
@@ -200,7 +202,8 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     me = spec.ranks[rank]
     rows = spec_rows(spec, plan)
     mine = plan.stage_ranks[me.stage]
-    roles = tuple(Role(k, me.replica, table, rows, plan.stages[k].recompute) for k in plan.rank_stages[mine])
+    roles = tuple(Role(k, me.replica, table, rows, plan.stages[k].recompute, plan.precision)
+                  for k in plan.rank_stages[mine])
     traces = Traces(zoo_model.step, zoo_model.batch, plan, spec.settings.granularity,
                     tuple(spec.settings.block_classes or zoo_model.block_classes or ()) or None, {}, on_trace)
     for size in sorted(slice_sizes(roles)):

@@ -71,6 +71,8 @@ class RunReport:
             # memory in use plus the parameters: `worker._StageMemory`); the process's resident size
             "peak_mem_bytes": {f"{x['rank']}:{x['device']}": x["peak_mem_bytes"] for x in r.ranks},
             "rss_peak_bytes": {f"{x['rank']}:{x['device']}": x.get("rss_peak_bytes") for x in r.ranks},
+            # on a CPU, what the math libraries keep between steps, left out of the above
+            "library_bytes": {f"{x['rank']}:{x['device']}": x.get("library_bytes") for x in r.ranks},
             "predicted_peak_mem_bytes": dict(p.peak_mem_bytes) if p else None, "out_dir": r.out_dir,
             "trace_files": list(self.trace_files),
             "stages": [{**asdict(row), "devices": list(row.devices)} for row in self.stages],

@@ -31,6 +31,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetplan.precision import scales_loss
 from hetplan.runtime.supervise import LAUNCHER_PID, end_with_launcher
 
 if TYPE_CHECKING:
@@ -94,20 +95,47 @@ class _StageMemory:
     (`hostmem.malloc_in_use_bytes`) over its level before the first step, read after each action,
     when a recomputation has rebuilt its activations (inside a backward) and after the
     optimizer's step, plus the parameters' bytes (there before); the most of the steps after the
-    warm-up. A peak inside an action otherwise (the backward's temporaries) is not seen."""
+    warm-up. A peak inside an action otherwise (the backward's temporaries) is not seen.
 
-    def __init__(self, read: Callable[[], int | None], params: Sequence[torch.Tensor]) -> None:
-        self.read, self.base = read, read()
+    What the worker holds between steps besides its tensors is left out: at each step's start
+    (gradients dropped) the rise over the first level less the optimizer's state (its tensors'
+    bytes) is what the libraries keep (oneDNN caches its kernels and their scratch space for each
+    shape of a 16-bit product: 1.6-2.9 MB each on this VM's CPU, 8 MB for gpt2-tiny in bf16),
+    reported apart (`library_bytes`)."""
+
+    def __init__(self, read: Callable[[], int | None], params: Sequence[torch.Tensor],
+                 state_bytes: Callable[[], int]) -> None:
+        self.read, self.base, self.state_bytes = read, read(), state_bytes
         self.params = sum(p.numel() * p.element_size() for p in params)
         self.steps: list[int] = []
+        self.library: list[int] = []
+
+    def start(self) -> None:
+        """At a step's start, its gradients dropped."""
+        now = self.read()
+        if now is not None and self.base is not None:
+            self.library.append(max(0, now - self.base - self.state_bytes()))
 
     def step(self, runner_peak: int) -> None:
-        self.steps.append(max(runner_peak, self.read() or 0))
+        self.steps.append(max(runner_peak, self.read() or 0) - (self.library[-1] if self.library else 0))
 
     def peak_bytes(self, warmup: int) -> int | None:
         if self.base is None or not self.steps:
             return None
         return max(self.steps[warmup:] or self.steps) - self.base + self.params
+
+    def library_bytes(self, warmup: int) -> int | None:
+        return max(self.library[warmup:] or self.library) if self.library else None
+
+
+class _NoMemory(_StageMemory):
+    """Where the worker cannot read its memory (a GPU's is CUDA's; threads share a process)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: None, (), lambda: 0)
+
+    def step(self, runner_peak: int) -> None:
+        return None
 
 
 def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbeat=None, memory=None) -> dict:
@@ -116,6 +144,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     from functools import partial
 
     from hetplan.runtime.executor import RankRunner, StageRunner
+    from hetplan.runtime.precision import LossScaler
 
     role = prepared.role
     runner = RankRunner([StageRunner(r, partial(prepared.module_for, stage=r.stage), lay_in, lay_out, transport,
@@ -129,7 +158,9 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     times, losses, trace, busy_s, comm_s = [], [], [], [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
-    held = _StageMemory(memory, params) if memory is not None else None
+    held = _StageMemory(memory, params, opt.state_bytes if opt is not None else lambda: 0) \
+        if memory is not None else _NoMemory()
+    scaler = LossScaler() if scales_loss(spec.plan.precision) else None
     for step in range(spec.settings.resume_step, spec.settings.steps):
         if heartbeat is not None:
             heartbeat("step", step)
@@ -143,10 +174,10 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         t0 = time.perf_counter()
         for prm in params:
             prm.grad = None
-        loss = runner.step(values)
-        tail = _reduce_and_update(prepared, opt, transport)
-        if held is not None:
-            held.step(runner.peak_bytes)
+        held.start()
+        loss = runner.step(values, scaler.scale if scaler is not None else 1.0)
+        tail = _reduce_and_update(prepared, opt, transport, scaler, spec.world)
+        held.step(runner.peak_bytes)
         transport.barrier()
         times.append(time.perf_counter() - t0)
         busy, comm = step_busy_comm(runner.spans, tail)
@@ -164,7 +195,9 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
 
             save_stage(spec.settings.checkpoint_dir, role.stage, _saved_module(prepared), opt, step + 1)
     out = {"times_s": times, "losses": losses, "actions": runner.executed, "busy_s": busy_s, "comm_s": comm_s,
-           "tensor_peak_bytes": held.peak_bytes(spec.settings.warmup) if held is not None else None}
+           "tensor_peak_bytes": held.peak_bytes(spec.settings.warmup),
+           "library_bytes": held.library_bytes(spec.settings.warmup),
+           **({"loss_scale": scaler.scale, "skipped_steps": scaler.skipped} if scaler is not None else {})}
     if spec.settings.trace:
         out["trace"] = trace  # the last step's
     return out
@@ -178,17 +211,21 @@ def _saved_module(prepared):
     return mods[0] if len(mods) == 1 else nn.ModuleList(mods)
 
 
-def _reduce_and_update(prepared, opt, transport) -> tuple[float, float, float]:
-    """The step's gradient sums and optimizer step; returns when each began and when the step's
-    work ended (a GPU's queue drained)."""
+def _reduce_and_update(prepared, opt, transport, scaler=None, world: int = 1) -> tuple[float, float, float]:
+    """The step's gradient sums and optimizer step (fp16: unscaled, and skipped by every worker
+    when one found an inf or nan: `hetplan.runtime.precision`); returns when each began and when
+    the step's work ended (a GPU's queue drained)."""
     import torch
 
     from hetplan.runtime.gradients import reduce_gradients
+    from hetplan.runtime.precision import agreed_step
 
     t_ar = time.perf_counter()
     reduce_gradients(prepared.my_groups, transport, prepared.sparse)
     t_opt = time.perf_counter()
-    if opt is not None:
+    steps = scaler is None or agreed_step(scaler, prepared.parameters(),
+                                          lambda t: transport.all_reduce(t, tuple(range(world))) if world > 1 else None)
+    if opt is not None and steps:
         opt.step()
     if prepared.device.type == "cuda":
         torch.cuda.synchronize(prepared.device)
@@ -236,8 +273,10 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     torch.set_num_threads(me.threads)
     keep_freed_memory()  # as the profiler measured (hostmem)
     zoo_model, prepared, opt = build_rank(spec, rank, heartbeat)  # each trace moves the heartbeat
-    transport = GlooTransport(rank, world, [ranks for ranks, _ in prepared.groups if len(ranks) > 1],
-                              spec.settings.timeout_s)
+    groups = [ranks for ranks, _ in prepared.groups if len(ranks) > 1]
+    if scales_loss(spec.plan.precision) and world > 1:  # the workers agree on fp16's steps (`runtime.precision`)
+        groups.append(tuple(range(world)))
+    transport = GlooTransport(rank, world, list(dict.fromkeys(groups)), spec.settings.timeout_s)
     device = prepared.device
     mine = train(spec, rank, zoo_model, prepared, opt, transport, heartbeat,
                  memory=malloc_in_use_bytes if device.type == "cpu" else None)

@@ -82,6 +82,7 @@ class ChainScorer:
         self._opt = [None if m is None else np.concatenate([zero, np.cumsum([m[v] for v in self.order])])
                      for m in (cm.measured_optimizer_s(t) for t in sorted(set(types)))]
         self._acts = np.concatenate([zero, np.cumsum([by_id[v].act_bytes for v in self.order], dtype=float)])
+        self._casts = np.concatenate([zero, np.cumsum([by_id[v].cast_bytes for v in self.order], dtype=float)])
         self._crossing = chain_crossing_bytes(graph, pos)
         self._programs: dict[tuple[int, int, str], ChainProgram] = {}
         self._cm = cm
@@ -155,7 +156,8 @@ class ChainScorer:
         stages = ChainStages(devices, stage_sum(self._fwd), stage_sum(self._bwd), stage_sum(self._ffix),
                              stage_sum(self._bfix), stage_sum(self._bwd_weighted),
                              self._optimizer_s(lo, hi, devices, excess), self._params[hi] - self._params[lo] - excess,
-                             self._acts[hi] - self._acts[lo], self._crossing[cuts], tied_members, tied_s)
+                             self._acts[hi] - self._acts[lo], self._crossing[cuts], tied_members, tied_s,
+                             self._casts[hi] - self._casts[lo])
         return chain_costs(self._devices, stages, schedule, self.graph.batch_size, microbatches)
 
     def score(self, cuts: np.ndarray, devices: np.ndarray, microbatches: int, schedule: str) -> FastScores:

@@ -26,11 +26,16 @@ from hetplan.catalog import DeviceType, lookup
 from hetplan.cost.projection import roofline_s
 from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node, Tied
+from hetplan.precision import FP32, checked, is_mixed
 
 # A whole block's forward and backward in fp32 (OPT-350M, OPT-1.3B, Llama-3-8B at 4-8 k tokens,
 # sdpa attention) ran at 0.71-0.74 of the fp32 peak on an H200 (bench/llm_block_gpu.py,
 # BENCHMARKS.md). Other GPUs are assumed to reach the same fraction of their own peak.
 ACHIEVED_FRACTION = 0.72
+# The same blocks in bf16 autocast reached 0.34-0.46 of the 16-bit tensor peak on that H200
+# (0.43 for Llama-3-8B): 16-bit products are bound by the rest of the block (normalisation,
+# attention's softmax, element-wise work) far sooner.
+ACHIEVED_FRACTION_16 = 0.43
 # Per pass of a block, what a micro-batch pays whatever its size: about 20 kernel launches.
 BLOCK_FIXED_S = 20 * 10e-6
 BACKWARD_FLOPS = 2.0  # a backward pass does twice the forward's FLOPs
@@ -107,42 +112,65 @@ def shape(name: str) -> TransformerShape:
     raise HetplanError(f"unknown transformer shape {name!r}: give a config.json or one of {', '.join(SHAPES)}")
 
 
-def _times(flops: float, traffic_bytes: float, types: Sequence[DeviceType], fixed_s: float) -> dict[str, float]:
-    """The roofline time at ACHIEVED_FRACTION of the peak FLOP/s, plus the fixed part."""
-    return {t.name: fixed_s + roofline_s(flops / ACHIEVED_FRACTION, traffic_bytes, t) for t in types}
+@dataclass(frozen=True)
+class _Counting:
+    """How a chain is counted in a precision: the bytes of an activation element, the achieved
+    fraction of the precision's peak, and whether products use 16-bit copies of the weights."""
 
+    precision: str
+    types: tuple[DeviceType, ...]
 
-def _node(node_id: str, op: str, flops: float, params: int, out_bytes: int, act_bytes: int,
-          types: Sequence[DeviceType], fixed_s: float) -> Node:
-    traffic = 4 * params + out_bytes + act_bytes
-    fwd = _times(flops, traffic, types, fixed_s)
-    bwd = _times(BACKWARD_FLOPS * flops, 2 * traffic, types, fixed_s)
-    return Node(node_id, op, fwd, bwd, flops=flops, param_bytes=4 * params, out_bytes=out_bytes,
-                act_bytes=act_bytes, module=(node_id,),
-                fwd_fixed_s={t.name: fixed_s for t in types}, bwd_fixed_s={t.name: fixed_s for t in types})
+    @property
+    def value_bytes(self) -> int:
+        return 2 if is_mixed(self.precision) else 4
+
+    @property
+    def fraction(self) -> float:
+        return ACHIEVED_FRACTION_16 if is_mixed(self.precision) else ACHIEVED_FRACTION
+
+    def times(self, flops: float, traffic_bytes: float, fixed_s: float) -> dict[str, float]:
+        """The roofline time at the achieved fraction of the precision's peak, plus the fixed part."""
+        return {t.name: fixed_s + roofline_s(flops / self.fraction, traffic_bytes, t, self.precision)
+                for t in self.types}
+
+    def node(self, node_id: str, op: str, flops: float, params: int, out_bytes: int, act_bytes: int,
+             fixed_s: float, cast: bool = True) -> Node:
+        """`cast`: its products use its weights (an embedding's lookup does not)."""
+        casts = 2 * params if cast and is_mixed(self.precision) and flops > 0 else 0
+        traffic = (casts or 4 * params) + out_bytes + act_bytes
+        fwd = self.times(flops, traffic, fixed_s)
+        bwd = self.times(BACKWARD_FLOPS * flops, 2 * traffic, fixed_s)
+        return Node(node_id, op, fwd, bwd, flops=flops, param_bytes=4 * params, out_bytes=out_bytes,
+                    act_bytes=act_bytes, module=(node_id,), cast_bytes=casts,
+                    fwd_fixed_s={t.name: fixed_s for t in self.types},
+                    bwd_fixed_s={t.name: fixed_s for t in self.types})
 
 
 def transformer_chain(model: TransformerShape | str, batch_size: int, seq_len: int,
-                      device_types: Sequence[str]) -> Graph:
-    """The chain of `model` for a batch of `batch_size` sequences of `seq_len` tokens, fp32, with
-    times on each of `device_types` (catalog names; the first is the graph's `profiled_on`)."""
+                      device_types: Sequence[str], precision: str = FP32) -> Graph:
+    """The chain of `model` for a batch of `batch_size` sequences of `seq_len` tokens, in
+    `precision` (`hetplan.precision`: activations of that width, 16-bit copies of the weights in
+    mixed precision, the precision's peak rate), with times on each of `device_types` (catalog
+    names; the first is the graph's `profiled_on`)."""
     m = shape(model) if isinstance(model, str) else model
     if not device_types:
         raise HetplanError("transformer_chain needs at least one device type")
-    types = [lookup(t) for t in device_types]
+    count = _Counting(checked(precision), tuple(lookup(t) for t in device_types))
     tokens, h = batch_size * seq_len, m.hidden
-    hidden_bytes = 4 * tokens * h
-    embed = _node("embed", "Embedding", 0.0, (m.vocab + seq_len) * h, hidden_bytes, 0, types, 0.0)
+    hidden_bytes = count.value_bytes * tokens * h
+    embed = count.node("embed", "Embedding", 0.0, (m.vocab + seq_len) * h, hidden_bytes, 0, 0.0, cast=False)
     block_flops = 2.0 * tokens * m.block_params() + 4.0 * batch_size * seq_len * seq_len * h
-    stash = 4 * STASH_ELEMENTS_PER_TOKEN_H * tokens * h
-    blocks = [_node(f"block_{i}", "TransformerBlock", block_flops, m.block_params(), hidden_bytes, stash, types,
-                    BLOCK_FIXED_S) for i in range(m.layers)]
-    logits = 4 * tokens * m.vocab
-    head = _node("head", "LMHead", 2.0 * tokens * h * m.vocab, h * m.vocab + 2 * h, 4 * batch_size,
-                 hidden_bytes + logits, types, BLOCK_FIXED_S)
+    stash = count.value_bytes * STASH_ELEMENTS_PER_TOKEN_H * tokens * h
+    blocks = [count.node(f"block_{i}", "TransformerBlock", block_flops, m.block_params(), hidden_bytes, stash,
+                         BLOCK_FIXED_S) for i in range(m.layers)]
+    # the loss's softmax is fp32 in every precision (autocast runs it so), after 16-bit logits
+    logits = (4 + (count.value_bytes if is_mixed(precision) else 0)) * tokens * m.vocab
+    head = count.node("head", "LMHead", 2.0 * tokens * h * m.vocab, h * m.vocab + 2 * h, 4 * batch_size,
+                      hidden_bytes + logits, BLOCK_FIXED_S)
     nodes = (embed, *blocks, head)
     edges = tuple(Edge(a.id, b.id, hidden_bytes) for a, b in itertools.pairwise(nodes))
     meta = {"source": "analytic", "granularity": "block", "seq_len": str(seq_len),
-            "achieved_fraction": str(ACHIEVED_FRACTION)}
+            "achieved_fraction": str(count.fraction)}
     tied = (Tied(("embed", "head"), 4 * h * m.vocab),) if m.tied_embeddings else ()
-    return Graph(m.name, nodes, edges, batch_size, types[0].name, source="analytic", meta=meta, tied=tied)
+    return Graph(m.name, nodes, edges, batch_size, count.types[0].name, source="analytic", meta=meta, tied=tied,
+                 precision=precision)

@@ -156,6 +156,8 @@ class PlanEnv:
         acts = np.array([by_id[v].act_bytes for v in self.order], dtype=float)
         self.unit_params = np.add.reduceat(params, self.starts[:-1]) if len(params) else np.zeros(0)
         self.unit_acts = np.add.reduceat(acts, self.starts[:-1]) if len(acts) else np.zeros(0)
+        casts = np.array([by_id[v].cast_bytes for v in self.order], dtype=float)
+        self.unit_casts = np.add.reduceat(casts, self.starts[:-1]) if len(casts) else np.zeros(0)
         self.mem_bytes = np.array([d.mem_bytes for d in cluster.devices], dtype=float)
         self.evaluations = 0
         # held fraction of the batch by (stages, stage index), the smallest over allowed m
@@ -177,11 +179,12 @@ class PlanEnv:
         onehot = stages[:, :, None] == np.arange(self.groups)[None, None, :]
         params = (onehot * self.unit_params[None, :, None]).sum(axis=1)
         acts = (onehot * self.unit_acts[None, :, None]).sum(axis=1)
+        casts = (onehot * self.unit_casts[None, :, None]).sum(axis=1)
         held = np.zeros((p, self.groups))
         for i in range(p):
             for s in range(int(n[i])):
                 held[i, s] = self.held_fraction(int(n[i]), s)
-        return stage_memory_bytes_array(params, acts, held)
+        return stage_memory_bytes_array(params, acts, held, casts)
 
     def device_mask(self, need_bytes: np.ndarray, used: np.ndarray) -> np.ndarray:
         """(P, D) which devices a stage may take: unused and with room; every unused device when

@@ -212,8 +212,9 @@ def _type_mask(graph: Graph, cluster: Cluster, prov: Provisioner, starts: np.nda
     """(U, types): a type whose one device cannot hold a unit's weights, gradients and optimizer
     state is masked out (every type allowed for a unit that fits on none)."""
     params = np.add.reduceat(np.array([graph.by_id[v].param_bytes for v in prov.order], float), starts[:-1])
+    casts = np.add.reduceat(np.array([graph.by_id[v].cast_bytes for v in prov.order], float), starts[:-1])
     biggest = np.array([max(cluster.device(d).mem_bytes for d in prov.pool[t]) for t in prov.types], float)
-    mask = torch.as_tensor(weight_bytes(params)[:, None] <= biggest[None, :])
+    mask = torch.as_tensor(weight_bytes(params, casts)[:, None] <= biggest[None, :])
     mask[~mask.any(dim=1)] = True
     return mask
 
