@@ -36,11 +36,15 @@ OBJECTIVES = ("time", "cost", "mdpe", "throughput")
 class Stage:
     """A convex set of nodes run by one device, or by several data-parallel replicas. With
     `recompute`, the stage keeps only its inputs per micro-batch and runs its forward again in
-    its backward (activation recomputation, torch.utils.checkpoint): less memory, more time."""
+    its backward (activation recomputation, torch.utils.checkpoint): less memory, more time.
+    With `shard` (two replicas or more), its replicas shard its optimizer state (ZeRO-1,
+    `hetplan.runtime.sharding`): each updates a 1/r share of its parameters, summed to it by a
+    reduce-scatter, and the updated shares are all-gathered: an r-th of Adam's state each."""
 
     nodes: tuple[str, ...]
     devices: tuple[str, ...]
     recompute: bool = False
+    shard: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))

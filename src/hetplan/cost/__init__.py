@@ -339,6 +339,8 @@ class CostModel:
         """`stage_memory_bytes` of every replica of a stage, by device id."""
         stage = plan.stages[stage_index]
         params, casts = self.graph.param_bytes_of(stage.nodes), self.graph.cast_bytes_of(stage.nodes)
+        weights = {"cast_bytes": casts, "shards": len(stage.devices),
+                   "sharded_bytes": self.sharded_bytes(plan, stage_index)}
         acts = sum(self.graph.by_id[n].act_bytes for n in stage.nodes)
         # this stage's split only: planners ask this per stage and device, in loops
         rows = step_rows(self.graph.batch_size, plan.microbatches, [self.stage_weights(stage.nodes, stage.devices)])
@@ -350,10 +352,32 @@ class CostModel:
         if stage.recompute:
             kept = self.kept_bytes(plan, stage_index)
             return {dev: formulas.recompute_memory_bytes(params, kept, acts, share(p, range(held)), share(p, range(1)),
-                                                         casts)
+                                                         **weights)
                     for p, dev in enumerate(stage.devices)}
-        return {dev: formulas.stage_memory_bytes(params, acts, share(p, range(held)), casts)
+        return {dev: formulas.stage_memory_bytes(params, acts, share(p, range(held)), **weights)
                 for p, dev in enumerate(stage.devices)}
+
+    def sharded_bytes(self, plan: Plan, k: int) -> int:
+        """The parameter bytes whose optimizer state stage k's replicas shard (`Stage.shard`):
+        those its own gradient sum covers (not a tied parameter other stages also use, which is
+        summed with them); 0 for a stage that does not shard."""
+        stage = plan.stages[k]
+        if not stage.shard or len(set(stage.devices)) < 2:
+            return 0
+        from hetplan.cost.syncs import own_bytes
+
+        return own_bytes(self, plan, k)[0]
+
+    def replica_optimizer_s(self, plan: Plan, k: int, device_id: str) -> float:
+        """The optimizer step of one replica of stage k: `stage_optimizer_s`, of an r-th of the
+        sharded parameters where its replicas shard them (Adam's time is its bytes')."""
+        nodes = plan.stages[k].nodes
+        whole = self.stage_optimizer_s(nodes, device_id)
+        sharded = self.sharded_bytes(plan, k)
+        if not sharded:
+            return whole
+        updated = self.optimizer_bytes(nodes)
+        return whole * (1.0 - (1.0 - 1.0 / len(plan.stages[k].devices)) * sharded / updated) if updated else whole
 
     def kept_bytes(self, plan: Plan, k: int) -> float:
         """What a stage that recomputes keeps per batch between its forward and its backward: the

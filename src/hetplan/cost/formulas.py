@@ -17,12 +17,17 @@ agree with the scalar forms element by element (`tests/test_cost_formulas.py`).
   (`ROW_INDEX_BYTES` per replica) and the rows' indices (`ROW_INDEX_BYTES` per row); and on the
   host, the gradients copied into the all-reduced buffer and back (`gradient_pack_s`).
 - Memory of a stage replica (DESIGN.md): `WEIGHT_COPIES` times its fp32 parameter bytes (weights,
-  gradients, Adam's two fp32 moments), in mixed precision the 16-bit copies of its weights kept
+  gradients, Adam's two fp32 moments; the moments an r-th where r replicas shard them, ZeRO-1:
+  Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+  SC 2020), in mixed precision the 16-bit copies of its weights kept
   for the step (`Node.cast_bytes`), plus the activations it stashes at its peak: its
   activation bytes for the whole batch times the share of the batch in flight
   (`hetplan.schedule` says how many micro-batches a schedule holds).
 - Compute: an action on a share of the batch costs its fixed part plus the rest of the batch's
   time scaled by the share (`action_s`).
+- Optimizer-state sharding (ZeRO-1): a reduce-scatter of the gradients and an all-gather of the
+  updated weights, both rings, move what the ring all-reduce moves in the same 2 (r - 1) steps
+  (`allreduce_s` charges them); each replica's optimizer step updates an r-th of the weights.
 - Optimizer step (Adam): `OPTIMIZER_PASSES` passes over the weights' bytes at the device's
   memory bandwidth, or, on a calibrated device, read off the times `hetplan calibrate` measured
   (`measured_s`; the same for an all-reduce measured by group size).
@@ -116,39 +121,43 @@ def allreduce_s_array(nbytes, replicas, bandwidth_Bps, latency_s) -> np.ndarray:
 
 
 # -- memory ----------------------------------------------------------------------------------
-def weight_bytes(param_bytes, cast_bytes=0):
+def weight_bytes(param_bytes, cast_bytes=0, shards=1, sharded_bytes=None):
     """What a replica holds for its weights whatever the batch (numbers or arrays): the weights,
-    gradients and optimizer state of `param_bytes` of fp32 parameters, and in mixed precision
-    the 16-bit copies of the weights its products use, kept for the step (`cast_bytes`,
-    `hetplan.precision`)."""
-    return WEIGHT_COPIES * param_bytes + cast_bytes
+    gradients and optimizer state of `param_bytes` of fp32 parameters, the state of
+    `sharded_bytes` of them (default: all) an r-th where `shards` replicas shard it (ZeRO-1), and
+    in mixed precision the 16-bit copies of the weights its products use, kept for the step
+    (`cast_bytes`, `hetplan.precision`)."""
+    sharded = param_bytes if sharded_bytes is None else sharded_bytes
+    return WEIGHT_COPIES * param_bytes - OPTIMIZER_STATE_COPIES * sharded * (1 - 1 / shards) + cast_bytes
 
 
-def stage_memory_bytes(param_bytes: float, act_bytes: float, in_flight_share: float, cast_bytes: float = 0) -> int:
-    """Peak memory of a stage replica: what it holds for its weights plus its activations for
-    the whole batch times the share of the batch it holds in flight at its peak."""
-    return int(weight_bytes(param_bytes, cast_bytes) + math.ceil(act_bytes * in_flight_share))
+def stage_memory_bytes(param_bytes: float, act_bytes: float, in_flight_share: float, cast_bytes: float = 0,
+                       shards: int = 1, sharded_bytes: float | None = None) -> int:
+    """Peak memory of a stage replica: what it holds for its weights (`weight_bytes`) plus its
+    activations for the whole batch times the share of the batch it holds in flight at its peak."""
+    return int(weight_bytes(param_bytes, cast_bytes, shards, sharded_bytes) + math.ceil(act_bytes * in_flight_share))
 
 
-def stage_memory_bytes_array(param_bytes, act_bytes, in_flight_share, cast_bytes=0) -> np.ndarray:
+def stage_memory_bytes_array(param_bytes, act_bytes, in_flight_share, cast_bytes=0, shards=1) -> np.ndarray:
     """`stage_memory_bytes` element by element (as floats)."""
-    return weight_bytes(np.asarray(param_bytes, dtype=float), cast_bytes) + np.ceil(
+    return weight_bytes(np.asarray(param_bytes, dtype=float), cast_bytes, shards) + np.ceil(
         np.asarray(act_bytes, dtype=float) * in_flight_share)
 
 
 def recompute_memory_bytes(param_bytes: float, input_bytes: float, act_bytes: float, in_flight_share: float,
-                           largest_share: float, cast_bytes: float = 0) -> int:
+                           largest_share: float, cast_bytes: float = 0, shards: int = 1,
+                           sharded_bytes: float | None = None) -> int:
     """Peak memory of a stage replica that recomputes its forward in its backward: what it holds
     for its weights, its inputs for the share of the batch in flight, and the activations of one
     micro-batch (the largest share), rebuilt while its backward runs."""
-    return int(weight_bytes(param_bytes, cast_bytes)
+    return int(weight_bytes(param_bytes, cast_bytes, shards, sharded_bytes)
                + math.ceil(input_bytes * in_flight_share + act_bytes * largest_share))
 
 
-def activation_room_bytes(mem_bytes, param_bytes, cast_bytes=0):
+def activation_room_bytes(mem_bytes, param_bytes, cast_bytes=0, shards=1):
     """What a device has left for activations once a stage's weights are in (numbers or arrays;
     negative when they do not fit)."""
-    return mem_bytes - weight_bytes(param_bytes, cast_bytes)
+    return mem_bytes - weight_bytes(param_bytes, cast_bytes, shards)
 
 
 # -- compute and price -----------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """What summing a plan's gradients costs after a step: one entry per group of `hetplan.sync`
 (the replicas of a stage; the replicas of all stages that share a tied parameter), in the order
-every rank runs them, each timed by `CostModel.gradient_sync_s` over its members' devices.
+every rank runs them, each timed by `CostModel.gradient_sync_s` over its members' devices. A
+stage whose replicas shard their optimizer state (`Stage.shard`) sums its own gradients by a
+reduce-scatter and gathers the updated weights after its step: the same bytes in the same
+number of ring steps as the all-reduce, so the same time.
 
 A tied parameter used by one stage only is summed with that stage's own parameters; used by
 several, it leaves their own groups and is summed over all their replicas (a dense all-reduce
@@ -58,6 +61,11 @@ def plan_syncs(cm, plan: Plan) -> tuple[SyncCost, ...]:
         dense, index = (sum(sizes[key][j] for key in group.params) for j in (0, 1))
         out.append(SyncCost(group.members, devices, float(cm.gradient_sync_s(dense, index, workers))))
     return tuple(out)
+
+
+def own_bytes(cm, plan: Plan, k: int) -> tuple[int, int]:
+    """(bytes stage k's own gradient sum covers, bytes of its sparse rows' indices)."""
+    return _stage_bytes(cm, plan, k, spanning_tied(cm.graph, plan) if cm.graph.tied else [])
 
 
 def _stage_bytes(cm, plan: Plan, k: int, spanning: list[tuple[int, frozenset[int]]]) -> tuple[int, int]:

@@ -24,6 +24,7 @@ optimizer steps, built once from a graph, a cluster and a plan. The event simula
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -105,11 +106,12 @@ class StageWork:
     param_bytes: int  # its parameters, on each replica
     allreduce_s: float  # the replicas' sum of the gradients only this stage has (`hetplan.cost.syncs`; 0 for one)
     cast_bytes: int = 0  # the 16-bit copies of its weights kept for the step (mixed precision)
+    sharded_bytes: int = 0  # the parameters whose optimizer state its replicas shard (ZeRO-1)
 
     @property
     def weight_bytes(self) -> int:
         """Parameters, gradients and optimizer state, and any 16-bit copies, on each replica."""
-        return weight_bytes(self.param_bytes, self.cast_bytes)
+        return int(weight_bytes(self.param_bytes, self.cast_bytes, len(self.replicas), self.sharded_bytes))
 
 
 @dataclass(frozen=True)
@@ -157,17 +159,16 @@ class StepCosts:
     def peak_memory_bytes(self, peak_act_bytes: dict[str, float]) -> dict[str, int]:
         """Per device, from the activations it held at its peak: the weights, gradients and
         optimizer state of every stage it holds, plus those activations."""
-        params: dict[str, int] = {}
-        casts: dict[str, int] = {}
+        held: dict[str, int] = {}
         for st in self.stages:
             for rep in st.replicas:
-                params[rep.device] = params.get(rep.device, 0) + st.param_bytes
-                casts[rep.device] = casts.get(rep.device, 0) + st.cast_bytes
-        return {d: formulas.stage_memory_bytes(params[d], acts, 1.0, casts[d]) for d, acts in peak_act_bytes.items()}
+                held[rep.device] = held.get(rep.device, 0) + st.weight_bytes
+        return {d: int(held[d] + math.ceil(acts)) for d, acts in peak_act_bytes.items()}
 
 
-def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: int, acts: int, kept: float,
-             used: tuple[str, ...], split: bool, first_of_worker: bool) -> Replica:
+def _replica(cm: CostModel, cluster: Cluster, plan: Plan, rows: StepRows, k: int, p: int, acts: int, kept: float,
+             split: bool, first_of_worker: bool) -> Replica:
+    stage, used = plan.stages[k], plan.devices
     d = stage.devices[p]
     dtype = cluster.device(d).type
     slow = cm.corun_factor(d, used)  # other CPU workers of the plan on its host (calibrated clusters)
@@ -190,7 +191,7 @@ def _replica(cm: CostModel, cluster: Cluster, stage, rows: StepRows, k: int, p: 
         rebuilt, acts = tuple(acts * f for f in frac), kept
     return Replica(d, share, share * fwd, share * bwd, share * acts, ffix, bfix,
                    # a worker holding several stages (interleaved) pays the runtime's per-step cost once
-                   replica_tail_s(cm.stage_optimizer_s(stage.nodes, d), slow,
+                   replica_tail_s(cm.replica_optimizer_s(plan, k, d), slow,
                                   dev.step_overhead_s if first_of_worker else 0.0),
                    tuple(action_s(ffix, fwd, f) if f > 0 else 0.0 for f in frac),
                    tuple(action_s(bfix, bwd, f) if f > 0 else 0.0 for f in frac),
@@ -222,10 +223,10 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
     for k, stage in enumerate(plan.stages):
         acts = sum(by_id[n].act_bytes for n in stage.nodes)
         kept = cm.kept_bytes(plan, k) if stage.recompute else 0.0
-        replicas = tuple(_replica(cm, cluster, stage, rows, k, p, acts, kept, plan.devices, split, k in firsts)
+        replicas = tuple(_replica(cm, cluster, plan, rows, k, p, acts, kept, split, k in firsts)
                          for p in range(len(stage.devices)))
         stages.append(StageWork(k, replicas, graph.param_bytes_of(stage.nodes), own.get(k, 0.0),
-                                graph.cast_bytes_of(stage.nodes)))
+                                graph.cast_bytes_of(stage.nodes), cm.sharded_bytes(plan, k)))
     messages = []
     for (a, b), nbytes in sorted(stage_pair_bytes(graph, plan, routing).items()):
         for p, src in enumerate(plan.stages[a].devices):

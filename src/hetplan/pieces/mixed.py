@@ -16,6 +16,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hetplan.precision import BF16, FP16, checked, is_mixed
 
@@ -52,18 +53,25 @@ class Mixed:
         return torch.autocast(self.device_type, dtype=DTYPES[self.precision])
 
 
-def is_weight_copy(t: torch.Tensor, params: Collection[int]) -> bool:
-    """Whether a tensor saved for the backward is (a view of) autocast's copy of one of the
-    parameters whose `id`s are `params`: its autograd history is views of a dtype cast of it."""
-    fn = t.grad_fn
-    for _ in range(8):  # views (transpose, reshape) between the cast and the saved tensor
-        if fn is None:
-            return False
-        if fn.name().startswith("ToCopyBackward"):
-            source = fn.next_functions[0][0] if fn.next_functions else None
-            return source is not None and id(getattr(source, "variable", None)) in params
-        if len(fn.next_functions) != 1:
-            return False
-        fn = fn.next_functions[0][0]
-    return False
+class WeightCasts(TorchDispatchMode):
+    """While active, the copies autocast makes of `params` (dtype casts of their storage): what
+    each costs (`bytes`, per parameter, once: the step's cache holds one) and the storages they
+    live in (`storages`: a tensor saved for the backward there is one of them, not an activation).
+    It sees every copy, saved for the backward or not (a first layer's weight, whose input needs
+    no gradient, and the biases are cast and kept too)."""
+
+    def __init__(self, params: Collection[torch.Tensor]) -> None:
+        super().__init__()
+        self._params = {p.untyped_storage().data_ptr(): i for i, p in enumerate(params)}
+        self.bytes: dict[int, int] = {}
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+            which = self._params.get(args[0].untyped_storage().data_ptr())
+            if which is not None and isinstance(out, torch.Tensor):
+                self.bytes[which] = out.nbytes
+                self.storages.add(out.untyped_storage().data_ptr())
+        return out
 

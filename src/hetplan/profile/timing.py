@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hetplan.pieces.mixed import Mixed, is_weight_copy
+from hetplan.pieces.mixed import Mixed, WeightCasts
 from hetplan.pieces.split import Piece, SplitStep, changed_in_place
 from hetplan.precision import FP32
 
@@ -74,28 +74,27 @@ def warm_pass(piece: Piece, inputs: Sequence[Any], data: Collection[str] = (), m
     """One untimed forward and backward, in `mixed`'s precision (fp32 without). `data`: the
     names of the batch's values (`SplitStep.input_names`)."""
     mixed = mixed or Mixed(FP32, "cpu")
-    params = {p.untyped_storage().data_ptr() for p in piece.module.parameters()}
-    param_ids = {id(p) for p in piece.module.parameters()}
+    weights = list(piece.module.parameters())
+    params = {p.untyped_storage().data_ptr() for p in weights}
+    casts = WeightCasts(weights)
     saved: dict[int, int] = {}
-    casts: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            into = casts if is_weight_copy(t, param_ids) else saved
-            into[storage.data_ptr()] = max(into.get(storage.data_ptr(), 0), storage.nbytes())
+        if storage.data_ptr() not in params and storage.data_ptr() not in casts.storages:
+            saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
         return t
 
     _clear_grads(piece)
     leaves = _leaves(inputs, [n in data for n in piece.inputs])
     with mixed.step():
         with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                mixed.forward():
+                mixed.forward(), casts:
             outs = piece.module(*leaves)
         diff = _differentiable(outs)
         if diff:
             torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
-    return Warm(float(counter.get_total_flops()), sum(saved.values()), sum(casts.values()))
+    return Warm(float(counter.get_total_flops()), sum(saved.values()), sum(casts.bytes.values()))
 
 
 @dataclass(frozen=True)
