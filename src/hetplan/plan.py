@@ -179,6 +179,7 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
     problems += _order_problems(plan, graph, where)
     problems += _device_problems(plan, cluster)
     problems += _rank_problems(plan)
+    problems += _shard_problems(plan, graph)
     if plan.precision != graph.precision:
         problems.append(f"the plan runs in {plan.precision} but graph {graph.name!r} was profiled in "
                         f"{graph.precision}; plan again from a profile in {plan.precision} "
@@ -250,6 +251,22 @@ def _device_problems(plan: Plan, cluster: Cluster) -> list[str]:
                 problems.append(f"device {d!r} holds stage {holder[d]} and stage {i}; "
                                 "set shared_devices to allow it")
             holder.setdefault(d, i)
+    return problems
+
+
+def _shard_problems(plan: Plan, graph: Graph) -> list[str]:
+    """Stages that shard their optimizer state without replicas to shard it over, or with
+    tables whose gradients are sparse (their rows are not split into shares)."""
+    problems = []
+    for i, stage in enumerate(plan.stages):
+        if not stage.shard:
+            continue
+        if len(set(stage.devices)) < 2:
+            problems.append(f"stage {i} shards its optimizer state but has one replica; shard needs two or more")
+        sparse = [n for n in stage.nodes if n in graph.by_id and graph.by_id[n].updated_bytes is not None]
+        if sparse:
+            problems.append(f"stage {i} shards its optimizer state but node {sparse[0]!r} has sparse gradients; "
+                            "set shard false for that stage")
     return problems
 
 

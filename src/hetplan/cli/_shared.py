@@ -58,7 +58,7 @@ def _options(args: argparse.Namespace) -> PlanOptions:
         min_samples_per_s=args.min_samples_per_s, alpha=args.alpha, beta=args.beta, gamma=args.gamma,
         comm_tolerance=args.comm_tolerance, mem_tolerance=args.mem_tolerance, routing=args.routing,
         max_iters=args.max_iters, max_replicas=args.max_replicas,
-        faithful=args.faithful, recompute=args.recompute,
+        faithful=args.faithful, recompute=args.recompute, shard=args.shard,
     )
 
 

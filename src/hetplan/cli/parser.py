@@ -16,7 +16,7 @@ from hetplan.graph import GRANULARITIES
 from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, INPUT_TIMES
 from hetplan.plan import OBJECTIVES
 from hetplan.planners import PLANNERS, RL_PLANNERS
-from hetplan.planners.options import RECOMPUTE_CHOICES, SCHEDULE_CHOICES
+from hetplan.planners.options import RECOMPUTE_CHOICES, SCHEDULE_CHOICES, SHARD_CHOICES
 from hetplan.precision import PRECISIONS
 from hetplan.runtime.settings import DEFAULTS as RUN
 from hetplan.zoo import zoo_names
@@ -96,6 +96,10 @@ def _planning_options() -> argparse.ArgumentParser:
                           help="which stages recompute their activations in their backward, keeping only what "
                                "crosses their cuts: never, always, or where-needed (the stages over their "
                                "devices' memory) (default: never)")
+    planning.add_argument("--shard", default="never", choices=SHARD_CHOICES,
+                          help="replicated: the replicas of every stage of two or more shard its optimizer state "
+                               "(ZeRO-1: an r-th of Adam's state each, a reduce-scatter and an all-gather instead "
+                               "of the all-reduce) (default: never)")
     planning.add_argument("--precision", choices=PRECISIONS,
                           help="the arithmetic the plan runs in: fp32, or bf16/fp16 mixed precision; the graph "
                                "must be profiled in it (default: the graph's)")

@@ -116,11 +116,12 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
     if options.microbatches and options.microbatches > graph.batch_size:
         raise HetplanError(f"--microbatches: {options.microbatches} micro-batches for a batch of {graph.batch_size} "
                            f"samples; use at most {graph.batch_size}")
-    from hetplan.planners.refine import with_recompute
+    from hetplan.planners.refine import with_recompute, with_shard
 
     start = time.perf_counter()
-    plan = replace(with_recompute(CostModel(graph, cluster), _planned(spec, graph, cluster, options, progress),
-                                  options.recompute), precision=graph.precision)
+    cost = CostModel(graph, cluster)
+    planned = with_shard(cost, _planned(spec, graph, cluster, options, progress), options.shard)
+    plan = replace(with_recompute(cost, planned, options.recompute), precision=graph.precision)
     planning_s = time.perf_counter() - start
     validate_plan(plan, graph, cluster)
     return replace(

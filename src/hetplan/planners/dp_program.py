@@ -101,6 +101,7 @@ class _Order:
         self.fwd = np.array([prob.fwd[t] for t in prob.types])
         self.fwd_fixed = np.array([prob.fwd_fixed[t] for t in prob.types])
         self.recompute = {"never": (False,), "where-needed": (False, True), "always": (True,)}[options.recompute]
+        self.shard = options.shard != "never"  # stages of several replicas shard their optimizer state
         self.bounded = get_schedule(options.schedule).bounded  # in flight bounded by the stages after
         # a full front drops the label whose step is worst at the most micro-batches it can use:
         # the most whose micro-batches have a row for each replica of its widest stage
@@ -237,6 +238,7 @@ def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound
     below, diff, w_stage, a_stage, opt_needs = setup.ending_at(prob, j)
     cnt, mem, after_stage, devices = setup.groups[(d, k)]
     used = [ti for ti, c in enumerate(cnt) if c]
+    shards = _shards(setup, k, opt_needs[0], w_stage[0])
     if recompute:
         fwd, fwd_fixed, kept = setup.rebuilt_at(prob, j)
         diff, held = diff + fwd, kept
@@ -251,7 +253,7 @@ def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound
         fits = np.ones(len(below), dtype=bool)
         for ti in used:
             share = np.where(np.isfinite(speed) & (diff[ti] > 0), t / diff[ti], 1.0 / k)
-            room = activation_room_bytes(mem[ti], *w_stage)
+            room = activation_room_bytes(mem[ti], *w_stage, shards)
             fits &= room > 0
             ratio = np.maximum(ratio, np.where(room > 0, held * share / np.maximum(room, 1.0), np.inf))
             if recompute:
@@ -260,11 +262,19 @@ def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound
     ok &= (below == 0) if d == 0 else (below != 0)  # with d == 0 no devices are left for nodes before
     ok &= setup.rest[below, d] <= bound_s  # the slowest stage before takes at least that
     sync = setup.cost.gradient_sync_s(opt_needs[0], opt_needs[2], devices)  # bytes updated, index bytes
-    ar = after_stage(sync, opt_needs)
+    ar = after_stage(sync, (opt_needs[0] / shards, {t: o / shards for t, o in opt_needs[1].items()}, opt_needs[2]))
     steady = steady_stage_s(t, setup.cost.steady_sync_s(opt_needs[0], devices), k) if setup.track_thr else t
     fixed = np.max([setup.fixed[ti, j] - setup.fixed[ti, below] + (fwd_fixed[ti] if recompute else 0.0)
                     for ti in used], axis=0)
     return np.nonzero(ok)[0], below, t, ratio, ar, steady, fixed, rebuilt
+
+
+def _shards(setup: _Order, k: int, updated: np.ndarray, params: np.ndarray) -> np.ndarray | int:
+    """Over how many replicas each candidate stage shards its optimizer state: all k where
+    sharding is on and its gradients are dense (`refine.shardable`), else 1."""
+    if not setup.shard or k < 2:
+        return 1
+    return np.where(updated < params - 0.5, 1, k)  # fewer bytes updated than held: a sparse table
 
 
 def _extend(lab: Label, stage: tuple[int, int, int, int, bool], ts: float, memory: tuple[float, float], ar: float,
@@ -368,6 +378,8 @@ def label_plan(prob: StateSums, order: tuple[str, ...], lab: Label, m: int, opti
     stages = []
     while lab is not None and lab.stage is not None:
         i, j, d, k, recompute = lab.stage
-        stages.append(Stage(prob.nodes(i, j), order[d:d + k], recompute))
+        dense = prob.updated[j] - prob.updated[i] >= prob.params[j] - prob.params[i] - 0.5
+        stages.append(Stage(prob.nodes(i, j), order[d:d + k], recompute,
+                            shard=options.shard != "never" and k > 1 and bool(dense)))
         lab = lab.parent
     return Plan(tuple(stages), m, options.schedule, "dp", options.objective)

@@ -14,7 +14,8 @@ computing, and one micro-batch's forward and backward through all stages), candi
 simulated in order of that bound, and the search stops when the bound of the next one cannot
 beat the best value found. Plans that do not fit in memory are skipped before simulation (the
 memory formula is the simulator's). With `recompute` allowed (`where-needed`), each candidate's
-stages recompute exactly where they would not fit otherwise: for a given split and number of
+stages recompute exactly where they would not fit otherwise (and, with `shard`, every stage of
+several replicas shards its optimizer state first: it only saves): for a given split and number of
 micro-batches that is the best choice, since recomputing only adds time. Problems with more
 than `limit` candidates are refused.
 """
@@ -36,7 +37,7 @@ from hetplan.planners.devices import device_classes
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.objectives import objective
 from hetplan.planners.options import PlanOptions
-from hetplan.planners.refine import with_recompute
+from hetplan.planners.refine import with_recompute, with_shard
 from hetplan.planners.scoring import Scorer
 from hetplan.planners.states import cut_states, subset_matrix
 
@@ -220,7 +221,8 @@ def exact(graph: Graph, cluster: Cluster, options: PlanOptions, limit: int = LIM
         if bound_s > floor_s:
             continue
         # for a given split the best recomputes exactly where memory needs it (it only adds time)
-        plan = with_recompute(scorer.cost, _realise(space.states, space.classes, chain, groups, m, options),
+        plan = with_recompute(scorer.cost, with_shard(scorer.cost, _realise(space.states, space.classes, chain,
+                                                                            groups, m, options), options.shard),
                               options.recompute)
         if any(scorer.cost.stage_memory_bytes(plan, k, d) > cluster.device(d).mem_bytes
                for k, st in enumerate(plan.stages) for d in st.devices):

@@ -11,6 +11,7 @@ from hetplan.plan import OBJECTIVES, SCHEDULES
 AUTO_SCHEDULE = "auto"  # not a schedule: the planner's plan under whichever the objective prefers
 SCHEDULE_CHOICES = (*SCHEDULES, AUTO_SCHEDULE)
 RECOMPUTE_CHOICES = ("never", "where-needed", "always")  # which stages recompute (`Stage.recompute`)
+SHARD_CHOICES = ("never", "replicated")  # which stages shard their optimizer state (`Stage.shard`)
 
 @dataclass(frozen=True)
 class PlanOptions:
@@ -36,7 +37,12 @@ class PlanOptions:
     instead of hetplan's default (warm start from dp, never worse than dp).
     recompute: which stages of the plan recompute their activations in their backward:
     `never`, `always`, or `where-needed`, the stages with a replica over its device's memory
-    (`hetplan.planners.refine.with_recompute`; the planners' own programs do not weigh it yet).
+    (`hetplan.planners.refine.with_recompute`; dp weighs each stage both ways).
+    shard: which stages' replicas shard their optimizer state (ZeRO-1, `Stage.shard`): `never`,
+    or `replicated`: every stage of two replicas or more whose gradients are dense. In the cost
+    model it costs no time (the reduce-scatter and all-gather move what the all-reduce moves) and
+    saves memory and optimizer time, so every such stage takes it (`refine.with_shard`); dp and
+    the per-type program count its memory while they choose the stages' widths.
     """
 
     microbatches: int | None = None
@@ -55,6 +61,7 @@ class PlanOptions:
     max_replicas: int | None = None
     faithful: bool = False
     recompute: str = "never"
+    shard: str = "never"
 
     def __post_init__(self) -> None:
         # in this order, so that the first thing wrong is the one reported
@@ -69,6 +76,8 @@ class PlanOptions:
             raise HetplanError(f"--schedule: {self.schedule!r} is unknown (allowed: {', '.join(SCHEDULE_CHOICES)})")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise HetplanError(f"--recompute: {self.recompute!r} is unknown (allowed: {', '.join(RECOMPUTE_CHOICES)})")
+        if self.shard not in SHARD_CHOICES:
+            raise HetplanError(f"--shard: {self.shard!r} is unknown (allowed: {', '.join(SHARD_CHOICES)})")
         if self.objective not in OBJECTIVES:
             raise HetplanError(f"--objective: {self.objective!r} is unknown (allowed: {', '.join(OBJECTIVES)})")
 

@@ -68,6 +68,22 @@ def with_recompute(cost: CostModel, plan: Plan, mode: str) -> Plan:
     return replace(plan, stages=stages, predicted=None)
 
 
+def shardable(cost: CostModel, stage) -> bool:
+    """Whether a stage's replicas can shard its optimizer state: two workers or more, and dense
+    gradients (the rows of a table with sparse ones are not split into shares)."""
+    by_id = cost.graph.by_id
+    return len(set(stage.devices)) > 1 and all(by_id[n].updated_bytes is None for n in stage.nodes)
+
+
+def with_shard(cost: CostModel, plan: Plan, mode: str) -> Plan:
+    """The plan with `shard` set on every stage that can shard (`shardable`) under `replicated`;
+    with `never`, the plan as it is."""
+    if mode == "never" or all(st.shard or not shardable(cost, st) for st in plan.stages):
+        return plan
+    stages = tuple(replace(s, shard=True) if shardable(cost, s) else s for s in plan.stages)
+    return replace(plan, stages=stages, predicted=None)
+
+
 def boundary_moves(plan: Plan) -> list[Plan]:
     """The plans with one node moved across one stage boundary: the last node of a stage (in its
     stage's order) to the start of the next, or the first of the next to the end of the stage;

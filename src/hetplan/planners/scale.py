@@ -116,6 +116,7 @@ class _Tables:
 
     def __init__(self, prob: StateSums, scorer: Scorer, units: Units) -> None:
         self.prob, self.units, self.cost = prob, units, scorer.cost
+        self.shard = scorer.options.shard != "never"  # replicated stages shard their optimizer state
         self.U = len(units.devices)
         self.R = max(e - d for d, e in enumerate(units.block_end))
         self.n = len(prob.ideals)
@@ -147,6 +148,8 @@ class _Tables:
         self.params = prob.params[None, :] - prob.params[:, None]
         self.acts = prob.acts[None, :] - prob.acts[:, None]
         self.casts = prob.casts[None, :] - prob.casts[:, None]
+        # (i, j) whose gradients are dense: their replicas can shard the optimizer's state
+        self.dense = (prob.updated[None, :] - prob.updated[:, None]) >= self.params - 0.5
         self.ar = self._gradient_sums(scorer)
 
     def _next_devices(self, e: int, k: int) -> tuple[str, ...]:
@@ -165,8 +168,16 @@ class _Tables:
             per_step = max(scorer.cluster.device(x).step_overhead_s for x in devs)
             after = after_stage(self.cost, devs, per_step)
             sync = self.cost.gradient_sync_s(upd, idx, devs)
-            out[d, r - 1] = after(sync, (upd, opt, idx))
+            shards = self.shards(len(devs), self.dense)
+            out[d, r - 1] = after(sync, (upd / shards, {t: o / shards for t, o in opt.items()}, idx))
         return out
+
+    def shards(self, replicas, dense: np.ndarray) -> np.ndarray | float:
+        """Over how many replicas stages shard their optimizer state (`refine.shardable`): all
+        `replicas` where they are `dense`, else 1 (arrays broadcast)."""
+        if not self.shard:
+            return 1.0
+        return np.where(dense, np.asarray(replicas, dtype=float), 1.0)
 
 
 def _stage_terms(tab: _Tables, j: int, below: np.ndarray, m: int, batch: int, held: np.ndarray):
@@ -178,9 +189,11 @@ def _stage_terms(tab: _Tables, j: int, below: np.ndarray, m: int, batch: int, he
     F = tab.F[:, below, j][tab.ti]
     tau = action_s(F, W - F, frac[..., None])  # a pass's fixed part, then its rows' share
     ok = tab.valid & (tab.reps <= rows)
+    shards = tab.shards(tab.reps[..., None], tab.dense[below, j][None, None, :])  # (d, r, i)
     need = stage_memory_bytes_array(tab.params[below, j][None, None, :, None], tab.acts[below, j][None, None, :, None],
                                     frac[..., None, None] * held[None, None, None, :],
-                                    tab.casts[below, j][None, None, :, None])
+                                    tab.casts[below, j][None, None, :, None],
+                                    np.asarray(shards)[..., None])
     fits = need <= tab.mem[..., None, None]
     return np.where(ok[..., None], tau, math.inf), fits
 
@@ -297,8 +310,9 @@ def _search_bounds(tab: _Tables, m: int, batch: int, held: np.ndarray, terms: li
                 if not math.isfinite(G[0, 0, a]):
                     continue
                 stages = _stages(tab, CJ, CR, a)
-                plan = Plan(tuple(Stage(tab.prob.nodes(i, j), tab.spans[(d, r)]) for i, j, d, r in stages), m,
-                            options.schedule, "dp", options.objective)
+                plan = Plan(tuple(Stage(tab.prob.nodes(i, j), tab.spans[(d, r)],
+                                        shard=tab.shard and len(tab.spans[(d, r)]) > 1 and bool(tab.dense[i, j]))
+                                  for i, j, d, r in stages), m, options.schedule, "dp", options.objective)
                 if not options.allows(plan):
                     continue
                 key = Scorer.key(plan)

@@ -37,7 +37,8 @@ class Scorer:
 
     @staticmethod
     def key(plan: Plan) -> tuple:
-        return (tuple((s.nodes, s.devices, s.recompute) for s in plan.stages), plan.microbatches, plan.schedule)
+        return (tuple((s.nodes, s.devices, s.recompute, s.shard) for s in plan.stages), plan.microbatches,
+                plan.schedule)
 
     def estimate(self, plan: Plan) -> Estimate:
         k = self.key(plan)
