@@ -1,5 +1,7 @@
 """Checkpoints: each stage's weights, optimizer state and random state, written atomically
-(to a temporary file, then renamed), so a crash never leaves half a checkpoint."""
+(to a temporary file, then renamed), so a crash never leaves half a checkpoint. Replicas hold
+the same weights and state, so the first writes for all; where they shard the optimizer's state
+(`hetplan.runtime.sharding`) each holds its own share, and each writes its own file."""
 
 from __future__ import annotations
 
@@ -11,14 +13,15 @@ import torch
 from torch import nn
 
 
-def stage_path(directory: Path, stage: int) -> Path:
-    return directory / f"stage{stage}.pt"
+def stage_path(directory: Path, stage: int, replica: int = 0) -> Path:
+    """The file of a stage, or of replica `replica` of a stage whose replicas shard their state."""
+    return directory / (f"stage{stage}.pt" if replica == 0 else f"stage{stage}.replica{replica}.pt")
 
 
 def save_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-               step: int) -> None:
+               step: int, replica: int = 0) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    path = stage_path(directory, stage)
+    path = stage_path(directory, stage, replica)
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save({"step": step, "model": module.state_dict(),
                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
@@ -26,8 +29,9 @@ def save_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.
     os.replace(tmp, path)
 
 
-def load_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    state = torch.load(stage_path(directory, stage), weights_only=False, map_location="cpu")
+def load_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+               replica: int = 0) -> int:
+    state = torch.load(stage_path(directory, stage, replica), weights_only=False, map_location="cpu")
     module.load_state_dict(state["model"])
     if optimizer is not None:  # a stage without parameters has none
         optimizer.load_state_dict(state["optimizer"])
@@ -43,7 +47,8 @@ def checkpoint_step(directory: Path, stages: Sequence[int]) -> int | None:
         path = stage_path(directory, s)
         if not path.exists():
             return None
-        steps.append(int(torch.load(path, weights_only=False)["step"]))
+        steps += [int(torch.load(p, weights_only=False)["step"])
+                  for p in (path, *sorted(directory.glob(f"stage{s}.replica*.pt")))]
     if len(set(steps)) != 1:
         return None
     return steps[0]

@@ -13,7 +13,7 @@ no device of the tracing machine survives in it).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from hetplan.rows import StepRows, step_rows
 from hetplan.runtime.boundary import ValueLayout, layouts
 from hetplan.runtime.executor import Role
 from hetplan.runtime.gradients import sparse_parameter_ids
+from hetplan.runtime.sharding import ShardedParameters
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.stages import StageModule, stage_modules
 from hetplan.schedule import rank_orders
@@ -122,10 +123,11 @@ def _example_boundaries(traces: Traces, rows: int) -> list[tuple[torch.Tensor, .
 
 
 def gradient_groups(traces: Traces, table: tuple[tuple[int, ...], ...],
-                    names: Mapping[int, str]) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
-    """Every set of ranks whose gradients are summed, with its parameters in one order
-    (`hetplan.sync.sync_groups`: the replicas of a stage, and, for a parameter several stages
-    use, the replicas of all those stages), in the order every rank runs them."""
+                    names: Mapping[int, str]) -> list[tuple[tuple[int, ...], list[nn.Parameter], frozenset[int]]]:
+    """Every set of ranks whose gradients are summed, with its parameters in one order and the
+    stages that use them (`hetplan.sync.sync_groups`: the replicas of a stage, and, for a
+    parameter several stages use, the replicas of all those stages), in the order every rank
+    runs them."""
     mods = traces.stages(min(traces.by_rows, default=next(iter(traces.batch.values())).shape[0]))
     holders: dict[int, set[int]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -137,7 +139,8 @@ def gradient_groups(traces: Traces, table: tuple[tuple[int, ...], ...],
     out = []
     for group in sync_groups(holders, {(k, p): r for k, ranks in enumerate(table) for p, r in enumerate(ranks)}):
         ranks = tuple(dict.fromkeys(table[k][p] for k, p in group.members))  # a worker's stages share a gradient
-        out.append((ranks, sorted((params[pid] for pid in group.params), key=lambda prm: names[id(prm)])))
+        out.append((ranks, sorted((params[pid] for pid in group.params), key=lambda prm: names[id(prm)]),
+                    frozenset(k for k, _ in group.members)))
     return out
 
 
@@ -155,9 +158,10 @@ class Prepared:
     order: tuple
     traces: Traces
     layouts: tuple[tuple[tuple[ValueLayout, ...], tuple[ValueLayout, ...]], ...]  # per role: (in, out)
-    groups: list[tuple[tuple[int, ...], list[nn.Parameter]]]  # all of them, mine or not
+    groups: list[tuple[tuple[int, ...], list[nn.Parameter], frozenset[int]]]  # all, mine or not; their stages
     device: torch.device
     sparse: frozenset[int] = frozenset()  # the ids of the tables with sparse gradients (`gradients`)
+    shards: tuple[ShardedParameters, ...] = ()  # its stages' groups that shard the optimizer's state
 
     @property
     def role(self) -> Role:
@@ -189,11 +193,18 @@ class Prepared:
 
     @property
     def my_groups(self) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
+        """The groups whose gradients it sums with all-reduces (not those it shards)."""
         me = self.role.ranks[self.role.stage][self.role.replica]
-        return [(ranks, ps) for ranks, ps in self.groups if me in ranks]
+        sharded = {id(sh.params[0]) for sh in self.shards}
+        return [(ranks, ps) for ranks, ps, _ in self.groups if me in ranks and id(ps[0]) not in sharded]
 
     def parameters(self) -> list[nn.Parameter]:
         return [prm for prm in dict.fromkeys(p for mod in self.modules for p in mod.parameters()) if prm.requires_grad]
+
+    def optimized(self) -> list[nn.Parameter]:
+        """What its optimizer steps: its parameters, a share of each sharded group in its stead."""
+        sharded = {id(p) for sh in self.shards for p in sh.params}
+        return [sh.shard for sh in self.shards] + [p for p in self.parameters() if id(p) not in sharded]
 
 
 def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.device,
@@ -218,4 +229,16 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     for size in sorted(prepared.sizes):
         for r in roles:
             place(prepared.module_for(size, r.stage), device)
-    return prepared
+    return replace(prepared, shards=_shards(plan, roles, groups, table[me.stage][me.replica]))
+
+
+def _shards(plan: Plan, roles: Sequence[Role], groups, rank: int) -> tuple[ShardedParameters, ...]:
+    """The worker's sharded groups (`hetplan.runtime.sharding`): each stage of its that shards,
+    the group of the parameters only that stage uses, laid out once its parameters are in place."""
+    out = []
+    for index, (ranks, params, stages) in enumerate(groups):
+        k = next(iter(stages))
+        if len(stages) == 1 and plan.stages[k].shard and rank in ranks and len(ranks) > 1 and params \
+                and any(r.stage == k for r in roles):
+            out.append(ShardedParameters(params, ranks, ranks.index(rank), index))
+    return tuple(out)

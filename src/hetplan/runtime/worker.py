@@ -87,7 +87,7 @@ def build_rank(spec: RunSpec, rank: int, heartbeat=None):
     device = torch.device(me.binding if me.on_cuda else "cpu")
     on_trace = (lambda rows: heartbeat(f"tracing {rows} rows", -1)) if heartbeat is not None else None
     prepared = prepare(spec, rank, zoo_model, spec.plan, device, on_trace)
-    return zoo_model, prepared, _optimizer(spec, prepared.parameters(), prepared.sparse)
+    return zoo_model, prepared, _optimizer(spec, prepared.optimized(), prepared.sparse)
 
 
 class _StageMemory:
@@ -154,7 +154,8 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     if spec.settings.resume_step:
         from hetplan.runtime.checkpoint import load_stage
 
-        load_stage(Path(spec.settings.checkpoint_dir), role.stage, _saved_module(prepared), opt)
+        load_stage(Path(spec.settings.checkpoint_dir), role.stage, _saved_module(prepared), opt,
+                   role.replica if prepared.shards else 0)
     times, losses, trace, busy_s, comm_s = [], [], [], [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
@@ -172,7 +173,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         values = tuple(batch[k] for k in prepared.traces.input_keys) if prepared.first else ()
         transport.barrier()
         t0 = time.perf_counter()
-        for prm in params:
+        for prm in params + [group.shard for group in prepared.shards]:
             prm.grad = None
         held.start()
         loss = runner.step(values, scaler.scale if scaler is not None else 1.0)
@@ -190,10 +191,12 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         every = spec.settings.checkpoint_every
         # with a checkpoint folder, the last step is always saved (a resumed run too)
         due = (every and (step + 1) % every == 0) or step + 1 == spec.settings.steps
-        if spec.settings.checkpoint_dir is not None and due and role.replica == 0:  # replicas hold the same weights
+        # replicas hold the same weights and state, unless they shard it: then each its own
+        if spec.settings.checkpoint_dir is not None and due and (role.replica == 0 or prepared.shards):
             from hetplan.runtime.checkpoint import save_stage
 
-            save_stage(spec.settings.checkpoint_dir, role.stage, _saved_module(prepared), opt, step + 1)
+            save_stage(spec.settings.checkpoint_dir, role.stage, _saved_module(prepared), opt, step + 1,
+                       role.replica if prepared.shards else 0)
     out = {"times_s": times, "losses": losses, "actions": runner.executed, "busy_s": busy_s, "comm_s": comm_s,
            "tensor_peak_bytes": held.peak_bytes(spec.settings.warmup),
            "library_bytes": held.library_bytes(spec.settings.warmup),
@@ -222,11 +225,15 @@ def _reduce_and_update(prepared, opt, transport, scaler=None, world: int = 1) ->
 
     t_ar = time.perf_counter()
     reduce_gradients(prepared.my_groups, transport, prepared.sparse)
+    for group in prepared.shards:  # the sharded ones: a reduce-scatter each (`runtime.sharding`)
+        group.reduce(transport)
     t_opt = time.perf_counter()
-    steps = scaler is None or agreed_step(scaler, prepared.parameters(),
+    steps = scaler is None or agreed_step(scaler, prepared.optimized(),
                                           lambda t: transport.all_reduce(t, tuple(range(world))) if world > 1 else None)
     if opt is not None and steps:
         opt.step()
+    for group in prepared.shards if steps else ():  # every worker skips or steps alike
+        group.gather(transport)
     if prepared.device.type == "cuda":
         torch.cuda.synchronize(prepared.device)
     return t_ar, t_opt, time.perf_counter()
@@ -273,7 +280,7 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     torch.set_num_threads(me.threads)
     keep_freed_memory()  # as the profiler measured (hostmem)
     zoo_model, prepared, opt = build_rank(spec, rank, heartbeat)  # each trace moves the heartbeat
-    groups = [ranks for ranks, _ in prepared.groups if len(ranks) > 1]
+    groups = [ranks for ranks, _, _ in prepared.groups if len(ranks) > 1]
     if scales_loss(spec.plan.precision) and world > 1:  # the workers agree on fp16's steps (`runtime.precision`)
         groups.append(tuple(range(world)))
     transport = GlooTransport(rank, world, list(dict.fromkeys(groups)), spec.settings.timeout_s)

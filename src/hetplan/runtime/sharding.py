@@ -1,0 +1,123 @@
+"""Optimizer-state sharding among a stage's replicas (ZeRO stage 1: Rajbhandari et al., "ZeRO:
+Memory Optimizations Toward Training Trillion Parameter Models", SC 2020).
+
+The stage's parameters (those its own gradient sum covers: not a tied parameter that other
+stages use, which is summed with them) are laid end to end in one flat buffer, each parameter a
+view of its part, so that updating the buffer updates the model. The buffer is cut into r
+shares, one per replica, of equal size (within one element): replica p's optimizer holds Adam's
+state for share p only, an r-th of it. Each step:
+
+1. reduce-scatter: the gradients, laid out as the buffer, summed over the replicas so that
+   replica p ends with the sum of share p;
+2. replica p's optimizer steps share p (its views: the model's parameters);
+3. all-gather: every replica's updated share to every other.
+
+Both collectives are rings over the transport's point-to-point messages, r - 1 steps of a share
+each: together what a ring all-reduce moves, in as many steps, which is what the cost model
+charges (`hetplan.cost.formulas`). gloo's own reduce-scatter is an all-reduce of everything (its
+implementation), twice the bytes, so it is not used.
+
+Shares are equal, not in proportion to the replicas' speeds: each ring step waits for its
+largest share, so equal shares make the rings the shortest, and the optimizer's step, which a
+share changes, is a small part of a step. Tables with sparse gradients are not sharded (their
+rows are not split into shares; `hetplan.plan` refuses such a plan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from hetplan.errors import HetplanError
+from hetplan.runtime.transport import Transport
+
+RING_TAG = 1 << 28  # above every pipeline message's tag (`executor._tag`)
+GROUP_TAGS = 1 << 12  # tags per group: 2 rings of at most 2048 steps
+
+
+def share_bounds(numel: int, shares: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each share of `numel` elements: equal, the first `numel % shares` one more."""
+    base, extra = divmod(numel, shares)
+    out, lo = [], 0
+    for p in range(shares):
+        hi = lo + base + (1 if p < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def ring_reduce_scatter(flat: torch.Tensor, bounds: Sequence[tuple[int, int]], ranks: Sequence[int], me: int,
+                        transport: Transport, tag: int) -> None:
+    """Sum `flat` (a CPU tensor, laid out in shares `bounds`) over `ranks` in a ring: afterwards
+    share `me` of this rank's `flat` is the sum of everyone's (the others hold partial sums)."""
+    r = len(ranks)
+    nxt, prev = ranks[(me + 1) % r], ranks[(me - 1) % r]
+    for s in range(r - 1):
+        lo, hi = bounds[(me - s - 1) % r]
+        sent = transport.isend(flat[lo:hi].clone(), nxt, tag + s)
+        lo, hi = bounds[(me - s - 2) % r]
+        got = torch.empty(hi - lo, dtype=flat.dtype)
+        transport.recv(got, prev, tag + s)
+        flat[lo:hi] += got
+        sent.wait()
+
+
+def ring_all_gather(flat: torch.Tensor, bounds: Sequence[tuple[int, int]], ranks: Sequence[int], me: int,
+                    transport: Transport, tag: int) -> None:
+    """Every rank's share `p` of `flat` (a CPU tensor) to every other, in a ring."""
+    r = len(ranks)
+    nxt, prev = ranks[(me + 1) % r], ranks[(me - 1) % r]
+    for s in range(r - 1):
+        lo, hi = bounds[(me - s) % r]
+        sent = transport.isend(flat[lo:hi].clone(), nxt, tag + s)
+        lo, hi = bounds[(me - s - 1) % r]
+        got = torch.empty(hi - lo, dtype=flat.dtype)
+        transport.recv(got, prev, tag + s)
+        flat[lo:hi] = got
+        sent.wait()
+
+
+class ShardedParameters:
+    """One group's parameters laid end to end (see the module), replica `me` of `ranks` holding
+    share `me`: `shard` is the parameter its optimizer steps; `exchange` runs a step's rings
+    around it; `index` numbers the group among the worker's, for message tags."""
+
+    def __init__(self, params: Sequence[nn.Parameter], ranks: Sequence[int], me: int, index: int = 0) -> None:
+        if len({p.dtype for p in params}) != 1 or len({p.device for p in params}) != 1:
+            raise HetplanError("a stage shards its optimizer state over parameters of one dtype and device; give its "
+                               "replicas unsharded stages (shard: false)")
+        self.params, self.ranks, self.me = list(params), tuple(ranks), me
+        self.tag = RING_TAG + index * GROUP_TAGS
+        numel = sum(p.numel() for p in self.params)
+        self.flat = torch.empty(numel, dtype=self.params[0].dtype, device=self.params[0].device)
+        at = 0
+        with torch.no_grad():
+            for p in self.params:
+                self.flat[at:at + p.numel()].copy_(p.reshape(-1))
+                p.data = self.flat[at:at + p.numel()].view_as(p)
+                at += p.numel()
+        self.bounds = share_bounds(numel, len(self.ranks))
+        lo, hi = self.bounds[me]
+        self.shard = nn.Parameter(self.flat[lo:hi])  # shares the buffer's storage
+
+    def reduce(self, transport: Transport) -> None:
+        """The step's gradients summed into this replica's share (`shard.grad`); the parameters'
+        own gradients are dropped (the optimizer steps the share), and only the share is kept."""
+        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).cpu()
+                           for p in self.params])
+        for p in self.params:
+            p.grad = None
+        ring_reduce_scatter(grads, self.bounds, self.ranks, self.me, transport, self.tag)
+        lo, hi = self.bounds[self.me]
+        self.shard.grad = grads[lo:hi].to(self.flat.device, copy=True)
+
+    def gather(self, transport: Transport) -> None:
+        """The updated shares from every replica into this one's buffer (the model's weights)."""
+        on_host = self.flat.device.type == "cpu"
+        host = self.flat.detach() if on_host else self.flat.detach().cpu()
+        ring_all_gather(host, self.bounds, self.ranks, self.me, transport, self.tag + GROUP_TAGS // 2)
+        if not on_host:
+            with torch.no_grad():
+                self.flat.copy_(host)

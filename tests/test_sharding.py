@@ -1,0 +1,228 @@
+"""Optimizer-state sharding among a stage's replicas (ZeRO-1, `Stage.shard`): the rings sum and
+gather exactly, sharded replicas of different speeds train as one process does and as unsharded
+ones do, each holds an r-th of Adam's state, the memory model's closed form, dp's choice equals
+exact's, and the measured memory of worker processes holds."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from hetplan.cost import CostModel
+from hetplan.errors import InfeasibleError
+from hetplan.io.clusters import load_cluster
+from hetplan.pieces.optim import StageOptimizer
+from hetplan.pieces.split import split_step
+from hetplan.plan import Plan, Stage, plan_problems
+from hetplan.planners import PlanOptions, make_plan
+from hetplan.runtime.sharding import ShardedParameters, ring_all_gather, ring_reduce_scatter, share_bounds
+from hetplan.runtime.transport import LocalHub
+from strategies import chain
+from test_executor import cpus, pipelined_vs_single
+
+V100X4 = load_cluster("v100x4")
+
+
+def _threads(world: int, work) -> list:
+    out: list = [None] * world
+    errors: list = []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = work(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_shares_are_equal_within_one_element():
+    assert share_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert share_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_rings_sum_each_share_and_gather_them_all(world):
+    hub = LocalHub(world, timeout_s=10)
+    bounds = share_bounds(11, world)
+    values = [torch.arange(11, dtype=torch.float64) * (r + 1) for r in range(world)]
+
+    def work(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = values[rank].clone()
+        ring_reduce_scatter(mine, bounds, tuple(range(world)), rank, hub.transport(rank), 100)
+        lo, hi = bounds[rank]
+        summed = mine[lo:hi].clone()
+        whole = torch.zeros(11, dtype=torch.float64)
+        whole[lo:hi] = summed
+        ring_all_gather(whole, bounds, tuple(range(world)), rank, hub.transport(rank), 200)
+        return summed, whole
+
+    total = sum(values)
+    for rank, (summed, whole) in enumerate(_threads(world, work)):
+        lo, hi = bounds[rank]
+        assert torch.equal(summed, total[lo:hi]) and torch.equal(whole, total)
+
+
+def test_each_replica_holds_its_share_of_adam_s_state_and_ends_with_every_update():
+    """Three replicas of a Linear(5, 4) (24 weights: shares of 8): each one's Adam state is two
+    moments of its 8 weights; after a step every replica holds the weights one unsharded Adam
+    step on the summed gradients gives. (Through a pipeline, Adam's first step divides each
+    gradient by its own size, so ulp differences between orders of summation show where sums
+    cancel to near zero, whoever sums them: the pipelined tests use SGD.)"""
+    torch.manual_seed(0)
+    base = nn.Linear(5, 4)
+    grads = [[torch.randn_like(p) for p in base.parameters()] for _ in range(3)]
+    reference = nn.Linear(5, 4)
+    reference.load_state_dict(base.state_dict())
+    for p, *g in zip(reference.parameters(), *grads, strict=True):
+        p.grad = sum(g)
+    torch.optim.Adam(reference.parameters(), lr=0.01).step()
+    hub = LocalHub(3, timeout_s=10)
+
+    def work(rank: int):
+        model = nn.Linear(5, 4)
+        model.load_state_dict(base.state_dict())
+        group = ShardedParameters(list(model.parameters()), (0, 1, 2), rank)
+        opt = StageOptimizer([group.shard], "adam", 0.01)
+        for p, g in zip(model.parameters(), grads[rank], strict=True):
+            p.grad = g.clone()
+        group.reduce(hub.transport(rank))
+        opt.step()
+        group.gather(hub.transport(rank))
+        return model, opt.state_bytes()
+
+    for model, state in _threads(3, work):
+        assert state == 2 * 8 * 4 + 4  # two fp32 moments of 8 weights, and Adam's step count
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.allclose(p, q, atol=1e-7)
+
+
+@pytest.mark.parametrize(("name", "replicas", "weights", "shard"), [
+    ("gpt2-tiny", [1, 3], [[1.0], [1.0, 3.0, 2.0]], (1,)),
+    ("mlp", [2, 2], [[1.0, 2.0], [3.0, 1.0]], (0, 1)),
+])
+def test_sharded_replicas_of_different_speeds_train_as_one_process(name, replicas, weights, shard):
+    worst, moved, loss, ref_loss, plan, *_ = pipelined_vs_single(name, replicas, 2, "1f1b", batch=12,
+                                                                 weights=weights, shard=shard)
+    assert [s.shard for s in plan.stages] == [k in shard for k in range(len(replicas))]
+    assert moved > 1e-4 and worst <= 1e-5 and loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_memory_of_a_sharded_stage():
+    """Two nodes of 1 GB on 4 replicas, 8 GB of activations for the batch, GPipe at one
+    micro-batch: weights and gradients whole, Adam's two moments a quarter each."""
+    g = chain(2, params=1e9, acts=4e9, batch=8)
+    plan = Plan((Stage(("n0", "n1"), ("v0", "v1", "v2", "v3"), shard=True),), 1, "gpipe", "test")
+    need = CostModel(g, V100X4).stage_replicas_memory_bytes(plan, 0)
+    assert need == {d: int(2 * 2e9 + 2 * 2e9 / 4 + 8e9 / 4) for d in ("v0", "v1", "v2", "v3")}
+    unsharded = CostModel(g, V100X4).stage_replicas_memory_bytes(replace(plan, stages=(
+        replace(plan.stages[0], shard=False),)), 0)
+    assert all(unsharded[d] - need[d] == 3e9 for d in need)
+
+
+def test_a_stage_shards_over_replicas_with_dense_gradients():
+    g = chain(2, params=1e6)
+    plan = Plan((Stage(("n0",), ("v0",), shard=True), Stage(("n1",), ("v1", "v2"), shard=True)), 2, "1f1b", "t")
+    assert [p for p in plan_problems(plan, g, V100X4) if "shard" in p] == [
+        "stage 0 shards its optimizer state but has one replica; shard needs two or more"]
+    sparse = replace(g, nodes=(g.nodes[0], replace(g.nodes[1], updated_bytes=1000, sparse_rows=10)))
+    assert any("sparse gradients" in p for p in plan_problems(plan, sparse, V100X4))
+
+
+@pytest.mark.parametrize("params", [2.5e9, 1.5e9])
+def test_dp_shards_as_exact_does(params):
+    """Two nodes of 1.5 or 2.5 GB of parameters on four 16 GB V100s: a stage of both on all four
+    fits only sharded at 2.5 GB (4 x 5 GB whole; 2 x 5 + 2 x 5 / 4 sharded). dp finds exact's
+    plan and step with `--shard replicated` and without, and sharding never lengthens it."""
+    g = chain(2, fwd=0.2, bwd=0.4, edge_bytes=1e8, batch=8, params=params, acts=1e8)
+    steps = {}
+    for mode in ("never", "replicated"):
+        found = {}
+        for planner in ("exact", "dp"):
+            try:
+                plan = make_plan(g, V100X4, planner, PlanOptions(schedule="1f1b", shard=mode))
+            except InfeasibleError:
+                found[planner] = None
+                continue
+            assert plan.predicted.feasible and all(s.shard == (mode != "never" and len(s.devices) > 1)
+                                                   for s in plan.stages)
+            found[planner] = (plan.predicted.step_s, plan.microbatches, [len(s.devices) for s in plan.stages])
+        assert (found["dp"] is None) == (found["exact"] is None)
+        if found["dp"] is not None:
+            assert found["dp"][0] == pytest.approx(found["exact"][0], rel=1e-9)
+            assert found["dp"][1:] == found["exact"][1:]
+        steps[mode] = found["exact"][0] if found["exact"] else float("inf")
+    assert steps["replicated"] <= steps["never"] * (1 + 1e-9)
+
+
+def test_measured_peak_memory_of_sharded_worker_processes(tmp_path):
+    """mlp (15 MB of parameters) as two stages of two worker processes each (gloo carries the
+    rings), Adam, with both stages sharded and not: each worker's measured tensors are within
+    10% of the prediction, and sharding saves what the prediction says it saves."""
+    from hetplan.pieces.hostmem import malloc_in_use_bytes
+    from hetplan.profile import profile_step
+    from hetplan.runtime.launch import launch, run_spec
+    from hetplan.runtime.settings import RunSettings
+    from hetplan.sim import simulate
+    from hetplan.zoo import load_model
+    from test_executor import chain_plan
+
+    if malloc_in_use_bytes() is None:
+        pytest.skip("this C library does not say what malloc has handed out")
+    zm = load_model("mlp", batch_size=16, seed=0)
+    graph = profile_step(zm.step, zm.batch, name="mlp", devices=("cpu:1",), repeats=1).graph
+    cluster, peaks = cpus(4), {}
+    for shard in (False, True):
+        plan = chain_plan(list(graph.topo_order), [2, 2], 2, "1f1b")
+        plan = replace(plan, stages=tuple(replace(s, shard=shard) for s in plan.stages))
+        spec = run_spec(plan, cluster, "mlp", RunSettings(batch_size=16, granularity="layer", steps=4, warmup=2,
+                        optimizer="adam", out_dir=tmp_path / str(shard)), graph=graph)
+        result = launch(spec)
+        predicted = simulate(graph, cluster, plan).estimate.peak_mem_bytes
+        for r in result.ranks:
+            assert r["peak_mem_bytes"] == pytest.approx(predicted[r["device"]], rel=0.10), (shard, r["device"])
+        peaks[shard] = (result.peak_mem_bytes["c0"], predicted["c0"])
+    saved, predicted_saving = peaks[False][0] - peaks[True][0], peaks[False][1] - peaks[True][1]
+    assert predicted_saving > 0 and saved == pytest.approx(predicted_saving, rel=0.25)
+
+
+def test_a_sharded_run_resumes_where_it_stopped(tmp_path):
+    """mlp on 2 + 2 sharded replicas, Adam: 4 steps at once, and 2 steps, a checkpoint (each
+    replica writes its share of the state), 2 more resumed from it, end with the same weights."""
+    from hetplan.runtime.checkpoint import checkpoint_step
+    from hetplan.runtime.launch import run_spec
+    from hetplan.runtime.local import run_threads
+    from hetplan.runtime.settings import RunSettings
+    from hetplan.zoo import load_model
+    from test_executor import chain_plan
+
+    zm = load_model("mlp", batch_size=8)
+    names = [p.name for p in split_step(zm.step, zm.batch, "layer").pieces]
+    plan = chain_plan(names, [2, 2], 2, "1f1b")
+    plan = replace(plan, stages=tuple(replace(s, shard=True) for s in plan.stages))
+    ckpt = tmp_path / "ckpt"
+
+    def run(steps, **more):
+        return run_threads(run_spec(plan, cpus(4), "mlp", RunSettings(
+            batch_size=8, granularity="layer", steps=steps, warmup=0, optimizer="adam", lr=1e-3,
+            out_dir=tmp_path / "unused", **more)))
+
+    whole = run(4)
+    run(2, checkpoint_dir=ckpt)
+    assert checkpoint_step(ckpt, [0, 1]) == 2 and sorted(p.name for p in ckpt.glob("*.pt")) == [
+        "stage0.pt", "stage0.replica1.pt", "stage1.pt", "stage1.replica1.pt"]
+    resumed = run(4, checkpoint_dir=ckpt, resume_step=2)
+    for a, b in zip(whole, resumed, strict=True):
+        for name, w in a["weights"].items():
+            assert torch.equal(w, b["weights"][name]), name
