@@ -1,5 +1,6 @@
 """Memory and precision choices on the same two workers: step and peak memory, predicted
-against measured, on this machine's CPU workers, for each precision x recomputation.
+against measured, on this machine's CPU workers, for each precision x (recomputation, or
+optimizer-state sharding).
 
     .venv/bin/python bench/memory_choices.py [--steps 20] [--rounds 3] [--repeats 10]
         [--models NAME ...] [-o bench/results/memory_choices.json]
@@ -7,7 +8,9 @@ against measured, on this machine's CPU workers, for each precision x recomputat
 `hetplan calibrate` of `local` first (as bench/schedules.py), then per model and precision
 (fp32, bf16) a profile on one thread in that precision and, per round, the uniform two-stage
 split under 1F1B with 4 micro-batches run with no stage, the first stage, and both stages
-recomputing (median step after 3 warm-up steps; the median over rounds), against the event
+recomputing, and the model as one stage on both workers (data parallel, 4 micro-batches) with
+and without sharding Adam's state between them (median step after 3 warm-up steps; the median
+over rounds), against the event
 simulator on the calibrated cluster from the median profile. Peak memory per worker: the
 simulator's, against the worker's tensors as `hetplan run` measures them on a CPU (the most
 malloc handed out over a step after the warm-up, above its level before the first step, plus
@@ -24,17 +27,24 @@ from pathlib import Path
 from predicted_vs_measured import median_graph
 from schedules import rounds, run_bench
 
+from hetplan.plan import Stage
 from hetplan.runtime.launch import launch, run_spec
 from hetplan.runtime.settings import RunSettings
 from hetplan.sim import simulate
 
 PRECISIONS = ("fp32", "bf16")
-RECOMPUTE = {"none": (), "first": (0,), "both": (0, 1)}
+CHOICES = {"none": (), "first": (0,), "both": (0, 1), "dp": "plain", "dp-shard": "shard"}
 
 
-def _choice(base, precision: str, stages) -> object:
+def _choice(base, precision: str, choice) -> object:
+    """The two-stage plan recomputing the stages `choice` names, or the model as one stage of
+    both workers, sharding or not."""
+    if isinstance(choice, str):
+        nodes = tuple(n for s in base.stages for n in s.nodes)
+        devices = tuple(d for s in base.stages for d in s.devices)
+        return replace(base, precision=precision, stages=(Stage(nodes, devices, shard=choice == "shard"),))
     return replace(base, precision=precision,
-                   stages=tuple(replace(s, recompute=k in stages) for k, s in enumerate(base.stages)))
+                   stages=tuple(replace(s, recompute=k in choice) for k, s in enumerate(base.stages)))
 
 
 def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
@@ -48,15 +58,15 @@ def _run_precision(entry, cluster, calibrated, args, tmp, precision: str) -> lis
     model, batch, seq, granularity, blocks = entry
     graphs, measured = [], {}
     for r, base in rounds(entry, cluster, args, graphs, precision):
-        for name, stages in RECOMPUTE.items():
-            plan = _choice(base, precision, stages)
+        for name, choice in CHOICES.items():
+            plan = _choice(base, precision, choice)
             spec = run_spec(plan, cluster, model, RunSettings(batch_size=batch, seq_len=seq, granularity=granularity,
                             block_classes=tuple(blocks or ()), steps=args.steps, warmup=3,
                             out_dir=Path(tmp) / f"{model.replace(':', '-')}-{precision}-{r}-{name}"))
             result = launch(spec)
             library = {x["device"]: x.get("library_bytes") or 0 for x in result.ranks}
             measured.setdefault(name, []).append((result.measured_step_s, plan, result.peak_mem_bytes, library))
-            print(f"{model:>22} {precision} recompute {name:<6} round {r + 1}: "
+            print(f"{model:>22} {precision} {name:<8} round {r + 1}: "
                   f"{result.measured_step_s * 1e3:7.1f} ms", flush=True)
     graph = median_graph(graphs)
     rows = []
@@ -75,7 +85,7 @@ def describe(r: dict) -> str:
     mem = ", ".join(f"{d} {r['measured_peak_mem_bytes'][d] / 2**20:.1f} / {b / 2**20:.1f} MiB "
                     f"({r['measured_peak_mem_bytes'][d] / b - 1:+.0%}; libraries {r['library_bytes'][d] / 2**20:.1f})"
                     for d, b in r["predicted_peak_mem_bytes"].items())
-    return (f"{r['model']:>22} {r['precision']} {r['recompute']:<6} measured {r['measured_step_s'] * 1e3:7.1f} ms "
+    return (f"{r['model']:>22} {r['precision']} {r['recompute']:<8} measured {r['measured_step_s'] * 1e3:7.1f} ms "
             f"predicted {r['predicted_step_s'] * 1e3:7.1f} ms {r['error']:+.0%}; peak measured / predicted {mem}")
 
 

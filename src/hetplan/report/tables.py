@@ -97,7 +97,8 @@ def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster:
         table.add_column("fwd+bwd", justify="right")
         table.add_column("memory", justify="right")
     for i, stage in enumerate(plan.stages):
-        row = [f"{i} (recompute)" if stage.recompute else str(i), _devices_cell(stage.devices, cluster),
+        marks = [word for word, on in (("recompute", stage.recompute), ("shard", stage.shard)) if on]
+        row = [f"{i} ({', '.join(marks)})" if marks else str(i), _devices_cell(stage.devices, cluster),
                str(len(stage.nodes)),
                f"{stage.nodes[0]} .. {stage.nodes[-1]}"]
         if scored:
