@@ -3,9 +3,10 @@ changes dp's plan (devices used, step, price).
 
     .venv/bin/python bench/llm_choices.py [--only NAME ...] [-o bench/results/llm_choices.json]
 
-The problems of bench/llm_plans.py (transformer chains counted from their shapes, a global batch
-of 1,024 sequences of 2,048 tokens, Adam, 1F1B, whole hosts of one GPU type each), each planned
-by dp in these set-ups (`hetplan plan --precision P --recompute R --shard S`):
+The problems of bench/llm_plans.py and Llama-3-8B on 16 A100-40GB + 16 V100-16GB (transformer
+chains counted from their shapes, a global batch of 1,024 sequences of 2,048 tokens, Adam, 1F1B,
+whole hosts of one GPU type each), each planned by dp in these set-ups (`hetplan plan
+--precision P --recompute R --shard S`):
 
 - fp32 without choices (the plans-at-scale issue's table), with recomputation where needed, with
   optimizer-state sharding;
@@ -25,7 +26,8 @@ import argparse
 import time
 from pathlib import Path
 
-from llm_plans import PROBLEMS
+from llm_plans import IB
+from llm_plans import PROBLEMS as AT_SCALE
 from results_file import write_results
 
 from hetplan.errors import HetplanError
@@ -34,6 +36,8 @@ from hetplan.planners import PlanOptions, make_plan
 from hetplan.zoo.llm import transformer_chain
 
 HERE = Path(__file__).resolve().parent
+# the plans-at-scale problems, and the memory issue's own: an 8B chain on 16 A100-40GB + 16 V100-16GB
+PROBLEMS = {**AT_SCALE, "llama-3-8b/32": ("llama-3-8b", [("a100-40gb", 2, 8), ("v100-16gb", 2, 8)], IB)}
 SETUPS = [  # (precision, recompute, shard)
     ("fp32", "never", "never"),
     ("fp32", "where-needed", "never"),

@@ -69,7 +69,7 @@ def test_the_cluster_model_reads_no_files():
 # The layers, lowest first (issue 14): a module imports only from its own layer or lower ones.
 LAYERS = (
     "hetplan.errors hetplan.units hetplan._frozen hetplan.machine hetplan.schedule hetplan.rows hetplan.sync "
-    "hetplan.catalog",
+    "hetplan.catalog hetplan.precision",
     "hetplan.graph hetplan.cluster hetplan.plan",
     "hetplan.cost hetplan.io",
     # what the runtime can execute (data the planners read); timelines, which the simulator

@@ -34,8 +34,7 @@ SIXTEEN_BIT_TOL = 2.0**-6
 
 @pytest.mark.parametrize(("name", "replicas", "weights", "precision"), [
     ("gpt2-tiny", [1, 2], [[1.0], [1.0, 3.0]], "bf16"),
-    ("llama-tiny", [2, 1], [[1.0, 2.0], [1.0]], "bf16"),
-    ("gpt2-tiny", [2, 1], [[3.0, 1.0], [1.0]], "fp16"),
+    ("llama-tiny", [2, 1], [[1.0, 2.0], [1.0]], "fp16"),
 ])
 def test_a_16_bit_pipeline_trains_as_one_process_in_that_precision(name, replicas, weights, precision):
     worst, moved, loss, ref_loss, plan, spec, results = pipelined_vs_single(
@@ -161,12 +160,11 @@ def test_a_counted_llm_in_bf16():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_measured_peak_memory_holds_for_each_precision_and_recomputation(tmp_path, precision):
     """gpt2-tiny in two worker processes (1F1B, 4 micro-batches), profiled and run in each
-    precision, with and without both stages recomputing: each worker's measured tensors (malloc's
-    memory in use, less what the math libraries keep between steps) are within 10% of the
-    prediction without recomputation and 15% with it (a recomputing stage peaks inside its
+    precision, its first stage recomputing and its second not: each worker's measured tensors
+    (malloc's memory in use, less what the math libraries keep between steps) are within 10% of
+    the prediction without recomputation and 15% with it (a recomputing stage peaks inside its
     backward, where the gradients of its activations live beside the rebuilt ones, which the
-    formula leaves out: +2% to +4% here, +14% at 64 tokens in bench/memory_choices.py), and the
-    first worker's fall with recomputation as predicted."""
+    formula leaves out: +2% to +4% here, +14% at 64 tokens in bench/memory_choices.py)."""
     from hetplan.pieces.hostmem import malloc_in_use_bytes
     from hetplan.runtime.launch import launch, run_spec
     from hetplan.runtime.settings import RunSettings
@@ -179,14 +177,10 @@ def test_measured_peak_memory_holds_for_each_precision_and_recomputation(tmp_pat
     zm = load_model("gpt2-tiny", batch_size=8, seq_len=32, seed=0)
     graph = profile_step(zm.step, zm.batch, name="gpt2-tiny", devices=("cpu:1",), repeats=1,
                          precision=precision).graph
-    peaks = {}
-    for name, stages, tol in (("plain", [], 0.10), ("recompute", None, 0.15)):
-        plan = replace(recomputing(chain_plan(list(graph.topo_order), [1, 1], 4, "1f1b"), stages), precision=precision)
-        spec = run_spec(plan, cpus(2), "gpt2-tiny", RunSettings(batch_size=8, seq_len=32, granularity="layer", steps=4,
-                        warmup=2, optimizer="adam", out_dir=tmp_path / name, no_dropout=True), graph=graph)
-        result = launch(spec)
-        predicted = simulate(graph, cpus(2), plan).estimate.peak_mem_bytes
-        for r in result.ranks:
-            assert r["peak_mem_bytes"] == pytest.approx(predicted[r["device"]], rel=tol), (name, r["device"])
-        peaks[name] = (result.peak_mem_bytes["c0"], predicted["c0"])
-    assert peaks["recompute"][0] < peaks["plain"][0] and peaks["recompute"][1] < peaks["plain"][1]
+    plan = replace(recomputing(chain_plan(list(graph.topo_order), [1, 1], 4, "1f1b"), [0]), precision=precision)
+    spec = run_spec(plan, cpus(2), "gpt2-tiny", RunSettings(batch_size=8, seq_len=32, granularity="layer", steps=4,
+                    warmup=2, optimizer="adam", out_dir=tmp_path, no_dropout=True), graph=graph)
+    result = launch(spec)
+    predicted = simulate(graph, cpus(2), plan).estimate.peak_mem_bytes
+    assert result.peak_mem_bytes["c0"] == pytest.approx(predicted["c0"], rel=0.15)  # recomputing
+    assert result.peak_mem_bytes["c1"] == pytest.approx(predicted["c1"], rel=0.10)

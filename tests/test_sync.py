@@ -196,8 +196,8 @@ def test_the_runtime_sums_what_the_cost_model_charges_for_gpt2s_tied_embedding()
                                                                strict=True)), 2, "1f1b", "test")
     table = ((0, 1), (2,), (3, 4))
     params = {id(p): n for n, p in zm.step.named_parameters()}
-    runtime = [ranks for ranks, ps, _ in gradient_groups(Traces(zm.step, zm.batch, plan, "layer", None, {}), table, params)
-               if len(ranks) > 1 and ps]
+    traces = Traces(zm.step, zm.batch, plan, "layer", None, {})
+    runtime = [ranks for ranks, ps, _ in gradient_groups(traces, table, params) if len(ranks) > 1 and ps]
     cluster = cluster_from_spec({"devices": [{"id": f"c{i}", "type": "cpu-1t", "host": "h"} for i in range(5)]}, "c")
     cost = [tuple(table[k][p] for k, p in s.members) for s in plan_syncs(CostModel(graph, cluster), plan)]
     assert runtime == cost == [(0, 1), (0, 1, 3, 4), (3, 4)]

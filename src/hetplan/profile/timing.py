@@ -303,7 +303,7 @@ def time_in_sequence(split: SplitStep, batch: Mapping[str, Any], device: str, re
     On the CPU, the cost of an empty backward call (`empty_backward_s`) is taken off each
     piece's backward time. On CUDA the CPU's calls overlap the GPU's work, so nothing is."""
     clock = Clock(device)
-    mixed = Mixed(precision, clock.device.type)
+    mixed = Mixed(precision, torch.device(device).type)
     overhead = 0.0 if clock.cuda else empty_backward_s()
     samples = [_Samples(split, batch, mixed), *(_Samples(s, b, mixed) for s, b in also)]
     totals, wholes = [], []
