@@ -160,11 +160,10 @@ def test_a_counted_llm_in_bf16():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_measured_peak_memory_holds_for_each_precision_and_recomputation(tmp_path, precision):
     """gpt2-tiny in two worker processes (1F1B, 4 micro-batches), profiled and run in each
-    precision, its first stage recomputing and its second not: each worker's measured tensors
-    (malloc's memory in use, less what the math libraries keep between steps) are within 10% of
-    the prediction without recomputation and 15% with it (a recomputing stage peaks inside its
-    backward, where the gradients of its activations live beside the rebuilt ones, which the
-    formula leaves out: +2% to +4% here, +14% at 64 tokens in bench/memory_choices.py)."""
+    precision, its first stage recomputing and its second not, dropout off: each worker's measured
+    tensors (malloc's memory in use, less what the math libraries keep between steps) are within
+    10% of the prediction (+1.5% to +4% on the machine this was written on; with dropout on, a
+    recomputing stage holds 13-14% more, BENCHMARKS.md)."""
     from hetplan.pieces.hostmem import malloc_in_use_bytes
     from hetplan.runtime.launch import launch, run_spec
     from hetplan.runtime.settings import RunSettings
@@ -182,5 +181,5 @@ def test_measured_peak_memory_holds_for_each_precision_and_recomputation(tmp_pat
                     warmup=2, optimizer="adam", out_dir=tmp_path, no_dropout=True), graph=graph)
     result = launch(spec)
     predicted = simulate(graph, cpus(2), plan).estimate.peak_mem_bytes
-    assert result.peak_mem_bytes["c0"] == pytest.approx(predicted["c0"], rel=0.15)  # recomputing
-    assert result.peak_mem_bytes["c1"] == pytest.approx(predicted["c1"], rel=0.10)
+    for device in ("c0", "c1"):  # recomputing, and not
+        assert result.peak_mem_bytes[device] == pytest.approx(predicted[device], rel=0.10), device
