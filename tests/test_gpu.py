@@ -65,3 +65,14 @@ def test_gpu_and_cpu_replicas_of_one_stage_split_by_speed():
     result = pipelined_vs_single("gpt2-tiny", [1, 2], 3, "gpipe", batch=10, weights=[[1.0], [4.0, 1.0]],
                                  bindings=["cpu", "cuda:0", "cpu"])
     check(*result, tol=GPU_TOL)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16_bit_stages_on_the_gpu_train_as_one_process_there(precision):
+    """Mixed precision under CUDA's autocast (which keeps layer norm in fp32 where the CPU's probe
+    of the boundaries keeps bf16: the sender casts; `executor._as_sent`), two stages and a
+    replica on the GPU, against one process on the GPU under autocast, to 2^-6 of the step."""
+    worst, moved, loss, ref_loss, *_ = pipelined_vs_single(
+        "gpt2-tiny", [1, 2], 2, "1f1b", batch=8, weights=[[1.0], [1.0, 1.0]],
+        bindings=["cuda:0", "cuda:0", "cuda:0"], ref_device="cuda:0", precision=precision)
+    assert moved > 1e-4 and worst <= 2.0**-6 * moved and loss == pytest.approx(ref_loss, rel=1e-3)

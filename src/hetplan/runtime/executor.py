@@ -186,9 +186,19 @@ class StageRunner:
         for peer in self._peers(j, k + 1):
             whole = self._holds_first_row(j, k, p, k + 1, peer.replica)
             idx = self._carried(self.layouts_out, whole, False)
-            values = [self.layouts_out[i].take(outs[i], peer.first - lo, peer.end - lo) for i in idx]
+            values = [self._as_sent(self.layouts_out[i], self.layouts_out[i].take(outs[i], peer.first - lo,
+                                                                                 peer.end - lo)) for i in idx]
             self._check(values, idx, peer)
             self._send(values, peer.rank, self.tag(k, j, FORWARD), pending)
+
+    def _as_sent(self, lay: ValueLayout, value: torch.Tensor) -> torch.Tensor:
+        """In mixed precision, a floating value in the dtype its boundary carries: the layouts come
+        from a probe under the CPU's autocast, and CUDA's runs some operators in another dtype
+        (layer norm in fp32 where the CPU keeps bf16), so a GPU stage's value is cast to what its
+        receiver expects (gradients come back cast to the value's own dtype: `_output_grads`)."""
+        if self.mixed.on and value.dtype != lay.dtype and value.is_floating_point() and lay.dtype.is_floating_point:
+            return value.to(lay.dtype)
+        return value
 
     def _check(self, values: list[torch.Tensor], idx: list[int], peer: Peer) -> None:
         for v, i in zip(values, idx, strict=True):
@@ -238,7 +248,8 @@ class StageRunner:
         for lay, out, got in zip(self.layouts_out, outs, parts, strict=True):
             if lay.grad and got and out.requires_grad:
                 tensors.append(out)
-                grads.append(lay.join(got) if lay.batch_dim is not None else torch.stack(got).sum(0))
+                grad = lay.join(got) if lay.batch_dim is not None else torch.stack(got).sum(0)
+                grads.append(grad.to(out.dtype))  # a no-op unless the value was cast to be sent
         return tensors, grads
 
     def act(self, action: Action, batch: Sequence[torch.Tensor], saved: dict, pending: list) -> float:
