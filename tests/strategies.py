@@ -141,3 +141,30 @@ def one_stream_per_host_interface(cluster, devices) -> bool:
             for port in cluster.interfaces(src, dst)[2:]:
                 seen.setdefault(port, set()).add((src, dst))
     return all(len(pairs) <= 1 for pairs in seen.values())
+
+
+def exact_step_dp_matches(graph, cluster, options, describe, check=lambda plan: None) -> float:
+    """Plan with exact and with dp: both find a plan or neither; dp's step (to 1e-9), micro-batches
+    and `describe(plan)` are exact's; each plan fits and passes `check`. Returns exact's step
+    (infinite when there is no plan)."""
+    import pytest
+
+    from hetplan.errors import InfeasibleError
+    from hetplan.planners import make_plan
+
+    found = {}
+    for planner in ("exact", "dp"):
+        try:
+            plan = make_plan(graph, cluster, planner, options)
+        except InfeasibleError:
+            found[planner] = None
+            continue
+        assert plan.predicted.feasible
+        check(plan)
+        found[planner] = (plan.predicted.step_s, plan.microbatches, describe(plan))
+    assert (found["dp"] is None) == (found["exact"] is None)
+    if found["dp"] is None:
+        return float("inf")
+    assert found["dp"][0] == pytest.approx(found["exact"][0], rel=1e-9)
+    assert found["dp"][1:] == found["exact"][1:]
+    return found["exact"][0]

@@ -19,7 +19,7 @@ from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
 from hetplan.sim import simulate
 from hetplan.zoo import load_model
-from strategies import chain, one_per_stage
+from strategies import chain, exact_step_dp_matches, one_per_stage
 from test_executor import chain_plan, cpus, no_dropout, reference_step
 
 V100X4 = load_cluster("v100x4")
@@ -139,28 +139,15 @@ def test_dp_chooses_where_to_recompute_as_exact_does(schedule, acts):
     where it would not fit), with `--recompute where-needed` and without; with it the step is
     never longer, and shorter where memory binds. (The planners' simulation cache must key on the
     choice, or a recomputing plan gets the plain plan's estimate and dp drops it.)"""
-    from hetplan.errors import InfeasibleError
-    from hetplan.planners import PlanOptions, make_plan
+    from hetplan.planners import PlanOptions
 
     g = chain(4, fwd=0.03, bwd=0.05, edge_bytes=1e8, batch=8, params=1e9)
     g = replace(g, nodes=tuple(replace(n, act_bytes=a, fwd_s={t: v * (1 + i) for t, v in n.fwd_s.items()})
                                for i, (n, a) in enumerate(zip(g.nodes, acts, strict=True))))
     steps = {}
     for mode in ("never", "where-needed"):
-        found = {}
-        for planner in ("exact", "dp"):
-            try:
-                plan = make_plan(g, V100X4, planner, PlanOptions(schedule=schedule, recompute=mode))
-            except InfeasibleError:
-                found[planner] = None
-                continue
-            found[planner] = (plan.predicted.step_s, plan.microbatches, [s.recompute for s in plan.stages])
-            assert plan.predicted.feasible
-        assert (found["dp"] is None) == (found["exact"] is None)
-        if found["dp"] is not None:
-            assert found["dp"][0] == pytest.approx(found["exact"][0], rel=1e-9)
-            assert found["dp"][1:] == found["exact"][1:]
-        steps[mode] = found["exact"][0] if found["exact"] else float("inf")
+        steps[mode] = exact_step_dp_matches(g, V100X4, PlanOptions(schedule=schedule, recompute=mode),
+                                            lambda plan: [s.recompute for s in plan.stages])
     assert steps["where-needed"] <= steps["never"] * (1 + 1e-9)
     assert (steps["where-needed"] < steps["never"]) == (acts[0] == 30e9)
 

@@ -13,15 +13,14 @@ import torch
 from torch import nn
 
 from hetplan.cost import CostModel
-from hetplan.errors import InfeasibleError
 from hetplan.io.clusters import load_cluster
 from hetplan.pieces.optim import StageOptimizer
 from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage, plan_problems
-from hetplan.planners import PlanOptions, make_plan
+from hetplan.planners import PlanOptions
 from hetplan.runtime.sharding import ShardedParameters, ring_all_gather, ring_reduce_scatter, share_bounds
 from hetplan.runtime.transport import LocalHub
-from strategies import chain
+from strategies import chain, exact_step_dp_matches
 from test_executor import cpus, pipelined_vs_single
 
 V100X4 = load_cluster("v100x4")
@@ -148,21 +147,11 @@ def test_dp_shards_as_exact_does(params):
     g = chain(2, fwd=0.2, bwd=0.4, edge_bytes=1e8, batch=8, params=params, acts=1e8)
     steps = {}
     for mode in ("never", "replicated"):
-        found = {}
-        for planner in ("exact", "dp"):
-            try:
-                plan = make_plan(g, V100X4, planner, PlanOptions(schedule="1f1b", shard=mode))
-            except InfeasibleError:
-                found[planner] = None
-                continue
-            assert plan.predicted.feasible and all(s.shard == (mode != "never" and len(s.devices) > 1)
-                                                   for s in plan.stages)
-            found[planner] = (plan.predicted.step_s, plan.microbatches, [len(s.devices) for s in plan.stages])
-        assert (found["dp"] is None) == (found["exact"] is None)
-        if found["dp"] is not None:
-            assert found["dp"][0] == pytest.approx(found["exact"][0], rel=1e-9)
-            assert found["dp"][1:] == found["exact"][1:]
-        steps[mode] = found["exact"][0] if found["exact"] else float("inf")
+        def sharded_as_asked(plan, mode=mode):
+            assert all(s.shard == (mode != "never" and len(s.devices) > 1) for s in plan.stages)
+
+        steps[mode] = exact_step_dp_matches(g, V100X4, PlanOptions(schedule="1f1b", shard=mode),
+                                            lambda plan: [len(s.devices) for s in plan.stages], sharded_as_asked)
     assert steps["replicated"] <= steps["never"] * (1 + 1e-9)
 
 

@@ -32,6 +32,7 @@ from hetplan.cluster import Cluster
 from hetplan.cost import formulas, network
 from hetplan.cost.formulas import WEIGHT_COPIES, weight_bytes
 from hetplan.cost.projection import project_s
+from hetplan.cost.syncs import own_bytes
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
@@ -364,8 +365,6 @@ class CostModel:
         stage = plan.stages[k]
         if not stage.shard or len(set(stage.devices)) < 2:
             return 0
-        from hetplan.cost.syncs import own_bytes
-
         return own_bytes(self, plan, k)[0]
 
     def replica_optimizer_s(self, plan: Plan, k: int, device_id: str) -> float:

@@ -131,11 +131,17 @@ def weight_bytes(param_bytes, cast_bytes=0, shards=1, sharded_bytes=None):
     return WEIGHT_COPIES * param_bytes - OPTIMIZER_STATE_COPIES * sharded * (1 - 1 / shards) + cast_bytes
 
 
+def held_memory_bytes(weights_bytes: float, activation_bytes: float) -> int:
+    """Peak memory of a device: what it holds for its weights (`weight_bytes`, summed over its
+    stages) plus the activations it holds at its peak."""
+    return int(weights_bytes + math.ceil(activation_bytes))
+
+
 def stage_memory_bytes(param_bytes: float, act_bytes: float, in_flight_share: float, cast_bytes: float = 0,
                        shards: int = 1, sharded_bytes: float | None = None) -> int:
     """Peak memory of a stage replica: what it holds for its weights (`weight_bytes`) plus its
     activations for the whole batch times the share of the batch it holds in flight at its peak."""
-    return int(weight_bytes(param_bytes, cast_bytes, shards, sharded_bytes) + math.ceil(act_bytes * in_flight_share))
+    return held_memory_bytes(weight_bytes(param_bytes, cast_bytes, shards, sharded_bytes), act_bytes * in_flight_share)
 
 
 def stage_memory_bytes_array(param_bytes, act_bytes, in_flight_share, cast_bytes=0, shards=1) -> np.ndarray:

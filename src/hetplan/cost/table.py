@@ -24,7 +24,6 @@ optimizer steps, built once from a graph, a cluster and a plan. The event simula
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -163,7 +162,7 @@ class StepCosts:
         for st in self.stages:
             for rep in st.replicas:
                 held[rep.device] = held.get(rep.device, 0) + st.weight_bytes
-        return {d: int(held[d] + math.ceil(acts)) for d, acts in peak_act_bytes.items()}
+        return {d: formulas.held_memory_bytes(held[d], acts) for d, acts in peak_act_bytes.items()}
 
 
 def _replica(cm: CostModel, cluster: Cluster, plan: Plan, rows: StepRows, k: int, p: int, acts: int, kept: float,
