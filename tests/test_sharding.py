@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from hetplan.cost import CostModel
+from hetplan.errors import HetplanError
 from hetplan.io.clusters import load_cluster
 from hetplan.pieces.optim import StageOptimizer
 from hetplan.pieces.split import split_step
@@ -187,10 +188,13 @@ def test_measured_peak_memory_of_sharded_worker_processes(tmp_path):
 
 def test_a_sharded_run_resumes_where_it_stopped(tmp_path):
     """mlp on 2 + 2 sharded replicas, Adam: 4 steps at once, and 2 steps, a checkpoint (each
-    replica writes its share of the state), 2 more resumed from it, end with the same weights."""
+    replica writes its share of the state), 2 more resumed from it, end with the same weights.
+    The same plan unsharded is refused that checkpoint in one line, and the sharded plan a
+    checkpoint without the shares."""
     from hetplan.runtime.checkpoint import checkpoint_step
     from hetplan.runtime.launch import run_spec
     from hetplan.runtime.local import run_threads
+    from hetplan.runtime.run import _check_shares
     from hetplan.runtime.settings import RunSettings
     from hetplan.zoo import load_model
     from test_executor import chain_plan
@@ -210,7 +214,15 @@ def test_a_sharded_run_resumes_where_it_stopped(tmp_path):
     run(2, checkpoint_dir=ckpt)
     assert checkpoint_step(ckpt, [0, 1]) == 2 and sorted(p.name for p in ckpt.glob("*.pt")) == [
         "stage0.pt", "stage0.replica1.pt", "stage1.pt", "stage1.replica1.pt"]
+    _check_shares(plan, ckpt)
+    unsharded = replace(plan, stages=tuple(replace(s, shard=False) for s in plan.stages))
+    with pytest.raises(HetplanError, match="holds stage 0's optimizer state in shares"):
+        _check_shares(unsharded, ckpt)
     resumed = run(4, checkpoint_dir=ckpt, resume_step=2)
     for a, b in zip(whole, resumed, strict=True):
         for name, w in a["weights"].items():
             assert torch.equal(w, b["weights"][name]), name
+    for share in ckpt.glob("*.replica*.pt"):  # as an unsharded plan's checkpoint
+        share.unlink()
+    with pytest.raises(HetplanError, match="has no share for each of its replicas"):
+        _check_shares(plan, ckpt)

@@ -126,7 +126,27 @@ def _resume_step(plan: Plan, s: RunSettings) -> int:
     if found >= s.steps:
         raise HetplanError(f"{s.checkpoint_dir}: the checkpoint is at step {found} already; ask for more steps "
                            f"(--steps {found + s.steps}) to go on")
+    _check_shares(plan, s.checkpoint_dir)
     return found
+
+
+def _check_shares(plan: Plan, directory) -> None:
+    """A stage whose replicas shard the optimizer's state resumes from one file per replica (each
+    holds its share), and one that does not, from a checkpoint without them."""
+    from hetplan.runtime.checkpoint import stage_path
+
+    for held in plan.rank_stages:
+        k = held[0]
+        sharding = any(plan.stages[j].shard for j in held)
+        replicas = len(plan.stages[k].devices)
+        shares = [p for p in range(1, replicas) if stage_path(directory, k, p).exists()]
+        if sharding and len(shares) < replicas - 1:
+            raise HetplanError(f"{directory}: stage {k} shards its optimizer state but the checkpoint has no share "
+                               f"for each of its replicas (it was written by a plan that does not shard it): "
+                               "resume with that plan, or start afresh without --resume")
+        if not sharding and shares:
+            raise HetplanError(f"{directory}: the checkpoint holds stage {k}'s optimizer state in shares (written "
+                               "by a plan that shards it), but this plan does not shard it: resume with that plan")
 
 
 def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = None,
