@@ -63,7 +63,7 @@ def test_a_realistic_spec_round_trips_through_json(tmp_path):
     assert data["settings"]["out_dir"] == str(tmp_path / "run")
     assert data["settings"]["checkpoint_dir"] == str(tmp_path / "ckpt")
     assert data["ranks"][3] == {"stage": 2, "replica": 0, "device": "g0", "host": "m1", "binding": "cuda:0",
-                                "threads": 1}
+                                "threads": 1, "tp": 0}
     assert len(torchrun_commands(path, spec)) == 2  # one per host
 
 

@@ -67,6 +67,11 @@ class Node:
     autocast makes of the node's weights for its products, which a worker keeps for the whole step
     (made once per step, whatever the micro-batches); 0 in fp32. `param_bytes` are the fp32
     parameters' in every precision.
+
+    `tp_units`: the most ways the node splits tensor-parallel (`hetplan.tp`): every degree that
+    divides it splits the node's heads, MLP units and vocabulary evenly; 0: nothing in it splits
+    (a norm, an embedding: whole on every device of a group); None: not known (a graph made by
+    an importer or an older profiler).
     """
 
     id: str
@@ -86,6 +91,7 @@ class Node:
     opt_s: Mapping[str, float] = field(default_factory=FrozenMap)
     sparse_rows: int = 0
     cast_bytes: int = 0
+    tp_units: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:

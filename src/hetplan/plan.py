@@ -26,6 +26,7 @@ from hetplan.errors import PlanError, listing
 from hetplan.graph import Graph
 from hetplan.precision import FP32, PRECISIONS
 from hetplan.schedule import SCHEDULE_NAMES, get_schedule, stage_ranks
+from hetplan.tp import tp_problems
 from hetplan.schedule import SCHEDULES as REGISTRY
 
 SCHEDULES = SCHEDULE_NAMES  # hetplan.schedule owns what each means
@@ -39,20 +40,44 @@ class Stage:
     its backward (activation recomputation, torch.utils.checkpoint): less memory, more time.
     With `shard` (two replicas or more), its replicas shard its optimizer state (ZeRO-1,
     `hetplan.runtime.sharding`): each updates a 1/r share of its parameters, summed to it by a
-    reduce-scatter, and the updated shares are all-gathered: an r-th of Adam's state each."""
+    reduce-scatter, and the updated shares are all-gathered: an r-th of Adam's state each.
+    With `tp` > 1, each replica is a tensor-parallel group of `tp` devices of one type on one
+    host (`hetplan.tp`): `tp_devices[p]` lists replica p's devices, the first of them
+    `devices[p]`, the device that stands for the replica (its rows of the batch, its messages)."""
 
     nodes: tuple[str, ...]
     devices: tuple[str, ...]
     recompute: bool = False
     shard: bool = False
+    tp: int = 1
+    tp_devices: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
         object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "tp_devices", tuple(tuple(g) for g in self.tp_devices))
         if not self.nodes:
             raise PlanError("a stage needs at least one node")
         if not self.devices:
             raise PlanError(f"the stage starting at node {self.nodes[0]!r} has no device")
+        who = f"the stage starting at node {self.nodes[0]!r}"
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise PlanError(f"{who} has tp {self.tp!r}; it must be a whole number >= 1")
+        if self.tp > 1 and (len(self.tp_devices) != len(self.devices)
+                            or any(len(g) != self.tp or g[0] != d for g, d in zip(self.tp_devices, self.devices))):
+            raise PlanError(f"{who} has tp {self.tp}: tp_devices must list each replica's {self.tp} devices, "
+                            "the first of them the replica's entry in devices")
+        if self.tp == 1 and self.tp_devices:
+            raise PlanError(f"{who} lists tp_devices but has tp 1")
+
+    @property
+    def groups(self) -> tuple[tuple[str, ...], ...]:
+        """Per replica, its devices (one each unless the stage is tensor-parallel)."""
+        return self.tp_devices or tuple((d,) for d in self.devices)
+
+    @property
+    def all_devices(self) -> tuple[str, ...]:
+        return tuple(d for g in self.groups for d in g)
 
 
 def prediction_error(measured_s: float | None, predicted_s: float | None) -> float | None:
@@ -145,7 +170,7 @@ class Plan:
     @property
     def devices(self) -> tuple[str, ...]:
         """Every device the plan uses, in stage order."""
-        return tuple(dict.fromkeys(d for s in self.stages for d in s.devices))
+        return tuple(dict.fromkeys(d for s in self.stages for d in s.all_devices))
 
     @property
     def ranks(self) -> int:
@@ -180,6 +205,7 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
     problems += _device_problems(plan, cluster)
     problems += _rank_problems(plan)
     problems += _shard_problems(plan, graph)
+    problems += tp_problems(plan, graph, cluster)
     if plan.precision != graph.precision:
         problems.append(f"the plan runs in {plan.precision} but graph {graph.name!r} was profiled in "
                         f"{graph.precision}; plan again from a profile in {plan.precision} "
@@ -241,9 +267,9 @@ def _device_problems(plan: Plan, cluster: Cluster) -> list[str]:
     problems: list[str] = []
     holder: dict[str, int] = {}
     for i, stage in enumerate(plan.stages):
-        if len(set(stage.devices)) != len(stage.devices):
-            problems.append(f"stage {i} lists a device twice: {', '.join(stage.devices)}")
-        for d in dict.fromkeys(stage.devices):
+        if len(set(stage.all_devices)) != len(stage.all_devices):
+            problems.append(f"stage {i} lists a device twice: {', '.join(stage.all_devices)}")
+        for d in dict.fromkeys(stage.all_devices):
             if d not in cluster.by_id:
                 problems.append(f"stage {i} uses device {d!r}, which cluster {cluster.name!r} does not have "
                                 f"(devices: {listing(cluster.ids)})")

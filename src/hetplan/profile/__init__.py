@@ -199,6 +199,7 @@ def profile_step(
                 raise
     graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, fixed_parts, host_modules(step),
                          precision)
+    graph = _with_tp_units(graph, step, next(iter(measured.values())).split)
     if granularity == "block" and block_classes:  # so that `hetplan run` cuts the model the same way
         graph = replace(graph, meta={**graph.meta, "block_classes": ",".join(block_classes)})
     return _report(graph, start, measured)
@@ -273,6 +274,16 @@ def _updated_bytes(params: Iterable[torch.Tensor]) -> tuple[int | None, int]:
         else:
             total += p.numel() * p.element_size()
     return (total if sparse else None), looked_up
+
+
+def _with_tp_units(graph: Graph, step: nn.Module, split: SplitStep) -> Graph:
+    """Each node's most tensor-parallel ways (`Node.tp_units`, `hetplan.pieces.tensor_split`)."""
+    from hetplan.pieces.tensor_split import split_units
+
+    names = {id(p): n for n, p in step.named_parameters()}
+    units = {piece.name: split_units(step, {names[id(p)] for p in piece.module.parameters() if id(p) in names})
+             for piece in split.pieces}
+    return replace(graph, nodes=tuple(replace(n, tp_units=units.get(n.id, 0)) for n in graph.nodes))
 
 
 def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence[ProfileDevice],

@@ -37,6 +37,7 @@ loss is weighted by its share of the batch, the sums are the whole batch's gradi
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,19 @@ class Role:
     rows: StepRows
     recompute: bool = False  # keep only the inputs and outputs; run the forward again in the backward
     precision: str = FP32  # the arithmetic of its passes (`hetplan.pieces.mixed`)
+    # tensor parallelism: groups[k][p], the ranks of replica p of stage k (ranks[k][p] first), and
+    # this rank's place in its own group; only a group's first rank sends, to every rank of a group
+    groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    position: int = 0
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank."""
+        return self.members(self.stage, self.replica)[self.position]
+
+    def members(self, stage: int, replica: int) -> tuple[int, ...]:
+        """The ranks of replica `replica` of `stage`, which all receive what is sent to it."""
+        return self.groups[stage][replica] if self.groups else (self.ranks[stage][replica],)
 
     @property
     def first(self) -> bool:
@@ -105,6 +119,8 @@ class StageRunner:
         # called once a recomputation has rebuilt a micro-batch's activations, the stage's peak
         # inside its backward (`RankRunner` reads the memory in use there)
         self.rebuilt: Callable[[], None] = _nothing
+        # what its step runs inside, backward included (a tensor-parallel stage's `running`)
+        self.around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def tag(self, boundary: int, microbatch: int, kind: str) -> int:
         return _tag(len(self.role.ranks), boundary, microbatch, kind)
@@ -136,9 +152,10 @@ class StageRunner:
                 if (not grads or lay.grad) and (lay.batch_dim is not None or whole)]
 
     # --- messages --------------------------------------------------------------------------
-    def _send(self, values: list[torch.Tensor], dst: int, tag: int, pending: list) -> None:
+    def _send(self, values: list[torch.Tensor], stage: int, replica: int, tag: int, pending: list) -> None:
         buf = pack(values)
-        pending.append((self.transport.isend(buf, dst, tag), buf))
+        for dst in self.role.members(stage, replica):
+            pending.append((self.transport.isend(buf, dst, tag), buf))
 
     def _recv(self, metas: list[tuple[torch.dtype, tuple[int, ...]]], src: int, tag: int) -> list[torch.Tensor]:
         buf = torch.empty(packed_bytes(metas), dtype=torch.uint8)
@@ -181,7 +198,7 @@ class StageRunner:
                 if self.role.recompute else module(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
         saved[j] = (inputs, outs)
-        if self.role.last:
+        if self.role.last or self.role.position:  # a group's other ranks made the same outputs
             return
         for peer in self._peers(j, k + 1):
             whole = self._holds_first_row(j, k, p, k + 1, peer.replica)
@@ -189,7 +206,7 @@ class StageRunner:
             values = [self._as_sent(self.layouts_out[i], self.layouts_out[i].take(outs[i], peer.first - lo,
                                                                                  peer.end - lo)) for i in idx]
             self._check(values, idx, peer)
-            self._send(values, peer.rank, self.tag(k, j, FORWARD), pending)
+            self._send(values, k + 1, peer.replica, self.tag(k, j, FORWARD), pending)
 
     def _as_sent(self, lay: ValueLayout, value: torch.Tensor) -> torch.Tensor:
         """In mixed precision, a floating value in the dtype its boundary carries: the layouts come
@@ -227,7 +244,7 @@ class StageRunner:
             saved[(BACKWARD_WEIGHT, j)] = backward_inputs(tensors, grads, inputs, params)
         elif tensors:
             torch.autograd.backward(tensors, grads)
-        if not self.role.first:
+        if not self.role.first and not self.role.position:
             for peer in self._peers(j, k - 1):
                 whole = self._holds_first_row(j, k - 1, peer.replica, k, p)
                 idx = self._carried(self.layouts_in, whole, True)
@@ -236,7 +253,7 @@ class StageRunner:
                     x = inputs[i]
                     g = x.grad if x.grad is not None else torch.zeros_like(x)
                     values.append(self.layouts_in[i].take(g, peer.first - lo, peer.end - lo))
-                self._send(values, peer.rank, self.tag(k - 1, j, "B"), pending)
+                self._send(values, k - 1, peer.replica, self.tag(k - 1, j, "B"), pending)
         return loss
 
     def _output_grads(self, j: int, outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -317,7 +334,9 @@ class RankRunner:
         self.executed, self.peak_bytes = [], 0
         for runner in self.runners.values():
             runner.spans, runner.loss_scale = [], loss_scale
-        with next(iter(self.runners.values())).mixed.step():
+        with next(iter(self.runners.values())).mixed.step(), contextlib.ExitStack() as stack:
+            for runner in self.runners.values():
+                stack.enter_context(runner.around())
             loss = self._actions(batch, saved, pending)
         for handle, _ in pending:
             handle.wait()

@@ -110,21 +110,26 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, settings: RunSettings, *,
     if settings.batch_size is None or settings.granularity is None:
         raise HetplanError("run_spec needs the settings' batch_size and granularity; prepare_run takes them from a "
                            "graph")
+    if settings.checkpoint_dir is not None and any(st.tp > 1 for st in plan.stages):
+        raise HetplanError("checkpoints of tensor-parallel stages are not written yet: run this plan without "
+                           "--checkpoint-dir, or plan with --max-tp 1")
     if plan.microbatches > settings.batch_size:
         raise HetplanError(f"the plan has {plan.microbatches} micro-batches but the batch only {settings.batch_size} "
                            f"samples: plan with --microbatches {settings.batch_size} or fewer")
     ranks = []
     for k in (held[0] for held in plan.rank_stages):  # a worker is known by its first stage
-        for p, d in enumerate(plan.stages[k].devices):
-            device = cluster.device(d)
-            binding = device.binding or "cpu"
-            threads = 1 if binding.startswith("cuda") else device.threads or 1
-            ranks.append(RankSpec(stage=k, replica=p, device=device.id, host=device.host, binding=binding,
-                                  threads=threads))
+        for p, group in enumerate(plan.stages[k].groups):
+            for i, d in enumerate(group):
+                device = cluster.device(d)
+                binding = device.binding or "cpu"
+                threads = 1 if binding.startswith("cuda") else device.threads or 1
+                ranks.append(RankSpec(stage=k, replica=p, device=device.id, host=device.host, binding=binding,
+                                      threads=threads, tp=i))
     # torchrun numbers ranks host by host: so do we (`hetplan.sync.rank_numbers`, which the cost
-    # model's gradient sums follow too), and a stage's replicas may sit on any hosts (`rank.rank_table`)
+    # model's gradient sums follow too), and a stage's replicas may sit on any hosts (`rank.rank_table`);
+    # a tensor-parallel group's workers follow its first, on its host
     numbers = rank_numbers([st.devices for st in plan.stages], lambda d: cluster.device(d).host, plan.stage_ranks)
-    ranks.sort(key=lambda r: numbers[(r.stage, r.replica)])
+    ranks.sort(key=lambda r: (numbers[(r.stage, r.replica)], r.tp))
     weights = tuple(tuple(float(x) for x in w)
                     for w in (_given_weights(plan, weights) if weights else replica_weights(plan, cluster, graph)))
     return RunSpec(plan=plan, model=model, settings=settings, replica_weights=weights, ranks=tuple(ranks))
@@ -287,7 +292,8 @@ def read_result(out_dir: Path, spec: RunSpec) -> RunResult:
     # the last stage's replicas each hold their rows' share of the batch's mean loss; a worker
     # is known by its first stage, and under a V-shaped map the first worker holds the last stage
     holder = spec.plan.stage_ranks
-    with_loss = [r["losses"] for r in ranks if holder[r["stage"]] == holder[-1]]
+    # the last stage's replicas' shares (a tensor-parallel group's ranks each have its replica's)
+    with_loss = [r["losses"] for r in ranks if holder[r["stage"]] == holder[-1] and not r.get("tp")]
     losses = tuple(math.fsum(values) for values in zip(*with_loss, strict=True)) if with_loss else ()
     warmup = min(spec.settings.warmup, max(0, steps - 1))
     return RunResult(steps=steps, warmup=warmup, step_times_s=times, losses=losses,

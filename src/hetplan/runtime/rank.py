@@ -31,6 +31,7 @@ from hetplan.runtime.gradients import sparse_parameter_ids
 from hetplan.runtime.sharding import ShardedParameters
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.stages import StageModule, stage_modules
+from hetplan.runtime.tensor_parallel import parallelize
 from hetplan.schedule import rank_orders
 from hetplan.sync import sync_groups
 
@@ -43,8 +44,23 @@ def rank_table(spec: RunSpec) -> tuple[tuple[int, ...], ...]:
     first = [held[r][0] for r in plan.stage_ranks]
     table: dict[int, dict[int, int]] = {}
     for rank, me in enumerate(spec.ranks):
-        table.setdefault(me.stage, {})[me.replica] = rank
+        if me.tp == 0:
+            table.setdefault(me.stage, {})[me.replica] = rank
     return tuple(tuple(table[first[k]][p] for p in range(len(table[first[k]]))) for k in range(len(plan.stages)))
+
+
+def group_table(spec: RunSpec) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """`table[k][p]`: the ranks of replica p of stage k, its tensor-parallel group in order (one
+    rank unless the stage is tensor-parallel)."""
+    members: dict[tuple[int, int], dict[int, int]] = {}
+    for rank, me in enumerate(spec.ranks):
+        members.setdefault((me.stage, me.replica), {})[me.tp] = rank
+
+    def group(lead: int) -> tuple[int, ...]:
+        found = members[(spec.ranks[lead].stage, spec.ranks[lead].replica)]
+        return tuple(found[i] for i in sorted(found))
+
+    return tuple(tuple(group(lead) for lead in leads) for leads in rank_table(spec))
 
 
 def spec_rows(spec: RunSpec, plan: Plan) -> StepRows:
@@ -162,6 +178,10 @@ class Prepared:
     device: torch.device
     sparse: frozenset[int] = frozenset()  # the ids of the tables with sparse gradients (`gradients`)
     shards: tuple[ShardedParameters, ...] = ()  # its stages' groups that shard the optimizer's state
+    # sums that only a tensor-parallel group's first rank makes: each group's first rank then
+    # gives the others its sum (`spread`); and each group's ranks, for its mesh
+    spreads: tuple[tuple[tuple[int, ...], list[nn.Parameter]], ...] = ()
+    tp_groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def role(self) -> Role:
@@ -194,7 +214,7 @@ class Prepared:
     @property
     def my_groups(self) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
         """The groups whose gradients it sums with all-reduces (not those it shards)."""
-        me = self.role.ranks[self.role.stage][self.role.replica]
+        me = self.role.rank
         sharded = {id(sh.params[0]) for sh in self.shards}
         return [(ranks, ps) for ranks, ps, _ in self.groups if me in ranks and id(ps[0]) not in sharded]
 
@@ -209,27 +229,59 @@ class Prepared:
 
 def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.device,
             on_trace: Callable[[int], None] | None = None) -> Prepared:
-    table = rank_table(spec)
+    table, members = rank_table(spec), group_table(spec)
     me = spec.ranks[rank]
     rows = spec_rows(spec, plan)
     mine = plan.stage_ranks[me.stage]
-    roles = tuple(Role(k, me.replica, table, rows, plan.stages[k].recompute, plan.precision)
+    roles = tuple(Role(k, me.replica, table, rows, plan.stages[k].recompute, plan.precision, members, me.tp)
                   for k in plan.rank_stages[mine])
     traces = Traces(zoo_model.step, zoo_model.batch, plan, spec.settings.granularity,
                     tuple(spec.settings.block_classes or zoo_model.block_classes or ()) or None, {}, on_trace)
     for size in sorted(slice_sizes(roles)):
         traces.stages(size)
     bounds = boundary_layouts(traces) if len(plan.stages) > 1 else []
+    if plan.stages[me.stage].tp > 1:  # its shards in the model and its stage's traces (`tensor_parallel`)
+        _parallelize(traces, zoo_model.step, me.stage, plan.stages[me.stage].tp, me.tp)
     names = {id(prm): name for name, prm in zoo_model.step.named_parameters()}
-    groups = gradient_groups(traces, table, names)
+    groups, spreads = tp_sums(gradient_groups(traces, table, names), members)
     layouts = tuple((bounds[r.stage - 1] if r.stage > 0 else (), bounds[r.stage] if r.stage < len(bounds) else ())
                     for r in roles)
     order = rank_orders(plan.schedule, len(plan.stages), plan.microbatches, plan.ranks)[mine]
-    prepared = Prepared(roles, order, traces, layouts, groups, device, sparse_parameter_ids(zoo_model.step))
+    prepared = Prepared(roles, order, traces, layouts, groups, device, sparse_parameter_ids(zoo_model.step),
+                        spreads=spreads, tp_groups=tuple(g for stage in members for g in stage if len(g) > 1))
     for size in sorted(prepared.sizes):
         for r in roles:
             place(prepared.module_for(size, r.stage), device)
     return replace(prepared, shards=_shards(plan, roles, groups, table[me.stage][me.replica]))
+
+
+def _parallelize(traces: Traces, model: nn.Module, stage: int, degree: int, index: int) -> None:
+    """The stage's module in every trace made tensor-parallel, worker `index` of `degree`."""
+    sizes = sorted(traces.by_rows)
+    made = parallelize([traces.by_rows[r][stage] for r in sizes], model, degree, index)
+    for r, module in zip(sizes, made, strict=True):
+        traces.by_rows[r][stage] = module
+
+
+def tp_sums(groups, members: tuple[tuple[tuple[int, ...], ...], ...]):
+    """The gradient sums of `gradient_groups` (made over each replica's first rank) with tensor
+    parallelism: a group of one stage whose replicas are groups of t ranks sums at each of the t
+    places apart (each rank its shards, or its whole copies: the same on every rank of a group);
+    a group over stages of unlike degrees (a weight tied across stages: whole everywhere) sums
+    over the first ranks, each of which then spreads the sum to its group. Returns the sums and
+    the spreads, the same on every rank."""
+    sums, spreads = [], []
+    for ranks, params, stages in groups:
+        groups_of = [members[k][p] for k in sorted(stages) for p in range(len(members[k]))]
+        sizes = {len(g) for g in groups_of}
+        if sizes == {1}:
+            sums.append((ranks, params, stages))
+        elif len(sizes) == 1 and len(stages) == 1:
+            sums += [(tuple(g[i] for g in groups_of), params, stages) for i in range(sizes.pop())]
+        else:
+            sums.append((ranks, params, stages))
+            spreads += [(g, params) for g in groups_of if len(g) > 1]
+    return sums, spreads
 
 
 def _shards(plan: Plan, roles: Sequence[Role], groups, rank: int) -> tuple[ShardedParameters, ...]:

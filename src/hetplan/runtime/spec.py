@@ -21,7 +21,9 @@ from hetplan.runtime.settings import RunSettings
 @dataclass(frozen=True)
 class RankSpec:
     """One worker (rank): replica `replica` of stage `stage`, standing for device `device` of
-    the cluster, on host `host`, run on `binding` (cpu, cuda or cuda:K) with `threads` threads."""
+    the cluster, on host `host`, run on `binding` (cpu, cuda or cuda:K) with `threads` threads;
+    `tp`: its place in the replica's tensor-parallel group (0: the replica's first device, the one
+    that sends and receives its messages)."""
 
     stage: int
     replica: int
@@ -29,6 +31,7 @@ class RankSpec:
     host: str
     binding: str
     threads: int
+    tp: int = 0
 
     @property
     def on_cuda(self) -> bool:

@@ -93,6 +93,10 @@ class GlooTransport:
     def barrier(self) -> None:
         self._dist.barrier()
 
+    def group(self, ranks: tuple[int, ...]):
+        """The process group of `ranks` (one of `groups`)."""
+        return self._groups[ranks]
+
     def gather_objects(self, obj: object, world: int) -> list:
         out: list = [None] * world
         self._dist.all_gather_object(out, obj)

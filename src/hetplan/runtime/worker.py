@@ -151,6 +151,11 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
                                      prepared.device) for r, (lay_in, lay_out) in zip(prepared.roles, prepared.layouts,
                                                                                       strict=True)], prepared.order,
                         memory)
+    if prepared.role.groups and len(prepared.role.members(role.stage, role.replica)) > 1:
+        from hetplan.runtime.tensor_parallel import running
+
+        for stage_runner in runner.runners.values():
+            stage_runner.around = partial(running, prepared.device.type)
     if spec.settings.resume_step:
         from hetplan.runtime.checkpoint import load_stage
 
@@ -222,9 +227,11 @@ def _reduce_and_update(prepared, opt, transport, scaler=None, world: int = 1) ->
 
     from hetplan.runtime.gradients import reduce_gradients
     from hetplan.runtime.precision import agreed_step
+    from hetplan.runtime.tensor_parallel import spread_gradients
 
     t_ar = time.perf_counter()
     reduce_gradients(prepared.my_groups, transport, prepared.sparse)
+    spread_gradients(prepared, transport)
     for group in prepared.shards:  # the sharded ones: a reduce-scatter each (`runtime.sharding`)
         group.reduce(transport)
     t_opt = time.perf_counter()
@@ -265,6 +272,7 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     import torch
 
     from hetplan.pieces.hostmem import keep_freed_memory, malloc_in_use_bytes
+    from hetplan.runtime.tensor_parallel import attach_meshes
     from hetplan.runtime.transport import GlooTransport
 
     out_dir = spec.settings.out_dir
@@ -281,17 +289,19 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     keep_freed_memory()  # as the profiler measured (hostmem)
     zoo_model, prepared, opt = build_rank(spec, rank, heartbeat)  # each trace moves the heartbeat
     groups = [ranks for ranks, _, _ in prepared.groups if len(ranks) > 1]
+    groups += [ranks for ranks, _ in prepared.spreads] + list(prepared.tp_groups)
     if scales_loss(spec.plan.precision) and world > 1:  # the workers agree on fp16's steps (`runtime.precision`)
         groups.append(tuple(range(world)))
     transport = GlooTransport(rank, world, list(dict.fromkeys(groups)), spec.settings.timeout_s)
     device = prepared.device
+    attach_meshes(prepared, transport)
     mine = train(spec, rank, zoo_model, prepared, opt, transport, heartbeat,
                  memory=malloc_in_use_bytes if device.type == "cpu" else None)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # the worker's tensors: CUDA's allocator, or on a CPU the rise of malloc's memory in use; the
     # process's resident size where neither can say
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else mine.pop("tensor_peak_bytes") or rss
-    mine.update(rank=rank, stage=me.stage, replica=me.replica, device=me.device, peak_mem_bytes=peak,
+    mine.update(rank=rank, stage=me.stage, replica=me.replica, tp=me.tp, device=me.device, peak_mem_bytes=peak,
                 rss_peak_bytes=rss)
     gathered = transport.gather_objects(mine, world)
     if spec.settings.return_weights:

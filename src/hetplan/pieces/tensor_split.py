@@ -1,0 +1,124 @@
+"""Which parameters a tensor-parallel group splits, and how: the rule of Megatron-LM (Shoeybi et
+al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism", section 3), read off the model's modules.
+
+In a transformer block the first projection of each pair is split by columns (its outputs:
+attention heads, MLP hidden units) and the second by rows (its inputs), so that each device
+computes its heads and its part of the MLP with no communication in between, and one all-reduce
+joins the second projection's partial sums, once after the attention and once after the MLP.
+The language-model head is split by columns too (each device its rows of the vocabulary).
+
+- column: `q_proj`, `k_proj`, `v_proj`, `c_attn` (GPT-2's joined q, k, v), `gate_proj`,
+  `up_proj`, `c_fc`, `fc1`, `query`, `key`, `value`, `lm_head` (the bias, when there is one, with
+  its columns);
+- row: `o_proj`, `out_proj`, `c_proj`, `down_proj`, `fc2`, `dense` inside attention;
+- whole on every device: norms, embeddings, a weight tied to another module (GPT-2's token
+  embedding is its head: it cannot be split one way here and kept whole there), and the key and
+  value projections when the degree does not divide the key-value heads (grouped-query attention
+  with fewer groups than devices: each device computes them all, as Megatron-LM does then).
+
+A degree must divide the heads, the MLP's hidden units and the vocabulary of every module split;
+`units` is the largest such number (their greatest common divisor). A projection under another
+name (a `Linear` or GPT-2's `Conv1D` that is neither of the above) cannot be split:
+`tensor_splits` names it.
+
+Nothing here runs on a device: `hetplan.runtime.tensor_parallel` puts these splits on a mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from hetplan.errors import HetplanError
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "c_attn", "gate_proj", "up_proj", "c_fc", "fc1", "query", "key", "value",
+          "lm_head")
+ROW = ("o_proj", "out_proj", "c_proj", "down_proj", "fc2")
+KEY_VALUE = ("k_proj", "v_proj", "key", "value")
+WHOLE_CLASSES = ("Embedding", "EmbeddingBag", "LayerNorm", "RMSNorm")
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a parameter is laid out on a group: `dim` the dimension its shards cut (None: whole on
+    every device), in `units` whole things (heads, hidden units, words)."""
+
+    dim: int | None
+    units: int = 0
+
+
+WHOLE = Split(None)
+
+
+def _is_projection(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _out_dim(module: nn.Module) -> int:
+    """The dimension of the weight that indexes the outputs: Linear's [out, in], Conv1D's [in, out]."""
+    return 1 if type(module).__name__ == "Conv1D" else 0
+
+
+def _config(model: nn.Module) -> tuple[int, int]:
+    """The model's attention heads and key-value heads (0, 0 where it has no configuration)."""
+    cfg = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_head", 0) or 0)
+    return heads, int(getattr(cfg, "num_key_value_heads", 0) or heads)
+
+
+def _projection_split(name: str, module: nn.Module, degree: int, heads: int, kv_heads: int) -> dict[str, Split]:
+    leaf = name.rsplit(".", 1)[-1]
+    out, weight = _out_dim(module), module.weight
+    if leaf in COLUMN:
+        if leaf in KEY_VALUE and kv_heads % degree:
+            return {"weight": WHOLE, "bias": WHOLE}
+        if leaf in KEY_VALUE:
+            units = kv_heads
+        elif leaf in ("q_proj", "query", "c_attn"):
+            units = heads
+        else:  # MLP hidden units, or the head's words
+            units = weight.shape[out]
+        return {"weight": Split(out, units), "bias": Split(0, units)}
+    if leaf in ROW or (leaf == "dense" and "attention" in name):
+        units = heads if "attn" in name or "attention" in name else weight.shape[1 - out]
+        return {"weight": Split(1 - out, units), "bias": WHOLE}
+    raise HetplanError(f"module {name!r} ({type(module).__name__}) cannot be split tensor-parallel: hetplan splits "
+                       f"attention and MLP projections named {', '.join(COLUMN + ROW)}; plan its stage with --max-tp 1")
+
+
+def tensor_splits(model: nn.Module, degree: int, names: set[str] | None = None) -> dict[str, Split]:
+    """Each parameter's split at `degree`, by its name in `model` (all of them, or those in
+    `names`); a parameter several modules hold stays whole."""
+    heads, kv_heads = _config(model)
+    holders: dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    out: dict[str, Split] = {}
+    for name, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        wanted = [k for k in own if names is None or f"{name}.{k}" in names]
+        if not wanted:
+            continue
+        rule = _projection_split(name, module, degree, heads, kv_heads) if _is_projection(module) and degree > 1 \
+            else {}
+        for k in wanted:
+            split = rule.get(k, WHOLE)
+            out[f"{name}.{k}"] = WHOLE if holders[id(own[k])] > 1 else split
+    return out
+
+
+def split_units(model: nn.Module, names: set[str]) -> int:
+    """The largest degree that divides every split of the parameters `names` (0: none of them
+    splits; 1: they cannot be split at all)."""
+    try:
+        splits = tensor_splits(model, 2, names)
+    except HetplanError:
+        return 1
+    # key and value projections split evenly or stay whole (`_projection_split`): they never forbid a degree
+    units = [s.units for name, s in splits.items()
+             if s.dim is not None and name.rsplit(".", 2)[-2] not in KEY_VALUE]
+    return math.gcd(*units) if units else 0

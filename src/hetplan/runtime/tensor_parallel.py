@@ -1,0 +1,164 @@
+"""A stage run tensor-parallel by a group of workers, on torch's DTensor (Megatron-LM's split:
+`hetplan.pieces.tensor_split`).
+
+Each worker of a group keeps its shard of every split parameter as a plain `Parameter` (and the
+whole of the others), so that its optimizer, its gradient sums and its checkpoints see ordinary
+tensors. In the forward, `TensorParallelStage` views them as DTensors on the group's mesh, the
+stage's inputs as replicated DTensors, and runs the stage's pieces unchanged: a piece keeps the
+global shapes `torch.export` recorded, and DTensor's sharding propagation turns each operator
+into its local part and the collectives it needs (the all-reduce after a row-split projection,
+gathering the vocabulary's logits for the loss). Autograd runs the mirror image in the backward;
+the gradient of a replicated input or parameter comes out whole on every worker. The outputs
+leave whole, so that the group's first worker sends them on as a stage without tensor
+parallelism would.
+
+Two things of the pieces' code differ under DTensor, so a tensor-parallel stage changes them:
+- `reshape` of a sharded, non-contiguous value (attention's output, transposed back) is made a
+  `reshape` of a contiguous copy (DTensor's view of it would fail);
+- on a CPU, attention runs torch's math kernel: the CPU's flash kernel has no sharding rule for
+  its backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import fx, nn
+
+from hetplan.pieces.tensor_split import Split, tensor_splits
+
+_RESHAPE = torch.ops.aten.reshape.default
+
+
+def local_shards(named: Mapping[str, nn.Parameter], splits: Mapping[str, Split], degree: int,
+                 index: int) -> dict[int, nn.Parameter]:
+    """Worker `index`'s shard of each split parameter, by the id of the whole one."""
+    out = {}
+    for name, prm in named.items():
+        split = splits.get(name)
+        if split is not None and split.dim is not None:
+            part = prm.detach().chunk(degree, split.dim)[index].clone()
+            out[id(prm)] = nn.Parameter(part, requires_grad=prm.requires_grad)
+    return out
+
+
+def swap_parameters(modules: Iterable[nn.Module], new: Mapping[int, nn.Parameter]) -> None:
+    """Put `new[id(p)]` in place of every parameter p it names, in all `modules` and their children."""
+    for root in modules:
+        for module in root.modules():
+            for key, prm in list(module._parameters.items()):
+                if prm is not None and id(prm) in new:
+                    module._parameters[key] = new[id(prm)]
+
+
+def contiguous_reshapes(module: nn.Module) -> None:
+    """Every `reshape` in `module`'s graphs reads a contiguous copy of its input (in place)."""
+    for gm in module.modules():
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target is _RESHAPE:
+                with gm.graph.inserting_before(node):
+                    copy = gm.graph.call_function(torch.ops.aten.clone.default, (node.args[0],),
+                                                  {"memory_format": torch.contiguous_format})
+                node.replace_input_with(node.args[0], copy)
+        gm.recompile()
+
+
+def parallelize(traced: list[nn.Module], model: nn.Module, degree: int, index: int) -> list[TensorParallelStage]:
+    """Worker `index` of a group of `degree`: one stage's modules (one per trace, sharing the
+    model's parameters) made tensor-parallel; the model and the traces then hold its shards."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    held = {names[id(p)]: p for mod in traced for p in mod.parameters() if id(p) in names}
+    splits = tensor_splits(model, degree, set(held))
+    dims = {id(p): splits[name].dim for name, p in held.items()}
+    shards = local_shards(held, splits, degree, index)
+    per_module = [{name: dims.get(id(p)) for name, p in mod.named_parameters()} for mod in traced]
+    swap_parameters([model, *traced], shards)
+    return [TensorParallelStage(mod, placements) for mod, placements in zip(traced, per_module, strict=True)]
+
+
+class TensorParallelStage(nn.Module):
+    """`inner` (a stage's module, holding this worker's shards) run on a group's mesh; the mesh is
+    given once the group's processes are connected (`attach`). Its forward and backward run
+    inside `running` (the executor's step does: `StageRunner.around`)."""
+
+    def __init__(self, inner: nn.Module, placements: Mapping[str, int | None]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.spec = getattr(inner, "spec", None)
+        self.dims = dict(placements)  # by the inner module's parameter names: the dimension split, or None
+        self.mesh = None
+        contiguous_reshapes(inner)
+
+    def attach(self, mesh) -> None:
+        self.mesh = mesh
+
+    def forward(self, *values: torch.Tensor):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.func import functional_call
+
+        if self.mesh is None:
+            raise RuntimeError("a tensor-parallel stage runs once its group's mesh is attached")
+        mesh = self.mesh
+
+        def dist(x: torch.Tensor, dim: int | None = None) -> DTensor:
+            return DTensor.from_local(x, mesh, [Replicate() if dim is None else Shard(dim)], run_check=False)
+
+        params = {name: dist(prm, self.dims.get(name)) for name, prm in self.inner.named_parameters()}
+        inputs = tuple(dist(v) if isinstance(v, torch.Tensor) else v for v in values)
+        out = functional_call(self.inner, params, inputs)
+        if isinstance(out, tuple):
+            return tuple(_whole(v) for v in out)
+        return _whole(out)
+
+
+def _whole(value):
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+@contextlib.contextmanager
+def running(device_type: str):
+    """What a tensor-parallel stage's forward and backward run inside: tensors the pieces make
+    (position ids, masks) and buffers count as replicated; a CPU's attention is torch's math kernel.
+    Not to be nested: torch's `implicit_replication` switches itself off on leaving."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication(), contextlib.ExitStack() as stack:
+        if device_type == "cpu":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        yield
+
+
+def attach_meshes(prepared, transport) -> None:
+    """Give the worker's tensor-parallel stages their group's mesh (a group of the transport's)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    me = prepared.role.rank
+    mine = next((g for g in prepared.tp_groups if me in g), None)
+    if mine is None:
+        return
+    mesh = DeviceMesh.from_group(transport.group(mine), prepared.device.type)
+    for modules in prepared.traces.by_rows.values():
+        for module in modules:
+            if isinstance(module, TensorParallelStage):
+                module.attach(mesh)
+
+
+def spread_gradients(prepared, transport) -> None:
+    """After the sums over groups' first ranks (`rank.tp_sums`), each first rank gives its
+    group the sums: the others drop theirs and the group adds them up."""
+    from hetplan.runtime.gradients import reduce_gradients
+
+    me = prepared.role.rank
+    for ranks, params in prepared.spreads:
+        if me in ranks:
+            for prm in params if me != ranks[0] else ():
+                prm.grad = None
+            reduce_gradients([(ranks, params)], transport)

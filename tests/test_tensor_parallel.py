@@ -1,0 +1,139 @@
+"""Tensor-parallel stages (`hetplan.pieces.tensor_split`, `hetplan.runtime.tensor_parallel`):
+a 2- and 4-way group of worker processes over gloo trains gpt2-tiny and llama-tiny to the same
+loss and gradients as one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hetplan.pieces.split import split_step
+from hetplan.plan import Plan, Stage
+from hetplan.runtime.stages import stage_modules
+from hetplan.zoo import load_model
+from hetplan.zoo.faithful import switch_off_dropout
+
+BATCH, SEQ = 4, 16
+
+
+def _stage(model: str):
+    zm = load_model(model, batch_size=BATCH, seq_len=SEQ)
+    switch_off_dropout(zm.step)
+    split = split_step(zm.step, zm.batch, granularity="block", block_classes=zm.block_classes)
+    plan = Plan((Stage(tuple(p.name for p in split.pieces), ("cpu:0",)),), 1, "gpipe", "test")
+    return zm, stage_modules(split, plan)[0]
+
+
+def _grads(zm, loss) -> dict[str, torch.Tensor]:
+    loss.backward()
+    return {n: p.grad.detach().clone() for n, p in zm.step.named_parameters() if p.grad is not None}
+
+
+def _group_worker(rank: int, world: int, model: str, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hetplan.runtime.tensor_parallel import parallelize, running
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        zm, stage = _stage(model)
+        tp = parallelize([stage], zm.step, world, rank)[0]
+        tp.attach(DeviceMesh("cpu", list(range(world))))
+        with running("cpu"):
+            loss = tp(*(zm.batch[k] for k in zm.batch))
+            grads = _grads(zm, loss)
+        torch.save({"loss": loss.detach(), "grads": grads}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_group(model: str, degree: int, tmp_path) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    mp.spawn(_group_worker, args=(degree, model, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=degree)
+    got = [torch.load(tmp_path / f"out.{r}") for r in range(degree)]
+    return got[0]["loss"], [g["grads"] for g in got]
+
+
+def _joined(name: str, parts: list[torch.Tensor], whole: torch.Tensor) -> torch.Tensor:
+    """The shards of one parameter's gradient put back together (a whole one: the first)."""
+    if parts[0].shape == whole.shape:
+        for part in parts[1:]:
+            torch.testing.assert_close(part, parts[0], atol=1e-5, rtol=1e-5, msg=f"{name}: replicas differ")
+        return parts[0]
+    dim = next(d for d in range(whole.dim()) if parts[0].shape[d] != whole.shape[d])
+    return torch.cat(parts, dim)
+
+
+def _check_group(model: str, degree: int, tmp_path) -> None:
+    zm, stage = _stage(model)
+    loss = stage(*(zm.batch[k] for k in zm.batch))
+    want = _grads(zm, loss)
+    got_loss, got = _run_group(model, degree, tmp_path)
+    torch.testing.assert_close(got_loss, loss.detach(), atol=1e-5, rtol=1e-5)
+    assert set(got[0]) == set(want)
+    for name, whole in want.items():
+        torch.testing.assert_close(_joined(name, [g[name] for g in got], whole), whole, atol=1e-5, rtol=1e-5,
+                                   msg=name)
+
+
+def test_gpt2_tiny_two_way_stage_equals_one_process(tmp_path):
+    _check_group("gpt2-tiny", 2, tmp_path)
+
+
+def test_llama_tiny_four_way_stage_equals_one_process(tmp_path):
+    _check_group("llama-tiny", 4, tmp_path)
+
+
+def _cluster(n: int):
+    from hetplan.io.clusters import cluster_from_spec
+
+    return cluster_from_spec({"name": "cpus", "devices": [
+        {"id": f"c{i}", "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for i in range(n)]}, "cpus")
+
+
+def _pipeline_equals_one_process(tmp_path, model: str, stages: list[tuple[int, int]], schedule: str) -> None:
+    """Worker processes run a 2-stage plan whose stages have (replicas, tp) as given, one SGD
+    step; the loss and every worker's weights (its shards joined) equal one process's."""
+    from test_executor import reference_step
+    from test_runtime import graph_of
+
+    from hetplan.runtime.launch import launch, run_spec
+    from hetplan.runtime.settings import RunSettings
+    from hetplan.runtime.worker import _batches
+
+    zm = load_model(model, batch_size=8, seq_len=SEQ)
+    switch_off_dropout(zm.step)
+    split = split_step(zm.step, zm.batch, granularity="block", block_classes=zm.block_classes)
+    names = [p.name for p in split.pieces]
+    cut = len(names) // 2
+    devices = iter(f"c{i}" for i in range(sum(r * t for r, t in stages)))
+    built = []
+    for (replicas, tp), nodes in zip(stages, (names[:cut], names[cut:]), strict=True):
+        groups = [tuple(next(devices) for _ in range(tp)) for _ in range(replicas)]
+        built.append(Stage(tuple(nodes), tuple(g[0] for g in groups), tp=tp, tp_devices=groups if tp > 1 else ()))
+    plan = Plan(tuple(built), 2, schedule, "test")
+    spec = run_spec(plan, _cluster(sum(r * t for r, t in stages)), model, RunSettings(
+        batch_size=8, seq_len=SEQ, granularity="block", steps=1, warmup=0, optimizer="sgd", lr=0.1, out_dir=tmp_path,
+        no_dropout=True, return_weights=True), graph=graph_of(split, 8))
+    result = launch(spec)
+    reference = stage_modules(split, plan)
+    ref_loss = reference_step(zm, _batches(spec, zm, 0), 2, 0.1)
+    assert result.losses[0] == pytest.approx(ref_loss, rel=1e-5)
+    for k in range(len(stages)):
+        for p in range(stages[k][0]):
+            ranks = [r for r, me in enumerate(spec.ranks) if me.stage == k and me.replica == p]
+            trained = [{n.removeprefix("inner."): w for n, w in torch.load(tmp_path / f"weights.{r}.pt").items()}
+                       for r in ranks]
+            for name, whole in reference[k].named_parameters():
+                got = _joined(name, [t[name] for t in trained], whole)
+                torch.testing.assert_close(got, whole.detach(), atol=1e-5, rtol=1e-5, msg=f"stage {k}.{p} {name}")
+
+
+def test_gpt2_tiny_four_way_stage_then_two_replicas_equals_one_process(tmp_path):
+    """The tied embedding and head: whole in the group, summed with the head's replicas."""
+    _pipeline_equals_one_process(tmp_path, "gpt2-tiny", [(1, 4), (2, 1)], "1f1b")
+
+
+def test_llama_tiny_two_replicas_of_two_way_groups_equal_one_process(tmp_path):
+    _pipeline_equals_one_process(tmp_path, "llama-tiny", [(1, 1), (2, 2)], "gpipe")
