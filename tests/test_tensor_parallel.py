@@ -137,3 +137,65 @@ def test_gpt2_tiny_four_way_stage_then_two_replicas_equals_one_process(tmp_path)
 
 def test_llama_tiny_two_replicas_of_two_way_groups_equal_one_process(tmp_path):
     _pipeline_equals_one_process(tmp_path, "llama-tiny", [(1, 1), (2, 2)], "gpipe")
+
+
+def test_the_split_follows_megatron_and_keeps_tied_and_key_value_weights_whole_where_it_must():
+    from hetplan.pieces.tensor_split import WHOLE, Split, split_units, tensor_splits
+
+    llama = load_model("llama-tiny").step
+    two, four = tensor_splits(llama, 2), tensor_splits(llama, 4)
+    attn = "model.model.layers.0.self_attn."
+    assert two[attn + "q_proj.weight"] == Split(0, 4) and two[attn + "o_proj.weight"] == Split(1, 4)
+    assert two[attn + "k_proj.weight"] == Split(0, 2)  # 2 key-value heads: one each
+    assert four[attn + "k_proj.weight"] == WHOLE  # fewer key-value heads than devices: each has them all
+    assert four["model.model.layers.0.mlp.down_proj.weight"] == Split(1, 344)
+    assert four["model.lm_head.weight"] == Split(0, 256) and four["model.model.embed_tokens.weight"] == WHOLE
+    gpt2 = load_model("gpt2-tiny").step
+    splits = tensor_splits(gpt2, 2)
+    assert splits["model.transformer.h.0.attn.c_attn.weight"] == Split(1, 4)  # Conv1D: [in, out]
+    assert splits["model.transformer.h.0.attn.c_proj.bias"] == WHOLE
+    assert splits["model.transformer.wte.weight"] == WHOLE  # tied to the head
+    names = {n for n, _ in gpt2.named_parameters()}
+    assert split_units(gpt2, {n for n in names if ".h.0." in n}) == 4  # heads 4, MLP 512
+    assert split_units(gpt2, {n for n in names if "ln_f" in n}) == 0
+
+
+def test_a_projection_without_a_rule_is_refused_by_name():
+    from torch import nn
+
+    from hetplan.errors import HetplanError
+    from hetplan.pieces.tensor_split import split_units, tensor_splits
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    with pytest.raises(HetplanError, match=r"module '0' \(Linear\) cannot be split tensor-parallel.*--max-tp 1"):
+        tensor_splits(model, 2)
+    assert split_units(model, {"0.weight"}) == 1
+
+
+def test_validation_refuses_a_split_the_model_cannot_make_in_one_line():
+    from hetplan.graph import Edge, Graph, Node
+    from hetplan.io.clusters import cluster_from_spec
+    from hetplan.plan import plan_problems
+
+    t = {"cpu": 1.0}
+    graph = Graph("g", (Node("a", "Block", t, t, tp_units=4), Node("b", "Block", t, t, tp_units=6),
+                        Node("c", "Norm", t, t, tp_units=0)), (Edge("a", "b"), Edge("b", "c")), 8, "cpu")
+    cluster = cluster_from_spec({"name": "two", "devices": [
+        {"id": f"{h}{i}", "type": "a100-40gb", "host": h} for h in "xy" for i in range(4)]}, "two")
+
+    def problems(nodes, groups):
+        stage = Stage(nodes, tuple(g[0] for g in groups), tp=len(groups[0]), tp_devices=groups)
+        rest = tuple(n for n in "abc" if n not in nodes)
+        stages = (stage, Stage(rest, ("y3",))) if rest else (stage,)
+        return plan_problems(Plan(stages, 1, "gpipe", "test"), graph, cluster)
+
+    assert problems(("a", "b"), [("x0", "x1")]) == []
+    assert problems(("a", "b"), [("x0", "x1", "x2", "x3")]) == [
+        "stage 0 cannot split 4 ways: node 'b' splits into 6 parts (its heads, MLP units and vocabulary), which 4 does "
+        "not divide; use a tp that divides 6"]
+    assert "mixes device types or hosts" in problems(("a", "b"), [("x0", "y1")])[0]
+    last = Plan((Stage(("a", "b"), ("y0",)), Stage(("c",), ("x0",), tp=2, tp_devices=(("x0", "x1"),))), 1, "gpipe",
+                "test")
+    assert plan_problems(last, graph, cluster) == [
+        "stage 1 cannot split 2 ways: nothing in it splits tensor-parallel (no attention, MLP or vocabulary "
+        "projection); set tp 1"]

@@ -41,7 +41,7 @@ def _group_problems(i: int, stage: Stage, cluster: Cluster) -> list[str]:
     out = []
     for group in stage.tp_devices:
         known = [cluster.by_id[d] for d in group if d in cluster.by_id]
-        if len({d.type.name for d in known}) > 1 or len({d.host for d in known}) > 1:
+        if len({d.type for d in known}) > 1 or len({d.host for d in known}) > 1:
             out.append(f"stage {i}'s tensor-parallel group {', '.join(group)} mixes device types or hosts; a group "
                        "is devices of one type on one host")
     return out
