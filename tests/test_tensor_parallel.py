@@ -199,3 +199,33 @@ def test_validation_refuses_a_split_the_model_cannot_make_in_one_line():
     assert plan_problems(last, graph, cluster) == [
         "stage 1 cannot split 2 ways: nothing in it splits tensor-parallel (no attention, MLP or vocabulary "
         "projection); set tp 1"]
+
+
+def test_a_group_is_charged_its_share_of_the_splitting_nodes_and_their_all_reduces():
+    """Exact: node a splits (1/2 each plus two all-reduces of its output per pass), node b
+    runs whole; each device holds half of a's parameters; the group's second device is busy
+    and holds memory as its first, and is paid for."""
+    from hetplan.cost import CostModel
+    from hetplan.cost.table import step_costs
+    from hetplan.graph import Edge, Graph, Node
+    from hetplan.io.clusters import cluster_from_spec
+    from hetplan.sim import simulate
+
+    graph = Graph("g", (Node("a", "Block", {"a100-40gb": 0.4}, {"a100-40gb": 0.8}, param_bytes=1000, out_bytes=10**6,
+                             tp_units=4),
+                        Node("b", "Norm", {"a100-40gb": 0.1}, {"a100-40gb": 0.2}, param_bytes=100, tp_units=0)),
+                  (Edge("a", "b", 10**6),), 8, "a100-40gb")
+    cluster = cluster_from_spec({"name": "one", "devices": [
+        {"id": f"g{i}", "type": "a100-40gb", "host": "h"} for i in range(2)]}, "one")
+    plan = Plan((Stage(("a", "b"), ("g0",), tp=2, tp_devices=(("g0", "g1"),)),), 1, "gpipe", "test")
+    cm = CostModel(graph, cluster)
+    allreduce = cm.allreduce_s(10**6, ("g0", "g1"))
+    assert allreduce > 0
+    work = step_costs(graph, cluster, plan, cost=cm).stages[0]
+    rep = work.replicas[0]
+    assert rep.fwd_s == pytest.approx(0.2 + 0.1 + 2 * allreduce) and rep.bwd_s == pytest.approx(0.4 + 0.2 + 2 * allreduce)
+    assert work.param_bytes == 500 + 100
+    est = simulate(graph, cluster, plan).estimate
+    assert est.busy_s["g1"] == est.busy_s["g0"] and est.peak_mem_bytes["g1"] == est.peak_mem_bytes["g0"]
+    alone = simulate(graph, cluster, Plan((Stage(("a", "b"), ("g0",)),), 1, "gpipe", "test")).estimate
+    assert est.usd_per_step / est.step_s == pytest.approx(2 * alone.usd_per_step / alone.step_s)

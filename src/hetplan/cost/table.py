@@ -39,6 +39,7 @@ from hetplan.cost.formulas import (
     split_backward_s,
 )
 from hetplan.cost.syncs import SyncCost, plan_syncs
+from hetplan.cost.tensor import tp_bytes, tp_times_s
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
@@ -172,7 +173,7 @@ def _replica(cm: CostModel, cluster: Cluster, plan: Plan, rows: StepRows, k: int
     dtype = cluster.device(d).type
     slow = cm.corun_factor(d, used)  # other CPU workers of the plan on its host (calibrated clusters)
     dev = cluster.device(d)
-    fwd, bwd, ffix, bfix = replica_passes_s(*cm.stage_times_s(stage.nodes, dtype),
+    fwd, bwd, ffix, bfix = replica_passes_s(*tp_times_s(cm, stage.nodes, dtype, stage.groups[p]),
                                             *cm.stage_fixed_s(stage.nodes, dtype), slow, dev.action_overhead_s)
     frac = [rows.rows(k, j, p) / rows.batch_size for j in range(len(rows.micro))]
     share = sum(frac)
@@ -224,15 +225,18 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
         kept = cm.kept_bytes(plan, k) if stage.recompute else 0.0
         replicas = tuple(_replica(cm, cluster, plan, rows, k, p, acts, kept, split, k in firsts)
                          for p in range(len(stage.devices)))
-        stages.append(StageWork(k, replicas, graph.param_bytes_of(stage.nodes), own.get(k, 0.0),
-                                graph.cast_bytes_of(stage.nodes), cm.sharded_bytes(plan, k)))
+        params, casts = tp_bytes(graph, stage.nodes, stage.tp)  # on each device of a replica
+        stages.append(StageWork(k, replicas, params, own.get(k, 0.0), casts, cm.sharded_bytes(plan, k)))
     messages = []
     for (a, b), nbytes in sorted(stage_pair_bytes(graph, plan, routing).items()):
         for p, src in enumerate(plan.stages[a].devices):
             for q, dst in enumerate(plan.stages[b].devices):
                 shared = [rows.shared_rows(a, j, p, b, q) for j in range(plan.microbatches)]
                 per_mb = tuple(nbytes * (hi - lo) / graph.batch_size if hi > lo else None for lo, hi in shared)
-                secs = [_transfers_s(cluster, a_dev, b_dev, per_mb) for a_dev, b_dev in ((src, dst), (dst, src))]
+                # a tensor-parallel group's first device sends to every device of the other's group
+                copies = (len(plan.stages[b].groups[q]), len(plan.stages[a].groups[p]))
+                secs = [_transfers_s(cluster, a_dev, b_dev, tuple(None if x is None else x * c for x in per_mb))
+                        for (a_dev, b_dev), c in zip(((src, dst), (dst, src)), copies, strict=True)]
                 if any(x is not None for x in per_mb):
                     messages.append(Message(a, b, src, dst, per_mb, *secs))
     return StepCosts(tuple(stages), tuple(messages), microbatch_fractions(graph.batch_size, plan.microbatches),

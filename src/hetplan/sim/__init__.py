@@ -10,6 +10,7 @@ planner's final choice is re-scored here.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
@@ -40,6 +41,18 @@ def memory_violations(cluster: Cluster, plan: Plan, peak_mem_bytes: dict[str, in
     return violations
 
 
+def for_groups(plan: Plan, per_device: Mapping[str, float]) -> dict:
+    """`per_device` (keyed by each replica's first device) with a tensor-parallel group's other
+    devices given the first's value: they run the same passes on their shards."""
+    out = dict(per_device)
+    for stage in plan.stages:
+        for group in stage.tp_devices:
+            for d in group[1:]:
+                if group[0] in per_device:
+                    out[d] = per_device[group[0]]
+    return out
+
+
 def simulate(graph: Graph, cluster: Cluster, plan: Plan, *, routing: str = "relay", timeline: bool = True,
              cost: CostModel | None = None) -> Simulation:
     """Simulate one training step of a valid plan (see `hetplan.plan.validate_plan`).
@@ -58,13 +71,14 @@ def _estimate(graph: Graph, cluster: Cluster, plan: Plan, model: StepCosts, resu
     step = result.step_s
     used = plan.devices
     # the simulated peak of its stashed activations, as they were held, not a schedule's bound
-    peak = model.peak_memory_bytes(result.peak_act_bytes)
+    peak = for_groups(plan, model.peak_memory_bytes(result.peak_act_bytes))
     violations = memory_violations(cluster, plan, peak)
-    busy = math.fsum(result.busy_s.values())
+    busy_s = for_groups(plan, result.busy_s)
+    busy = math.fsum(busy_s.values())
     return Estimate(
         step_s=step,
         samples_per_s=graph.batch_size / step if step > 0 else 0.0,
-        busy_s=result.busy_s,
+        busy_s=busy_s,
         peak_mem_bytes=peak,
         bubble_fraction=max(0.0, 1.0 - busy / (len(used) * step)) if step > 0 else 0.0,
         link_bytes={k: round(v) for k, v in result.link_bytes.items()},
