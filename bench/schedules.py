@@ -94,7 +94,7 @@ def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
     return rows
 
 
-def run_bench(name: str, run_model, describe) -> None:
+def run_bench(name: str, run_model, describe, models=None) -> None:
     """The command line and the run shared by the benchmarks of local workers on calibrated
     `local` (this one and bench/memory_choices.py): calibrate, then `run_model` per model, print each
     row by `describe`, write the rows to `-o` (default bench/results/NAME.json)."""
@@ -112,7 +112,7 @@ def run_bench(name: str, run_model, describe) -> None:
     serde.dump(calibrated, args.output.with_name(f"local-calibrated-{name}.json"))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for entry in (m for m in MODELS if not args.models or m[0] in args.models):
+        for entry in (m for m in models or MODELS if not args.models or m[0] in args.models):
             rows += run_model(entry, plain, calibrated, args, tmp)
     for r in rows:
         print(describe(r))

@@ -95,12 +95,11 @@ def _cluster(n: int):
 def _pipeline_equals_one_process(tmp_path, model: str, stages: list[tuple[int, int]], schedule: str) -> None:
     """Worker processes run a 2-stage plan whose stages have (replicas, tp) as given, one SGD
     step; the loss and every worker's weights (its shards joined) equal one process's."""
-    from test_executor import reference_step
-    from test_runtime import graph_of
-
     from hetplan.runtime.launch import launch, run_spec
     from hetplan.runtime.settings import RunSettings
     from hetplan.runtime.worker import _batches
+    from test_executor import reference_step
+    from test_runtime import graph_of
 
     zm = load_model(model, batch_size=8, seq_len=SEQ)
     switch_off_dropout(zm.step)
@@ -145,14 +144,14 @@ def test_the_split_follows_megatron_and_keeps_tied_and_key_value_weights_whole_w
     llama = load_model("llama-tiny").step
     two, four = tensor_splits(llama, 2), tensor_splits(llama, 4)
     attn = "model.model.layers.0.self_attn."
-    assert two[attn + "q_proj.weight"] == Split(0, 4) and two[attn + "o_proj.weight"] == Split(1, 4)
-    assert two[attn + "k_proj.weight"] == Split(0, 2)  # 2 key-value heads: one each
+    assert two[attn + "q_proj.weight"] == Split(0, 4, "column") and two[attn + "o_proj.weight"] == Split(1, 4, "row")
+    assert two[attn + "k_proj.weight"] == Split(0, 2, "column")  # 2 key-value heads: one each
     assert four[attn + "k_proj.weight"] == WHOLE  # fewer key-value heads than devices: each has them all
-    assert four["model.model.layers.0.mlp.down_proj.weight"] == Split(1, 344)
-    assert four["model.lm_head.weight"] == Split(0, 256) and four["model.model.embed_tokens.weight"] == WHOLE
+    assert four["model.model.layers.0.mlp.down_proj.weight"] == Split(1, 344, "row")
+    assert four["model.lm_head.weight"] == Split(0, 256, "column") and four["model.model.embed_tokens.weight"] == WHOLE
     gpt2 = load_model("gpt2-tiny").step
     splits = tensor_splits(gpt2, 2)
-    assert splits["model.transformer.h.0.attn.c_attn.weight"] == Split(1, 4)  # Conv1D: [in, out]
+    assert splits["model.transformer.h.0.attn.c_attn.weight"] == Split(1, 4, "column")  # Conv1D: [in, out]
     assert splits["model.transformer.h.0.attn.c_proj.bias"] == WHOLE
     assert splits["model.transformer.wte.weight"] == WHOLE  # tied to the head
     names = {n for n, _ in gpt2.named_parameters()}
@@ -223,9 +222,131 @@ def test_a_group_is_charged_its_share_of_the_splitting_nodes_and_their_all_reduc
     assert allreduce > 0
     work = step_costs(graph, cluster, plan, cost=cm).stages[0]
     rep = work.replicas[0]
-    assert rep.fwd_s == pytest.approx(0.2 + 0.1 + 2 * allreduce) and rep.bwd_s == pytest.approx(0.4 + 0.2 + 2 * allreduce)
+    assert rep.fwd_s == pytest.approx(0.2 + 0.1 + 2 * allreduce)
+    assert rep.bwd_s == pytest.approx(0.4 + 0.2 + 2 * allreduce)
     assert work.param_bytes == 500 + 100
     est = simulate(graph, cluster, plan).estimate
     assert est.busy_s["g1"] == est.busy_s["g0"] and est.peak_mem_bytes["g1"] == est.peak_mem_bytes["g0"]
     alone = simulate(graph, cluster, Plan((Stage(("a", "b"), ("g0",)),), 1, "gpipe", "test")).estimate
     assert est.usd_per_step / est.step_s == pytest.approx(2 * alone.usd_per_step / alone.step_s)
+
+
+def _brute_force(graph, cluster, options):
+    """The best plan of every chain of stages, every assignment of devices to them, every cut of
+    a stage's devices into equal groups of one host and type, every micro-batch count: scored by
+    the simulator on the real problem (a reference that knows nothing of groupings)."""
+    import itertools
+    import math
+
+    from hetplan.plan import plan_problems
+    from hetplan.planners.kit import microbatch_choices
+    from hetplan.planners.scoring import Scorer
+
+    scorer = Scorer(graph, cluster, options)
+    names = list(graph.topo_order)
+    ids = [d.id for d in cluster.devices]
+    best_value, best = float("inf"), None
+    for n in range(1, len(names) + 1):
+        for cuts in itertools.combinations(range(1, len(names)), n - 1):
+            bounds = [0, *cuts, len(names)]
+            for owner in itertools.product(range(n + 1), repeat=len(ids)):  # n: unused
+                held = [[d for d, o in zip(ids, owner, strict=True) if o == k] for k in range(n)]
+                if not all(held):
+                    continue
+                for stages in itertools.product(*(_equal_cuts(h, cluster, options.max_tp) for h in held)):
+                    built = tuple(Stage(tuple(names[bounds[k]:bounds[k + 1]]), tuple(g[0] for g in groups),
+                                        tp=len(groups[0]), tp_devices=groups if len(groups[0]) > 1 else ())
+                                  for k, groups in enumerate(stages))
+                    for m in microbatch_choices(graph, options):
+                        plan = Plan(built, m, options.schedule, "brute")
+                        value = math.inf if plan_problems(plan, graph, cluster) else scorer.value(plan)
+                        if value < best_value:
+                            best_value, best = value, plan
+    return best_value, best
+
+
+def _equal_cuts(devices, cluster, max_tp):
+    """Every cut of `devices` into groups of one size t <= max_tp, each of one host and type."""
+    import itertools
+
+    out = []
+    for t in range(1, min(max_tp, len(devices)) + 1):
+        if len(devices) % t:
+            continue
+        if t == 1:
+            out.append(tuple((d,) for d in devices))
+            continue
+        first, rest = devices[0], devices[1:]
+        for mates in itertools.combinations(rest, t - 1):
+            group = (first, *mates)
+            if len({(cluster.device(d).host, cluster.device(d).type) for d in group}) > 1:
+                continue
+            left = [d for d in rest if d not in mates]
+            for tail in (_equal_cuts(left, cluster, t) if left else [()]):
+                if not tail or len(tail[0]) == t:
+                    out.append((group, *tail))
+    return out
+
+
+def test_dp_with_tensor_parallelism_finds_the_exhaustive_optimum():
+    """One sample per step, so replicas cannot share it: on 2 A100 + 2 V100 the best plan puts
+    a 2-way group per pipeline stage, or the whole model on one group; dp finds the step of a
+    search over every plan, and without --max-tp it cannot."""
+    from hetplan.graph import Edge, Graph, Node
+    from hetplan.io.clusters import cluster_from_spec
+    from hetplan.planners import PlanOptions, make_plan
+
+    t = {"a100-40gb": 0.02}
+    graph = Graph("g", (Node("a", "Block", t, {"a100-40gb": 0.04}, param_bytes=10**6, out_bytes=10**4, tp_units=4),
+                        Node("b", "Block", t, {"a100-40gb": 0.04}, param_bytes=10**6, out_bytes=10**4, tp_units=4),
+                        Node("c", "Head", {"a100-40gb": 0.005}, {"a100-40gb": 0.01}, out_bytes=4, tp_units=0)),
+                  (Edge("a", "b", 10**4), Edge("b", "c", 10**4)), 1, "a100-40gb")
+    cluster = cluster_from_spec({"name": "mixed", "devices": [
+        *({"id": f"a{i}", "type": "a100-40gb", "host": "x"} for i in range(2)),
+        *({"id": f"v{i}", "type": "v100-16gb", "host": "y"} for i in range(2))]}, "mixed")
+    options = PlanOptions(max_tp=2)
+    want, reference = _brute_force(graph, cluster, options)
+    assert any(s.tp == 2 for s in reference.stages)
+    plan = make_plan(graph, cluster, "dp", options)
+    assert plan.predicted.step_s == pytest.approx(want, rel=1e-9)
+    assert any(s.tp == 2 for s in plan.stages)
+    assert make_plan(graph, cluster, "dp", PlanOptions()).predicted.step_s > want * 1.05
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_with_tensor_parallelism_equals_exhaustive_search_on_random_problems(seed):
+    import random
+
+    from hetplan.graph import Edge, Graph, Node
+    from hetplan.io.clusters import cluster_from_spec
+    from hetplan.planners import PlanOptions, make_plan
+
+    r = random.Random(seed)
+    nodes = []
+    for name in "abc":
+        f = r.uniform(0.005, 0.05)
+        nodes.append(Node(name, "Block", {"a100-40gb": f}, {"a100-40gb": 2 * f}, param_bytes=r.choice([10**6, 10**9]),
+                          out_bytes=r.choice([10**4, 10**7, 10**8]), act_bytes=10**6, tp_units=r.choice([0, 2, 4])))
+    graph = Graph("g", tuple(nodes), (Edge("a", "b", nodes[0].out_bytes), Edge("b", "c", nodes[1].out_bytes)),
+                  r.choice([1, 2, 4, 8]), "a100-40gb")
+    cluster = cluster_from_spec({"name": "mixed", "devices": [
+        *({"id": f"a{i}", "type": "a100-40gb", "host": "x"} for i in range(2)),
+        *({"id": f"v{i}", "type": "v100-16gb", "host": "y"} for i in range(2))]}, "mixed")
+    options = PlanOptions(max_tp=2)
+    want, _ = _brute_force(graph, cluster, options)
+    assert make_plan(graph, cluster, "dp", options).predicted.step_s == pytest.approx(want, rel=1e-9)
+
+
+def test_each_projection_pair_is_bounded_as_megatron_bounds_it():
+    """Per llama block: the inputs of q, k, v, gate and up whole (f), the outputs of o and down
+    summed (g); k and v left alone where they stay whole (4 ways over 2 key-value heads)."""
+    from hetplan.pieces.tensor_split import tensor_splits
+    from hetplan.runtime.tensor_parallel import megatron_boundaries, replicated
+
+    for degree, per_block in ((2, 7), (4, 5)):
+        zm, stage = _stage("llama-tiny")
+        names = {id(p): n for n, p in zm.step.named_parameters()}
+        splits = tensor_splits(zm.step, degree)
+        megatron_boundaries(stage, {pid: splits[n] for pid, n in names.items()})
+        calls = [n for gm in stage.pieces for n in gm.graph.nodes if n.target is replicated]
+        assert len(calls) == 4 * per_block + 1  # and the head's input

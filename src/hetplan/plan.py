@@ -26,8 +26,8 @@ from hetplan.errors import PlanError, listing
 from hetplan.graph import Graph
 from hetplan.precision import FP32, PRECISIONS
 from hetplan.schedule import SCHEDULE_NAMES, get_schedule, stage_ranks
-from hetplan.tp import tp_problems
 from hetplan.schedule import SCHEDULES as REGISTRY
+from hetplan.tp import tp_problems
 
 SCHEDULES = SCHEDULE_NAMES  # hetplan.schedule owns what each means
 OBJECTIVES = ("time", "cost", "mdpe", "throughput")
@@ -63,8 +63,9 @@ class Stage:
         who = f"the stage starting at node {self.nodes[0]!r}"
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise PlanError(f"{who} has tp {self.tp!r}; it must be a whole number >= 1")
-        if self.tp > 1 and (len(self.tp_devices) != len(self.devices)
-                            or any(len(g) != self.tp or g[0] != d for g, d in zip(self.tp_devices, self.devices))):
+        listed = len(self.tp_devices) == len(self.devices) and all(
+            len(g) == self.tp and g[0] == d for g, d in zip(self.tp_devices, self.devices, strict=True))
+        if self.tp > 1 and not listed:
             raise PlanError(f"{who} has tp {self.tp}: tp_devices must list each replica's {self.tp} devices, "
                             "the first of them the replica's entry in devices")
         if self.tp == 1 and self.tp_devices:

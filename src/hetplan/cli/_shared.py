@@ -57,7 +57,7 @@ def _options(args: argparse.Namespace) -> PlanOptions:
         schedule=args.schedule, objective=args.objective, seed=args.seed, budget_s=args.budget_s,
         min_samples_per_s=args.min_samples_per_s, alpha=args.alpha, beta=args.beta, gamma=args.gamma,
         comm_tolerance=args.comm_tolerance, mem_tolerance=args.mem_tolerance, routing=args.routing,
-        max_iters=args.max_iters, max_replicas=args.max_replicas,
+        max_iters=args.max_iters, max_replicas=args.max_replicas, max_tp=args.max_tp,
         faithful=args.faithful, recompute=args.recompute, shard=args.shard,
     )
 

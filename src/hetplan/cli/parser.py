@@ -110,6 +110,9 @@ def _planning_options() -> argparse.ArgumentParser:
     planning.add_argument("--min-samples-per-s", type=float, metavar="X", help="throughput floor of --objective cost")
     planning.add_argument("--max-replicas", type=int, metavar="N",
                           help="at most N devices per stage (1: a straight pipeline; default: no limit)")
+    planning.add_argument("--max-tp", type=int, default=1, metavar="N",
+                          help="replicas may be tensor-parallel groups of up to N devices of one type on one host "
+                               "(1: none; default: 1)")
     planning.add_argument("--seed", type=int, default=0, help="seed of search planners (default: 0)")
     planning.add_argument("--budget-s", type=float, metavar="T",
                           help="time budget of search planners (default: 10 for local-search, 20 for the RL "

@@ -38,16 +38,18 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "c_attn", "gate_proj", "up_proj", "c_fc"
           "lm_head")
 ROW = ("o_proj", "out_proj", "c_proj", "down_proj", "fc2")
 KEY_VALUE = ("k_proj", "v_proj", "key", "value")
-WHOLE_CLASSES = ("Embedding", "EmbeddingBag", "LayerNorm", "RMSNorm")
+COLUMN_KIND, ROW_KIND = "column", "row"
 
 
 @dataclass(frozen=True)
 class Split:
     """How a parameter is laid out on a group: `dim` the dimension its shards cut (None: whole on
-    every device), in `units` whole things (heads, hidden units, words)."""
+    every device), in `units` whole things (heads, hidden units, words); `kind` the projection's
+    side in Megatron's pair (`column`: it splits its outputs; `row`: its inputs; "" otherwise)."""
 
     dim: int | None
     units: int = 0
+    kind: str = ""
 
 
 WHOLE = Split(None)
@@ -81,10 +83,10 @@ def _projection_split(name: str, module: nn.Module, degree: int, heads: int, kv_
             units = heads
         else:  # MLP hidden units, or the head's words
             units = weight.shape[out]
-        return {"weight": Split(out, units), "bias": Split(0, units)}
+        return {"weight": Split(out, units, COLUMN_KIND), "bias": Split(0, units)}
     if leaf in ROW or (leaf == "dense" and "attention" in name):
         units = heads if "attn" in name or "attention" in name else weight.shape[1 - out]
-        return {"weight": Split(1 - out, units), "bias": WHOLE}
+        return {"weight": Split(1 - out, units, ROW_KIND), "bias": WHOLE}
     raise HetplanError(f"module {name!r} ({type(module).__name__}) cannot be split tensor-parallel: hetplan splits "
                        f"attention and MLP projections named {', '.join(COLUMN + ROW)}; plan its stage with --max-tp 1")
 

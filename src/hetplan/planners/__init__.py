@@ -117,10 +117,12 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
         raise HetplanError(f"--microbatches: {options.microbatches} micro-batches for a batch of {graph.batch_size} "
                            f"samples; use at most {graph.batch_size}")
     from hetplan.planners.refine import with_recompute, with_shard
+    from hetplan.planners.tensor_groups import with_tensor_groups
 
     start = time.perf_counter()
     cost = CostModel(graph, cluster)
-    planned = with_shard(cost, _planned(spec, graph, cluster, options, progress), options.shard)
+    planned = with_shard(cost, with_tensor_groups(lambda g, c, o: _planned(spec, g, c, o, progress), graph, cluster,
+                                                  options), options.shard)
     plan = replace(with_recompute(cost, planned, options.recompute), precision=graph.precision)
     planning_s = time.perf_counter() - start
     validate_plan(plan, graph, cluster)

@@ -43,6 +43,9 @@ class PlanOptions:
     model it costs no time (the reduce-scatter and all-gather move what the all-reduce moves) and
     saves memory and optimizer time, so every such stage takes it (`refine.with_shard`); dp and
     the per-type program count its memory while they choose the stages' widths.
+    max_tp: the most devices a tensor-parallel replica may have (`Stage.tp`; 1: none). Every
+    planner plans on the cluster with its devices grouped each way that allows and the best plan
+    wins, the plan without tensor parallelism among them (`hetplan.planners.tensor_groups`).
     """
 
     microbatches: int | None = None
@@ -62,6 +65,7 @@ class PlanOptions:
     faithful: bool = False
     recompute: str = "never"
     shard: str = "never"
+    max_tp: int = 1
 
     def __post_init__(self) -> None:
         # in this order, so that the first thing wrong is the one reported
@@ -94,6 +98,8 @@ class PlanOptions:
             raise HetplanError(f"--max-iters: {self.max_iters!r} must be a whole number >= 1")
         if self.max_replicas is not None and not _whole(self.max_replicas):
             raise HetplanError(f"--max-replicas: {self.max_replicas!r} must be a whole number >= 1")
+        if not _whole(self.max_tp):
+            raise HetplanError(f"--max-tp: {self.max_tp!r} must be a whole number >= 1")
 
     def allows(self, plan) -> bool:
         """Whether a plan keeps within `max_replicas`."""

@@ -69,10 +69,11 @@ def with_recompute(cost: CostModel, plan: Plan, mode: str) -> Plan:
 
 
 def shardable(cost: CostModel, stage) -> bool:
-    """Whether a stage's replicas can shard its optimizer state: two workers or more, and dense
-    gradients (the rows of a table with sparse ones are not split into shares)."""
+    """Whether a stage's replicas can shard its optimizer state: two workers or more, not
+    tensor-parallel, and dense gradients (the rows of a table with sparse ones are not split
+    into shares)."""
     by_id = cost.graph.by_id
-    return len(set(stage.devices)) > 1 and all(by_id[n].updated_bytes is None for n in stage.nodes)
+    return len(set(stage.devices)) > 1 and stage.tp == 1 and all(by_id[n].updated_bytes is None for n in stage.nodes)
 
 
 def with_shard(cost: CostModel, plan: Plan, mode: str) -> Plan:

@@ -37,7 +37,7 @@ class Scorer:
 
     @staticmethod
     def key(plan: Plan) -> tuple:
-        return (tuple((s.nodes, s.devices, s.recompute, s.shard) for s in plan.stages), plan.microbatches,
+        return (tuple((s.nodes, s.devices, s.recompute, s.shard, s.tp_devices) for s in plan.stages), plan.microbatches,
                 plan.schedule)
 
     def estimate(self, plan: Plan) -> Estimate:

@@ -22,14 +22,17 @@ Two things of the pieces' code differ under DTensor, so a tensor-parallel stage 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch import fx, nn
 
-from hetplan.pieces.tensor_split import Split, tensor_splits
+from hetplan.pieces.tensor_split import COLUMN_KIND, ROW_KIND, Split, tensor_splits
 
 _RESHAPE = torch.ops.aten.reshape.default
+_PRODUCTS = {torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default,
+             torch.ops.aten.matmul.default}
 
 
 def local_shards(named: Mapping[str, nn.Parameter], splits: Mapping[str, Split], degree: int,
@@ -73,11 +76,53 @@ def parallelize(traced: list[nn.Module], model: nn.Module, degree: int, index: i
     names = {id(p): n for n, p in model.named_parameters()}
     held = {names[id(p)]: p for mod in traced for p in mod.parameters() if id(p) in names}
     splits = tensor_splits(model, degree, set(held))
-    dims = {id(p): splits[name].dim for name, p in held.items()}
+    by_id = {id(p): splits[name] for name, p in held.items()}
+    for mod in traced:
+        megatron_boundaries(mod, by_id)
     shards = local_shards(held, splits, degree, index)
-    per_module = [{name: dims.get(id(p)) for name, p in mod.named_parameters()} for mod in traced]
+    per_module = [{name: by_id[id(p)].dim if id(p) in by_id else None for name, p in mod.named_parameters()}
+                  for mod in traced]
     swap_parameters([model, *traced], shards)
     return [TensorParallelStage(mod, placements) for mod, placements in zip(traced, per_module, strict=True)]
+
+
+def replicated(x):
+    """Megatron-LM's f and g operators in one: `x` whole on every device (summing partial sums:
+    an all-reduce), and its gradient whole too (summing the partial gradients of the devices'
+    column shards: an all-reduce in the backward). DTensor left alone sums lazily, where it picks
+    (it all-gathers weights to keep a partial sum partial)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(x, DTensor):
+        return x
+    whole = x.redistribute(x.device_mesh, [Replicate()]) if x.placements != (Replicate(),) else x
+    return DTensor.from_local(whole.to_local(grad_placements=[Replicate()]), x.device_mesh, [Replicate()],
+                              run_check=False)
+
+
+def megatron_boundaries(module: nn.Module, splits: Mapping[int, Split]) -> None:
+    """In every graph of `module`: the input of a product with a column-split weight, and the
+    output of one with a row-split weight, made `replicated` (in place; `splits` by parameter id)."""
+    for gm in module.modules():
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target not in _PRODUCTS:
+                continue
+            kinds = {splits[id(p)].kind for p in _weights(gm, node) if id(p) in splits} - {""}
+            if COLUMN_KIND in kinds:
+                for arg in [a for a in node.args if isinstance(a, fx.Node) and a.op != "get_attr"]:
+                    with gm.graph.inserting_before(node):
+                        node.replace_input_with(arg, gm.graph.call_function(replicated, (arg,)))
+            if ROW_KIND in kinds:
+                with gm.graph.inserting_after(node):
+                    out = gm.graph.call_function(replicated, (node,))
+                node.replace_all_uses_with(out, delete_user_cb=lambda user, out=out: user is not out)
+        gm.recompile()
+
+
+def _weights(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
+    return [getattr(gm, a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
 
 
 class TensorParallelStage(nn.Module):
@@ -162,3 +207,11 @@ def spread_gradients(prepared, transport) -> None:
             for prm in params if me != ranks[0] else ():
                 prm.grad = None
             reduce_gradients([(ranks, params)], transport)
+
+
+def surround(runner, prepared) -> None:
+    """A tensor-parallel worker's stages run their steps inside `running` (`StageRunner.around`)."""
+    role = prepared.role
+    if len(role.members(role.stage, role.replica)) > 1:
+        for stage_runner in runner.runners.values():
+            stage_runner.around = functools.partial(running, prepared.device.type)

@@ -145,17 +145,14 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
 
     from hetplan.runtime.executor import RankRunner, StageRunner
     from hetplan.runtime.precision import LossScaler
+    from hetplan.runtime.tensor_parallel import surround
 
     role = prepared.role
     runner = RankRunner([StageRunner(r, partial(prepared.module_for, stage=r.stage), lay_in, lay_out, transport,
                                      prepared.device) for r, (lay_in, lay_out) in zip(prepared.roles, prepared.layouts,
                                                                                       strict=True)], prepared.order,
                         memory)
-    if prepared.role.groups and len(prepared.role.members(role.stage, role.replica)) > 1:
-        from hetplan.runtime.tensor_parallel import running
-
-        for stage_runner in runner.runners.values():
-            stage_runner.around = partial(running, prepared.device.type)
+    surround(runner, prepared)
     if spec.settings.resume_step:
         from hetplan.runtime.checkpoint import load_stage
 

@@ -1,0 +1,175 @@
+"""Tensor parallelism for every planner: plan on the cluster with its devices grouped.
+
+A grouping cuts the devices of each host and type into tensor-parallel groups (`hetplan.tp`).
+On the grouped problem each group is one device: its type is the base type times t (t times its
+memory, price and peak rate), and the grouped graph gives that type each node's time on the
+group (`hetplan.cost.tensor.node_tp_times_s`: the part that scales with the samples 1/t where the
+node splits, plus its all-reduces) and the base types' times as the cost model has them. Any
+planner plans the grouped problem as it plans any other; its plan, each group's device put
+back as the group, is scored by the simulator on the real problem, and the best plan of all
+groupings wins, the plan of the ungrouped problem among them: never worse than without.
+
+Which groupings: per class of devices (one host, one type) of n devices, every way to cut n
+into groups of the degrees the graph allows (2 .. --max-tp, dividing some node's `tp_units`)
+and single devices, when all classes' ways multiply to at most MAX_GROUPINGS; otherwise every
+device of a type in groups of one degree, per type (leftovers of a host single). The grouped
+problem's memory is approximate (t times a device's, where only the weights split): the
+simulator's estimate on the real problem decides what fits. A stage whose replicas are groups
+of unlike degrees is not run yet (`Stage.tp` is one degree): such a plan is left out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+from hetplan.cluster import Cluster, Device
+from hetplan.cost import CostModel
+from hetplan.cost.tensor import node_tp_times_s
+from hetplan.errors import HetplanError
+from hetplan.graph import Graph
+from hetplan.plan import Plan, plan_problems
+from hetplan.planners.options import PlanOptions
+from hetplan.planners.scoring import Scorer
+
+MAX_GROUPINGS = 64
+Grouping = tuple[tuple[str, ...], ...]  # the groups of two devices or more
+
+
+def degrees(graph: Graph, max_tp: int) -> tuple[int, ...]:
+    """The degrees from 2 to `max_tp` that split some node evenly."""
+    units = {n.tp_units for n in graph.nodes if n.tp_units}
+    return tuple(t for t in range(2, max_tp + 1) if any(u % t == 0 for u in units))
+
+
+def _cuts(n: int, allowed: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The multisets of group sizes (from `allowed`, largest first) that fit in n devices (the rest single)."""
+    out: list[tuple[int, ...]] = [()]
+    for t in sorted(allowed, reverse=True):
+        out = [c + (t,) * j for c in out for j in range((n - sum(c)) // t + 1)]
+    return out
+
+
+def _classes(cluster: Cluster) -> dict[tuple[str, str], list[str]]:
+    classes: dict[tuple[str, str], list[str]] = {}
+    for d in cluster.devices:
+        classes.setdefault((d.host, d.type), []).append(d.id)
+    return classes
+
+
+def _groups(ids: list[str], sizes: tuple[int, ...]) -> tuple[tuple[str, ...], ...]:
+    out, at = [], 0
+    for t in sizes:
+        out.append(tuple(ids[at:at + t]))
+        at += t
+    return tuple(out)
+
+
+def groupings(graph: Graph, cluster: Cluster, max_tp: int) -> Iterator[Grouping]:
+    """Every grouping to plan on but the one without groups (see the module's docstring)."""
+    allowed = degrees(graph, max_tp)
+    if not allowed:
+        return
+    classes = _classes(cluster)
+    per_class = [_cuts(len(ids), allowed) for ids in classes.values()]
+    if _product(len(c) for c in per_class) <= MAX_GROUPINGS:
+        choices = itertools.product(*per_class)
+        for pick in choices:
+            grouping = tuple(g for ids, sizes in zip(classes.values(), pick, strict=True) for g in _groups(ids, sizes))
+            if grouping:
+                yield grouping
+        return
+    types = sorted({t for _, t in classes})
+    for pick in itertools.product((1, *allowed), repeat=len(types)):
+        degree = dict(zip(types, pick, strict=True))
+        grouping = tuple(g for (_, t), ids in classes.items() if degree[t] > 1
+                         for g in _groups(ids, (degree[t],) * (len(ids) // degree[t])))
+        if grouping:
+            yield grouping
+
+
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def grouped(graph: Graph, cluster: Cluster, grouping: Grouping, cost: CostModel) -> tuple[Graph, Cluster]:
+    """The problem with each group of `grouping` as one device (named as its first device)."""
+    group_of = {g[0]: g for g in grouping}
+    dropped = {d for g in grouping for d in g[1:]}
+    types = dict(cluster.types)
+    virtual: dict[str, tuple[str, tuple[str, ...]]] = {}  # name -> (base type, an example group)
+    devices = []
+    for d in cluster.devices:
+        if d.id in dropped:
+            continue
+        group = group_of.get(d.id)
+        if group is None:
+            devices.append(d)
+            continue
+        base = types[d.type] if d.type in types else cluster.types[d.type]
+        t = len(group)
+        name = f"{d.type}*{t}"
+        virtual.setdefault(name, (d.type, group))
+        types[name] = replace(cluster.types[d.type], name=name, peak_flops=base.peak_flops * t,
+                              peak_flops_fp16=base.peak_flops_fp16 * t, mem_bytes=base.mem_bytes * t,
+                              mem_bw_Bps=base.mem_bw_Bps * t, usd_per_hour=base.usd_per_hour * t)
+        devices.append(Device(d.id, name, d.host, d.mem_bytes * t, d.usd_per_hour * t, d.threads, d.binding,
+                              d.action_overhead_s, d.step_overhead_s, d.optimizer_points))
+    used = {d.type for d in devices}
+    plain = sorted(t for t in used if t not in virtual)
+    nodes = []
+    for n in graph.nodes:
+        times = {t: cost.node_times_s(t)[n.id] for t in plain}
+        fixed = {t: cost.node_fixed_s(t)[n.id] for t in plain}
+        for name, (base, group) in virtual.items():
+            times[name] = node_tp_times_s(cost, n.id, base, group)
+            fixed[name] = cost.node_fixed_s(base)[n.id]
+        nodes.append(replace(n, fwd_s={t: v[0] for t, v in times.items()}, bwd_s={t: v[1] for t, v in times.items()},
+                             fwd_fixed_s={t: v[0] for t, v in fixed.items()},
+                             bwd_fixed_s={t: v[1] for t, v in fixed.items()},
+                             opt_s={t: v for t, v in n.opt_s.items() if t in plain}))
+    profiled = plain[0] if plain else next(iter(virtual))
+    return (replace(graph, nodes=tuple(nodes), profiled_on=profiled),
+            replace(cluster, devices=tuple(devices), types={t: types[t] for t in used}))
+
+
+def ungrouped(plan: Plan, grouping: Grouping) -> Plan | None:
+    """The grouped problem's plan on the real devices: each stage's groups as its replicas (None
+    where a stage mixes degrees, which the runtime does not run yet)."""
+    group_of = {g[0]: g for g in grouping}
+    stages = []
+    for st in plan.stages:
+        groups = [group_of.get(d, (d,)) for d in st.devices]
+        sizes = {len(g) for g in groups}
+        if len(sizes) > 1:
+            return None
+        t = sizes.pop()
+        stages.append(replace(st, tp=t, tp_devices=tuple(groups) if t > 1 else (), shard=st.shard and t == 1))
+    return replace(plan, stages=tuple(stages), predicted=None)
+
+
+def with_tensor_groups(run: Callable[[Graph, Cluster, PlanOptions], Plan], graph: Graph, cluster: Cluster,
+                       options: PlanOptions) -> Plan:
+    """The best of `run`'s plans on the problem as it is and on each grouping (module docstring)."""
+    flat = replace(options, max_tp=1)
+    best = run(graph, cluster, flat)
+    if options.max_tp == 1:
+        return best
+    scorer, cost = Scorer(graph, cluster, flat), CostModel(graph, cluster)
+    value, tried = scorer.value(best), 0
+    for grouping in groupings(graph, cluster, options.max_tp):
+        try:
+            plan = ungrouped(run(*grouped(graph, cluster, grouping, cost), flat), grouping)
+        except HetplanError:  # the grouped problem has no plan (too few devices for the planner)
+            continue
+        tried += 1
+        if plan is None or plan_problems(plan, graph, cluster):
+            continue
+        plan_value = scorer.value(plan)
+        if plan_value < value:
+            best, value = plan, plan_value
+    return replace(best, meta={**best.meta, "tp_groupings": tried})
