@@ -350,3 +350,14 @@ def test_each_projection_pair_is_bounded_as_megatron_bounds_it():
         megatron_boundaries(stage, {pid: splits[n] for pid, n in names.items()})
         calls = [n for gm in stage.pieces for n in gm.graph.nodes if n.target is replicated]
         assert len(calls) == 4 * per_block + 1  # and the head's input
+
+
+def test_the_profiler_records_how_far_each_node_splits():
+    from hetplan.profile import profile_step
+
+    zm = load_model("llama-tiny", batch_size=2, seq_len=8)
+    graph = profile_step(zm.step, zm.batch, name="llama-tiny", granularity="block", block_classes=zm.block_classes,
+                         repeats=1, fixed=False).graph
+    units = {n.id: n.tp_units for n in graph.nodes}
+    assert units["model.layers.0"] == 4 and units["lm_head"] == 256  # heads 4, MLP 344; a vocabulary of 256
+    assert units["input"] == 0 and units["model.norm"] == 0

@@ -95,6 +95,7 @@ class _Measured:
     opt_s: dict[str, float] = field(default_factory=dict)  # per node with parameters, its optimizer step
     updated: dict[str, tuple[int | None, int]] = field(default_factory=dict)  # per node, `_updated_bytes`
     casts: dict[str, int] = field(default_factory=dict)  # per node, its weights' 16-bit copies (`Node.cast_bytes`)
+    tp_units: dict[str, int] = field(default_factory=dict)  # per node, its most tensor-parallel ways (`Node.tp_units`)
 
 
 def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
@@ -140,7 +141,7 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
     opt = optimizer_times(split, device.torch_device, repeats)
     return _Measured(split, values, timed.times, {n: w.flops for n, w in warm.items()},
                      {n: w.act_bytes for n, w in warm.items()}, timed.totals_s, timed.whole_s, repeats, parts, opt,
-                     updated, {n: w.cast_bytes for n, w in warm.items()})
+                     updated, {n: w.cast_bytes for n, w in warm.items()}, _tp_units(work, split))
 
 
 def profile_step(
@@ -199,7 +200,6 @@ def profile_step(
                 raise
     graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, fixed_parts, host_modules(step),
                          precision)
-    graph = _with_tp_units(graph, step, next(iter(measured.values())).split)
     if granularity == "block" and block_classes:  # so that `hetplan run` cuts the model the same way
         graph = replace(graph, meta={**graph.meta, "block_classes": ",".join(block_classes)})
     return _report(graph, start, measured)
@@ -276,14 +276,13 @@ def _updated_bytes(params: Iterable[torch.Tensor]) -> tuple[int | None, int]:
     return (total if sparse else None), looked_up
 
 
-def _with_tp_units(graph: Graph, step: nn.Module, split: SplitStep) -> Graph:
-    """Each node's most tensor-parallel ways (`Node.tp_units`, `hetplan.pieces.tensor_split`)."""
+def _tp_units(model: nn.Module, split: SplitStep) -> dict[str, int]:
+    """Each piece's most tensor-parallel ways (`Node.tp_units`, `hetplan.pieces.tensor_split`)."""
     from hetplan.pieces.tensor_split import split_units
 
-    names = {id(p): n for n, p in step.named_parameters()}
-    units = {piece.name: split_units(step, {names[id(p)] for p in piece.module.parameters() if id(p) in names})
-             for piece in split.pieces}
-    return replace(graph, nodes=tuple(replace(n, tp_units=units.get(n.id, 0)) for n in graph.nodes))
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {piece.name: split_units(model, {names[id(p)] for p in piece.module.parameters() if id(p) in names})
+            for piece in split.pieces}
 
 
 def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence[ProfileDevice],
@@ -308,7 +307,7 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
             edges[(src, piece.name)] = edges.get((src, piece.name), 0) + tensor_bytes(values[value])
     batch_bytes = sum(tensor_bytes(v) for v in batch.values())
     nodes = [Node(input_id, "Input", {t: 0.0 for t in measured}, {t: 0.0 for t in measured},
-                  out_bytes=batch_bytes, is_input=True)]
+                  out_bytes=batch_bytes, is_input=True, tp_units=0)]
     for piece in split.pieces:
         params = {id(p): p for p in piece.module.parameters()}
         nodes.append(Node(
@@ -321,6 +320,7 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
             out_bytes=tensor_bytes([values[o] for o in piece.outputs]),
             act_bytes=first.act_bytes[piece.name],
             cast_bytes=first.casts.get(piece.name, 0),
+            tp_units=first.tp_units.get(piece.name, 0),
             module=piece.modules,
             runs_on_host=any(m == h or m.startswith(h + ".") for m in piece.modules for h in host),
             updated_bytes=first.updated[piece.name][0],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,14 +135,15 @@ class _Counting:
                 for t in self.types}
 
     def node(self, node_id: str, op: str, flops: float, params: int, out_bytes: int, act_bytes: int,
-             fixed_s: float, cast: bool = True) -> Node:
-        """`cast`: its products use its weights (an embedding's lookup does not)."""
+             fixed_s: float, cast: bool = True, tp_units: int = 0) -> Node:
+        """`cast`: its products use its weights (an embedding's lookup does not); `tp_units`:
+        the most ways it splits tensor-parallel (`Node.tp_units`)."""
         casts = 2 * params if cast and is_mixed(self.precision) and flops > 0 else 0
         traffic = (casts or 4 * params) + out_bytes + act_bytes
         fwd = self.times(flops, traffic, fixed_s)
         bwd = self.times(BACKWARD_FLOPS * flops, 2 * traffic, fixed_s)
         return Node(node_id, op, fwd, bwd, flops=flops, param_bytes=4 * params, out_bytes=out_bytes,
-                    act_bytes=act_bytes, module=(node_id,), cast_bytes=casts,
+                    act_bytes=act_bytes, module=(node_id,), cast_bytes=casts, tp_units=tp_units,
                     fwd_fixed_s={t.name: fixed_s for t in self.types},
                     bwd_fixed_s={t.name: fixed_s for t in self.types})
 
@@ -161,12 +163,14 @@ def transformer_chain(model: TransformerShape | str, batch_size: int, seq_len: i
     embed = count.node("embed", "Embedding", 0.0, (m.vocab + seq_len) * h, hidden_bytes, 0, 0.0, cast=False)
     block_flops = 2.0 * tokens * m.block_params() + 4.0 * batch_size * seq_len * seq_len * h
     stash = count.value_bytes * STASH_ELEMENTS_PER_TOKEN_H * tokens * h
+    # tensor parallelism (`hetplan.pieces.tensor_split`) splits a block's heads and MLP units, and
+    # the head's vocabulary unless it is the embedding's (tied weights stay whole)
     blocks = [count.node(f"block_{i}", "TransformerBlock", block_flops, m.block_params(), hidden_bytes, stash,
-                         BLOCK_FIXED_S) for i in range(m.layers)]
+                         BLOCK_FIXED_S, tp_units=math.gcd(m.heads, m.ffn)) for i in range(m.layers)]
     # the loss's softmax is fp32 in every precision (autocast runs it so), after 16-bit logits
     logits = (4 + (count.value_bytes if is_mixed(precision) else 0)) * tokens * m.vocab
     head = count.node("head", "LMHead", 2.0 * tokens * h * m.vocab, h * m.vocab + 2 * h, 4 * batch_size,
-                      hidden_bytes + logits, BLOCK_FIXED_S)
+                      hidden_bytes + logits, BLOCK_FIXED_S, tp_units=0 if m.tied_embeddings else m.vocab)
     nodes = (embed, *blocks, head)
     edges = tuple(Edge(a.id, b.id, hidden_bytes) for a, b in itertools.pairwise(nodes))
     meta = {"source": "analytic", "granularity": "block", "seq_len": str(seq_len),
