@@ -202,8 +202,8 @@ def test_validation_refuses_a_split_the_model_cannot_make_in_one_line():
 
 def test_a_group_is_charged_its_share_of_the_splitting_nodes_and_their_all_reduces():
     """Exact: node a splits (1/2 each plus two all-reduces of its output per pass), node b
-    runs whole; each device holds half of a's parameters; the group's second device is busy
-    and holds memory as its first, and is paid for."""
+    runs whole (no fixed parts to grow by DTensor's dispatch); each device holds half of a's
+    parameters; the group's second device is busy and holds memory as its first, and is paid for."""
     from hetplan.cost import CostModel
     from hetplan.cost.table import step_costs
     from hetplan.graph import Edge, Graph, Node
@@ -222,8 +222,10 @@ def test_a_group_is_charged_its_share_of_the_splitting_nodes_and_their_all_reduc
     assert allreduce > 0
     work = step_costs(graph, cluster, plan, cost=cm).stages[0]
     rep = work.replicas[0]
-    assert rep.fwd_s == pytest.approx(0.2 + 0.1 + 2 * allreduce)
-    assert rep.bwd_s == pytest.approx(0.4 + 0.2 + 2 * allreduce)
+    once = cm.allreduce_s(1.0, ("g0", "g1"))  # an all-reduce's latency: paid per micro-batch, in the fixed part
+    assert rep.fwd_s == pytest.approx(0.2 + 0.1 + 2 * (allreduce - once))
+    assert rep.bwd_s == pytest.approx(0.4 + 0.2 + 2 * (allreduce - once))
+    assert rep.fwd_fixed_s == pytest.approx(2 * once) and rep.bwd_fixed_s == pytest.approx(2 * once)
     assert work.param_bytes == 500 + 100
     est = simulate(graph, cluster, plan).estimate
     assert est.busy_s["g1"] == est.busy_s["g0"] and est.peak_mem_bytes["g1"] == est.peak_mem_bytes["g0"]

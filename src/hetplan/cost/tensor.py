@@ -3,13 +3,15 @@ Shoeybi et al., 2019, section 3; the split is `hetplan.pieces.tensor_split`).
 
 - Compute: a node that splits (`Node.tp_units` > 0: a transformer block, a projection, the
   vocabulary's head) takes 1/t of the part of its time that scales with the samples on the
-  group's type; the fixed part of each pass (calling the operators) does not shrink, and the
-  rest (norms, embeddings, the loss) runs whole on every device.
+  group's type; the rest (norms, embeddings, the loss) runs whole on every device. The fixed
+  part of each pass (calling the operators) does not shrink: it grows by DTENSOR_FIXED_FACTOR,
+  what DTensor's dispatch adds to each operator.
 - Communication: each node that splits sums its partial outputs with two all-reduces of its
   output in the forward (after the attention and after the MLP) and two in the backward (the
-  inputs' gradients), on the group's links (one host: `CostModel.allreduce_s`). Charged per
-  batch, with the pass's time that scales with the samples; latency paid per micro-batch and
-  per layer is left out, as is DTensor's gathering of the vocabulary's logits for the loss.
+  inputs' gradients), on the group's links (one host: `CostModel.allreduce_s`): the time of a
+  one-byte all-reduce per pass (its latency) with the fixed part, the rest with the part that
+  scales with the samples. DTensor's gathering of the vocabulary's logits for the loss, and
+  GPT-2's joined q, k, v (gathered before they are split) are left out.
 - Memory: a node's parameters (their gradients and optimizer state, their 16-bit copies) are
   1/t on each device; activations are counted whole (Megatron-LM without sequence parallelism
   keeps the blocks' inputs and norms whole on every device: an upper bound).
@@ -23,30 +25,42 @@ from collections.abc import Sequence
 from hetplan.graph import Graph
 
 ALLREDUCES_PER_PASS = 2  # per transformer block: after the attention, after the MLP
+# DTensor's dispatch (sharding propagation in Python) per operator, over eager torch's: the
+# fixed part of a pass on a group is this much more (gpt2-tiny and llama-tiny on this VM's CPU,
+# bench/tp_choices.py: about 50 us per operator for the forward and backward together, against
+# 15-20 us eager)
+DTENSOR_FIXED_FACTOR = 3.0
 
 
 def split_nodes(graph: Graph, nodes: Sequence[str]) -> set[str]:
     return {n for n in nodes if graph.by_id[n].tp_units}
 
 
-def node_tp_times_s(cm, node: str, device_type: str, group: Sequence[str]) -> tuple[float, float]:
-    """A node's forward and backward for the whole batch on a group of devices of one type: the
-    part that scales with the samples 1/t when it splits, plus its all-reduces."""
-    whole = cm.node_times_s(device_type)[node]
+def node_tp_times_s(cm, node: str, device_type: str, group: Sequence[str]) -> tuple[float, float, float, float]:
+    """A node's forward and backward for the whole batch on a group of devices of one type, and
+    the fixed part of each (paid per micro-batch)."""
+    whole, fixed = cm.node_times_s(device_type)[node], cm.node_fixed_s(device_type)[node]
     t = len(group)
-    if t == 1 or not cm.graph.by_id[node].tp_units:
-        return whole
-    fixed = cm.node_fixed_s(device_type)[node]
-    comm = ALLREDUCES_PER_PASS * cm.allreduce_s(cm.graph.by_id[node].out_bytes, group)
-    return tuple(f + (w - f) / t + comm for w, f in zip(whole, fixed, strict=True))
+    if t == 1:
+        return (*whole, *fixed)
+    split = bool(cm.graph.by_id[node].tp_units)
+    # an all-reduce's time, as a + b * bytes: a paid per action, b * bytes over the batch
+    once = cm.allreduce_s(1.0, group) if split else 0.0
+    comm = cm.allreduce_s(cm.graph.by_id[node].out_bytes, group) - once if split else 0.0
+    out = []
+    for w, f in zip(whole, fixed, strict=True):
+        f_tp = f * (1 + DTENSOR_FIXED_FACTOR) + ALLREDUCES_PER_PASS * once
+        out.append((f_tp + (w - f) / (t if split else 1) + ALLREDUCES_PER_PASS * comm, f_tp))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
 
 
-def tp_times_s(cm, nodes: Sequence[str], device_type: str, group: Sequence[str]) -> tuple[float, float]:
-    """Forward and backward of `nodes` for the whole batch on a group of devices of one type."""
+def tp_times_s(cm, nodes: Sequence[str], device_type: str, group: Sequence[str]) -> tuple[float, float, float, float]:
+    """Forward and backward of `nodes` for the whole batch on a group of devices of one type,
+    and their fixed parts."""
     if len(group) == 1:
-        return cm.stage_times_s(nodes, device_type)
+        return (*cm.stage_times_s(nodes, device_type), *cm.stage_fixed_s(nodes, device_type))
     times = [node_tp_times_s(cm, n, device_type, group) for n in nodes]
-    return math.fsum(t[0] for t in times), math.fsum(t[1] for t in times)
+    return tuple(math.fsum(t[i] for t in times) for i in range(4))
 
 
 def tp_bytes(graph: Graph, nodes: Sequence[str], t: int) -> tuple[int, int]:

@@ -126,8 +126,8 @@ def grouped(graph: Graph, cluster: Cluster, grouping: Grouping, cost: CostModel)
         times = {t: cost.node_times_s(t)[n.id] for t in plain}
         fixed = {t: cost.node_fixed_s(t)[n.id] for t in plain}
         for name, (base, group) in virtual.items():
-            times[name] = node_tp_times_s(cost, n.id, base, group)
-            fixed[name] = cost.node_fixed_s(base)[n.id]
+            fwd, bwd, fwd_fixed, bwd_fixed = node_tp_times_s(cost, n.id, base, group)
+            times[name], fixed[name] = (fwd, bwd), (fwd_fixed, bwd_fixed)
         nodes.append(replace(n, fwd_s={t: v[0] for t, v in times.items()}, bwd_s={t: v[1] for t, v in times.items()},
                              fwd_fixed_s={t: v[0] for t, v in fixed.items()},
                              bwd_fixed_s={t: v[1] for t, v in fixed.items()},
