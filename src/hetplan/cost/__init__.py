@@ -33,6 +33,7 @@ from hetplan.cost import formulas, network
 from hetplan.cost.formulas import WEIGHT_COPIES, weight_bytes
 from hetplan.cost.projection import project_s
 from hetplan.cost.syncs import own_bytes
+from hetplan.cost.tensor import tp_bytes
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
@@ -339,7 +340,7 @@ class CostModel:
     def stage_replicas_memory_bytes(self, plan: Plan, stage_index: int) -> dict[str, int]:
         """`stage_memory_bytes` of every replica of a stage, by device id."""
         stage = plan.stages[stage_index]
-        params, casts = self.graph.param_bytes_of(stage.nodes), self.graph.cast_bytes_of(stage.nodes)
+        params, casts = tp_bytes(self.graph, stage.nodes, stage.tp)  # on each device of a tensor-parallel group
         weights = {"cast_bytes": casts, "shards": len(stage.devices),
                    "sharded_bytes": self.sharded_bytes(plan, stage_index)}
         acts = sum(self.graph.by_id[n].act_bytes for n in stage.nodes)
@@ -354,9 +355,9 @@ class CostModel:
             kept = self.kept_bytes(plan, stage_index)
             return {dev: formulas.recompute_memory_bytes(params, kept, acts, share(p, range(held)), share(p, range(1)),
                                                          **weights)
-                    for p, dev in enumerate(stage.devices)}
+                    for p, group in enumerate(stage.groups) for dev in group}
         return {dev: formulas.stage_memory_bytes(params, acts, share(p, range(held)), **weights)
-                for p, dev in enumerate(stage.devices)}
+                for p, group in enumerate(stage.groups) for dev in group}
 
     def sharded_bytes(self, plan: Plan, k: int) -> int:
         """The parameter bytes whose optimizer state stage k's replicas shard (`Stage.shard`):

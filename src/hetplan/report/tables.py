@@ -10,6 +10,7 @@ from rich.table import Table
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
+from hetplan.cost.tensor import tp_times_s
 from hetplan.graph import Graph
 from hetplan.plan import Estimate, Plan
 from hetplan.report.summary import cluster_summary, graph_summary
@@ -97,12 +98,14 @@ def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster:
         table.add_column("fwd+bwd", justify="right")
         table.add_column("memory", justify="right")
     for i, stage in enumerate(plan.stages):
-        marks = [word for word, on in (("recompute", stage.recompute), ("shard", stage.shard)) if on]
-        row = [f"{i} ({', '.join(marks)})" if marks else str(i), _devices_cell(stage.devices, cluster),
+        marks = [word for word, on in ((f"tp{stage.tp}", stage.tp > 1), ("recompute", stage.recompute),
+                                       ("shard", stage.shard)) if on]
+        row = [f"{i} ({', '.join(marks)})" if marks else str(i), _devices_cell(stage.all_devices, cluster),
                str(len(stage.nodes)),
                f"{stage.nodes[0]} .. {stage.nodes[-1]}"]
         if scored:
-            row.append(_per_replica([fmt_seconds(cm.device_stage_s(stage.nodes, d)) for d in stage.devices]))
+            row.append(_per_replica([fmt_seconds(sum(tp_times_s(cm, stage.nodes, cluster.device(g[0]).type, g)[:2]))
+                                     for g in stage.groups]))
             memory = cm.stage_replicas_memory_bytes(plan, i)
             row.append(_per_replica([fmt_bytes(memory[d]) for d in stage.devices]))
         table.add_row(*row)

@@ -40,4 +40,8 @@ def runtime_refusal(plan: Plan, cluster: Cluster) -> str | None:
                     "preset local")
         if binding.split(":", 1)[0] not in BINDINGS:
             return f"device {d} is bound to {binding!r}; the runtime runs on {', '.join(BINDINGS)}"
+    gpu_groups = [g for s in plan.stages for g in s.tp_devices if any(cluster.device(d).binding != "cpu" for d in g)]
+    if gpu_groups:
+        return (f"the tensor-parallel group {', '.join(gpu_groups[0])} is on GPUs, where the runtime has no NCCL mesh "
+                "yet (tensor-parallel stages run on CPU workers); plan with --max-tp 1 to run it")
     return None
