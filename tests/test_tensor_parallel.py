@@ -39,7 +39,7 @@ def _group_worker(rank: int, world: int, model: str, store: str, out: str) -> No
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         zm, stage = _stage(model)
-        tp = parallelize([stage], zm.step, world, rank)[0]
+        tp = parallelize([stage], zm.step, world, rank)[0][0]
         tp.attach(DeviceMesh("cpu", list(range(world))))
         with running("cpu"):
             loss = tp(*(zm.batch[k] for k in zm.batch))
@@ -92,9 +92,9 @@ def _cluster(n: int):
         {"id": f"c{i}", "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for i in range(n)]}, "cpus")
 
 
-def _pipeline_equals_one_process(tmp_path, model: str, stages: list[tuple[int, int]], schedule: str) -> None:
-    """Worker processes run a 2-stage plan whose stages have (replicas, tp) as given, one SGD
-    step; the loss and every worker's weights (its shards joined) equal one process's."""
+def _pipeline_equals_one_process(tmp_path, model: str, stages: list[list[int]], schedule: str) -> None:
+    """Worker processes run a 2-stage plan whose stages' replicas have the devices given, one
+    SGD step; the loss and every worker's weights (its shards joined) equal one process's."""
     from hetplan.runtime.launch import launch, run_spec
     from hetplan.runtime.settings import RunSettings
     from hetplan.runtime.worker import _batches
@@ -106,13 +106,14 @@ def _pipeline_equals_one_process(tmp_path, model: str, stages: list[tuple[int, i
     split = split_step(zm.step, zm.batch, granularity="block", block_classes=zm.block_classes)
     names = [p.name for p in split.pieces]
     cut = len(names) // 2
-    devices = iter(f"c{i}" for i in range(sum(r * t for r, t in stages)))
+    devices = iter(f"c{i}" for i in range(sum(map(sum, stages))))
     built = []
-    for (replicas, tp), nodes in zip(stages, (names[:cut], names[cut:]), strict=True):
-        groups = [tuple(next(devices) for _ in range(tp)) for _ in range(replicas)]
+    for degrees, nodes in zip(stages, (names[:cut], names[cut:]), strict=True):
+        groups = [tuple(next(devices) for _ in range(t)) for t in degrees]
+        tp = max(degrees)
         built.append(Stage(tuple(nodes), tuple(g[0] for g in groups), tp=tp, tp_devices=groups if tp > 1 else ()))
     plan = Plan(tuple(built), 2, schedule, "test")
-    spec = run_spec(plan, _cluster(sum(r * t for r, t in stages)), model, RunSettings(
+    spec = run_spec(plan, _cluster(sum(map(sum, stages))), model, RunSettings(
         batch_size=8, seq_len=SEQ, granularity="block", steps=1, warmup=0, optimizer="sgd", lr=0.1, out_dir=tmp_path,
         no_dropout=True, return_weights=True), graph=graph_of(split, 8))
     result = launch(spec)
@@ -120,7 +121,7 @@ def _pipeline_equals_one_process(tmp_path, model: str, stages: list[tuple[int, i
     ref_loss = reference_step(zm, _batches(spec, zm, 0), 2, 0.1)
     assert result.losses[0] == pytest.approx(ref_loss, rel=1e-5)
     for k in range(len(stages)):
-        for p in range(stages[k][0]):
+        for p in range(len(stages[k])):
             ranks = [r for r, me in enumerate(spec.ranks) if me.stage == k and me.replica == p]
             trained = [{n.removeprefix("inner."): w for n, w in torch.load(tmp_path / f"weights.{r}.pt").items()}
                        for r in ranks]
@@ -131,11 +132,17 @@ def _pipeline_equals_one_process(tmp_path, model: str, stages: list[tuple[int, i
 
 def test_gpt2_tiny_four_way_stage_then_two_replicas_equals_one_process(tmp_path):
     """The tied embedding and head: whole in the group, summed with the head's replicas."""
-    _pipeline_equals_one_process(tmp_path, "gpt2-tiny", [(1, 4), (2, 1)], "1f1b")
+    _pipeline_equals_one_process(tmp_path, "gpt2-tiny", [[4], [1, 1]], "1f1b")
 
 
 def test_llama_tiny_two_replicas_of_two_way_groups_equal_one_process(tmp_path):
-    _pipeline_equals_one_process(tmp_path, "llama-tiny", [(1, 1), (2, 2)], "gpipe")
+    _pipeline_equals_one_process(tmp_path, "llama-tiny", [[1], [2, 2]], "gpipe")
+
+
+def test_a_replica_of_one_device_beside_a_two_way_group_equals_one_process(tmp_path):
+    """Replicas of unlike degrees in one stage (Metis's A100s one by one beside a group of
+    V100s): their gradients summed whole and given back as each worker's shards."""
+    _pipeline_equals_one_process(tmp_path, "llama-tiny", [[1], [1, 2]], "1f1b")
 
 
 def test_the_split_follows_megatron_and_keeps_tied_and_key_value_weights_whole_where_it_must():
@@ -226,7 +233,7 @@ def test_a_group_is_charged_its_share_of_the_splitting_nodes_and_their_all_reduc
     assert rep.fwd_s == pytest.approx(0.2 + 0.1 + 2 * (allreduce - once))
     assert rep.bwd_s == pytest.approx(0.4 + 0.2 + 2 * (allreduce - once))
     assert rep.fwd_fixed_s == pytest.approx(2 * once) and rep.bwd_fixed_s == pytest.approx(2 * once)
-    assert work.param_bytes == 500 + 100
+    assert rep.weight_bytes == 4 * (500 + 100)  # weights, gradients, Adam's two moments: half of a's
     est = simulate(graph, cluster, plan).estimate
     assert est.busy_s["g1"] == est.busy_s["g0"] and est.peak_mem_bytes["g1"] == est.peak_mem_bytes["g0"]
     alone = simulate(graph, cluster, Plan((Stage(("a", "b"), ("g0",)),), 1, "gpipe", "test")).estimate
@@ -235,8 +242,8 @@ def test_a_group_is_charged_its_share_of_the_splitting_nodes_and_their_all_reduc
 
 def _brute_force(graph, cluster, options):
     """The best plan of every chain of stages, every assignment of devices to them, every cut of
-    a stage's devices into equal groups of one host and type, every micro-batch count: scored by
-    the simulator on the real problem (a reference that knows nothing of groupings)."""
+    a stage's devices into groups of one host and type, every micro-batch count: scored by the
+    simulator on the real problem (a reference that knows nothing of groupings)."""
     import itertools
     import math
 
@@ -255,9 +262,9 @@ def _brute_force(graph, cluster, options):
                 held = [[d for d, o in zip(ids, owner, strict=True) if o == k] for k in range(n)]
                 if not all(held):
                     continue
-                for stages in itertools.product(*(_equal_cuts(h, cluster, options.max_tp) for h in held)):
+                for stages in itertools.product(*(_group_cuts(h, cluster, options.max_tp) for h in held)):
                     built = tuple(Stage(tuple(names[bounds[k]:bounds[k + 1]]), tuple(g[0] for g in groups),
-                                        tp=len(groups[0]), tp_devices=groups if len(groups[0]) > 1 else ())
+                                        tp=max(map(len, groups)), tp_devices=groups if max(map(len, groups)) > 1 else ())
                                   for k, groups in enumerate(stages))
                     for m in microbatch_choices(graph, options):
                         plan = Plan(built, m, options.schedule, "brute")
@@ -267,26 +274,19 @@ def _brute_force(graph, cluster, options):
     return best_value, best
 
 
-def _equal_cuts(devices, cluster, max_tp):
-    """Every cut of `devices` into groups of one size t <= max_tp, each of one host and type."""
+def _group_cuts(devices, cluster, max_tp):
+    """Every cut of `devices` into groups of up to max_tp devices, each of one host and type."""
     import itertools
 
+    if not devices:
+        return [()]
+    first, rest = devices[0], devices[1:]
     out = []
-    for t in range(1, min(max_tp, len(devices)) + 1):
-        if len(devices) % t:
-            continue
-        if t == 1:
-            out.append(tuple((d,) for d in devices))
-            continue
-        first, rest = devices[0], devices[1:]
-        for mates in itertools.combinations(rest, t - 1):
+    for size in range(1, min(max_tp, len(devices)) + 1):
+        for mates in itertools.combinations(rest, size - 1):
             group = (first, *mates)
-            if len({(cluster.device(d).host, cluster.device(d).type) for d in group}) > 1:
-                continue
-            left = [d for d in rest if d not in mates]
-            for tail in (_equal_cuts(left, cluster, t) if left else [()]):
-                if not tail or len(tail[0]) == t:
-                    out.append((group, *tail))
+            if len({(cluster.device(d).host, cluster.device(d).type) for d in group}) == 1:
+                out += [(group, *tail) for tail in _group_cuts([d for d in rest if d not in mates], cluster, max_tp)]
     return out
 
 

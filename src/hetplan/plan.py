@@ -41,9 +41,11 @@ class Stage:
     With `shard` (two replicas or more), its replicas shard its optimizer state (ZeRO-1,
     `hetplan.runtime.sharding`): each updates a 1/r share of its parameters, summed to it by a
     reduce-scatter, and the updated shares are all-gathered: an r-th of Adam's state each.
-    With `tp` > 1, each replica is a tensor-parallel group of `tp` devices of one type on one
-    host (`hetplan.tp`): `tp_devices[p]` lists replica p's devices, the first of them
-    `devices[p]`, the device that stands for the replica (its rows of the batch, its messages)."""
+    With `tp` > 1, its replicas are tensor-parallel groups of devices of one type on one host
+    (`hetplan.tp`), of up to `tp` devices each (replicas of a stage may differ: four A100s of
+    one device each beside four V100s as one group): `tp_devices[p]` lists replica p's devices,
+    the first of them `devices[p]`, the device that stands for the replica (its rows of the
+    batch, its messages)."""
 
     nodes: tuple[str, ...]
     devices: tuple[str, ...]
@@ -64,10 +66,11 @@ class Stage:
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise PlanError(f"{who} has tp {self.tp!r}; it must be a whole number >= 1")
         listed = len(self.tp_devices) == len(self.devices) and all(
-            len(g) == self.tp and g[0] == d for g, d in zip(self.tp_devices, self.devices, strict=True))
+            1 <= len(g) <= self.tp and g[0] == d for g, d in zip(self.tp_devices, self.devices, strict=True)) \
+            and max(map(len, self.tp_devices)) == self.tp
         if self.tp > 1 and not listed:
-            raise PlanError(f"{who} has tp {self.tp}: tp_devices must list each replica's {self.tp} devices, "
-                            "the first of them the replica's entry in devices")
+            raise PlanError(f"{who} has tp {self.tp}: tp_devices must list each replica's devices (the largest group "
+                            f"{self.tp}), the first of them the replica's entry in devices")
         if self.tp == 1 and self.tp_devices:
             raise PlanError(f"{who} lists tp_devices but has tp 1")
 
@@ -75,6 +78,11 @@ class Stage:
     def groups(self) -> tuple[tuple[str, ...], ...]:
         """Per replica, its devices (one each unless the stage is tensor-parallel)."""
         return self.tp_devices or tuple((d,) for d in self.devices)
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        """Per replica, its devices' count (its tensor-parallel degree)."""
+        return tuple(len(g) for g in self.groups)
 
     @property
     def all_devices(self) -> tuple[str, ...]:

@@ -61,7 +61,8 @@ def tp_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
             problems.append(f"stage {i} is tensor-parallel under {plan.schedule}"
                             f"{' with shared devices' if plan.shared_devices else ''}; tensor-parallel stages run "
                             "one per group of devices, under gpipe, 1f1b or zero-bubble schedules")
-        why = splits_in(graph, stage.nodes, stage.tp)
-        if why:
-            problems.append(f"stage {i} cannot split {stage.tp} ways: {why}")
+        for degree in sorted(set(stage.degrees) - {1}):
+            why = splits_in(graph, stage.nodes, degree)
+            if why:
+                problems.append(f"stage {i} cannot split {degree} ways: {why}")
     return problems

@@ -33,7 +33,7 @@ from hetplan.cost import formulas, network
 from hetplan.cost.formulas import WEIGHT_COPIES, weight_bytes
 from hetplan.cost.projection import project_s
 from hetplan.cost.syncs import own_bytes
-from hetplan.cost.tensor import tp_bytes
+from hetplan.cost.tensor import tp_bytes, tp_times_s
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
@@ -324,9 +324,18 @@ class CostModel:
         shares = self.replica_shares(nodes, devices)
         return tuple(shares[d] for d in devices)
 
+    def group_weights(self, nodes: Sequence[str], groups: Sequence[Sequence[str]]) -> tuple[float, ...]:
+        """`stage_weights` of replicas that may be tensor-parallel groups (`hetplan.cost.tensor`):
+        in proportion to each group's speed on the stage."""
+        if all(len(g) == 1 for g in groups):
+            return self.stage_weights(nodes, [g[0] for g in groups])
+        speed = [1.0 / max(math.fsum(tp_times_s(self, nodes, self.cluster.device(g[0]).type, g)[:2]), 1e-30)
+                 for g in groups]
+        return tuple(s / math.fsum(speed) for s in speed)
+
     def replica_weights(self, plan: Plan) -> tuple[tuple[float, ...], ...]:
-        """Per stage, its replicas' weights (`stage_weights`)."""
-        return tuple(self.stage_weights(s.nodes, s.devices) for s in plan.stages)
+        """Per stage, its replicas' weights (`group_weights`)."""
+        return tuple(self.group_weights(s.nodes, s.groups) for s in plan.stages)
 
     def plan_rows(self, plan: Plan) -> StepRows:
         """The rows of every stage replica and micro-batch of the plan (`hetplan.rows`)."""
@@ -340,24 +349,26 @@ class CostModel:
     def stage_replicas_memory_bytes(self, plan: Plan, stage_index: int) -> dict[str, int]:
         """`stage_memory_bytes` of every replica of a stage, by device id."""
         stage = plan.stages[stage_index]
-        params, casts = tp_bytes(self.graph, stage.nodes, stage.tp)  # on each device of a tensor-parallel group
-        weights = {"cast_bytes": casts, "shards": len(stage.devices),
-                   "sharded_bytes": self.sharded_bytes(plan, stage_index)}
+        sharding = {"shards": len(stage.devices), "sharded_bytes": self.sharded_bytes(plan, stage_index)}
+        # each device of a tensor-parallel group holds its share of the weights (`cost.tensor`)
+        held_w = {t: tp_bytes(self.graph, stage.nodes, t) for t in set(stage.degrees)}
         acts = sum(self.graph.by_id[n].act_bytes for n in stage.nodes)
         # this stage's split only: planners ask this per stage and device, in loops
-        rows = step_rows(self.graph.batch_size, plan.microbatches, [self.stage_weights(stage.nodes, stage.devices)])
+        rows = step_rows(self.graph.batch_size, plan.microbatches, [self.group_weights(stage.nodes, stage.groups)])
         held = inflight_microbatches(plan.schedule, len(plan.stages), stage_index, plan.microbatches, plan.ranks)
 
         def share(p: int, micro: range) -> float:
             return sum(rows.rows(0, j, p) for j in micro) / self.graph.batch_size
 
-        if stage.recompute:
-            kept = self.kept_bytes(plan, stage_index)
-            return {dev: formulas.recompute_memory_bytes(params, kept, acts, share(p, range(held)), share(p, range(1)),
-                                                         **weights)
-                    for p, group in enumerate(stage.groups) for dev in group}
-        return {dev: formulas.stage_memory_bytes(params, acts, share(p, range(held)), **weights)
-                for p, group in enumerate(stage.groups) for dev in group}
+        def need(p: int, group: Sequence[str]) -> int:
+            params, casts = held_w[len(group)]
+            if stage.recompute:
+                return formulas.recompute_memory_bytes(params, self.kept_bytes(plan, stage_index), acts,
+                                                       share(p, range(held)), share(p, range(1)), cast_bytes=casts,
+                                                       **sharding)
+            return formulas.stage_memory_bytes(params, acts, share(p, range(held)), cast_bytes=casts, **sharding)
+
+        return {dev: need(p, group) for p, group in enumerate(stage.groups) for dev in group}
 
     def sharded_bytes(self, plan: Plan, k: int) -> int:
         """The parameter bytes whose optimizer state stage k's replicas shard (`Stage.shard`):

@@ -97,6 +97,9 @@ class Replica:
     # a stage that recomputes (`Stage.recompute`): per micro-batch, the activations its backward
     # (B, or I) rebuilds and holds while it runs; act_mb_bytes is then what it keeps between passes
     rebuilt_mb_bytes: tuple[float, ...] = ()
+    # a tensor-parallel group (`hetplan.cost.tensor`): what each of its devices holds of the
+    # stage's weights, gradients and optimizer state (None: the stage's `weight_bytes`)
+    weight_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,8 @@ class StepCosts:
         held: dict[str, int] = {}
         for st in self.stages:
             for rep in st.replicas:
-                held[rep.device] = held.get(rep.device, 0) + st.weight_bytes
+                held[rep.device] = held.get(rep.device, 0) + (st.weight_bytes if rep.weight_bytes is None
+                                                              else rep.weight_bytes)
         return {d: formulas.held_memory_bytes(held[d], acts) for d, acts in peak_act_bytes.items()}
 
 
@@ -189,13 +193,17 @@ def _replica(cm: CostModel, cluster: Cluster, plan: Plan, rows: StepRows, k: int
     if stage.recompute:
         bwd, bfix = recomputed_backward_s(bwd, bfix, fwd, ffix, dev.action_overhead_s)
         rebuilt, acts = tuple(acts * f for f in frac), kept
+    group, held, optimizer_s = stage.groups[p], None, cm.replica_optimizer_s(plan, k, d)
+    if len(group) > 1:  # each device holds and updates its share of the weights (`cost.tensor`)
+        params, casts = tp_bytes(cm.graph, stage.nodes, len(group))
+        held = int(weight_bytes(params, casts, 1, 0))
+        optimizer_s *= params / max(cm.graph.param_bytes_of(stage.nodes), 1)
     return Replica(d, share, share * fwd, share * bwd, share * acts, ffix, bfix,
                    # a worker holding several stages (interleaved) pays the runtime's per-step cost once
-                   replica_tail_s(cm.replica_optimizer_s(plan, k, d), slow,
-                                  dev.step_overhead_s if first_of_worker else 0.0),
+                   replica_tail_s(optimizer_s, slow, dev.step_overhead_s if first_of_worker else 0.0),
                    tuple(action_s(ffix, fwd, f) if f > 0 else 0.0 for f in frac),
                    tuple(action_s(bfix, bwd, f) if f > 0 else 0.0 for f in frac),
-                   tuple(acts * f for f in frac), *halves, weights, rebuilt)
+                   tuple(acts * f for f in frac), *halves, weights, rebuilt, held)
 
 
 def _transfers_s(cluster: Cluster, src: str, dst: str, per_mb: tuple[float | None, ...]) -> tuple[float, ...]:
@@ -225,8 +233,8 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
         kept = cm.kept_bytes(plan, k) if stage.recompute else 0.0
         replicas = tuple(_replica(cm, cluster, plan, rows, k, p, acts, kept, split, k in firsts)
                          for p in range(len(stage.devices)))
-        params, casts = tp_bytes(graph, stage.nodes, stage.tp)  # on each device of a replica
-        stages.append(StageWork(k, replicas, params, own.get(k, 0.0), casts, cm.sharded_bytes(plan, k)))
+        stages.append(StageWork(k, replicas, graph.param_bytes_of(stage.nodes), own.get(k, 0.0),
+                                graph.cast_bytes_of(stage.nodes), cm.sharded_bytes(plan, k)))
     messages = []
     for (a, b), nbytes in sorted(stage_pair_bytes(graph, plan, routing).items()):
         for p, src in enumerate(plan.stages[a].devices):

@@ -14,8 +14,8 @@ into groups of the degrees the graph allows (2 .. --max-tp, dividing some node's
 and single devices, when all classes' ways multiply to at most MAX_GROUPINGS; otherwise every
 device of a type in groups of one degree, per type (leftovers of a host single). The grouped
 problem's memory is approximate (t times a device's, where only the weights split): the
-simulator's estimate on the real problem decides what fits. A stage whose replicas are groups
-of unlike degrees is not run yet (`Stage.tp` is one degree): such a plan is left out.
+simulator's estimate on the real problem decides what fits. A stage's replicas may be groups of
+unlike degrees (the A100s of a host one by one beside the V100s of another as one group).
 """
 
 from __future__ import annotations
@@ -137,18 +137,14 @@ def grouped(graph: Graph, cluster: Cluster, grouping: Grouping, cost: CostModel)
             replace(cluster, devices=tuple(devices), types={t: types[t] for t in used}))
 
 
-def ungrouped(plan: Plan, grouping: Grouping) -> Plan | None:
-    """The grouped problem's plan on the real devices: each stage's groups as its replicas (None
-    where a stage mixes degrees, which the runtime does not run yet)."""
+def ungrouped(plan: Plan, grouping: Grouping) -> Plan:
+    """The grouped problem's plan on the real devices: each stage's groups as its replicas."""
     group_of = {g[0]: g for g in grouping}
     stages = []
     for st in plan.stages:
-        groups = [group_of.get(d, (d,)) for d in st.devices]
-        sizes = {len(g) for g in groups}
-        if len(sizes) > 1:
-            return None
-        t = sizes.pop()
-        stages.append(replace(st, tp=t, tp_devices=tuple(groups) if t > 1 else (), shard=st.shard and t == 1))
+        groups = tuple(group_of.get(d, (d,)) for d in st.devices)
+        t = max(map(len, groups))
+        stages.append(replace(st, tp=t, tp_devices=groups if t > 1 else (), shard=st.shard and t == 1))
     return replace(plan, stages=tuple(stages), predicted=None)
 
 
@@ -167,7 +163,7 @@ def with_tensor_groups(run: Callable[[Graph, Cluster, PlanOptions], Plan], graph
         except HetplanError:  # the grouped problem has no plan (too few devices for the planner)
             continue
         tried += 1
-        if plan is None or plan_problems(plan, graph, cluster):
+        if plan_problems(plan, graph, cluster):
             continue
         plan_value = scorer.value(plan)
         if plan_value < value:

@@ -98,7 +98,7 @@ def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster:
         table.add_column("fwd+bwd", justify="right")
         table.add_column("memory", justify="right")
     for i, stage in enumerate(plan.stages):
-        marks = [word for word, on in ((f"tp{stage.tp}", stage.tp > 1), ("recompute", stage.recompute),
+        marks = [word for word, on in ((tp_mark(stage), stage.tp > 1), ("recompute", stage.recompute),
                                        ("shard", stage.shard)) if on]
         row = [f"{i} ({', '.join(marks)})" if marks else str(i), _devices_cell(stage.all_devices, cluster),
                str(len(stage.nodes)),
@@ -113,6 +113,13 @@ def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster:
     if plan.predicted is not None:
         show_estimate(console, plan.predicted)
     show_search(console, plan)
+
+
+def tp_mark(stage) -> str:
+    """`tp2` for replicas of two devices each; `tp 1,1,4` where they differ."""
+    if len(set(stage.degrees)) == 1:
+        return f"tp{stage.tp}"
+    return "tp " + ",".join(map(str, stage.degrees))
 
 
 def _devices_cell(devices: tuple[str, ...], cluster: Cluster | None) -> str:

@@ -13,7 +13,7 @@ no device of the tracing machine survives in it).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -178,10 +178,12 @@ class Prepared:
     device: torch.device
     sparse: frozenset[int] = frozenset()  # the ids of the tables with sparse gradients (`gradients`)
     shards: tuple[ShardedParameters, ...] = ()  # its stages' groups that shard the optimizer's state
-    # sums that only a tensor-parallel group's first rank makes: each group's first rank then
-    # gives the others its sum (`spread`); and each group's ranks, for its mesh
-    spreads: tuple[tuple[tuple[int, ...], list[nn.Parameter]], ...] = ()
+    # sums over replicas of unlike tensor-parallel degrees (`tensor_parallel.mixed_sums`): the
+    # replicas' first ranks, each replica's ranks, the parameters; each group's ranks, for its
+    # mesh; this worker's split parameters' dimensions, by id
+    mixed: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...], list[nn.Parameter]], ...] = ()
     tp_groups: tuple[tuple[int, ...], ...] = ()
+    tp_dims: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def role(self) -> Role:
@@ -240,48 +242,52 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     for size in sorted(slice_sizes(roles)):
         traces.stages(size)
     bounds = boundary_layouts(traces) if len(plan.stages) > 1 else []
-    if plan.stages[me.stage].tp > 1:  # its shards in the model and its stage's traces (`tensor_parallel`)
-        _parallelize(traces, zoo_model.step, me.stage, plan.stages[me.stage].tp, me.tp)
+    degree = plan.stages[me.stage].degrees[me.replica]
+    # its shards in the model and its stage's traces (`tensor_parallel`)
+    dims = _parallelize(traces, zoo_model.step, me.stage, degree, me.tp) if degree > 1 else {}
     names = {id(prm): name for name, prm in zoo_model.step.named_parameters()}
-    groups, spreads = tp_sums(gradient_groups(traces, table, names), members)
+    groups, mixed = tp_sums(gradient_groups(traces, table, names), members)
     layouts = tuple((bounds[r.stage - 1] if r.stage > 0 else (), bounds[r.stage] if r.stage < len(bounds) else ())
                     for r in roles)
     order = rank_orders(plan.schedule, len(plan.stages), plan.microbatches, plan.ranks)[mine]
     prepared = Prepared(roles, order, traces, layouts, groups, device, sparse_parameter_ids(zoo_model.step),
-                        spreads=spreads, tp_groups=tuple(g for stage in members for g in stage if len(g) > 1))
+                        mixed=mixed, tp_groups=tuple(g for stage in members for g in stage if len(g) > 1),
+                        tp_dims=dims)
     for size in sorted(prepared.sizes):
         for r in roles:
             place(prepared.module_for(size, r.stage), device)
     return replace(prepared, shards=_shards(plan, roles, groups, table[me.stage][me.replica]))
 
 
-def _parallelize(traces: Traces, model: nn.Module, stage: int, degree: int, index: int) -> None:
-    """The stage's module in every trace made tensor-parallel, worker `index` of `degree`."""
+def _parallelize(traces: Traces, model: nn.Module, stage: int, degree: int, index: int) -> dict[int, int]:
+    """The stage's module in every trace made tensor-parallel, worker `index` of `degree`;
+    returns the dimension each of its shards splits, by the shard's id."""
     sizes = sorted(traces.by_rows)
-    made = parallelize([traces.by_rows[r][stage] for r in sizes], model, degree, index)
+    made, dims = parallelize([traces.by_rows[r][stage] for r in sizes], model, degree, index)
     for r, module in zip(sizes, made, strict=True):
         traces.by_rows[r][stage] = module
+    return dims
 
 
 def tp_sums(groups, members: tuple[tuple[tuple[int, ...], ...], ...]):
     """The gradient sums of `gradient_groups` (made over each replica's first rank) with tensor
     parallelism: a group of one stage whose replicas are groups of t ranks sums at each of the t
     places apart (each rank its shards, or its whole copies: the same on every rank of a group);
-    a group over stages of unlike degrees (a weight tied across stages: whole everywhere) sums
-    over the first ranks, each of which then spreads the sum to its group. Returns the sums and
-    the spreads, the same on every rank."""
-    sums, spreads = [], []
+    a group over replicas of unlike degrees (a stage's A100s one by one beside V100s as a group,
+    or a weight tied across stages) goes to `tensor_parallel.mixed_sums`. Returns the sums and
+    those, the same on every rank."""
+    sums, mixed = [], []
     for ranks, params, stages in groups:
-        groups_of = [members[k][p] for k in sorted(stages) for p in range(len(members[k]))]
+        by_first = {g[0]: g for k in stages for g in members[k]}
+        groups_of = tuple(by_first[r] for r in ranks)
         sizes = {len(g) for g in groups_of}
         if sizes == {1}:
             sums.append((ranks, params, stages))
         elif len(sizes) == 1 and len(stages) == 1:
             sums += [(tuple(g[i] for g in groups_of), params, stages) for i in range(sizes.pop())]
         else:
-            sums.append((ranks, params, stages))
-            spreads += [(g, params) for g in groups_of if len(g) > 1]
-    return sums, spreads
+            mixed.append((ranks, groups_of, params))
+    return sums, tuple(mixed)
 
 
 def _shards(plan: Plan, roles: Sequence[Role], groups, rank: int) -> tuple[ShardedParameters, ...]:

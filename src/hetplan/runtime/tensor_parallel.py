@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -70,9 +71,11 @@ def contiguous_reshapes(module: nn.Module) -> None:
         gm.recompile()
 
 
-def parallelize(traced: list[nn.Module], model: nn.Module, degree: int, index: int) -> list[TensorParallelStage]:
+def parallelize(traced: list[nn.Module], model: nn.Module, degree: int,
+                index: int) -> tuple[list[TensorParallelStage], dict[int, int]]:
     """Worker `index` of a group of `degree`: one stage's modules (one per trace, sharing the
-    model's parameters) made tensor-parallel; the model and the traces then hold its shards."""
+    model's parameters) made tensor-parallel; the model and the traces then hold its shards.
+    Returns them, and the dimension each shard splits by the shard's id."""
     names = {id(p): n for n, p in model.named_parameters()}
     held = {names[id(p)]: p for mod in traced for p in mod.parameters() if id(p) in names}
     splits = tensor_splits(model, degree, set(held))
@@ -83,7 +86,8 @@ def parallelize(traced: list[nn.Module], model: nn.Module, degree: int, index: i
     per_module = [{name: by_id[id(p)].dim if id(p) in by_id else None for name, p in mod.named_parameters()}
                   for mod in traced]
     swap_parameters([model, *traced], shards)
-    return [TensorParallelStage(mod, placements) for mod, placements in zip(traced, per_module, strict=True)]
+    dims = {id(shards[pid]): split.dim for pid, split in by_id.items() if pid in shards}
+    return [TensorParallelStage(mod, placements) for mod, placements in zip(traced, per_module, strict=True)], dims
 
 
 def replicated(x):
@@ -196,17 +200,46 @@ def attach_meshes(prepared, transport) -> None:
                 module.attach(mesh)
 
 
-def spread_gradients(prepared, transport) -> None:
-    """After the sums over groups' first ranks (`rank.tp_sums`), each first rank gives its
-    group the sums: the others drop theirs and the group adds them up."""
-    from hetplan.runtime.gradients import reduce_gradients
-
+def mixed_sums(prepared, transport) -> None:
+    """Sums over replicas of unlike degrees (`rank.tp_sums`): each group joins its shards of
+    every parameter into the whole gradient (its first rank adding the whole parameters', which
+    every rank of a group has alike), the groups' first ranks sum them, each gives its group
+    the sum, and each rank keeps its shard of it. Three collectives per sum; every rank runs the
+    sums in the same order, each the collectives it is part of."""
     me = prepared.role.rank
-    for ranks, params in prepared.spreads:
-        if me in ranks:
-            for prm in params if me != ranks[0] else ():
-                prm.grad = None
-            reduce_gradients([(ranks, params)], transport)
+    for leads, groups, params in prepared.mixed:
+        mine = next((g for g in groups if me in g), None)
+        if mine is None or not params:
+            continue
+        t, place = len(mine), mine.index(me)
+        wholes = [_whole_shape(p, prepared.tp_dims.get(id(p)), t) for p in params]
+        flat = torch.zeros(sum(math.prod(s) for s in wholes))
+        views, at = [], 0
+        for p, shape in zip(params, wholes, strict=True):
+            views.append(flat[at:at + math.prod(shape)].view(shape))
+            at += math.prod(shape)
+        for p, view in zip(params, views, strict=True):
+            dim, grad = prepared.tp_dims.get(id(p)), p.grad
+            if grad is not None and (dim is not None or place == 0):
+                (view if dim is None else view.chunk(t, dim)[place]).copy_(grad.detach().cpu())
+        if t > 1:
+            transport.all_reduce(flat, mine)  # the group's whole gradients
+        if place == 0 and len(leads) > 1:
+            transport.all_reduce(flat, leads)
+        if t > 1:
+            if place:
+                flat.zero_()
+            transport.all_reduce(flat, mine)  # the sum, from the group's first rank
+        for p, view in zip(params, views, strict=True):
+            dim = prepared.tp_dims.get(id(p))
+            p.grad = (view if dim is None else view.chunk(t, dim)[place]).to(p.device, copy=True)
+
+
+def _whole_shape(p: torch.Tensor, dim: int | None, t: int) -> tuple[int, ...]:
+    shape = list(p.shape)
+    if dim is not None:
+        shape[dim] *= t
+    return tuple(shape)
 
 
 def surround(runner, prepared) -> None:

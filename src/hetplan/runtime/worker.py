@@ -224,11 +224,11 @@ def _reduce_and_update(prepared, opt, transport, scaler=None, world: int = 1) ->
 
     from hetplan.runtime.gradients import reduce_gradients
     from hetplan.runtime.precision import agreed_step
-    from hetplan.runtime.tensor_parallel import spread_gradients
+    from hetplan.runtime.tensor_parallel import mixed_sums
 
     t_ar = time.perf_counter()
     reduce_gradients(prepared.my_groups, transport, prepared.sparse)
-    spread_gradients(prepared, transport)
+    mixed_sums(prepared, transport)
     for group in prepared.shards:  # the sharded ones: a reduce-scatter each (`runtime.sharding`)
         group.reduce(transport)
     t_opt = time.perf_counter()
@@ -286,7 +286,7 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     keep_freed_memory()  # as the profiler measured (hostmem)
     zoo_model, prepared, opt = build_rank(spec, rank, heartbeat)  # each trace moves the heartbeat
     groups = [ranks for ranks, _, _ in prepared.groups if len(ranks) > 1]
-    groups += [ranks for ranks, _ in prepared.spreads] + list(prepared.tp_groups)
+    groups += [leads for leads, _, _ in prepared.mixed] + list(prepared.tp_groups)
     if scales_loss(spec.plan.precision) and world > 1:  # the workers agree on fp16's steps (`runtime.precision`)
         groups.append(tuple(range(world)))
     transport = GlooTransport(rank, world, list(dict.fromkeys(groups)), spec.settings.timeout_s)
