@@ -263,15 +263,18 @@ def _brute_force(graph, cluster, options):
                 if not all(held):
                     continue
                 for stages in itertools.product(*(_group_cuts(h, cluster, options.max_tp) for h in held)):
-                    built = tuple(Stage(tuple(names[bounds[k]:bounds[k + 1]]), tuple(g[0] for g in groups),
-                                        tp=max(map(len, groups)), tp_devices=groups if max(map(len, groups)) > 1 else ())
-                                  for k, groups in enumerate(stages))
+                    built = tuple(_stage_of(names[bounds[k]:bounds[k + 1]], groups) for k, groups in enumerate(stages))
                     for m in microbatch_choices(graph, options):
                         plan = Plan(built, m, options.schedule, "brute")
                         value = math.inf if plan_problems(plan, graph, cluster) else scorer.value(plan)
                         if value < best_value:
                             best_value, best = value, plan
     return best_value, best
+
+
+def _stage_of(nodes, groups) -> Stage:
+    tp = max(map(len, groups))
+    return Stage(tuple(nodes), tuple(g[0] for g in groups), tp=tp, tp_devices=groups if tp > 1 else ())
 
 
 def _group_cuts(devices, cluster, max_tp):

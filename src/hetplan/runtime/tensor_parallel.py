@@ -215,7 +215,7 @@ def mixed_sums(prepared, transport) -> None:
         wholes = [_whole_shape(p, prepared.tp_dims.get(id(p)), t) for p in params]
         flat = torch.zeros(sum(math.prod(s) for s in wholes))
         views, at = [], 0
-        for p, shape in zip(params, wholes, strict=True):
+        for shape in wholes:
             views.append(flat[at:at + math.prod(shape)].view(shape))
             at += math.prod(shape)
         for p, view in zip(params, views, strict=True):
