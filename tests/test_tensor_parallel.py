@@ -378,3 +378,20 @@ def test_a_group_on_gpus_is_refused_in_one_line():
     assert runtime_refusal(plan, cluster) == (
         "the tensor-parallel group g0, g1 is on GPUs, where the runtime has no NCCL mesh yet (tensor-parallel stages "
         "run on CPU workers); plan with --max-tp 1 to run it")
+
+
+def test_the_groupings_planned_on():
+    """Small clusters: every cut of each host's devices of a type; big ones: a degree per type."""
+    from hetplan.graph import Graph, Node
+    from hetplan.io.clusters import cluster_from_spec
+    from hetplan.planners.tensor_groups import by_type, degrees, small_groupings
+
+    t = {"a100-40gb": 1.0}
+    graph = Graph("g", (Node("a", "Block", t, t, tp_units=12),), (), 8, "a100-40gb")
+    assert degrees(graph, 8) == (2, 3, 4, 6)
+    cluster = cluster_from_spec({"name": "c", "devices": [
+        *({"id": f"a{i}", "type": "a100-40gb", "host": "x"} for i in range(2)),
+        *({"id": f"v{i}", "type": "v100-16gb", "host": "y"} for i in range(4))]}, "c")
+    # a100s: alone or a pair; v100s: alone, a pair, two pairs, a triple or all four
+    assert len(small_groupings(graph, cluster, 4)) == 2 * 5 - 1
+    assert by_type(cluster, {"v100-16gb": 3}) == (("v0", "v1", "v2"),)

@@ -12,7 +12,9 @@ groupings wins, the plan of the ungrouped problem among them: never worse than w
 Which groupings: per class of devices (one host, one type) of n devices, every way to cut n
 into groups of the degrees the graph allows (2 .. --max-tp, dividing some node's `tp_units`)
 and single devices, when all classes' ways multiply to at most MAX_GROUPINGS; otherwise every
-device of a type in groups of one degree, per type (leftovers of a host single). The grouped
+device of a type in groups of one degree (leftovers of a host single), chosen a type at a time:
+each degree of the first type, the best kept, then each of the next, and so on (types x degrees
+plans in all, not every combination). The grouped
 problem's memory is approximate (t times a device's, where only the weights split): the
 simulator's estimate on the real problem decides what fits. A stage's replicas may be groups of
 unlike degrees (the A100s of a host one by one beside the V100s of another as one group).
@@ -21,7 +23,7 @@ unlike degrees (the A100s of a host one by one beside the V100s of another as on
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 
 from hetplan.cluster import Cluster, Device
@@ -66,27 +68,24 @@ def _groups(ids: list[str], sizes: tuple[int, ...]) -> tuple[tuple[str, ...], ..
     return tuple(out)
 
 
-def groupings(graph: Graph, cluster: Cluster, max_tp: int) -> Iterator[Grouping]:
-    """Every grouping to plan on but the one without groups (see the module's docstring)."""
+def small_groupings(graph: Graph, cluster: Cluster, max_tp: int) -> list[Grouping] | None:
+    """Every grouping of a small cluster but the one without groups, or None where there are
+    more than MAX_GROUPINGS (see the module's docstring)."""
     allowed = degrees(graph, max_tp)
-    if not allowed:
-        return
     classes = _classes(cluster)
     per_class = [_cuts(len(ids), allowed) for ids in classes.values()]
-    if _product(len(c) for c in per_class) <= MAX_GROUPINGS:
-        choices = itertools.product(*per_class)
-        for pick in choices:
-            grouping = tuple(g for ids, sizes in zip(classes.values(), pick, strict=True) for g in _groups(ids, sizes))
-            if grouping:
-                yield grouping
-        return
-    types = sorted({t for _, t in classes})
-    for pick in itertools.product((1, *allowed), repeat=len(types)):
-        degree = dict(zip(types, pick, strict=True))
-        grouping = tuple(g for (_, t), ids in classes.items() if degree[t] > 1
-                         for g in _groups(ids, (degree[t],) * (len(ids) // degree[t])))
-        if grouping:
-            yield grouping
+    if _product(len(c) for c in per_class) > MAX_GROUPINGS:
+        return None
+    picks = itertools.product(*per_class)
+    found = [tuple(g for ids, sizes in zip(classes.values(), pick, strict=True) for g in _groups(ids, sizes))
+             for pick in picks]
+    return [g for g in found if g]
+
+
+def by_type(cluster: Cluster, degree: dict[str, int]) -> Grouping:
+    """Every device of each type in groups of its type's degree, host by host (leftovers single)."""
+    return tuple(g for (_, t), ids in _classes(cluster).items() if degree.get(t, 1) > 1
+                 for g in _groups(ids, (degree[t],) * (len(ids) // degree[t])))
 
 
 def _product(values) -> int:
@@ -153,19 +152,43 @@ def with_tensor_groups(run: Callable[[Graph, Cluster, PlanOptions], Plan], graph
     """The best of `run`'s plans on the problem as it is and on each grouping (module docstring)."""
     flat = replace(options, max_tp=1)
     best = run(graph, cluster, flat)
-    if options.max_tp == 1:
+    if options.max_tp == 1 or not degrees(graph, options.max_tp):
         return best
-    scorer, cost = Scorer(graph, cluster, flat), CostModel(graph, cluster)
-    value, tried = scorer.value(best), 0
-    for grouping in groupings(graph, cluster, options.max_tp):
+    search = _Search(run, graph, cluster, flat, best)
+    small = small_groupings(graph, cluster, options.max_tp)
+    if small is not None:
+        for grouping in small:
+            search.consider(grouping)
+    else:  # one degree per type, a type at a time, each keeping the others' best so far
+        chosen: dict[str, int] = {}
+        for t in sorted({d.type for d in cluster.devices}):
+            for degree in degrees(graph, options.max_tp):
+                if search.consider(by_type(cluster, {**chosen, t: degree})):
+                    chosen[t] = degree
+    return replace(search.best, meta={**search.best.meta, "tp_groupings": search.tried})
+
+
+class _Search:
+    """The best plan so far, on the real problem, of the groupings considered."""
+
+    def __init__(self, run, graph: Graph, cluster: Cluster, options: PlanOptions, best: Plan) -> None:
+        self.run, self.graph, self.cluster, self.options = run, graph, cluster, options
+        self.scorer, self.cost = Scorer(graph, cluster, options), CostModel(graph, cluster)
+        self.best, self.value, self.tried = best, self.scorer.value(best), 0
+
+    def consider(self, grouping: Grouping) -> bool:
+        """Plan on the grouping; whether its plan is the best so far."""
+        if not grouping:
+            return False
         try:
-            plan = ungrouped(run(*grouped(graph, cluster, grouping, cost), flat), grouping)
+            plan = ungrouped(self.run(*grouped(self.graph, self.cluster, grouping, self.cost), self.options), grouping)
         except HetplanError:  # the grouped problem has no plan (too few devices for the planner)
-            continue
-        tried += 1
-        if plan_problems(plan, graph, cluster):
-            continue
-        plan_value = scorer.value(plan)
-        if plan_value < value:
-            best, value = plan, plan_value
-    return replace(best, meta={**best.meta, "tp_groupings": tried})
+            return False
+        self.tried += 1
+        if plan_problems(plan, self.graph, self.cluster):
+            return False
+        value = self.scorer.value(plan)
+        if value < self.value:
+            self.best, self.value = plan, value
+            return True
+        return False
