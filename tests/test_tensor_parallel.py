@@ -30,29 +30,30 @@ def _grads(zm, loss) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in zm.step.named_parameters() if p.grad is not None}
 
 
-def _group_worker(rank: int, world: int, model: str, store: str, out: str) -> None:
+CASES = (("gpt2-tiny", 2), ("llama-tiny", 2), ("gpt2-tiny", 4), ("llama-tiny", 4))
+
+
+def _group_worker(rank: int, world: int, store: str, out: str) -> None:
+    """Each case on its groups of `world` = 4 workers (2-way: ranks 0-1 and 2-3 side by side)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     from hetplan.runtime.tensor_parallel import parallelize, running
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group, in order
     try:
-        zm, stage = _stage(model)
-        tp = parallelize([stage], zm.step, world, rank)[0][0]
-        tp.attach(DeviceMesh("cpu", list(range(world))))
-        with running("cpu"):
-            loss = tp(*(zm.batch[k] for k in zm.batch))
-            grads = _grads(zm, loss)
-        torch.save({"loss": loss.detach(), "grads": grads}, f"{out}.{rank}")
+        for model, degree in CASES:
+            group = pairs[rank // 2] if degree == 2 else dist.group.WORLD
+            zm, stage = _stage(model)
+            tp = parallelize([stage], zm.step, degree, rank % degree)[0][0]
+            tp.attach(DeviceMesh.from_group(group, "cpu"))
+            with running("cpu"):
+                loss = tp(*(zm.batch[k] for k in zm.batch))
+                grads = _grads(zm, loss)
+            torch.save({"loss": loss.detach(), "grads": grads}, f"{out}.{model}.{degree}.{rank}")
     finally:
         dist.destroy_process_group()
-
-
-def _run_group(model: str, degree: int, tmp_path) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-    mp.spawn(_group_worker, args=(degree, model, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=degree)
-    got = [torch.load(tmp_path / f"out.{r}") for r in range(degree)]
-    return got[0]["loss"], [g["grads"] for g in got]
 
 
 def _joined(name: str, parts: list[torch.Tensor], whole: torch.Tensor) -> torch.Tensor:
@@ -65,24 +66,22 @@ def _joined(name: str, parts: list[torch.Tensor], whole: torch.Tensor) -> torch.
     return torch.cat(parts, dim)
 
 
-def _check_group(model: str, degree: int, tmp_path) -> None:
-    zm, stage = _stage(model)
-    loss = stage(*(zm.batch[k] for k in zm.batch))
-    want = _grads(zm, loss)
-    got_loss, got = _run_group(model, degree, tmp_path)
-    torch.testing.assert_close(got_loss, loss.detach(), atol=1e-5, rtol=1e-5)
-    assert set(got[0]) == set(want)
-    for name, whole in want.items():
-        torch.testing.assert_close(_joined(name, [g[name] for g in got], whole), whole, atol=1e-5, rtol=1e-5,
-                                   msg=name)
-
-
-def test_gpt2_tiny_two_way_stage_equals_one_process(tmp_path):
-    _check_group("gpt2-tiny", 2, tmp_path)
-
-
-def test_llama_tiny_four_way_stage_equals_one_process(tmp_path):
-    _check_group("llama-tiny", 4, tmp_path)
+def test_two_and_four_way_stages_of_gpt2_tiny_and_llama_tiny_equal_one_process(tmp_path):
+    """Four worker processes over gloo: each model's whole step as one stage on 2-way groups
+    (two side by side) and on one 4-way group; the loss and every gradient, the shards joined,
+    equal one process's to 1e-5."""
+    mp.spawn(_group_worker, args=(4, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=4)
+    for model, degree in CASES:
+        zm, stage = _stage(model)
+        loss = stage(*(zm.batch[k] for k in zm.batch))
+        want = _grads(zm, loss)
+        for first in range(0, 4, degree):
+            got = [torch.load(tmp_path / f"out.{model}.{degree}.{r}") for r in range(first, first + degree)]
+            torch.testing.assert_close(got[0]["loss"], loss.detach(), atol=1e-5, rtol=1e-5)
+            assert set(got[0]["grads"]) == set(want)
+            for name, whole in want.items():
+                joined = _joined(name, [g["grads"][name] for g in got], whole)
+                torch.testing.assert_close(joined, whole, atol=1e-5, rtol=1e-5, msg=f"{model} {degree} {name}")
 
 
 def _cluster(n: int):
@@ -135,14 +134,16 @@ def test_gpt2_tiny_four_way_stage_then_two_replicas_equals_one_process(tmp_path)
     _pipeline_equals_one_process(tmp_path, "gpt2-tiny", [[4], [1, 1]], "1f1b")
 
 
-def test_llama_tiny_two_replicas_of_two_way_groups_equal_one_process(tmp_path):
-    _pipeline_equals_one_process(tmp_path, "llama-tiny", [[1], [2, 2]], "gpipe")
+def test_llama_tiny_two_replicas_of_two_way_groups_then_a_four_way_group_equal_one_process(tmp_path):
+    """Eight workers: each replica's shards summed with the other replica's, place by place."""
+    _pipeline_equals_one_process(tmp_path, "llama-tiny", [[2, 2], [4]], "gpipe")
 
 
 def test_a_replica_of_one_device_beside_a_two_way_group_equals_one_process(tmp_path):
     """Replicas of unlike degrees in one stage (Metis's A100s one by one beside a group of
-    V100s): their gradients summed whole and given back as each worker's shards."""
-    _pipeline_equals_one_process(tmp_path, "llama-tiny", [[1], [1, 2]], "1f1b")
+    V100s): their gradients summed whole and given back as each worker's shards; GPT-2's head,
+    tied to the embedding of the stage before, so too."""
+    _pipeline_equals_one_process(tmp_path, "gpt2-tiny", [[1], [1, 2]], "1f1b")
 
 
 def test_the_split_follows_megatron_and_keeps_tied_and_key_value_weights_whole_where_it_must():
