@@ -184,3 +184,12 @@ def test_a_worker_this_machine_cannot_run_is_refused_before_any_probe(monkeypatc
                                              {"id": "b", "type": "cpu", "threads": too_many, "binding": "cpu"}]}, "c")
     with pytest.raises(HetplanError, match=f"worker b has {too_many} threads, but this process may use"):
         cal.calibrate_cluster(cluster)
+
+
+def test_a_smaller_all_reduce_measured_slower_than_a_larger_one_takes_the_larger_ones_time():
+    from hetplan.runtime.calibrate import monotone
+
+    assert monotone([(4096.0, 3.9e-3), (1048576.0, 0.9e-3), (8388608.0, 6.9e-3)]) == (
+        (4096.0, 0.9e-3), (1048576.0, 0.9e-3), (8388608.0, 6.9e-3))
+    steady = ((4096.0, 0.3e-3), (65536.0, 0.4e-3), (1048576.0, 0.9e-3))
+    assert monotone(steady) == steady

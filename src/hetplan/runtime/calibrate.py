@@ -28,6 +28,7 @@ Host-to-GPU copies of GPU stages behind a CPU boundary are not measured yet (doc
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -136,15 +137,26 @@ def calibrate_link(repeats: int = 10) -> tuple[Link, dict]:
     return Link(1.0 / per_byte, max(0.0, t1 - per_byte * n1)), {"p2p_s_by_bytes": seconds}
 
 
-def calibrate_allreduce(workers: int, repeats: int = 5) -> tuple[AllreduceCurve, ...]:
-    """gloo all-reduce times among 2 .. `workers` local processes (at least 2), at four sizes."""
+def calibrate_allreduce(workers: int, repeats: int = 10) -> tuple[AllreduceCurve, ...]:
+    """gloo all-reduce times among 2 .. `workers` local processes (at least 2), at six sizes."""
     from hetplan.runtime.probes import ALLREDUCE_BYTES, spawn_probe
 
     curves = []
     for r in range(2, max(2, workers) + 1):
         seconds = spawn_probe("allreduce", r, {"sizes": ALLREDUCE_BYTES, "repeats": repeats})[0]
-        curves.append(AllreduceCurve(r, tuple((float(k), v) for k, v in seconds.items())))
+        curves.append(AllreduceCurve(r, monotone(tuple((float(k), v) for k, v in seconds.items()))))
     return tuple(curves)
+
+
+def monotone(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """Measured (bytes, seconds) with no size slower than a larger one: a smaller all-reduce does
+    not take longer, so a point that did was slowed by something else (a worker descheduled on a
+    busy machine: 3.9 ms for 4 kB against 0.9 ms for 1 MB, once here) and takes the larger's time."""
+    out, fastest = [], math.inf
+    for x, s in sorted(points, reverse=True):
+        fastest = min(fastest, s)
+        out.append((x, fastest))
+    return tuple(reversed(out))
 
 
 def _optimizer_key(device: Device) -> tuple[str, int]:

@@ -33,7 +33,8 @@ MiB = 1 << 20
 P2P_BYTES = (1 * MiB, 16 * MiB)
 # 4 KiB: the latency floor (0.47 ms among two local gloo processes here, what the row counts and
 # indices of sparse tables cost); without it the curve went down to nothing below 1 MiB
-ALLREDUCE_BYTES = (4 * 1024, 1 * MiB, 8 * MiB, 32 * MiB)
+# a tensor-parallel group's all-reduces are of a micro-batch's activations: tens to hundreds of kB
+ALLREDUCE_BYTES = (4 * 1024, 64 * 1024, 256 * 1024, 1 * MiB, 8 * MiB, 32 * MiB)
 OPTIMIZER_PARAMS = (1 * MiB, 4 * MiB, 16 * MiB)  # parameters (fp32), in the range of stages' sizes
 PROBE_TIMEOUT_S = 300.0
 
