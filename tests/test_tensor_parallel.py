@@ -212,6 +212,8 @@ def test_a_group_is_charged_its_share_of_the_splitting_nodes_and_their_all_reduc
     """Exact: node a splits (1/2 each plus two all-reduces of its output per pass), node b
     runs whole (no fixed parts to grow by DTensor's dispatch); each device holds half of a's
     parameters; the group's second device is busy and holds memory as its first, and is paid for."""
+    from dataclasses import replace
+
     from hetplan.cost import CostModel
     from hetplan.cost.table import step_costs
     from hetplan.graph import Edge, Graph, Node
@@ -230,10 +232,11 @@ def test_a_group_is_charged_its_share_of_the_splitting_nodes_and_their_all_reduc
     assert allreduce > 0
     work = step_costs(graph, cluster, plan, cost=cm).stages[0]
     rep = work.replicas[0]
-    once = cm.allreduce_s(1.0, ("g0", "g1"))  # an all-reduce's latency: paid per micro-batch, in the fixed part
-    assert rep.fwd_s == pytest.approx(0.2 + 0.1 + 2 * (allreduce - once))
-    assert rep.bwd_s == pytest.approx(0.4 + 0.2 + 2 * (allreduce - once))
-    assert rep.fwd_fixed_s == pytest.approx(2 * once) and rep.bwd_fixed_s == pytest.approx(2 * once)
+    # one micro-batch: its all-reduces, of the whole batch's bytes, paid with its one action
+    assert rep.fwd_s == pytest.approx(0.2 + 0.1) and rep.bwd_s == pytest.approx(0.4 + 0.2)
+    assert rep.fwd_fixed_s == pytest.approx(2 * allreduce) and rep.bwd_fixed_s == pytest.approx(2 * allreduce)
+    four = step_costs(graph, cluster, replace(plan, microbatches=4), cost=cm).stages[0].replicas[0]
+    assert four.fwd_fixed_s == pytest.approx(2 * cm.allreduce_s(10**6 / 4, ("g0", "g1")))
     assert rep.weight_bytes == 4 * (500 + 100)  # weights, gradients, Adam's two moments: half of a's
     est = simulate(graph, cluster, plan).estimate
     assert est.busy_s["g1"] == est.busy_s["g0"] and est.peak_mem_bytes["g1"] == est.peak_mem_bytes["g0"]

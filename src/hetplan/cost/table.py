@@ -177,8 +177,8 @@ def _replica(cm: CostModel, cluster: Cluster, plan: Plan, rows: StepRows, k: int
     dtype = cluster.device(d).type
     slow = cm.corun_factor(d, used)  # other CPU workers of the plan on its host (calibrated clusters)
     dev = cluster.device(d)
-    fwd, bwd, ffix, bfix = replica_passes_s(*tp_times_s(cm, stage.nodes, dtype, stage.groups[p]), slow,
-                                            dev.action_overhead_s)
+    fwd, bwd, ffix, bfix = replica_passes_s(*tp_times_s(cm, stage.nodes, dtype, stage.groups[p], plan.microbatches),
+                                            slow, dev.action_overhead_s)
     frac = [rows.rows(k, j, p) / rows.batch_size for j in range(len(rows.micro))]
     share = sum(frac)
     halves: tuple[tuple[float, ...], ...] = ((), ())

@@ -8,9 +8,8 @@ Shoeybi et al., 2019, section 3; the split is `hetplan.pieces.tensor_split`).
   what DTensor's dispatch adds to each operator.
 - Communication: each node that splits sums its partial outputs with two all-reduces of its
   output in the forward (after the attention and after the MLP) and two in the backward (the
-  inputs' gradients), on the group's links (one host: `CostModel.allreduce_s`): the time of a
-  one-byte all-reduce per pass (its latency) with the fixed part, the rest with the part that
-  scales with the samples. DTensor's gathering of the vocabulary's logits for the loss, and
+  inputs' gradients), on the group's links (one host: `CostModel.allreduce_s`), each of a
+  micro-batch's bytes, paid per action. DTensor's gathering of the vocabulary's logits for the loss, and
   GPT-2's joined q, k, v (gathered before they are split) are left out.
 - Memory: a node's parameters (their gradients and optimizer state, their 16-bit copies) are
   1/t on each device; activations are counted whole (Megatron-LM without sequence parallelism
@@ -36,30 +35,41 @@ def split_nodes(graph: Graph, nodes: Sequence[str]) -> set[str]:
     return {n for n in nodes if graph.by_id[n].tp_units}
 
 
-def node_tp_times_s(cm, node: str, device_type: str, group: Sequence[str]) -> tuple[float, float, float, float]:
+def node_tp_times_s(cm, node: str, device_type: str, group: Sequence[str],
+                    microbatches: int | None = None) -> tuple[float, float, float, float]:
     """A node's forward and backward for the whole batch on a group of devices of one type, and
-    the fixed part of each (paid per micro-batch)."""
+    the fixed part of each (paid per micro-batch). With `microbatches` (a plan's), each pass's
+    all-reduces are read off the all-reduce curve at a micro-batch's bytes and paid per action
+    (a measured curve is not a line: gloo on this VM took 1.4 ms for 64 kB and for 1 MB alike);
+    without (a planner's grouped problem, whose micro-batches are not chosen yet), as latency
+    per action plus bytes over the batch."""
     whole, fixed = cm.node_times_s(device_type)[node], cm.node_fixed_s(device_type)[node]
     t = len(group)
     if t == 1:
         return (*whole, *fixed)
     split = bool(cm.graph.by_id[node].tp_units)
-    # an all-reduce's time, as a + b * bytes: a paid per action, b * bytes over the batch
-    once = cm.allreduce_s(1.0, group) if split else 0.0
-    comm = cm.allreduce_s(cm.graph.by_id[node].out_bytes, group) - once if split else 0.0
+    out_bytes = cm.graph.by_id[node].out_bytes
+    if not split:
+        per_action, per_batch = 0.0, 0.0
+    elif microbatches:
+        per_action, per_batch = cm.allreduce_s(out_bytes / microbatches, group), 0.0
+    else:  # an all-reduce as a + b * bytes: a per action, b * bytes over the batch
+        per_action = cm.allreduce_s(1.0, group)
+        per_batch = cm.allreduce_s(out_bytes, group) - per_action
     out = []
     for w, f in zip(whole, fixed, strict=True):
-        f_tp = f * (1 + DTENSOR_FIXED_FACTOR) + ALLREDUCES_PER_PASS * once
-        out.append((f_tp + (w - f) / (t if split else 1) + ALLREDUCES_PER_PASS * comm, f_tp))
+        f_tp = f * (1 + DTENSOR_FIXED_FACTOR) + ALLREDUCES_PER_PASS * per_action
+        out.append((f_tp + (w - f) / (t if split else 1) + ALLREDUCES_PER_PASS * per_batch, f_tp))
     return out[0][0], out[1][0], out[0][1], out[1][1]
 
 
-def tp_times_s(cm, nodes: Sequence[str], device_type: str, group: Sequence[str]) -> tuple[float, float, float, float]:
+def tp_times_s(cm, nodes: Sequence[str], device_type: str, group: Sequence[str],
+               microbatches: int | None = None) -> tuple[float, float, float, float]:
     """Forward and backward of `nodes` for the whole batch on a group of devices of one type,
-    and their fixed parts."""
+    and their fixed parts (`node_tp_times_s`)."""
     if len(group) == 1:
         return (*cm.stage_times_s(nodes, device_type), *cm.stage_fixed_s(nodes, device_type))
-    times = [node_tp_times_s(cm, n, device_type, group) for n in nodes]
+    times = [node_tp_times_s(cm, n, device_type, group, microbatches) for n in nodes]
     return tuple(math.fsum(t[i] for t in times) for i in range(4))
 
 
