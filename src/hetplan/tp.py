@@ -23,14 +23,14 @@ def splits_in(graph: Graph, nodes, degree: int) -> str | None:
     """Why `nodes` cannot split `degree` ways (None when they can)."""
     if degree == 1:
         return None
-    units = [graph.by_id[n].tp_units for n in nodes if n in graph.by_id]
-    unknown = [n for n, u in zip(nodes, units, strict=False) if u is None]
+    units = {n: graph.by_id[n].tp_units for n in nodes if n in graph.by_id}  # unknown nodes: plan_problems says
+    unknown = [n for n, u in units.items() if u is None]
     if unknown:
         return (f"graph {graph.name!r} does not say how node {unknown[0]!r} splits tensor-parallel; profile the "
                 "model again (hetplan profile records it)")
-    if not any(units):
+    if not any(units.values()):
         return "nothing in it splits tensor-parallel (no attention, MLP or vocabulary projection); set tp 1"
-    for n, u in zip(nodes, units, strict=False):
+    for n, u in units.items():
         if u and u % degree:
             return (f"node {n!r} splits into {u} parts (its heads, MLP units and vocabulary), which {degree} does "
                     f"not divide; use a tp that divides {u}")

@@ -360,12 +360,13 @@ class CostModel:
         def share(p: int, micro: range) -> float:
             return sum(rows.rows(0, j, p) for j in micro) / self.graph.batch_size
 
+        kept = self.kept_bytes(plan, stage_index) if stage.recompute else 0.0
+
         def need(p: int, group: Sequence[str]) -> int:
             params, casts = held_w[len(group)]
             if stage.recompute:
-                return formulas.recompute_memory_bytes(params, self.kept_bytes(plan, stage_index), acts,
-                                                       share(p, range(held)), share(p, range(1)), cast_bytes=casts,
-                                                       **sharding)
+                return formulas.recompute_memory_bytes(params, kept, acts, share(p, range(held)), share(p, range(1)),
+                                                       cast_bytes=casts, **sharding)
             return formulas.stage_memory_bytes(params, acts, share(p, range(held)), cast_bytes=casts, **sharding)
 
         return {dev: need(p, group) for p, group in enumerate(stage.groups) for dev in group}

@@ -109,13 +109,13 @@ def grouped(graph: Graph, cluster: Cluster, grouping: Grouping, cost: CostModel)
         if group is None:
             devices.append(d)
             continue
-        base = types[d.type] if d.type in types else cluster.types[d.type]
-        t = len(group)
+        t, base = len(group), cluster.types[d.type]
         name = f"{d.type}*{t}"
-        virtual.setdefault(name, (d.type, group))
-        types[name] = replace(cluster.types[d.type], name=name, peak_flops=base.peak_flops * t,
-                              peak_flops_fp16=base.peak_flops_fp16 * t, mem_bytes=base.mem_bytes * t,
-                              mem_bw_Bps=base.mem_bw_Bps * t, usd_per_hour=base.usd_per_hour * t)
+        if name not in virtual:
+            virtual[name] = (d.type, group)
+            types[name] = replace(base, name=name, peak_flops=base.peak_flops * t,
+                                  peak_flops_fp16=base.peak_flops_fp16 * t, mem_bytes=base.mem_bytes * t,
+                                  mem_bw_Bps=base.mem_bw_Bps * t, usd_per_hour=base.usd_per_hour * t)
         devices.append(Device(d.id, name, d.host, d.mem_bytes * t, d.usd_per_hour * t, d.threads, d.binding,
                               d.action_overhead_s, d.step_overhead_s, d.optimizer_points))
     used = {d.type for d in devices}

@@ -6,17 +6,19 @@ whole of the others), so that its optimizer, its gradient sums and its checkpoin
 tensors. In the forward, `TensorParallelStage` views them as DTensors on the group's mesh, the
 stage's inputs as replicated DTensors, and runs the stage's pieces unchanged: a piece keeps the
 global shapes `torch.export` recorded, and DTensor's sharding propagation turns each operator
-into its local part and the collectives it needs (the all-reduce after a row-split projection,
-gathering the vocabulary's logits for the loss). Autograd runs the mirror image in the backward;
-the gradient of a replicated input or parameter comes out whole on every worker. The outputs
-leave whole, so that the group's first worker sends them on as a stage without tensor
-parallelism would.
+into its local part and the collectives it needs (gathering the vocabulary's logits for the
+loss, say). Autograd runs the mirror image in the backward; the gradient of a replicated input
+or parameter comes out whole on every worker. The outputs leave whole, so that the group's first
+worker sends them on as a stage without tensor parallelism would.
 
-Two things of the pieces' code differ under DTensor, so a tensor-parallel stage changes them:
+Three things of the pieces' code change on a tensor-parallel stage (`parallelize`):
+- the input of a column-split product and the output of a row-split one are made whole
+  (`megatron_boundaries`): Megatron-LM's two all-reduces per block and pass, where DTensor left
+  to itself keeps partial sums partial and gathers weights instead;
 - `reshape` of a sharded, non-contiguous value (attention's output, transposed back) is made a
   `reshape` of a contiguous copy (DTensor's view of it would fail);
-- on a CPU, attention runs torch's math kernel: the CPU's flash kernel has no sharding rule for
-  its backward.
+- on a CPU, attention runs torch's math kernel (`running`): the CPU's flash kernel has no
+  sharding rule for its backward.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def parallelize(traced: list[nn.Module], model: nn.Module, degree: int,
     by_id = {id(p): splits[name] for name, p in held.items()}
     for mod in traced:
         megatron_boundaries(mod, by_id)
+        contiguous_reshapes(mod)
     shards = local_shards(held, splits, degree, index)
     per_module = [{name: by_id[id(p)].dim if id(p) in by_id else None for name, p in mod.named_parameters()}
                   for mod in traced]
@@ -93,8 +96,7 @@ def parallelize(traced: list[nn.Module], model: nn.Module, degree: int,
 def replicated(x):
     """Megatron-LM's f and g operators in one: `x` whole on every device (summing partial sums:
     an all-reduce), and its gradient whole too (summing the partial gradients of the devices'
-    column shards: an all-reduce in the backward). DTensor left alone sums lazily, where it picks
-    (it all-gathers weights to keep a partial sum partial)."""
+    column shards: an all-reduce in the backward)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(x, DTensor):
@@ -140,7 +142,6 @@ class TensorParallelStage(nn.Module):
         self.spec = getattr(inner, "spec", None)
         self.dims = dict(placements)  # by the inner module's parameter names: the dimension split, or None
         self.mesh = None
-        contiguous_reshapes(inner)
 
     def attach(self, mesh) -> None:
         self.mesh = mesh
