@@ -51,13 +51,23 @@ def cluster_of(hosts: int):
                              f"{hosts * 8}-devices")
 
 
-def run_dp(graph_file: Path, cluster, tmp: Path) -> dict:
+class DpFailed(SystemExit):
+    """dp's process ended with an error. A SystemExit, so that scripts which do not catch it stop
+    with dp's message; `bench/llm_deep.py` catches it and goes on with the next problem."""
+
+
+def run_dp(graph_file: Path, cluster, tmp: Path, timeout_s: float = 3600) -> dict:
+    """dp (`make_plan(..., "dp")`, default options) in a process of its own: its wall seconds,
+    peak memory (ru_maxrss) and plan. Raises `subprocess.TimeoutExpired` (the process killed)
+    past `timeout_s`, and `DpFailed` with the last line dp wrote to stderr if it fails."""
     cluster_file = tmp / f"{cluster.name}.json"
     serde.dump(cluster, cluster_file)
     out = subprocess.run([sys.executable, "-c", RUN, str(graph_file), str(cluster_file)], capture_output=True,
-                         text=True, timeout=3600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                         text=True, timeout=timeout_s, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if out.returncode != 0:
-        raise SystemExit(out.stderr.strip().splitlines()[-1])
+        # a process killed by the kernel (out of memory) writes nothing: say how it ended
+        lines = out.stderr.strip().splitlines()
+        raise DpFailed(lines[-1] if lines else f"dp's process ended with status {out.returncode}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
     result["plan"] = serde.from_dict(result["plan"])
     return result

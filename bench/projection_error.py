@@ -43,7 +43,7 @@ def main() -> None:
     for name, kw in CASES:
         zm = load_model(name, **kw)
         g = profile_step(zm.step, zm.batch, name=name, devices=["cpu:1", "cpu:2"]).graph
-        projected = CostModel(only(g, "cpu-1t"), cluster).node_times_s("cpu-2t")
+        projected = CostModel(only(g, "cpu-1t"), cluster)._node_times_s("cpu-2t")
         errors, weights = [], []
         for n in g.nodes:
             measured = n.fwd_s["cpu-2t"] + n.bwd_s["cpu-2t"]

@@ -97,9 +97,9 @@ def _predicted(batch_size: int, cluster_file: Path) -> dict:
     cluster = load_cluster(str(cluster_file))
     cm, pair, nodes = CostModel(graph, cluster), tuple(cluster.ids[:2]), graph.topo_order
     params = graph.param_bytes_total
-    return {"param_bytes": params, "updated_bytes": cm.optimizer_bytes(nodes), "index_bytes": cm.index_bytes(nodes),
+    return {"param_bytes": params, "updated_bytes": cm._optimizer_bytes(nodes), "index_bytes": cm._index_bytes(nodes),
             "sparse_rows": sum(n.sparse_rows for n in graph.nodes),
-            "predicted_tables_s": cm.allreduce_s(params, pair), "predicted_rows_s": cm.stage_sync_s(nodes, pair)}
+            "predicted_tables_s": cm._allreduce_s(params, pair), "predicted_rows_s": cm._stage_sync_s(nodes, pair)}
 
 
 def main() -> None:

@@ -107,16 +107,16 @@ def test_the_cost_model_reads_the_calibrated_figures():
     g = Graph("one", (Node("n0", "Linear", {C: 0.01, V: 0.01}, {C: 0.02, V: 0.02}, param_bytes=4_000_000),), (),
               batch_size=8, profiled_on=C)
     plain, cal = CostModel(g, _cpu_cluster()), CostModel(g, _cpu_cluster(CAL, ((1e6, 0.01), (4e6, 0.05))))
-    assert cal.optimizer_s(2e6, "c0") == pytest.approx(0.01 + 0.04 / 3)
+    assert cal._optimizer_s(2e6, "c0") == pytest.approx(0.01 + 0.04 / 3)
     bandwidth = plain.cluster.device_type("c0").mem_bw_Bps
-    assert plain.optimizer_s(2e6, "c0") == pytest.approx(formulas.optimizer_s(2e6, bandwidth))
-    assert cal.allreduce_s(1.5e6, ("c0", "c1")) == pytest.approx(0.0015)
-    assert cal.allreduce_s(1e6, ("c0", "c1", "c2")) == pytest.approx(0.001 * 4 / 3)  # nearest curve, 2 -> 3 ring
-    assert cal.corun_factor("c0", ("c0",)) == 1.0
-    assert cal.corun_factor("c0", ("c0", "c1", "g0")) == pytest.approx(1.25)  # the GPU is no CPU worker
-    assert cal.corun_factor("c0", ("c0", "c1", "c2")) == pytest.approx(1.5)
-    assert cal.corun_factor("g0", ("c0", "c1", "g0")) == 1.0
-    assert plain.corun_factor("c0", ("c0", "c1", "c2")) == 1.0
+    assert plain._optimizer_s(2e6, "c0") == pytest.approx(formulas.optimizer_s(2e6, bandwidth))
+    assert cal._allreduce_s(1.5e6, ("c0", "c1")) == pytest.approx(0.0015)
+    assert cal._allreduce_s(1e6, ("c0", "c1", "c2")) == pytest.approx(0.001 * 4 / 3)  # nearest curve, 2 -> 3 ring
+    assert cal._corun_factor("c0", ("c0",)) == 1.0
+    assert cal._corun_factor("c0", ("c0", "c1", "g0")) == pytest.approx(1.25)  # the GPU is no CPU worker
+    assert cal._corun_factor("c0", ("c0", "c1", "c2")) == pytest.approx(1.5)
+    assert cal._corun_factor("g0", ("c0", "c1", "g0")) == 1.0
+    assert plain._corun_factor("c0", ("c0", "c1", "c2")) == 1.0
 
 
 def test_the_simulator_slows_cpu_workers_side_by_side_and_the_fast_path_agrees():

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,42 @@ def test_other_bad_input(cli, profiles, tmp_path):
     bad(cli("import", "pipedream", profiles / "gnmt" / "graph.txt", "-o", tmp_path / "o.json"), "--batch-size N")
     broken = write(tmp_path, "b.json", "{not json")
     bad(cli("info", broken), "b.json: not valid JSON")
+
+
+def test_a_batch_too_large_to_plan_is_refused_at_once(cli, profiles, tmp_path):
+    """Planning weighs up to a micro-batch per sample, so a step of 10**15 samples filled memory
+    until the kernel stopped it: every flag that sets a step's samples, and a graph of that many,
+    are refused in one line before any work."""
+    from hetplan.graph import MAX_BATCH_SIZE
+    from slowness import limit_s
+
+    g, p = tmp_path / "vgg.json", tmp_path / "plan.json"
+    cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "-o", g)
+    assert cli("plan", g, "--cluster", "hetero-4", "--planner", "uniform", "-o", p).code == 0
+    huge, over, start = str(10**15), str(MAX_BATCH_SIZE + 1), time.perf_counter()
+    for flag, args in (("--global-batch", ("plan", g, "--cluster", "hetero-4", "--global-batch", huge)),
+                       ("--global-batch", ("compare", g, "--cluster", "hetero-4", "--global-batch", over)),
+                       ("--global-batch", ("simulate", p, "--graph", g, "--cluster", "hetero-4", "--global-batch",
+                                           huge)),
+                       ("--batch-size", ("run", p, "--model", "mlp", "--batch-size", huge, "--dry-run")),
+                       ("--batch-size", ("profile", "mlp", "--batch-size", huge, "-o", tmp_path / "mlp.json")),
+                       ("--batch-size", ("profile", "opt-350m", "--roofline", "a100-80gb", "--batch-size", over, "-o",
+                                         tmp_path / "o.json"))):
+        bad(cli(*args), f"{flag}: {args[args.index(flag) + 1]} must be at most {MAX_BATCH_SIZE} samples per step",
+            "give a smaller batch")
+    bad(cli("import", "pipedream", profiles / "vgg16" / "graph.txt", "--batch-size", huge, "-o", tmp_path / "h.json"),
+        f"batch_size is {huge}; it must be at most {MAX_BATCH_SIZE} samples per step")
+    assert time.perf_counter() - start < limit_s(5)
+    assert not (tmp_path / "mlp.json").exists() and not (tmp_path / "o.json").exists()
+
+
+def test_a_counted_model_of_no_samples_or_tokens_is_refused(cli, tmp_path):
+    """0 is a size given, not a size left out: it was counted as the default (8 samples, 2048 tokens)."""
+    out = tmp_path / "o.json"
+    bad(cli("profile", "opt-350m", "--roofline", "a100-80gb", "--batch-size", "0", "-o", out),
+        "--batch-size: 0 must be a whole number of samples >= 1")
+    bad(cli("profile", "opt-350m", "--roofline", "a100-80gb", "--seq-len", "0", "-o", out), "--seq-len: 0 must be >= 1")
+    assert not out.exists()
 
 
 def test_the_installed_command_never_prints_a_traceback(tmp_path):

@@ -168,6 +168,37 @@ def test_saved_cluster_json_loads_as_a_cluster(tmp_path):
     assert load_cluster(tmp_path / "saved.json") == c
 
 
+def test_every_gpu_type_of_the_catalog_is_found_by_a_name_its_driver_reports():
+    """At the memory a driver reports (a little under the nominal), as "NVIDIA <model number>"."""
+    gpus = [t for t in catalog.CATALOG.values() if t.kind == "gpu"]
+    assert gpus and all(t.driver_names for t in gpus)
+    for t in gpus:
+        assert any(catalog.by_driver_name(f"NVIDIA {n.upper()}", int(t.mem_bytes * 0.97)) is t
+                   for n in t.driver_names), t.name
+    assert catalog.by_driver_name("NVIDIA H200", 16 * GiB) is catalog.CATALOG["h200-141gb"]  # a slice: one type
+    assert catalog.by_driver_name("Mystery GPU 9000", 16 * GiB) is None
+
+
+def test_a_cluster_saved_before_driver_names_loads(tmp_path):
+    """Driver names are the catalog's: a saved cluster without them loads, and a description
+    never needs them."""
+    import json
+
+    from hetplan.io import serde
+
+    data = serde.to_dict(load_cluster("hetero-4"))
+    assert data["types"]["a100-40gb"]["driver_names"] == ["a100"]
+    for t in data["types"].values():
+        del t["driver_names"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = load_cluster(tmp_path / "old.json")
+    assert old.types["a100-40gb"].driver_names == ()
+    assert old.types["a100-40gb"].mem_bytes == catalog.CATALOG["a100-40gb"].mem_bytes
+    with pytest.raises(HetplanError, match="unknown field 'driver_names'"):
+        cluster_from_spec({"types": {"x": {"base": "t4-16gb", "driver_names": ["t4"]}},
+                           "devices": [{"id": "x0", "type": "x"}]}, "lab.yaml")
+
+
 def test_broken_yaml_is_named(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("devices: [{id: a0, type: t4-16gb\n")

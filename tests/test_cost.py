@@ -36,20 +36,20 @@ def test_replica_shares_follow_speed_and_ring_allreduce():
     g = chain(1, fwd=0.1, bwd=0.2, params=10**8)
     cluster = load_cluster("hetero-4")
     cm = CostModel(g, cluster)
-    shares = cm.replica_shares(("n0",), ("a0", "t0"))
+    shares = cm._replica_shares(("n0",), ("a0", "t0"))
     a100, t4 = catalog.CATALOG["a100-40gb"], catalog.CATALOG["t4-16gb"]
     assert shares["a0"] / shares["t0"] == pytest.approx(a100.peak_flops / t4.peak_flops)
-    assert cm.allreduce_s(10**8, ("a0", "t0")) == pytest.approx(
+    assert cm._allreduce_s(10**8, ("a0", "t0")) == pytest.approx(
         2 * (cluster.inter_host.latency_s + 10**8 / 2 / cluster.inter_host.bandwidth_Bps))
 
 
 def test_projection_without_flops_uses_peak_flops():
     g = chain(1, fwd=0.2, bwd=0.4)
     cm = CostModel(g, load_cluster("hetero-4"))
-    fwd, bwd = cm.stage_times_s(("n0",), "t4-16gb")
+    fwd, bwd = cm._stage_times_s(("n0",), "t4-16gb")
     ratio = catalog.CATALOG[V].peak_flops / catalog.CATALOG["t4-16gb"].peak_flops
     assert (fwd, bwd) == pytest.approx((0.2 * ratio, 0.4 * ratio))
-    assert cm.stage_times_s(("n0",), V) == (0.2, 0.4)  # measured type: no projection
+    assert cm._stage_times_s(("n0",), V) == (0.2, 0.4)  # measured type: no projection
 
 
 def test_roofline_projection():
@@ -63,7 +63,7 @@ def test_roofline_projection():
     # Through the cost model: a node with FLOPs is projected per node by the roofline.
     n = Node("n0", "Linear", {V: 0.1}, {V: 0.2}, flops=1e12, param_bytes=10**6, out_bytes=0)
     g = Graph("one", (n,), (), batch_size=1, profiled_on=V)
-    fwd, bwd = CostModel(g, load_cluster("hetero-4")).stage_times_s(("n0",), "t4-16gb")
+    fwd, bwd = CostModel(g, load_cluster("hetero-4"))._stage_times_s(("n0",), "t4-16gb")
     assert (fwd, bwd) == pytest.approx((0.1 * v100.peak_flops / t4.peak_flops, 0.2 * v100.peak_flops / t4.peak_flops))
 
 
@@ -78,7 +78,7 @@ def test_host_work_takes_its_measured_time_on_every_device_type():
     g = Graph("g", (host, plain), (), batch_size=8, profiled_on=cpu.name)
     cm = CostModel(g, load_cluster("cloud-mix"))
     for dtype in ("t4-16gb", "a100-40gb", "cpu-16t"):
-        times = cm.node_times_s(dtype)
+        times = cm._node_times_s(dtype)
         assert times["parse"] == (0.002, 0.0)
         assert times["mlp"][0] == pytest.approx(0.002 * cpu.peak_flops / catalog.lookup(dtype).peak_flops)
 
@@ -95,8 +95,8 @@ def test_a_sparse_tables_optimizer_step_costs_its_looked_up_rows():
     plan = Plan((Stage(("t",), ("c0",)),), 1, "1f1b", "test")
     steps = [simulate(g, cluster, plan).estimate.step_s for g in (g_dense, g_sparse)]
     cm = CostModel(g_dense, cluster)
-    assert CostModel(g_sparse, cluster).optimizer_bytes(("t",)) == 4 * 10**4
-    assert steps[0] - steps[1] == pytest.approx(cm.optimizer_s(4 * 10**8, "c0") - cm.optimizer_s(4 * 10**4, "c0"))
+    assert CostModel(g_sparse, cluster)._optimizer_bytes(("t",)) == 4 * 10**4
+    assert steps[0] - steps[1] == pytest.approx(cm._optimizer_s(4 * 10**8, "c0") - cm._optimizer_s(4 * 10**4, "c0"))
     assert steps[0] - steps[1] > 0.01  # Adam over 400 MB on a 16-thread CPU: about 17 ms
 
 
@@ -119,18 +119,18 @@ def test_replicas_of_a_sparse_table_sum_its_looked_up_rows_not_the_table():
     for node in (sparse, table):
         g = Graph("g", (node,), (), batch_size=8, profiled_on=V)
         cm = CostModel(g, cluster)
-        charged.append(cm.stage_sync_s(("t",), pair))
+        charged.append(cm._stage_sync_s(("t",), pair))
         assert step_costs(g, cluster, plan, cost=cm).stages[0].allreduce_s == charged[-1]
     slowest = min(cluster.types[cluster.device(d).type].mem_bw_Bps for d in pair)
-    rows = cm.allreduce_s(4 * 10**4, pair) + cm.allreduce_s(8 * 10**3, pair) + cm.allreduce_s(16.0, pair)
+    rows = cm._allreduce_s(4 * 10**4, pair) + cm._allreduce_s(8 * 10**3, pair) + cm._allreduce_s(16.0, pair)
     # and the bytes updated copied into the all-reduced buffer and back, on the slower replica
     rows += 2 * 4 * 10**4 / slowest
-    whole = cm.allreduce_s(4 * 10**8, pair) + 2 * 4 * 10**8 / slowest
+    whole = cm._allreduce_s(4 * 10**8, pair) + 2 * 4 * 10**8 / slowest
     assert charged == [pytest.approx(rows), pytest.approx(whole)]
     assert charged[1] > 100 * charged[0]
-    both = cm.gradient_sync_s(np.array([4e4, 4e8]), np.array([8e3, 0.0]), pair)
+    both = cm._gradient_sync_s(np.array([4e4, 4e8]), np.array([8e3, 0.0]), pair)
     assert both == pytest.approx(charged)
-    assert cm.gradient_sync_s(4e4, 8e3, ("t0",)) == 0.0
+    assert cm._gradient_sync_s(4e4, 8e3, ("t0",)) == 0.0
 
 
 def test_sparse_rows_need_updated_bytes():
@@ -163,13 +163,13 @@ def test_a_measured_optimizer_step_takes_precedence_over_the_formula():
              Node("b", "Linear", {"cpu-16t": 0.001}, {"cpu-16t": 0.001}, param_bytes=10**6, opt_s={"cpu-16t": 0.002}))
     g = Graph("g", nodes, (), batch_size=8, profiled_on="cpu-16t")
     cm = CostModel(g, cluster)
-    assert cm.stage_optimizer_s(("a", "b"), "c0") == pytest.approx(0.006)
-    assert cm.stage_optimizer_s(("a", "b"), "t0") == pytest.approx(cm.optimizer_s(10**3 + 10**6, "t0"))
+    assert cm._stage_optimizer_s(("a", "b"), "c0") == pytest.approx(0.006)
+    assert cm._stage_optimizer_s(("a", "b"), "t0") == pytest.approx(cm._optimizer_s(10**3 + 10**6, "t0"))
     plain = Graph("g", tuple(Node(**{**n.__dict__, "opt_s": {}}) for n in nodes), (), batch_size=8,
                   profiled_on="cpu-16t")
     plan = Plan((Stage(("a", "b"), ("c0",)),), 1, "1f1b", "test")
     steps = [simulate(x, cluster, plan).estimate.step_s for x in (g, plain)]
-    assert steps[0] - steps[1] == pytest.approx(0.006 - cm.optimizer_s(10**3 + 10**6, "c0"))
+    assert steps[0] - steps[1] == pytest.approx(0.006 - cm._optimizer_s(10**3 + 10**6, "c0"))
 
 
 def test_a_graph_profiled_under_a_type_alias_is_projected_from_its_own_times():
@@ -179,7 +179,7 @@ def test_a_graph_profiled_under_a_type_alias_is_projected_from_its_own_times():
     graph = Graph("g", nodes, (), batch_size=4, profiled_on="cpu")
     cm = CostModel(graph, load_cluster("hetero-4"))
     assert cm.projected_types()["a100-40gb"] == "cpu"
-    fwd, bwd = cm.node_times_s("a100-40gb")["n0"]
+    fwd, bwd = cm._node_times_s("a100-40gb")["n0"]
     src = catalog.find("cpu")
     assert fwd == project_s(1e-3, 1e9, 0, src, catalog.find("a100-40gb")) and 0 < fwd < bwd
 
@@ -191,5 +191,5 @@ def test_an_alias_is_the_type_it_names_not_a_type_to_project_to():
     graph = Graph("g", nodes, (), batch_size=4, profiled_on="cpu")
     cm = CostModel(graph, load_cluster("local"))  # cpu-1t workers
     assert cm.projected_types() == {} and cm.measured_name("cpu-1t") == "cpu"
-    assert cm.node_times_s("cpu-1t")["n0"] == (1e-3, 2e-3) and cm.node_fixed_s("cpu-1t")["n0"] == (1e-4, 0.0)
-    assert cm.measured_optimizer_s("cpu-1t") == {"n0": 5e-4}
+    assert cm._node_times_s("cpu-1t")["n0"] == (1e-3, 2e-3) and cm._node_fixed_s("cpu-1t")["n0"] == (1e-4, 0.0)
+    assert cm._measured_optimizer_s("cpu-1t") == {"n0": 5e-4}

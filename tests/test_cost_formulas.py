@@ -133,18 +133,18 @@ def test_a_replicas_passes_array_equals_scalar(rng):
 # never a formula.
 SIMULATORS = tuple(sorted(str(p.relative_to(SRC)) for p in (SRC / "sim").glob("*.py")))
 ALLOWED = ("CostModel", "microbatch_fractions")
+TABLES = ("hetplan.cost.table", "hetplan.cost.stage_table")  # the step's table; the table of stage options
 
 
-def _cost_imports(text: str) -> list[str]:
-    """The cost package's modules (and names) a module imports, but the table and `ALLOWED`."""
+def _cost_imports(text: str, tables: tuple[str, ...] = TABLES) -> list[str]:
+    """The cost package's modules (and names) a module imports, but the tables and `ALLOWED`."""
     found = []
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hetplan.cost"):
-            if node.module != "hetplan.cost.table":
+            if node.module not in tables:
                 found += [f"{node.module}.{a.name}" for a in node.names if a.name not in ALLOWED]
         elif isinstance(node, ast.Import):
-            found += [a.name for a in node.names
-                      if a.name.startswith("hetplan.cost") and a.name != "hetplan.cost.table"]
+            found += [a.name for a in node.names if a.name.startswith("hetplan.cost") and a.name not in tables]
     return found
 
 
@@ -158,3 +158,46 @@ def test_the_import_rule_sees_a_formula_imported():
     assert _cost_imports("from hetplan.cost.formulas import transfer_s\nfrom hetplan.cost.table import StepCosts\n"
                          "from hetplan.cost import CostModel, formulas\n") == [
         "hetplan.cost.formulas.transfer_s", "hetplan.cost.formulas"]
+
+
+# A planner reads a stage's figures from the table of stage options (`hetplan.cost.stage_table`:
+# its time, memory, gradient sums, optimizer step, cuts), and a whole plan's from `CostModel`'s
+# public methods (a plan's memory per device, its steady state, its rows, its price); the
+# per-piece methods of `CostModel` are private to the cost package, and no planner imports a
+# formula, the step's table (the simulator's) or another module of the cost package.
+PLANNERS = tuple(sorted(str(p.relative_to(SRC)) for p in (SRC / "planners").rglob("*.py")))
+
+
+def _private_cost_methods() -> set[str]:
+    from hetplan.cost import CostModel
+
+    return {name for name in vars(CostModel) if name.startswith("_") and not name.startswith("__")
+            and callable(getattr(CostModel, name, None))}
+
+
+def _planner_violations(path: str, text: str, private: set[str]) -> list[str]:
+    found = [f"{path}: imports {name}" for name in _cost_imports(text, ("hetplan.cost.stage_table",))]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute) and node.attr in private:
+            found.append(f"{path}:{node.lineno}: calls CostModel.{node.attr}")
+    return found
+
+
+def test_no_planner_works_out_a_stage_cost_outside_the_table():
+    private = _private_cost_methods()
+    assert {"_node_times_s", "_gradient_sync_s", "_routed_cut_s", "_optimizer_s"} <= private
+    assert {"planners/dp_program.py", "planners/scale.py", "planners/milp.py", "planners/exact.py",
+            "planners/rl/heterps.py", "planners/rl/env.py"} <= set(PLANNERS)
+    found = [v for name in PLANNERS for v in _planner_violations(name, (SRC / name).read_text(), private)]
+    assert found == []
+
+
+def test_the_planner_rule_fails_on_a_deliberate_violation():
+    """A stage's time from the node times, a memory formula, the simulator's table: all found."""
+    text = ("from hetplan.cost.formulas import stage_memory_bytes\nfrom hetplan.cost.table import step_costs\n"
+            "from hetplan.cost.stage_table import StageTable\nfrom hetplan.cost import CostModel\n"
+            "def t(cm, nodes):\n    return sum(cm._node_times_s('a100-40gb')[n][0] for n in nodes)\n")
+    found = _planner_violations("planners/x.py", text, _private_cost_methods())
+    assert found == ["planners/x.py: imports hetplan.cost.formulas.stage_memory_bytes",
+                     "planners/x.py: imports hetplan.cost.table.step_costs",
+                     "planners/x.py:6: calls CostModel._node_times_s"]

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from hetplan.cost import CostModel
+from hetplan.cost.stage_table import prefix_states, state_cut_bytes
 from hetplan.cost.table import stage_pair_bytes
 from hetplan.graph import Edge, Graph, Node
 from hetplan.io.clusters import cluster_from_spec
 from hetplan.plan import Plan, Stage
 from hetplan.planners.states import StateSums
-from hetplan.sim.chains import chain_crossing_bytes
 
 V = "v100-16gb"
 MB = 10**6
@@ -35,7 +35,7 @@ def test_a_tensor_with_two_consumers_beyond_a_cut_crosses_it_once():
     assert stage_pair_bytes(graph, plan, "relay") == {(0, 1): 100 * MB}
     assert stage_pair_bytes(graph, plan, "direct") == {(0, 1): 100 * MB}
     # the fast path's chain positions, along the order a b c d
-    crossing = chain_crossing_bytes(graph, {v: k for k, v in enumerate(graph.topo_order)})
+    crossing = state_cut_bytes(graph, prefix_states(4), graph.topo_order)
     assert crossing.tolist() == [0, 100 * MB, 110 * MB, 20 * MB, 0]
     # dp's cut states: {a} and {a, b}
     prob = StateSums(graph, CostModel(graph, cluster), 160)
@@ -83,7 +83,7 @@ def _two_stage_cut(rnd):
 
 def test_routed_cuts_are_the_simulator_s_on_random_groups_over_hosts():
     """dp's cut model against the event simulator: a step of one micro-batch and no compute is
-    the cut forward and back. Routed as the rows are (`CostModel.routed_cut_s`), the model is
+    the cut forward and back. Routed as the rows are (`CostModel._routed_cut_s`), the model is
     within 1% of the simulator in the median case over 2-4 hosts (the slowest link at min(k, k')
     lanes, dp's model before, was 33% off) and closer in 74 of 120 cases, farther in 4; what is
     left is mostly the simulator overlapping the gradients of early replicas with the
@@ -100,10 +100,10 @@ def test_routed_cuts_are_the_simulator_s_on_random_groups_over_hosts():
         cm = CostModel(graph, cluster)
         (a, b) = plan.stages
         sim = simulate(graph, cluster, plan, timeline=False).estimate.step_s
-        model = 2 * 720 * MB * cm.routed_cut_s(a.devices, b.devices, cm.stage_weights(a.nodes, a.devices),
-                                                cm.stage_weights(b.nodes, b.devices))
+        model = 2 * 720 * MB * cm._routed_cut_s(a.devices, b.devices, cm._stage_weights(a.nodes, a.devices),
+                                                cm._stage_weights(b.nodes, b.devices))
         routed.append(abs(math.log(model / sim)))
-        slowest.append(abs(math.log(2 * 720 * MB / cm.cut_Bps(a.devices, b.devices) / sim)))
+        slowest.append(abs(math.log(2 * 720 * MB / cm._cut_Bps(a.devices, b.devices) / sim)))
     assert statistics.median(routed) <= 0.03 < 0.2 <= statistics.median(slowest)
     closer = sum(r < s - 1e-9 for r, s in zip(routed, slowest, strict=True))
     farther = sum(r > s + 1e-9 for r, s in zip(routed, slowest, strict=True))
@@ -119,7 +119,7 @@ def test_one_pipeline_per_host_talks_inside_its_hosts():
                                              "inter_host": {"bandwidth": "1GB/s", "latency": "0s"}}}, "2x4")
     graph = _fork()
     cm = CostModel(graph, cluster)
-    assert cm.routed_cut_s(("h0-0", "h1-0"), ("h0-1", "h1-1")) == pytest.approx(0.5 / 10e9)  # half each, in parallel
-    assert cm.cut_Bps(("h0-0", "h1-0"), ("h0-1", "h1-1")) == pytest.approx(2e9)  # the slowest link, two lanes
+    assert cm._routed_cut_s(("h0-0", "h1-0"), ("h0-1", "h1-1")) == pytest.approx(0.5 / 10e9)  # half each, in parallel
+    assert cm._cut_Bps(("h0-0", "h1-0"), ("h0-1", "h1-1")) == pytest.approx(2e9)  # the slowest link, two lanes
     # across the hosts: both halves through each host's network interface, at 1 GB/s
-    assert cm.routed_cut_s(("h0-0", "h0-1"), ("h1-0", "h1-1")) == pytest.approx(1 / 1e9)
+    assert cm._routed_cut_s(("h0-0", "h0-1"), ("h1-0", "h1-1")) == pytest.approx(1 / 1e9)

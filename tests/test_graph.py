@@ -118,6 +118,18 @@ def test_empty_graph_and_bad_batch():
         Graph("g", (node("a"),), (), batch_size=0, profiled_on=V)
 
 
+def test_a_batch_beyond_what_planning_takes_is_refused():
+    from hetplan.graph import MAX_BATCH_SIZE, at_batch
+
+    g = Graph("g", (node("a"),), (), batch_size=MAX_BATCH_SIZE, profiled_on=V)
+    assert at_batch(g, 1).batch_size == 1 and at_batch(at_batch(g, 1), MAX_BATCH_SIZE).batch_size == MAX_BATCH_SIZE
+    for bigger in (MAX_BATCH_SIZE + 1, 10**15):
+        with pytest.raises(GraphError, match=f"batch_size is {bigger}; it must be at most {MAX_BATCH_SIZE} samples"):
+            Graph("g", (node("a"),), (), batch_size=bigger, profiled_on=V)
+        with pytest.raises(GraphError, match=f"the batch size is {bigger}; it must be at most {MAX_BATCH_SIZE}"):
+            at_batch(g, bigger)
+
+
 def test_node_is_frozen_and_hashable():
     n = node("a")
     with pytest.raises(AttributeError):

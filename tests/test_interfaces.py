@@ -87,14 +87,14 @@ def test_the_cost_model_counts_the_narrower_side_and_the_host_interfaces():
     from hetplan.cost import CostModel
 
     same = CostModel(GRAPH, cluster({"h": ["s0", "s1", "r0", "r1"]}))
-    assert same.cut_Bps(["s0"], ["r0", "r1"]) == pytest.approx(X)  # one sender: one lane
-    assert same.cut_Bps(["s0", "s1"], ["r0"]) == pytest.approx(X)
-    assert same.cut_Bps(["s0", "s1"], ["r0", "r1"]) == pytest.approx(2 * X)
+    assert same._cut_Bps(["s0"], ["r0", "r1"]) == pytest.approx(X)  # one sender: one lane
+    assert same._cut_Bps(["s0", "s1"], ["r0"]) == pytest.approx(X)
+    assert same._cut_Bps(["s0", "s1"], ["r0", "r1"]) == pytest.approx(2 * X)
     hosts = {"A": ["a0", "a1"], "B": ["b0", "b1"]}
     across = CostModel(GRAPH, cluster(hosts, intra="100GB/s"))
-    assert across.cut_Bps(["a0", "a1"], ["b0", "b1"]) == pytest.approx(X)  # one host interface each side
+    assert across._cut_Bps(["a0", "a1"], ["b0", "b1"]) == pytest.approx(X)  # one host interface each side
     wide = CostModel(GRAPH, cluster(hosts, nic={"A": "2GB/s", "B": "2GB/s"}, intra="100GB/s"))
-    assert wide.cut_Bps(["a0", "a1"], ["b0", "b1"]) == pytest.approx(2 * X)
+    assert wide._cut_Bps(["a0", "a1"], ["b0", "b1"]) == pytest.approx(2 * X)
     # the steady state of the plan above: the cut moves B forward and B back at the cut's bandwidth
     plan = two_stages(("a0", "a1"), ("b0", "b1"))
     assert across.bottleneck_s(plan) == pytest.approx(2 * B / X)

@@ -16,24 +16,24 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node but those under `if TYPE_CHECKING:`."""
+def _runtime_nodes(tree: ast.AST, types: bool = False):
+    """Every node but those under `if TYPE_CHECKING:` (with `types`, those too)."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+        if not types and isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
             stack.extend(node.orelse)
             continue
         yield node
         stack.extend(ast.iter_child_nodes(node))
 
 
-def imports_of(path: Path) -> set[str]:
+def imports_of(path: Path, types: bool = False) -> set[str]:
     """Modules a module imports: `from pkg import sub` imports the module pkg.sub (and pkg itself
-    only for a name that is not a module of it)."""
+    only for a name that is not a module of it); with `types`, for type hints alone too."""
     modules = {module_name(p) for p in SRC.rglob("*.py")}
     found = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text()), types):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -44,12 +44,12 @@ def imports_of(path: Path) -> set[str]:
     return {name for name in found if name.startswith("hetplan")}
 
 
-def import_graph() -> nx.DiGraph:
+def import_graph(types: bool = False) -> nx.DiGraph:
     modules = {module_name(p): p for p in SRC.rglob("*.py")}
     graph = nx.DiGraph()
     for name, path in modules.items():
         graph.add_node(name)
-        for target in imports_of(path):
+        for target in imports_of(path, types):
             if target in modules and target != name:
                 graph.add_edge(name, target)
     return graph
@@ -59,6 +59,20 @@ def test_no_import_cycle_among_modules():
     graph = import_graph()
     cycles = [c for c in nx.simple_cycles(graph) if len(c) > 1]
     assert cycles == [], cycles[:5]
+
+
+def test_no_two_modules_import_each_other_even_for_types():
+    """Two modules that name each other's types depend on each other as much as two that call
+    each other: what one checks of the other's data belongs with that data."""
+    graph = import_graph(types=True)
+    pairs = {tuple(sorted((a, b))) for a, b in graph.edges if graph.has_edge(b, a)}
+    assert pairs == set(), pairs
+
+
+def test_the_pair_rule_sees_imports_for_types(tmp_path):
+    hints = tmp_path / "hints.py"
+    hints.write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from hetplan.plan import Plan\n")
+    assert imports_of(hints, types=True) == {"hetplan.plan"} and imports_of(hints) == set()
 
 
 def test_the_cluster_model_reads_no_files():

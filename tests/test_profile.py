@@ -172,14 +172,33 @@ def test_device_specs():
                                            f"cpu:{n}"):
         parse_device("cpu:999")  # used to be accepted, and timed 999 threads on this machine's cores (issue 13)
     assert parse_device("cpu").device_type == f"cpu-{torch.get_num_threads()}t"
-    assert cuda_type_name("NVIDIA H100 80GB HBM3", 80 * 2**30) == "h100-80gb"
-    assert cuda_type_name("NVIDIA A100-SXM4-40GB", 40 * 2**30) == "a100-40gb"
-    assert cuda_type_name("NVIDIA A100-SXM4-80GB", 80 * 2**30) == "a100-80gb"
-    assert cuda_type_name("Tesla V100-SXM2-16GB", 16 * 2**30) == "v100-16gb"
-    assert cuda_type_name("Tesla T4", 15 * 2**30) == "t4-16gb"
-    assert cuda_type_name("Mystery GPU 9000", 8 * 2**30) == "gpu-mystery-gpu-9000"
     with pytest.raises(HetplanError, match="write cpu, cpu:N"):
         parse_device("tpu")
+
+
+# (the name the CUDA driver reports, the memory it reports: torch's get_device_properties, type)
+DRIVER_NAMES = [
+    ("NVIDIA H200", 143_771_140_096, "h200-141gb"),
+    ("NVIDIA H100 80GB HBM3", 85_045_035_008, "h100-80gb"),
+    ("NVIDIA A100-SXM4-40GB", 42_505_273_344, "a100-40gb"),
+    ("NVIDIA A100-SXM4-40GB", 40 * 2**30, "a100-40gb"),
+    ("NVIDIA A100-SXM4-80GB", 80 * 2**30, "a100-80gb"),
+    ("NVIDIA A100 80GB PCIe", 85_096_873_984, "a100-80gb"),
+    ("Tesla V100-SXM2-16GB", 16_945_512_448, "v100-16gb"),
+    ("Tesla V100-SXM2-32GB", 34_089_730_048, "v100-32gb"),
+    ("Tesla V100S-PCIE-32GB", 34_079_637_504, "v100-32gb"),
+    ("Tesla T4", 15_843_721_216, "t4-16gb"),
+    ("NVIDIA L4", 23_580_639_232, "l4-24gb"),
+    ("NVIDIA GeForce RTX 3090", 25_438_126_080, "rtx3090-24gb"),
+    ("Mystery GPU 9000", 8 * 2**30, "gpu-mystery-gpu-9000"),
+    # an L40S is no L4 (48 GB, twice its FLOP/s): it was typed l4-24gb, whose name it holds
+    ("NVIDIA L40S", 47_697_362_944, "gpu-nvidia-l40s"),
+]
+
+
+@pytest.mark.parametrize(("name", "mem_bytes", "expected"), DRIVER_NAMES)
+def test_a_gpu_is_typed_by_the_name_and_memory_its_driver_reports(name, mem_bytes, expected):
+    assert cuda_type_name(name, mem_bytes) == expected
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -1,6 +1,7 @@
 """`hetplan report` (issue 18): one self-contained HTML page per plan, comparison or run (the run's
 page is checked in test_trace.py, on the traced run made there), opened in headless Chromium."""
 
+import html
 import json
 import re
 from pathlib import Path
@@ -57,12 +58,14 @@ def test_a_plans_page_draws_every_node_and_every_action_of_its_step(tmp_path, cl
     assert bars(figure_data(page, "timeline")) == len(spans)
     assert page.stat().st_size < 3e6
 
-    shown = render(page, tmp_path / "plan.png", (GRAPH_POINTS, TIMELINE_BARS, "#devices tbody tr", "#fig-curve"))
+    shown = render(page, tmp_path / "plan.png", (GRAPH_POINTS, TIMELINE_BARS, "#devices tbody tr", "#fig-curve",
+                                                 "#explain tbody tr"))
     assert shown.errors == []
     assert shown.counts[GRAPH_POINTS] == len(graph.nodes)
     assert shown.counts[TIMELINE_BARS] == len(spans)
     assert shown.counts["#devices tbody tr"] == sum(len(st.devices) for st in plan.stages)
     assert shown.counts["#fig-curve"] == 0
+    assert shown.counts["#explain tbody tr"] == 1 + len(plan.meta["dp"]["explain"]["runners_up"])
     assert shown.screenshot.stat().st_size > 10_000
 
 
@@ -125,6 +128,29 @@ def test_the_page_of_a_240_node_graph_stays_under_three_mb(tmp_path, cli):
     assert cli("report", plan, "-o", page).code == 0
     assert len(markers(figure_data(page, "graph"))) == 240
     assert page.stat().st_size < 3e6, page.stat().st_size
+
+
+def test_a_dp_plans_page_says_why_this_plan_and_a_baselines_does_not(tmp_path, cli):
+    graph = tmp_path / "g.json"
+    serde.dump(chain_graph(12), graph)
+    for planner in ("dp", "uniform"):
+        plan, page = tmp_path / f"{planner}.json", tmp_path / f"{planner}.html"
+        assert cli("plan", graph, "--cluster", "hetero-4", "--planner", planner, "-o", plan).code == 0
+        assert cli("report", plan, "-o", page).code == 0
+        text = page.read_text()
+        if planner == "uniform":
+            assert 'id="section-explain"' not in text and "Why this plan" not in text
+            continue
+        explain = serde.read_json(plan)["meta"]["dp"]["explain"]
+        section = re.search(r'<section id="section-explain"><h2>Why this plan</h2>(.*?)</section>', text, re.S)
+        assert section, "no Why this plan section"
+        assert f"<p>dp compared {explain['candidates']} candidates, simulated {explain['simulated']}</p>" in section[1]
+        rows = re.findall(r"<tr class=\"(\w*)\">(.*?)</tr>", section[1])
+        assert len(rows) == 1 + len(explain["runners_up"]) and [cls for cls, _ in rows] == ["chosen"] + [""] * (
+            len(rows) - 1)
+        cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for _, row in rows]
+        assert cells[0][:2] == ["winner", explain["winner"]["source"]] and cells[0][-1] == "chosen"
+        assert [c[-1] for c in cells[1:]] == [html.escape(r["lost"]) for r in explain["runners_up"]]
 
 
 def test_a_chrome_trace_reads_back_as_the_timeline_it_was_written_from(resnet):

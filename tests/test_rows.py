@@ -78,7 +78,7 @@ def test_the_runtime_splits_every_microbatch_as_the_simulator_charges_it(threads
     assert rows == cm.plan_rows(plan)
     model = step_costs(graph, cluster, plan, "relay", cm)
     for k, st_ in enumerate(model.stages):
-        fwd = {d: cm.stage_times_s(plan.stages[k].nodes, cluster.device(d).type)[0] for d in plan.stages[k].devices}
+        fwd = {d: cm._stage_times_s(plan.stages[k].nodes, cluster.device(d).type)[0] for d in plan.stages[k].devices}
         for p, rep in enumerate(st_.replicas):
             for j in range(m):
                 n = rows.rows(k, j, p)

@@ -163,23 +163,36 @@ def test_llm_shapes_count_their_parameters():
     assert shape("opt-350m").block_params() == pytest.approx(12.6e6, rel=0.01)
 
 
+def test_deep_llm_shapes_count_their_published_parameters():
+    """The chain's parameters (embedding, blocks, head; a tied one once) against the published
+    totals. GPT-Neo 2.7B's checkpoint holds 2,651,307,520 (2,048 learnt positions, biases and
+    norms included); the chain counts its positions at the sequence length."""
+    neo = transformer_chain("gpt-neo-2.7b", 1, 2048, ["h100-80gb"])
+    assert neo.param_bytes_total / 4 == pytest.approx(2.7e9, rel=0.02)
+    assert neo.param_bytes_total / 4 == pytest.approx(2_651_307_520, rel=0.001)
+    assert neo.tied and neo.by_id["block_0"].tp_units == 20  # heads and MLP units split 20 ways at most
+    llama = transformer_chain("llama-3-70b", 1, 8, ["h100-80gb"])
+    assert llama.param_bytes_total / 4 == pytest.approx(70.6e9, rel=0.02)  # Meta-Llama-3-70B
+    assert llama.tied == () and len(llama.nodes) == 80 + 2
+
+
 @settings(max_examples=150, deadline=None)
 @given(clusters(min_devices=1, max_devices=6), st.randoms(use_true_random=False))
 def test_cut_bandwidth_by_host_pairs_equals_every_pair(cluster, rnd):
-    """`CostModel.slowest_Bps` and `nic_cap_Bps` count pairs by host (128 x 128 replicas would
+    """`CostModel._slowest_Bps` and `nic_cap_Bps` count pairs by host (128 x 128 replicas would
     be 16,384 link look-ups a cut): the same as looking at every pair."""
     ids = list(cluster.ids)
     senders, receivers = rnd.sample(ids, rnd.randint(1, len(ids))), rnd.sample(ids, rnd.randint(1, len(ids)))
     t = cluster.devices[0].type
     cost = CostModel(Graph("g", (Node("a", "Linear", {t: 1.0}, {t: 1.0}),), (), 1, t), cluster)
-    assert cost.slowest_Bps(senders, receivers) == min(cluster.link(a, b).bandwidth_Bps
+    assert cost._slowest_Bps(senders, receivers) == min(cluster.link(a, b).bandwidth_Bps
                                                        for a in senders for b in receivers)
     cross = [(a, b) for a in senders for b in receivers if cluster.crosses_hosts(a, b)]
     out_hosts = {cluster.device(a).host for a, _ in cross}
     in_hosts = {cluster.device(b).host for _, b in cross}
     naive = min(math.fsum(cluster.nic_Bps(h) for h in out_hosts),
                 math.fsum(cluster.nic_Bps(h) for h in in_hosts)) if cross else math.inf
-    assert cost.nic_cap_Bps(senders, receivers) == naive
+    assert cost._nic_cap_Bps(senders, receivers) == naive
 
 
 def test_opt_ties_its_embedding_to_its_head_and_llama_does_not():

@@ -18,6 +18,7 @@ from hetplan.planners import PlanOptions, make_plan, objectives
 from hetplan.planners.baselines import block_partition, min_max_sizes
 from hetplan.planners.kit import Budget, microbatch_choices
 from hetplan.planners.randomized import random_problem
+from hetplan.planners.refine import with_recompute, with_shard
 from hetplan.planners.search import local_search
 from hetplan.planners.states import coarsen, cut_states
 from hetplan.sim import simulate
@@ -156,7 +157,15 @@ def test_dp_is_close_to_exact_on_random_small_problems():
 
 
 def all_plans(graph, cluster, options):
-    """Every valid plan, the naive way: chains of down-sets x ordered disjoint device groups x m."""
+    """Every valid plan, the naive way: chains of down-sets x ordered disjoint device groups x m,
+    each with the memory choices the options allow, as exact takes them (sharding wherever the
+    options let a stage shard, which only saves; recomputation exactly where memory needs it)."""
+    cost = CostModel(graph, cluster)
+    for plan in _every_split(graph, cluster, options):
+        yield with_recompute(cost, with_shard(cost, plan, options.shard), options.recompute)
+
+
+def _every_split(graph, cluster, options):
     ideals = cut_states(graph).ideals
     order = graph.topo_order
     full = ideals[-1]

@@ -95,20 +95,20 @@ def test_two_replicas_of_different_speeds_finish_together():
     est = sim.estimate
     cm = CostModel(g, cluster)
     # each replica's rows of every micro-batch of 16: in proportion to speed, in whole rows
-    speed = {d: 1 / cm.device_stage_s(("n1",), d) for d in ("a0", "t0")}
+    speed = {d: 1 / cm._device_stage_s(("n1",), d) for d in ("a0", "t0")}
     rows = {d: 16 * speed[d] / (speed["a0"] + speed["t0"]) for d in speed}
     whole = {d: round(r) for d, r in rows.items()}
     assert sum(whole.values()) == 16 and all(abs(whole[d] - rows[d]) < 0.5 for d in whole)
     for d in ("a0", "t0"):  # busy for its 4 x whole[d] of the 64 samples
-        assert est.busy_s[d] == pytest.approx(cm.device_stage_s(("n1",), d) * 4 * whole[d] / 64)
-    together = 1 / (1 / cm.device_stage_s(("n1",), "a0") + 1 / cm.device_stage_s(("n1",), "t0"))
+        assert est.busy_s[d] == pytest.approx(cm._device_stage_s(("n1",), d) * 4 * whole[d] / 64)
+    together = 1 / (1 / cm._device_stage_s(("n1",), "a0") + 1 / cm._device_stage_s(("n1",), "t0"))
     # they finish together but for the rounding of one row
-    assert abs(est.busy_s["a0"] - together) <= max(cm.device_stage_s(("n1",), d) for d in speed) * 4 / 64
+    assert abs(est.busy_s["a0"] - together) <= max(cm._device_stage_s(("n1",), d) for d in speed) * 4 / 64
     last_b = {d: max(s.end_s for s in sim.timeline.spans if s.resource == d and s.kind == "B") for d in ("a0", "t0")}
     ar = [s for s in sim.timeline.spans if s.kind == ALLREDUCE]
     assert {s.resource for s in ar} == {"a0", "t0"}
     slowest = min(cluster.types[cluster.device(d).type].mem_bw_Bps for d in ("a0", "t0"))
-    allreduce = cm.allreduce_s(10**8, ("a0", "t0")) + 2 * 10**8 / slowest  # and the copies to and from its buffer
+    allreduce = cm._allreduce_s(10**8, ("a0", "t0")) + 2 * 10**8 / slowest  # and the copies to and from its buffer
     assert ar[0].end_s - ar[0].start_s == pytest.approx(allreduce)
     # then each replica's optimizer step: Adam reads and writes 7 x the weights' bytes
     opt = {d: 7 * 10**8 / cluster.types[cluster.device(d).type].mem_bw_Bps for d in ("a0", "t0", "v0")}
@@ -122,13 +122,13 @@ def test_one_replicated_stage_is_data_parallelism():
     cluster = load_cluster("hetero-4")
     cm = CostModel(g, cluster)
     est = simulate(g, cluster, Plan((Stage(("n0",), ("a0", "t0")),), 1, "gpipe", "test")).estimate
-    t = {d: cm.device_stage_s(("n0",), d) for d in ("a0", "t0")}
+    t = {d: cm._device_stage_s(("n0",), d) for d in ("a0", "t0")}
     a0_rows = round(64 * (1 / t["a0"]) / (1 / t["a0"] + 1 / t["t0"]))  # the batch of 64 split by speed
     busy = {"a0": t["a0"] * a0_rows / 64, "t0": t["t0"] * (64 - a0_rows) / 64}
     assert est.busy_s == pytest.approx(busy)
-    opt = max(cm.optimizer_s(10**8, d) for d in ("a0", "t0"))
+    opt = max(cm._optimizer_s(10**8, d) for d in ("a0", "t0"))
     pack = 2 * 10**8 / min(cluster.types[cluster.device(d).type].mem_bw_Bps for d in ("a0", "t0"))
-    assert est.step_s == pytest.approx(max(busy.values()) + cm.allreduce_s(10**8, ("a0", "t0")) + pack + opt)
+    assert est.step_s == pytest.approx(max(busy.values()) + cm._allreduce_s(10**8, ("a0", "t0")) + pack + opt)
 
 
 def diamond():

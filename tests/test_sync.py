@@ -119,12 +119,12 @@ def test_a_tied_parameter_across_stages_is_summed_after_both_are_done():
     assert {s.resource for s in ar} == {"v0", "v1"}
     last = max(s.end_s for s in spans if s.kind not in (ALLREDUCE, OPTIMIZER))
     assert all(s.start_s == pytest.approx(last) for s in ar)
-    sync_s = cm.gradient_sync_s(40 * MB, 0, ("v0", "v1"))
+    sync_s = cm._gradient_sync_s(40 * MB, 0, ("v0", "v1"))
     assert ar[0].end_s - ar[0].start_s == pytest.approx(sync_s) and sync_s > 0
     opt = {s.resource: s for s in spans if s.kind == OPTIMIZER}
     assert opt["v0"].start_s == pytest.approx(last + sync_s) == opt["v1"].start_s
     # each stage updates its own copy of the tied parameter
-    assert opt["v1"].end_s - opt["v1"].start_s == pytest.approx(cm.optimizer_s(50 * MB, "v1"))
+    assert opt["v1"].end_s - opt["v1"].start_s == pytest.approx(cm._optimizer_s(50 * MB, "v1"))
     assert sim.estimate.step_s == pytest.approx(last + sync_s + max(o.end_s - o.start_s for o in opt.values()))
 
 
@@ -154,7 +154,7 @@ def test_tied_nodes_in_one_stage_sum_nothing_more_and_count_once():
     cm = CostModel(g, cluster)
     (sync,) = plan_syncs(cm, plan)
     assert sync.members == ((0, 0), (0, 1))
-    assert sync.seconds == pytest.approx(cm.gradient_sync_s(110 * MB, 0, ("v0", "v1")))
+    assert sync.seconds == pytest.approx(cm._gradient_sync_s(110 * MB, 0, ("v0", "v1")))
     assert cm.stage_memory_bytes(plan, 0, "v0") == 4 * 110 * MB
 
 
@@ -165,9 +165,9 @@ def test_replicated_stages_sharing_a_tied_parameter_sum_it_over_all_their_replic
     cm = CostModel(g, cluster)
     syncs = plan_syncs(cm, plan)
     assert [s.members for s in syncs] == [((0, 0), (0, 1)), ((0, 0), (0, 1), (2, 0), (2, 1)), ((2, 0), (2, 1))]
-    own = cm.gradient_sync_s(10 * MB, 0, ("v0", "v1"))  # n0's 50 MB less the 40 summed with stage 2
+    own = cm._gradient_sync_s(10 * MB, 0, ("v0", "v1"))  # n0's 50 MB less the 40 summed with stage 2
     assert [s.seconds for s in syncs] == pytest.approx(
-        [own, cm.gradient_sync_s(40 * MB, 0, ("v0", "v1", "v3", "v4")), cm.gradient_sync_s(10 * MB, 0, ("v3", "v4"))])
+        [own, cm._gradient_sync_s(40 * MB, 0, ("v0", "v1", "v3", "v4")), cm._gradient_sync_s(10 * MB, 0, ("v3", "v4"))])
 
 
 def test_a_stage_without_parameters_sums_nothing():

@@ -228,7 +228,7 @@ def test_a_group_is_charged_its_share_of_the_splitting_nodes_and_their_all_reduc
         {"id": f"g{i}", "type": "a100-40gb", "host": "h"} for i in range(2)]}, "one")
     plan = Plan((Stage(("a", "b"), ("g0",), tp=2, tp_devices=(("g0", "g1"),)),), 1, "gpipe", "test")
     cm = CostModel(graph, cluster)
-    allreduce = cm.allreduce_s(10**6, ("g0", "g1"))
+    allreduce = cm._allreduce_s(10**6, ("g0", "g1"))
     assert allreduce > 0
     work = step_costs(graph, cluster, plan, cost=cm).stages[0]
     rep = work.replicas[0]
@@ -236,7 +236,7 @@ def test_a_group_is_charged_its_share_of_the_splitting_nodes_and_their_all_reduc
     assert rep.fwd_s == pytest.approx(0.2 + 0.1) and rep.bwd_s == pytest.approx(0.4 + 0.2)
     assert rep.fwd_fixed_s == pytest.approx(2 * allreduce) and rep.bwd_fixed_s == pytest.approx(2 * allreduce)
     four = step_costs(graph, cluster, replace(plan, microbatches=4), cost=cm).stages[0].replicas[0]
-    assert four.fwd_fixed_s == pytest.approx(2 * cm.allreduce_s(10**6 / 4, ("g0", "g1")))
+    assert four.fwd_fixed_s == pytest.approx(2 * cm._allreduce_s(10**6 / 4, ("g0", "g1")))
     assert rep.weight_bytes == 4 * (500 + 100)  # weights, gradients, Adam's two moments: half of a's
     est = simulate(graph, cluster, plan).estimate
     assert est.busy_s["g1"] == est.busy_s["g0"] and est.peak_mem_bytes["g1"] == est.peak_mem_bytes["g0"]
@@ -246,16 +246,20 @@ def test_a_group_is_charged_its_share_of_the_splitting_nodes_and_their_all_reduc
 
 def _brute_force(graph, cluster, options):
     """The best plan of every chain of stages, every assignment of devices to them, every cut of
-    a stage's devices into groups of one host and type, every micro-batch count: scored by the
-    simulator on the real problem (a reference that knows nothing of groupings)."""
+    a stage's devices into groups of one host and type, every micro-batch count, with the memory
+    choices the options allow (sharding where a stage can, recomputation where memory needs
+    it, as exact takes them): scored by the simulator on the real problem (a reference that
+    knows nothing of groupings)."""
     import itertools
     import math
 
     from hetplan.plan import plan_problems
     from hetplan.planners.kit import microbatch_choices
+    from hetplan.planners.refine import with_recompute, with_shard
     from hetplan.planners.scoring import Scorer
 
     scorer = Scorer(graph, cluster, options)
+    cost = scorer.cost
     names = list(graph.topo_order)
     ids = [d.id for d in cluster.devices]
     best_value, best = float("inf"), None
@@ -270,6 +274,7 @@ def _brute_force(graph, cluster, options):
                     built = tuple(_stage_of(names[bounds[k]:bounds[k + 1]], groups) for k, groups in enumerate(stages))
                     for m in microbatch_choices(graph, options):
                         plan = Plan(built, m, options.schedule, "brute")
+                        plan = with_recompute(cost, with_shard(cost, plan, options.shard), options.recompute)
                         value = math.inf if plan_problems(plan, graph, cluster) else scorer.value(plan)
                         if value < best_value:
                             best_value, best = value, plan
@@ -300,7 +305,8 @@ def _group_cuts(devices, cluster, max_tp):
 def test_dp_with_tensor_parallelism_finds_the_exhaustive_optimum():
     """One sample per step, so replicas cannot share it: on 2 A100 + 2 V100 the best plan puts
     a 2-way group per pipeline stage, or the whole model on one group; dp finds the step of a
-    search over every plan, and without --max-tp it cannot."""
+    search over every plan, with --max-tp 2 and by default (groups of a host's GPUs of a type),
+    and with --max-tp 1 it cannot."""
     from hetplan.graph import Edge, Graph, Node
     from hetplan.io.clusters import cluster_from_spec
     from hetplan.planners import PlanOptions, make_plan
@@ -319,7 +325,8 @@ def test_dp_with_tensor_parallelism_finds_the_exhaustive_optimum():
     plan = make_plan(graph, cluster, "dp", options)
     assert plan.predicted.step_s == pytest.approx(want, rel=1e-9)
     assert any(s.tp == 2 for s in plan.stages)
-    assert make_plan(graph, cluster, "dp", PlanOptions()).predicted.step_s > want * 1.05
+    assert make_plan(graph, cluster, "dp", PlanOptions()).predicted.step_s == pytest.approx(want, rel=1e-9)
+    assert make_plan(graph, cluster, "dp", PlanOptions(max_tp=1)).predicted.step_s > want * 1.05
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -26,7 +26,9 @@ from hetplan.precision import BF16, FP32, checked
 class DeviceType:
     """A kind of device. `peak_flops` is fp32; `peak_flops_fp16` the fp16 tensor rate, which bf16
     reaches too where the device has bf16 tensor cores (`bf16_tensor`: from Ampere on; a V100 or
-    a T4 runs bf16 products at about its fp32 rate). `threads` is set for CPU types only."""
+    a T4 runs bf16 products at about its fp32 rate). `threads` is set for CPU types only.
+    `driver_names`: the model numbers, in lower case, by which the CUDA driver's name of a GPU
+    (`torch.cuda.get_device_properties(i).name`) says it is of this type (`by_driver_name`)."""
 
     name: str
     kind: str
@@ -38,6 +40,7 @@ class DeviceType:
     threads: int | None = None
     description: str = ""
     bf16_tensor: bool = True
+    driver_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         who = f"device type {self.name!r}"
@@ -53,6 +56,9 @@ class DeviceType:
             raise ClusterError(f"{who}: usd_per_hour is {self.usd_per_hour!r}; it must be >= 0")
         if self.threads is not None and (self.kind != "cpu" or self.threads < 1):
             raise ClusterError(f"{who}: threads is only for cpu types and must be >= 1")
+        object.__setattr__(self, "driver_names", tuple(self.driver_names))
+        if any(not isinstance(n, str) or not n or n != n.lower() for n in self.driver_names):
+            raise ClusterError(f"{who}: driver_names must be non-empty lower-case names, got {self.driver_names!r}")
 
     def peak_flops_in(self, precision: str) -> float:
         """The peak FLOP rate of products in `precision` (`hetplan.precision`)."""
@@ -67,23 +73,24 @@ CATALOG: MappingProxyType[str, DeviceType] = MappingProxyType(
         t.name: t
         for t in (
             DeviceType("h200-141gb", "gpu", 67e12, 989e12, 141 * GiB, 4.8e12, 3.50,
-                       description="NVIDIA H200 SXM 141GB"),
+                       description="NVIDIA H200 SXM 141GB", driver_names=("h200",)),
             DeviceType("h100-80gb", "gpu", 67e12, 989e12, 80 * GiB, 3.35e12, 3.00,
-                       description="NVIDIA H100 SXM5 80GB"),
+                       description="NVIDIA H100 SXM5 80GB", driver_names=("h100",)),
             DeviceType("a100-80gb", "gpu", 19.5e12, 312e12, 80 * GiB, 2.039e12, 2.00,
-                       description="NVIDIA A100 SXM4 80GB"),
+                       description="NVIDIA A100 SXM4 80GB", driver_names=("a100",)),
             DeviceType("a100-40gb", "gpu", 19.5e12, 312e12, 40 * GiB, 1.555e12, 1.50,
-                       description="NVIDIA A100 SXM4 40GB"),
+                       description="NVIDIA A100 SXM4 40GB", driver_names=("a100",)),
             DeviceType("v100-32gb", "gpu", 15.7e12, 125e12, 32 * GiB, 900e9, 1.10,
-                       description="NVIDIA V100 SXM2 32GB", bf16_tensor=False),
+                       description="NVIDIA V100 SXM2 32GB", bf16_tensor=False, driver_names=("v100",)),
             DeviceType("v100-16gb", "gpu", 15.7e12, 125e12, 16 * GiB, 900e9, 0.90,
-                       description="NVIDIA V100 SXM2 16GB", bf16_tensor=False),
+                       description="NVIDIA V100 SXM2 16GB", bf16_tensor=False, driver_names=("v100",)),
             DeviceType("t4-16gb", "gpu", 8.1e12, 65e12, 16 * GiB, 320e9, 0.35,
-                       description="NVIDIA T4 16GB", bf16_tensor=False),
+                       description="NVIDIA T4 16GB", bf16_tensor=False, driver_names=("t4",)),
             DeviceType("rtx3090-24gb", "gpu", 35.6e12, 71e12, 24 * GiB, 936e9, 0.30,
-                       description="NVIDIA GeForce RTX 3090 24GB (fp16 tensor with fp32 accumulate)"),
+                       description="NVIDIA GeForce RTX 3090 24GB (fp16 tensor with fp32 accumulate)",
+                       driver_names=("rtx 3090",)),
             DeviceType("l4-24gb", "gpu", 30.3e12, 121e12, 24 * GiB, 300e9, 0.70,
-                       description="NVIDIA L4 24GB"),
+                       description="NVIDIA L4 24GB", driver_names=("l4",)),
         )
     }
 )
@@ -128,6 +135,17 @@ def lookup(name: str, threads: int | None = None) -> DeviceType:
     if name in CATALOG:
         return CATALOG[name]
     raise ClusterError(f"unknown device type {name!r} (known: {', '.join(catalog_names())})")
+
+
+def by_driver_name(name: str, mem_bytes: int) -> DeviceType | None:
+    """The catalog type of a GPU the CUDA driver calls `name`, with `mem_bytes` of memory: a type
+    one of whose `driver_names` the name holds with no digit on either side (the `l4` is not the
+    `l40s`, the `v100` is the `v100s`); of several, the one of nearest memory, as the driver
+    reports a little less than the nominal (an A100 of 40 or 80 GB); None for a GPU it lacks."""
+    low = name.lower()
+    found = [t for t in CATALOG.values()
+             if any(re.search(rf"(?<!\d){re.escape(k)}(?!\d)", low) for k in t.driver_names)]
+    return min(found, key=lambda t: abs(t.mem_bytes - mem_bytes), default=None)
 
 
 def find(name: str) -> DeviceType | None:

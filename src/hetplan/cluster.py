@@ -270,7 +270,7 @@ class Cluster:
     def _overrides(self) -> Mapping[frozenset[str], Link]:
         return FrozenMap({frozenset(o.between): Link(o.bandwidth_Bps, o.latency_s) for o in self.links})
 
-    @property
+    @cached_property
     def ids(self) -> tuple[str, ...]:
         return tuple(d.id for d in self.devices)
 

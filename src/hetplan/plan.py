@@ -9,6 +9,9 @@ A plan is valid for a graph and a cluster when:
   interleaves (`Schedule.interleaved`: each stage on the devices of its rank's first stage, by
   the schedule's map, `Plan.stage_ranks`; ranks' devices apart; one worker per device running
   all its stages);
+- each tensor-parallel replica (`Stage.tp` > 1) is a group of devices of one type on one host,
+  its stage shards no optimizer state, runs under a schedule of one stage per device without
+  shared devices, and its nodes split its degrees (`hetplan.tp.splits_in`);
 - there are no more micro-batches than samples in the batch.
 `validate_plan` checks all of it and names the offending node, edge, stage or device.
 """
@@ -27,7 +30,7 @@ from hetplan.graph import Graph
 from hetplan.precision import FP32, PRECISIONS
 from hetplan.schedule import SCHEDULE_NAMES, get_schedule, stage_ranks
 from hetplan.schedule import SCHEDULES as REGISTRY
-from hetplan.tp import tp_problems
+from hetplan.tp import splits_in
 
 SCHEDULES = SCHEDULE_NAMES  # hetplan.schedule owns what each means
 OBJECTIVES = ("time", "cost", "mdpe", "throughput")
@@ -214,7 +217,7 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
     problems += _device_problems(plan, cluster)
     problems += _rank_problems(plan)
     problems += _shard_problems(plan, graph)
-    problems += tp_problems(plan, graph, cluster)
+    problems += _tp_problems(plan, graph, cluster)
     if plan.precision != graph.precision:
         problems.append(f"the plan runs in {plan.precision} but graph {graph.name!r} was profiled in "
                         f"{graph.precision}; plan again from a profile in {plan.precision} "
@@ -302,6 +305,37 @@ def _shard_problems(plan: Plan, graph: Graph) -> list[str]:
         if sparse:
             problems.append(f"stage {i} shards its optimizer state but node {sparse[0]!r} has sparse gradients; "
                             "set shard false for that stage")
+    return problems
+
+
+def _tp_group_problems(i: int, stage: Stage, cluster: Cluster) -> list[str]:
+    out = []
+    for group in stage.tp_devices:
+        known = [cluster.by_id[d] for d in group if d in cluster.by_id]
+        if len({d.type for d in known}) > 1 or len({d.host for d in known}) > 1:
+            out.append(f"stage {i}'s tensor-parallel group {', '.join(group)} mixes device types or hosts; a group "
+                       "is devices of one type on one host")
+    return out
+
+
+def _tp_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
+    """Tensor-parallel stages that cannot run as planned, one line each."""
+    problems: list[str] = []
+    for i, stage in enumerate(plan.stages):
+        if stage.tp == 1:
+            continue
+        problems += _tp_group_problems(i, stage, cluster)
+        if stage.shard:
+            problems.append(f"stage {i} is tensor-parallel and shards its optimizer state; hetplan does not combine "
+                            "the two: set shard false or tp 1")
+        if get_schedule(plan.schedule).interleaved or plan.shared_devices:
+            problems.append(f"stage {i} is tensor-parallel under {plan.schedule}"
+                            f"{' with shared devices' if plan.shared_devices else ''}; tensor-parallel stages run "
+                            "one per group of devices, under gpipe, 1f1b or zero-bubble schedules")
+        for degree in sorted(set(stage.degrees) - {1}):
+            why = splits_in(graph, stage.nodes, degree)
+            if why:
+                problems.append(f"stage {i} cannot split {degree} ways: {why}")
     return problems
 
 

@@ -19,6 +19,7 @@ and a run split the batch the same way, to the sample.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,20 +76,42 @@ class StepRows:
         lo, hi = max(a[0], b[0]), min(a[1], b[1])
         return (lo, hi) if hi > lo else (lo, lo)
 
+    def overlaps(self, stage: int, other_stage: int, microbatch: int) -> list[tuple[int, int, int, int]]:
+        """(replica, other replica, first, end) of every pair of the two stages' replicas whose
+        slices of a micro-batch share rows: both stages' slices tile the micro-batch in order, so
+        one walk along both finds them (`shared_rows` of every pair, without the pairs that share none)."""
+        a, b = self.slices[stage][microbatch], self.slices[other_stage][microbatch]
+        p = q = 0
+        out = []
+        while p < len(a) and q < len(b):
+            lo, hi = max(a[p][0], b[q][0]), min(a[p][1], b[q][1])
+            if hi > lo:
+                out.append((p, q, lo, hi))
+            if a[p][1] <= b[q][1]:
+                p += 1
+            else:
+                q += 1
+        return out
+
     def replicas(self, stage: int) -> int:
         return len(self.slices[stage][0])
 
 
-def step_rows(batch_size: int, microbatches: int, weights: Sequence[Sequence[float]]) -> StepRows:
-    """The split of a step: `weights[k]` are the replicas' weights of stage k."""
+def stage_slices(micro: Sequence[int], weights: Sequence[float]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per micro-batch (of `micro[j]` rows), each replica's (first, end) of its rows, the replicas
+    weighted by `weights`."""
+    per_mb = []
+    for j, n in enumerate(micro):
+        parts = split_rows(n, weights, rotate=j) if len(weights) > 1 else (n,)
+        bounds = [0, *itertools.accumulate(parts)]
+        per_mb.append(tuple((bounds[i], bounds[i + 1]) for i in range(len(parts))))
+    return tuple(per_mb)
+
+
+def step_rows(batch_size: int, microbatches: int, weights: Sequence[Sequence[float]],
+              slices=stage_slices) -> StepRows:
+    """The split of a step: `weights[k]` are the replicas' weights of stage k (`slices`: how a
+    stage's rows are split, `stage_slices` or a memo of it)."""
     micro = microbatch_rows(batch_size, microbatches)
-    start = tuple(sum(micro[:j]) for j in range(len(micro)))
-    slices = []
-    for w in weights:
-        per_mb = []
-        for j, n in enumerate(micro):
-            parts = split_rows(n, w, rotate=j) if len(w) > 1 else (n,)
-            bounds = [0, *(sum(parts[:i + 1]) for i in range(len(parts)))]
-            per_mb.append(tuple((bounds[i], bounds[i + 1]) for i in range(len(parts))))
-        slices.append(tuple(per_mb))
-    return StepRows(batch_size, micro, start, tuple(slices))
+    start = tuple(itertools.accumulate(micro, initial=0))[:-1]
+    return StepRows(batch_size, micro, start, tuple(slices(micro, tuple(w)) for w in weights))

@@ -6,14 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 from rich.console import Console
 
 from hetplan.cluster import Cluster
-from hetplan.errors import HetplanError, InputError
-from hetplan.graph import Graph, at_batch
+from hetplan.errors import HetplanError, InputError, shown
+from hetplan.graph import Graph, at_batch, batch_size_problem
 from hetplan.io import serde
 from hetplan.io.clusters import cluster_from_data, load_cluster, presets
 from hetplan.io.graphs import refuse_pipedream_text
@@ -50,25 +51,56 @@ def load_any(ref: str) -> Graph | Cluster | Plan:
     raise HetplanError(f"{ref!r} is neither a file nor a cluster preset (presets: {', '.join(presets())})")
 
 
+WHOLE_OR_AUTO = ("microbatches", "max_tp")  # flags that take a whole number, or auto where the field takes None
+
+
 def _options(args: argparse.Namespace) -> PlanOptions:
-    return PlanOptions(
-        microbatches=(None if args.microbatches in (None, "auto")
-                      else _positive_int(args.microbatches, "--microbatches")),
-        schedule=args.schedule, objective=args.objective, seed=args.seed, budget_s=args.budget_s,
-        min_samples_per_s=args.min_samples_per_s, alpha=args.alpha, beta=args.beta, gamma=args.gamma,
-        comm_tolerance=args.comm_tolerance, mem_tolerance=args.mem_tolerance, routing=args.routing,
-        max_iters=args.max_iters, max_replicas=args.max_replicas, max_tp=args.max_tp,
-        faithful=args.faithful, recompute=args.recompute, shard=args.shard,
-    )
+    """The planning flags as `PlanOptions`: each flag's default is its field's (`cli.parser`), so
+    a flag not given arrives as the field's default."""
+    given = {f.name: getattr(args, f.name) for f in fields(PlanOptions) if hasattr(args, f.name)}
+    for name in WHOLE_OR_AUTO:
+        if name in given:
+            given[name] = _whole_or_auto(given[name], name)
+    return PlanOptions(**given)
+
+
+def allows_none(name: str) -> bool:
+    """Whether a field of `PlanOptions` takes None (then its flag takes `auto` for it)."""
+    return type(None) in get_args(get_type_hints(PlanOptions)[name])
+
+
+def _whole_or_auto(value: object, name: str) -> int | None:
+    """A flag's text as a whole number >= 1, or `auto` as None where the field takes None; the
+    default (the field's own, not text) as it is."""
+    if not isinstance(value, str):
+        return value
+    flag, auto = "--" + name.replace("_", "-"), allows_none(name)
+    if value == "auto":
+        if not auto:
+            raise HetplanError(f"{flag}: auto is not allowed; give a whole number >= 1")
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise HetplanError(f"{flag}: {shown(value)} is not a whole number{' (or auto)' if auto else ''}") from None
+    if number < 1:
+        raise HetplanError(f"{flag}: {number} must be >= 1")
+    return number
 
 
 def graph_at_batch(graph: Graph, batch: int | None) -> Graph:
     """The graph at the batch the user trains with (`--global-batch`), or as profiled."""
     if batch is None:
         return graph
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise HetplanError(f"--global-batch: {batch!r} must be a whole number of samples >= 1")
-    return at_batch(graph, batch)
+    return at_batch(graph, checked_batch(batch, "--global-batch"))
+
+
+def checked_batch(batch: int, flag: str) -> int:
+    """A batch size a flag gives, refused in one line when it is not one (`graph.batch_size_problem`)."""
+    problem = batch_size_problem(batch)
+    if problem:
+        raise HetplanError(f"{flag}: {shown(batch)} {problem}")
+    return batch
 
 
 def in_precision(graph: Graph, precision: str | None) -> Graph:
@@ -80,16 +112,6 @@ def in_precision(graph: Graph, precision: str | None) -> Graph:
         raise HetplanError(f"--precision {precision}: graph {graph.name!r} was profiled in {graph.precision}; "
                            f"profile it in {precision} ({how}) and plan from that graph")
     return graph
-
-
-def _positive_int(text: str, flag: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise HetplanError(f"{flag}: {text!r} is not a whole number (or 'auto')") from None
-    if value < 1:
-        raise HetplanError(f"{flag}: {value} must be >= 1")
-    return value
 
 
 def _progress_bar(args: argparse.Namespace | None = None):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hetplan.cli._shared import allows_none
 from hetplan.cli.describe import cmd_catalog, cmd_import_pipedream, cmd_info
 from hetplan.cli.planning import cmd_compare, cmd_plan, cmd_simulate
 from hetplan.cli.profiling import cmd_profile
@@ -16,11 +17,14 @@ from hetplan.graph import GRANULARITIES
 from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, INPUT_TIMES
 from hetplan.plan import OBJECTIVES
 from hetplan.planners import PLANNERS, RL_PLANNERS
-from hetplan.planners.options import RECOMPUTE_CHOICES, SCHEDULE_CHOICES, SHARD_CHOICES
+from hetplan.planners.kit import FAITHFUL_BUDGET_S, LEARN_BUDGET_S, SEARCH_BUDGET_S
+from hetplan.planners.options import RECOMPUTE_CHOICES, SCHEDULE_CHOICES, SHARD_CHOICES, PlanOptions
 from hetplan.precision import PRECISIONS
 from hetplan.runtime.settings import DEFAULTS as RUN
 from hetplan.zoo import zoo_names
 from hetplan.zoo.llm import SHAPES as LLM_SHAPES
+
+PLAN = PlanOptions()  # the planning flags' defaults, read here and nowhere else (`_default`)
 
 DESCRIPTION = """\
 hetplan plans how to split the training of a PyTorch model across a mixed set of devices,
@@ -81,62 +85,92 @@ GLOBAL_BATCH_HELP = ("plan at a batch of N samples per step (default: the graph'
                      "part plus the rest scaled by N over the profile's batch; activations scale too")
 
 
+def _default(name: str, none: str = "none") -> str:
+    """A planning flag's "(default: X)", read off `PlanOptions` (`none`: what its None means)."""
+    value = getattr(PLAN, name)
+    shown = none if value is None else f"{value:g}" if isinstance(value, float) else value
+    return f"(default: {shown})"
+
+
 def _planning_options() -> argparse.ArgumentParser:
-    """The planning problem and the planners' settings, of `plan` and `compare`."""
+    """The planning problem and the planners' settings, of `plan` and `compare`. Each flag's
+    default is `PlanOptions`' field (`cli._shared._options` turns the flags back into one)."""
     planning = argparse.ArgumentParser(add_help=False)
     planning.add_argument("graph", metavar="GRAPH", help="a graph JSON file")
     planning.add_argument("--cluster", required=True, metavar="C", help="a cluster file or preset")
-    planning.add_argument("--microbatches", metavar="M|auto",
-                          help="micro-batches per step (default: auto, the planner chooses)")
     planning.add_argument("--global-batch", type=int, metavar="N", help=GLOBAL_BATCH_HELP)
-    planning.add_argument("--schedule", default="1f1b", choices=SCHEDULE_CHOICES,
-                          help="pipeline schedule (default: 1f1b; auto: the planner's plan under the schedule "
-                               "its objective prefers)")
-    planning.add_argument("--recompute", default="never", choices=RECOMPUTE_CHOICES,
-                          help="which stages recompute their activations in their backward, keeping only what "
-                               "crosses their cuts: never, always, or where-needed (the stages over their "
-                               "devices' memory) (default: never)")
-    planning.add_argument("--shard", default="never", choices=SHARD_CHOICES,
-                          help="replicated: the replicas of every stage of two or more shard its optimizer state "
-                               "(ZeRO-1: an r-th of Adam's state each, a reduce-scatter and an all-gather instead "
-                               "of the all-reduce) (default: never)")
-    planning.add_argument("--precision", choices=PRECISIONS,
-                          help="the arithmetic the plan runs in: fp32, or bf16/fp16 mixed precision; the graph "
-                               "must be profiled in it (default: the graph's)")
-    planning.add_argument("--objective", default="time", choices=OBJECTIVES,
-                          help="time: shortest step; cost: lowest price per sample above --min-samples-per-s; "
-                               "mdpe: Trinity's runtime + communication + memory model; throughput: PipeDream's "
-                               "steady state, the slowest stage or cut (default: time)")
-    planning.add_argument("--min-samples-per-s", type=float, metavar="X", help="throughput floor of --objective cost")
-    planning.add_argument("--max-replicas", type=int, metavar="N",
-                          help="at most N devices per stage (1: a straight pipeline; default: no limit)")
-    planning.add_argument("--max-tp", type=int, default=1, metavar="N",
-                          help="replicas may be tensor-parallel groups of up to N devices of one type on one host "
-                               "(1: none; default: 1)")
-    planning.add_argument("--seed", type=int, default=0, help="seed of search planners (default: 0)")
-    planning.add_argument("--budget-s", type=float, metavar="T",
-                          help="time budget of search planners (default: 10 for local-search, 20 for the RL "
-                               "planners, 60 with --faithful)")
-    planning.add_argument("--max-iters", type=int, metavar="N",
-                          help="iterations of search planners instead of a time budget (the same plan every run)")
-    planning.add_argument("--faithful", action="store_true",
-                          help="RL planners: the paper's set-up (cold start) instead of a warm start from dp")
-    planning.add_argument("--routing", default="relay", choices=ROUTINGS,
-                          help="how the simulator scoring plans sends tensors between stages (default: relay, "
-                               "as the runtime does)")
+    _add_plan_shape_options(planning)
+    _add_objective_options(planning)
+    _add_search_options(planning)
     _add_mdpe_options(planning)
     return planning
 
 
+def _add_plan_shape_options(planning: argparse.ArgumentParser) -> None:
+    """What the plan may be: micro-batches, schedule, memory choices, widths."""
+    planning.add_argument("--microbatches", default=PLAN.microbatches, metavar="M|auto",
+                          help="micro-batches per step, or auto: the planner chooses "
+                               + _default("microbatches", none="auto"))
+    planning.add_argument("--schedule", default=PLAN.schedule, choices=SCHEDULE_CHOICES,
+                          help="pipeline schedule (auto: the planner's plan under the schedule its objective "
+                               f"prefers) {_default('schedule')}")
+    planning.add_argument("--recompute", default=PLAN.recompute, choices=RECOMPUTE_CHOICES,
+                          help="which stages recompute their activations in their backward, keeping only what "
+                               "crosses their cuts: never, always, or where-needed (the stages over their "
+                               f"devices' memory) {_default('recompute')}")
+    planning.add_argument("--shard", default=PLAN.shard, choices=SHARD_CHOICES,
+                          help="replicated: the replicas of every stage of two or more shard its optimizer state "
+                               "(ZeRO-1: an r-th of Adam's state each, a reduce-scatter and an all-gather instead "
+                               f"of the all-reduce) {_default('shard')}")
+    planning.add_argument("--precision", choices=PRECISIONS,
+                          help="the arithmetic the plan runs in: fp32, or bf16/fp16 mixed precision; the graph "
+                               "must be profiled in it (default: the graph's)")
+    planning.add_argument("--max-replicas", type=int, default=PLAN.max_replicas, metavar="N",
+                          help="at most N devices per stage (1: a straight pipeline) "
+                               + _default("max_replicas", none="no limit"))
+    auto = "; auto: up to a host's GPUs of one type" if allows_none("max_tp") else ""
+    planning.add_argument("--max-tp", default=PLAN.max_tp, metavar="N|auto" if auto else "N",
+                          help="replicas may be tensor-parallel groups of up to N devices of one type on one host "
+                               f"(1: none{auto}) {_default('max_tp', none='auto')}")
+
+
+def _add_objective_options(planning: argparse.ArgumentParser) -> None:
+    planning.add_argument("--objective", default=PLAN.objective, choices=OBJECTIVES,
+                          help="time: shortest step; cost: lowest price per sample above --min-samples-per-s; "
+                               "mdpe: Trinity's runtime + communication + memory model; throughput: PipeDream's "
+                               f"steady state, the slowest stage or cut {_default('objective')}")
+    planning.add_argument("--min-samples-per-s", type=float, default=PLAN.min_samples_per_s, metavar="X",
+                          help=f"throughput floor of --objective cost {_default('min_samples_per_s')}")
+    planning.add_argument("--routing", default=PLAN.routing, choices=ROUTINGS,
+                          help="how the simulator scoring plans sends tensors between stages (relay: as the "
+                               f"runtime does) {_default('routing')}")
+
+
+def _add_search_options(planning: argparse.ArgumentParser) -> None:
+    """The settings of the planners that search or learn."""
+    planning.add_argument("--seed", type=int, default=PLAN.seed, help=f"seed of search planners {_default('seed')}")
+    budgets = (f"{SEARCH_BUDGET_S:g} for local-search, {LEARN_BUDGET_S:g} for the RL planners, "
+               f"{FAITHFUL_BUDGET_S:g} with --faithful")
+    planning.add_argument("--budget-s", type=float, default=PLAN.budget_s, metavar="T",
+                          help=f"time budget of search planners {_default('budget_s', none=budgets)}")
+    planning.add_argument("--max-iters", type=int, default=PLAN.max_iters, metavar="N",
+                          help="iterations of search planners instead of a time budget (the same plan every run) "
+                               + _default("max_iters", none="the time budget"))
+    planning.add_argument("--faithful", action="store_true", default=PLAN.faithful,
+                          help="RL planners: the paper's set-up (cold start) instead of a warm start from dp")
+
+
 def _add_mdpe_options(planning: argparse.ArgumentParser) -> None:
     mdpe = planning.add_argument_group("mdpe objective")
-    mdpe.add_argument("--alpha", type=float, default=0.5, help="weight of the step time (default: 0.5)")
-    mdpe.add_argument("--beta", type=float, default=0.3, help="weight of communication over tolerance (default: 0.3)")
-    mdpe.add_argument("--gamma", type=float, default=0.2, help="weight of memory over tolerance (default: 0.2)")
-    mdpe.add_argument("--comm-tolerance", type=float, default=0.5,
-                      help="busiest link's share of the step tolerated (default: 0.5)")
-    mdpe.add_argument("--mem-tolerance", type=float, default=0.8,
-                      help="share of a device's memory tolerated (default: 0.8)")
+    mdpe.add_argument("--alpha", type=float, default=PLAN.alpha, help=f"weight of the step time {_default('alpha')}")
+    mdpe.add_argument("--beta", type=float, default=PLAN.beta,
+                      help=f"weight of communication over tolerance {_default('beta')}")
+    mdpe.add_argument("--gamma", type=float, default=PLAN.gamma,
+                      help=f"weight of memory over tolerance {_default('gamma')}")
+    mdpe.add_argument("--comm-tolerance", type=float, default=PLAN.comm_tolerance,
+                      help=f"busiest link's share of the step tolerated {_default('comm_tolerance')}")
+    mdpe.add_argument("--mem-tolerance", type=float, default=PLAN.mem_tolerance,
+                      help=f"share of a device's memory tolerated {_default('mem_tolerance')}")
 
 
 def _add_info(sub: Subparsers, common: argparse.ArgumentParser) -> None:
@@ -169,6 +203,9 @@ def _add_plan(sub: Subparsers, common: argparse.ArgumentParser, planning: argpar
     p.add_argument("--curve", type=Path, metavar="PREFIX",
                    help="RL planners: write the learning curve to PREFIX.csv and PREFIX.png (and TensorBoard "
                         "events under PREFIX-tb/ when tensorboard is installed)")
+    p.add_argument("--explain", action="store_true",
+                   help="after the plan, why this plan: where dp's winner came from and why each of its best "
+                        "runners-up lost (with --json it is already in the plan's meta.dp.explain)")
     p.set_defaults(func=cmd_plan)
 
 
@@ -190,9 +227,10 @@ def _add_simulate(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, metavar="N",
                    help="samples per step (default: the batch the plan was made at, else the graph's); "
                         "times scaled from the profile's fixed and per-sample parts")
-    p.add_argument("--routing", default="relay", choices=ROUTINGS,
-                   help="relay: only neighbouring stages talk, as in hetplan's runtime (default); "
-                        "direct: each tensor goes straight to the stages that use it, branches run in parallel")
+    p.add_argument("--routing", default=PLAN.routing, choices=ROUTINGS,
+                   help="relay: only neighbouring stages talk, as in hetplan's runtime; direct: each tensor goes "
+                        "straight to the stages that use it, branches run in parallel (default: the planners', "
+                        f"{PLAN.routing})")
     p.add_argument("--precision", choices=PRECISIONS,
                    help="check that the plan and graph are in this precision (default: the plan's)")
     p.add_argument("--gantt", type=Path, metavar="OUT.png", help="write a Gantt chart of the step (.png/.svg/.pdf)")

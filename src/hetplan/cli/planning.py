@@ -52,6 +52,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     console = _console()
     tables.show_plan(console, plan, graph, cluster)
+    if args.explain:
+        tables.show_explanation(console, plan)
     if args.output:
         console.print(f"wrote {args.output}")
     for f in curve_files:

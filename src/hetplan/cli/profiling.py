@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from hetplan.cli._shared import _console, _emit_json, _progress_bar
+from hetplan.cli._shared import _console, _emit_json, _progress_bar, checked_batch
 from hetplan.errors import HetplanError
 from hetplan.io import serde
 from hetplan.report.summary import graph_summary
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    if args.batch_size is not None:
+        checked_batch(args.batch_size, "--batch-size")
     if args.roofline:
         return _count_model(args)
     from hetplan.profile import profile_step
@@ -59,10 +61,10 @@ def _count_model(args: argparse.Namespace) -> int:
             raise HetplanError(f"--{flag.replace('_', '-')} measures a model on a device; --roofline counts it: "
                                "give one or the other")
     model = shape(args.model)
-    batch, seq = args.batch_size or 8, args.seq_len or 2048
-    for flag, value in (("--batch-size", batch), ("--seq-len", seq)):
-        if value < 1:
-            raise HetplanError(f"{flag}: {value} must be >= 1")
+    batch = 8 if args.batch_size is None else args.batch_size  # checked by cmd_profile
+    seq = 2048 if args.seq_len is None else args.seq_len
+    if seq < 1:
+        raise HetplanError(f"--seq-len: {seq} must be >= 1")
     graph = transformer_chain(model, batch, seq, args.roofline, args.precision)
     serde.dump(graph, args.output)
     summary = {**{k: v for k, v in graph_summary(graph).items() if k != "ops"}, "kind": "profile",

@@ -37,7 +37,7 @@ from hetplan.cost.tensor import tp_bytes, tp_times_s
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
-from hetplan.rows import StepRows, microbatch_rows, step_rows
+from hetplan.rows import StepRows, microbatch_rows, stage_slices, step_rows
 from hetplan.schedule import inflight_microbatches
 
 
@@ -115,7 +115,7 @@ class CostModel:
     def _node_times(self) -> dict[str, dict[str, tuple[float, float]]]:
         return {}  # device type -> node id -> (fwd, bwd); filled on first use of each type
 
-    def node_times_s(self, device_type: str) -> dict[str, tuple[float, float]]:
+    def _node_times_s(self, device_type: str) -> dict[str, tuple[float, float]]:
         """Forward and backward time of every node on a device type (measured or projected)."""
         if device_type in self._node_times:
             return self._node_times[device_type]
@@ -142,7 +142,7 @@ class CostModel:
     def _node_fixed(self) -> dict[str, dict[str, tuple[float, float]]]:
         return {}  # device type -> node id -> (fwd, bwd) fixed parts; filled on first use of each type
 
-    def node_fixed_s(self, device_type: str) -> dict[str, tuple[float, float]]:
+    def _node_fixed_s(self, device_type: str) -> dict[str, tuple[float, float]]:
         """The parts of every node's forward and backward passes that do not shrink with the
         micro-batch, on a device type: measured by the profiler there, 0 where it was not (a
         projected type has none: the roofline projection covers the whole time)."""
@@ -153,35 +153,46 @@ class CostModel:
                        n.bwd_fixed_s.get(own, 0.0) if own else 0.0) for n in self.graph.nodes}
         return self._node_fixed[device_type]
 
-    def stage_fixed_s(self, nodes: Sequence[str], device_type: str) -> tuple[float, float]:
+    @cached_property
+    def _stage_sums(self) -> dict[tuple, object]:
+        return {}  # (what, nodes, ...) -> a sum over a stage's nodes; planners ask the same stages often
+
+    def _summed(self, key: tuple, make):
+        if key not in self._stage_sums:
+            self._stage_sums[key] = make()
+        return self._stage_sums[key]
+
+    def _stage_fixed_s(self, nodes: Sequence[str], device_type: str) -> tuple[float, float]:
         """`node_fixed_s` summed over a stage's nodes."""
-        fixed = self.node_fixed_s(device_type)
-        return math.fsum(fixed[n][0] for n in nodes), math.fsum(fixed[n][1] for n in nodes)
+        fixed = self._node_fixed_s(device_type)
+        return self._summed(("fixed", tuple(nodes), device_type), lambda: (
+            math.fsum(fixed[n][0] for n in nodes), math.fsum(fixed[n][1] for n in nodes)))
 
-    def stage_times_s(self, nodes: Sequence[str], device_type: str) -> tuple[float, float]:
+    def _stage_times_s(self, nodes: Sequence[str], device_type: str) -> tuple[float, float]:
         """Forward and backward time of a set of nodes on a device type, for the whole batch."""
-        times = self.node_times_s(device_type)
-        return math.fsum(times[n][0] for n in nodes), math.fsum(times[n][1] for n in nodes)
+        times = self._node_times_s(device_type)
+        return self._summed(("times", tuple(nodes), device_type), lambda: (
+            math.fsum(times[n][0] for n in nodes), math.fsum(times[n][1] for n in nodes)))
 
-    def stage_weight_share(self, nodes: Sequence[str], device_type: str, first: bool) -> float:
+    def _stage_weight_share(self, nodes: Sequence[str], device_type: str, first: bool) -> float:
         """`formulas.weight_share` of a stage, when a schedule splits its backward."""
-        times, by_id = self.node_times_s(device_type), self.graph.by_id
+        times, by_id = self._node_times_s(device_type), self.graph.by_id
         return formulas.weight_share(math.fsum(times[n][1] for n in nodes if by_id[n].param_bytes > 0),
                                      math.fsum(times[n][1] for n in nodes), first)
 
     def whole_graph_s(self, device_type: str) -> float:
         """Forward + backward time of the whole graph on one device of a type, for the batch."""
-        return math.fsum(self.stage_times_s(self.graph.topo_order, device_type))
+        return math.fsum(self._stage_times_s(self.graph.topo_order, device_type))
 
     def fastest_type(self) -> str:
         """The cluster's device type that runs the whole graph fastest (ties: by name)."""
         return min(sorted({d.type for d in self.cluster.devices}), key=self.whole_graph_s)
 
-    def device_stage_s(self, nodes: Sequence[str], device_id: str) -> float:
-        fwd, bwd = self.stage_times_s(nodes, self.cluster.device(device_id).type)
+    def _device_stage_s(self, nodes: Sequence[str], device_id: str) -> float:
+        fwd, bwd = self._stage_times_s(nodes, self.cluster.device(device_id).type)
         return fwd + bwd
 
-    def measured_optimizer_s(self, device_type: str) -> dict[str, float] | None:
+    def _measured_optimizer_s(self, device_type: str) -> dict[str, float] | None:
         """Per node, its optimizer step as the profiler measured it on this device type (0 for a
         node without parameters), or None if the graph has none measured there. Measured steps
         take precedence over `optimizer_s`: they include the cost per tensor (SparseAdam on a
@@ -196,44 +207,46 @@ class CostModel:
     def _opt_measured(self) -> dict[str, dict[str, float] | None]:
         return {}  # device type -> `measured_optimizer_s`; filled on first use of each type
 
-    def stage_optimizer_s(self, nodes: Sequence[str], device_id: str) -> float:
+    def _stage_optimizer_s(self, nodes: Sequence[str], device_id: str) -> float:
         """The optimizer step of these nodes' parameters on a device: measured by the profiler
         on its type, else `optimizer_s` of the bytes it updates."""
-        measured = self.measured_optimizer_s(self.cluster.device(device_id).type)
-        return self.optimizer_step_s(self.optimizer_bytes(nodes), device_id,
+        measured = self._measured_optimizer_s(self.cluster.device(device_id).type)
+        return self._optimizer_step_s(self._optimizer_bytes(nodes), device_id,
                                      None if measured is None else math.fsum(measured[n] for n in nodes))
 
-    def optimizer_step_s(self, updated_bytes, device_id: str, measured_s=None):
+    def _optimizer_step_s(self, updated_bytes, device_id: str, measured_s=None):
         """A stage's optimizer step (numbers or arrays): `measured_s`, the profiler's measured
         steps summed over its nodes on the device's type, where there are some; else
         `optimizer_s` of the bytes it updates. The one place that rule is written: the
         simulator, the fast path and dp's program all come here."""
-        return self.optimizer_s(updated_bytes, device_id) if measured_s is None else measured_s
+        return self._optimizer_s(updated_bytes, device_id) if measured_s is None else measured_s
 
-    def optimizer_bytes(self, nodes: Sequence[str]) -> int:
+    def _optimizer_bytes(self, nodes: Sequence[str]) -> int:
         """The parameter bytes the optimizer step of these nodes updates (`Node.optimizer_bytes`:
         only the looked-up rows of a table with sparse gradients; a tied parameter once)."""
         by_id = self.graph.by_id
-        return max(0, sum(by_id[n].optimizer_bytes for n in nodes) - self.graph.tied_excess_bytes(nodes))
+        return self._summed(("updated", tuple(nodes)), lambda: max(
+            0, sum(by_id[n].optimizer_bytes for n in nodes) - self.graph.tied_excess_bytes(nodes)))
 
-    def index_bytes(self, nodes: Sequence[str]) -> int:
+    def _index_bytes(self, nodes: Sequence[str]) -> int:
         """The bytes of the row indices the replicas of these nodes exchange per step: one int64 per
         row the batch looked up in their tables with sparse gradients (`Node.sparse_rows`)."""
         by_id = self.graph.by_id
-        return formulas.ROW_INDEX_BYTES * sum(by_id[n].sparse_rows for n in nodes)
+        return self._summed(("indices", tuple(nodes)), lambda: formulas.ROW_INDEX_BYTES * sum(
+            by_id[n].sparse_rows for n in nodes))
 
-    def gradient_sync_s(self, updated_bytes, index_bytes, devices: Sequence[str]):
+    def _gradient_sync_s(self, updated_bytes, index_bytes, devices: Sequence[str]):
         """The sum of a stage's replicas' gradients as the runtime makes it, for numbers or arrays
         (`hetplan.runtime.gradients`): an all-reduce of the bytes the optimizer updates
         (`optimizer_bytes`: the looked-up rows of a table with sparse gradients, not the table),
         and where there are such rows (`index_bytes` > 0) two before it, of each replica's row
         count and of the rows' indices; and the copies of the bytes into the all-reduced buffer
         and back on the slowest replica (`formulas.gradient_pack_s`)."""
-        ar = self.allreduce_s(updated_bytes, devices)
+        ar = self._allreduce_s(updated_bytes, devices)
         if len(devices) < 2:
             return ar
         ar = ar + formulas.gradient_pack_s(updated_bytes, self._slowest_mem_bw_Bps(tuple(devices)))
-        rows = self.allreduce_s(index_bytes, devices) + self.allreduce_s(
+        rows = self._allreduce_s(index_bytes, devices) + self._allreduce_s(
             float(formulas.ROW_INDEX_BYTES * len(devices)), devices)
         if np.ndim(index_bytes) or np.ndim(updated_bytes):
             return ar + np.where(np.asarray(index_bytes) > 0, rows, 0.0)
@@ -250,11 +263,11 @@ class CostModel:
     def _mem_bw(self) -> dict[tuple[str, ...], float]:
         return {}
 
-    def stage_sync_s(self, nodes: Sequence[str], devices: Sequence[str]) -> float:
+    def _stage_sync_s(self, nodes: Sequence[str], devices: Sequence[str]) -> float:
         """`gradient_sync_s` of a stage of these nodes over its replicas `devices`."""
-        return self.gradient_sync_s(self.optimizer_bytes(nodes), self.index_bytes(nodes), devices)
+        return self._gradient_sync_s(self._optimizer_bytes(nodes), self._index_bytes(nodes), devices)
 
-    def optimizer_s(self, param_bytes, device_id: str):
+    def _optimizer_s(self, param_bytes, device_id: str):
         """Time of the optimizer step over `param_bytes` of weights (a number or an array) on a
         device: read off what `hetplan calibrate` measured there, else Adam's memory-bound
         formula on its type. Pass `optimizer_bytes`, not the parameters' size: sparse
@@ -265,44 +278,44 @@ class CostModel:
         t = self._type(dev.type)
         return formulas.optimizer_s(param_bytes, t.mem_bw_Bps) if t is not None else 0.0 * param_bytes
 
-    def corun_factor(self, device_id: str, used: Sequence[str]) -> float:
+    def _corun_factor(self, device_id: str, used: Sequence[str]) -> float:
         """How much longer a device's compute takes beside the other CPU devices of `used` on its
         host (a calibrated cluster's `corun_slowdown`; 1 for a GPU or an uncalibrated cluster)."""
         cal = self.cluster.calibration
         dev = self.cluster.device(device_id)
-        if cal is None or not cal.corun_slowdown or not self.is_cpu(device_id):
+        if cal is None or not cal.corun_slowdown or not self._is_cpu(device_id):
             return 1.0
-        busy = {d for d in used if self.cluster.device(d).host == dev.host and self.is_cpu(d)}
+        busy = {d for d in used if self.cluster.device(d).host == dev.host and self._is_cpu(d)}
         return formulas.corun_factor(len(busy | {device_id}), cal.corun_slowdown)
 
-    def is_cpu(self, device_id: str) -> bool:
+    def _is_cpu(self, device_id: str) -> bool:
         t = self._type(self.cluster.device(device_id).type)
         return t is not None and t.kind == "cpu"
 
-    def transfer_s(self, nbytes: float, src: str, dst: str) -> float:
+    def _transfer_s(self, nbytes: float, src: str, dst: str) -> float:
         link = self.cluster.link(src, dst)
         return formulas.transfer_s(nbytes, link.bandwidth_Bps, link.latency_s)
 
-    def ring_link(self, devices: Sequence[str]) -> tuple[float, float]:
+    def _ring_link(self, devices: Sequence[str]) -> tuple[float, float]:
         """(slowest bandwidth, largest latency) of the ring through `devices` in order."""
         r = len(devices)
         ring = [self.cluster.link(devices[i], devices[(i + 1) % r]) for i in range(r)]
         return min(link.bandwidth_Bps for link in ring), max(link.latency_s for link in ring)
 
-    def allreduce_s(self, nbytes, devices: Sequence[str]):
+    def _allreduce_s(self, nbytes, devices: Sequence[str]):
         """All-reduce of `nbytes` (a number or an array) over `devices`: read off the calibrated
         curve of the nearest group size (scaled by `formulas.ring_scale`) when all are on one
         host of a calibrated cluster, else the ring formula over the ring's links."""
         if len(devices) < 2:
             return 0.0 * nbytes
-        curve = self.allreduce_curve(devices)
+        curve = self._allreduce_curve(devices)
         if curve is not None:
             return formulas.measured_s(nbytes * formulas.ring_scale(len(devices), curve.replicas), curve.points)
         if np.ndim(nbytes):
-            return formulas.allreduce_s_array(nbytes, len(devices), *self.ring_link(devices))
-        return formulas.allreduce_s(nbytes, len(devices), *self.ring_link(devices))
+            return formulas.allreduce_s_array(nbytes, len(devices), *self._ring_link(devices))
+        return formulas.allreduce_s(nbytes, len(devices), *self._ring_link(devices))
 
-    def allreduce_curve(self, devices: Sequence[str]):
+    def _allreduce_curve(self, devices: Sequence[str]):
         """The calibrated all-reduce curve that applies to `devices` (nearest group size, fewer
         on a tie), or None: no calibration, or devices on several hosts."""
         cal = self.cluster.calibration
@@ -310,36 +323,40 @@ class CostModel:
             return None
         return min(cal.allreduce, key=lambda c: (abs(c.replicas - len(devices)), c.replicas))
 
-    def replica_shares(self, nodes: Sequence[str], devices: Sequence[str]) -> dict[str, float]:
+    def _replica_shares(self, nodes: Sequence[str], devices: Sequence[str]) -> dict[str, float]:
         """Share of each micro-batch given to each replica: in proportion to its speed, so that
         all replicas finish together (the weights of `hetplan.rows.split_rows`)."""
-        speed = {d: 1.0 / max(self.device_stage_s(nodes, d), 1e-30) for d in devices}
+        speed = {d: 1.0 / max(self._device_stage_s(nodes, d), 1e-30) for d in devices}
         total = math.fsum(speed.values())
         return {d: s / total for d, s in speed.items()}
 
-    def stage_weights(self, nodes: Sequence[str], devices: Sequence[str]) -> tuple[float, ...]:
+    def _stage_weights(self, nodes: Sequence[str], devices: Sequence[str]) -> tuple[float, ...]:
         """A stage's replicas' weights in device order (1.0 for a stage on one device)."""
         if len(devices) < 2:
             return (1.0,)
-        shares = self.replica_shares(nodes, devices)
+        shares = self._replica_shares(nodes, devices)
         return tuple(shares[d] for d in devices)
 
-    def group_weights(self, nodes: Sequence[str], groups: Sequence[Sequence[str]]) -> tuple[float, ...]:
+    def _group_weights(self, nodes: Sequence[str], groups: Sequence[Sequence[str]]) -> tuple[float, ...]:
         """`stage_weights` of replicas that may be tensor-parallel groups (`hetplan.cost.tensor`):
         in proportion to each group's speed on the stage."""
         if all(len(g) == 1 for g in groups):
-            return self.stage_weights(nodes, [g[0] for g in groups])
+            return self._stage_weights(nodes, [g[0] for g in groups])
         speed = [1.0 / max(math.fsum(tp_times_s(self, nodes, self.cluster.device(g[0]).type, g)[:2]), 1e-30)
                  for g in groups]
         return tuple(s / math.fsum(speed) for s in speed)
 
     def replica_weights(self, plan: Plan) -> tuple[tuple[float, ...], ...]:
         """Per stage, its replicas' weights (`group_weights`)."""
-        return tuple(self.group_weights(s.nodes, s.groups) for s in plan.stages)
+        return tuple(self._group_weights(s.nodes, s.groups) for s in plan.stages)
 
     def plan_rows(self, plan: Plan) -> StepRows:
         """The rows of every stage replica and micro-batch of the plan (`hetplan.rows`)."""
-        return step_rows(self.graph.batch_size, plan.microbatches, self.replica_weights(plan))
+        return step_rows(self.graph.batch_size, plan.microbatches, self.replica_weights(plan), self._slices)
+
+    def _slices(self, micro: tuple[int, ...], weights: tuple[float, ...]):
+        """`hetplan.rows.stage_slices`, kept: planners ask for the same stages' rows often."""
+        return self._summed(("slices", micro, weights), lambda: stage_slices(micro, weights))
 
     def stage_memory_bytes(self, plan: Plan, stage_index: int, device_id: str) -> int:
         """Peak memory of one replica of a stage under the plan's schedule: at its peak a stage
@@ -354,7 +371,8 @@ class CostModel:
         held_w = {t: tp_bytes(self.graph, stage.nodes, t) for t in set(stage.degrees)}
         acts = sum(self.graph.by_id[n].act_bytes for n in stage.nodes)
         # this stage's split only: planners ask this per stage and device, in loops
-        rows = step_rows(self.graph.batch_size, plan.microbatches, [self.group_weights(stage.nodes, stage.groups)])
+        rows = step_rows(self.graph.batch_size, plan.microbatches, [self._group_weights(stage.nodes, stage.groups)],
+                         self._slices)
         held = inflight_microbatches(plan.schedule, len(plan.stages), stage_index, plan.microbatches, plan.ranks)
 
         def share(p: int, micro: range) -> float:
@@ -384,11 +402,11 @@ class CostModel:
         """The optimizer step of one replica of stage k: `stage_optimizer_s`, of an r-th of the
         sharded parameters where its replicas shard them (Adam's time is its bytes')."""
         nodes = plan.stages[k].nodes
-        whole = self.stage_optimizer_s(nodes, device_id)
+        whole = self._stage_optimizer_s(nodes, device_id)
         sharded = self.sharded_bytes(plan, k)
         if not sharded:
             return whole
-        updated = self.optimizer_bytes(nodes)
+        updated = self._optimizer_bytes(nodes)
         return whole * (1.0 - (1.0 - 1.0 / len(plan.stages[k].devices)) * sharded / updated) if updated else whole
 
     def kept_bytes(self, plan: Plan, k: int) -> float:
@@ -398,9 +416,9 @@ class CostModel:
         last = len(plan.stages) - 1
         return (self.cut_bytes(plan, k - 1) if k > 0 else 0.0) + (self.cut_bytes(plan, k) if k < last else 0.0)
 
-    def stage_compute_s(self, nodes: Sequence[str], devices: Sequence[str]) -> float:
+    def _stage_compute_s(self, nodes: Sequence[str], devices: Sequence[str]) -> float:
         """Forward + backward of the batch on a stage's replicas together (each its share)."""
-        return 1.0 / math.fsum(1.0 / max(self.device_stage_s(nodes, d), 1e-30) for d in devices)
+        return 1.0 / math.fsum(1.0 / max(self._device_stage_s(nodes, d), 1e-30) for d in devices)
 
     def cut_bytes(self, plan: Plan, k: int) -> int:
         """Bytes crossing the cut after stage k, forward: the edges from before it to after it
@@ -409,30 +427,30 @@ class CostModel:
         where = plan.stage_of()
         return self.graph.crossing_bytes(e for e in self.graph.edges if where[e.src] <= k < where[e.dst])
 
-    def slowest_Bps(self, senders: Sequence[str], receivers: Sequence[str]) -> float:
+    def _slowest_Bps(self, senders: Sequence[str], receivers: Sequence[str]) -> float:
         """`network.slowest_Bps`: the slowest link from any of `senders` to any of `receivers`."""
         return network.slowest_Bps(self.cluster, senders, receivers)
 
-    def nic_cap_Bps(self, senders: Sequence[str], receivers: Sequence[str]) -> float:
+    def _nic_cap_Bps(self, senders: Sequence[str], receivers: Sequence[str]) -> float:
         """`network.nic_cap_Bps`: what the hosts' network interfaces carry at once between them."""
         return network.nic_cap_Bps(self.cluster, senders, receivers)
 
-    def cut_Bps(self, senders: Sequence[str], receivers: Sequence[str]) -> float:
+    def _cut_Bps(self, senders: Sequence[str], receivers: Sequence[str]) -> float:
         """`network.cut_Bps`: min(k, k') transfers at once at the slowest link, within the NICs."""
         return network.cut_Bps(self.cluster, senders, receivers)
 
-    def routed_cut_s(self, senders: Sequence[str], receivers: Sequence[str],
+    def _routed_cut_s(self, senders: Sequence[str], receivers: Sequence[str],
                      sender_weights: Sequence[float] | None = None,
                      receiver_weights: Sequence[float] | None = None) -> float:
         """`network.routed_cut_s`: seconds a byte of a micro-batch takes across the cut, routed
         as the runtime routes rows."""
         return network.routed_cut_s(self.cluster, senders, receivers, sender_weights, receiver_weights)
 
-    def busiest_interface_s(self, pair_bytes: Mapping[tuple[str, str], float]) -> float:
+    def _busiest_interface_s(self, pair_bytes: Mapping[tuple[str, str], float]) -> float:
         """`network.busiest_interface_s`: how long the busiest interface carries `pair_bytes`."""
         return network.busiest_interface_s(self.cluster, pair_bytes)
 
-    def steady_sync_s(self, updated_bytes, devices: Sequence[str]):
+    def _steady_sync_s(self, updated_bytes, devices: Sequence[str]):
         """A stage's gradient sum as PipeDream's optimizer charges it, for the `throughput`
         objective (`formulas.pipedream_allreduce_s` over the ring's slowest link; numbers or
         arrays), or as `hetplan calibrate` measured it where a calibrated curve applies (a
@@ -440,9 +458,9 @@ class CostModel:
         `gradient_sync_s`."""
         if len(devices) < 2:
             return 0.0 * updated_bytes
-        if self.allreduce_curve(devices) is not None:
-            return self.allreduce_s(updated_bytes, devices)
-        return formulas.pipedream_allreduce_s(updated_bytes, len(devices), self.ring_link(devices)[0])
+        if self._allreduce_curve(devices) is not None:
+            return self._allreduce_s(updated_bytes, devices)
+        return formulas.pipedream_allreduce_s(updated_bytes, len(devices), self._ring_link(devices)[0])
 
     def bottleneck_s(self, plan: Plan) -> float:
         """PipeDream's steady-state time per batch (the `throughput` objective): the slowest of
@@ -452,11 +470,11 @@ class CostModel:
         interfaces, within the hosts' network interfaces)."""
         worst = 0.0
         for st in plan.stages:
-            sync = self.steady_sync_s(self.optimizer_bytes(st.nodes), st.devices)
-            worst = max(worst, formulas.steady_stage_s(self.stage_compute_s(st.nodes, st.devices), sync,
+            sync = self._steady_sync_s(self._optimizer_bytes(st.nodes), st.devices)
+            worst = max(worst, formulas.steady_stage_s(self._stage_compute_s(st.nodes, st.devices), sync,
                                                        len(st.devices)))
         for k, (a, b) in enumerate(zip(plan.stages, plan.stages[1:], strict=False)):
-            worst = max(worst, formulas.steady_cut_s(self.cut_bytes(plan, k), self.cut_Bps(a.devices, b.devices)))
+            worst = max(worst, formulas.steady_cut_s(self.cut_bytes(plan, k), self._cut_Bps(a.devices, b.devices)))
         return worst
 
     def usd_per_step(self, devices: Sequence[str], step_s: float) -> float:
@@ -466,22 +484,3 @@ class CostModel:
 def usd_per_step(cluster: Cluster, devices: Sequence[str], step_s: float) -> float:
     """The price of a step of `step_s` on `devices` (a measured step needs no graph)."""
     return formulas.usd_per_step(math.fsum(cluster.device(d).usd_per_hour for d in devices), step_s)
-
-
-def after_stage(cost: CostModel, devices: tuple[str, ...], per_step_s: float):
-    """What a stage on `devices` costs after its last action, for arrays of its gradient sum over
-    its replicas (`CostModel.gradient_sync_s`) and of what its optimizer step needs
-    (`hetplan.planners.dp_program._Order.ending_at`): the sum, then the slowest replica's
-    optimizer step and the runtime's cost per step (replicas on the same optimizer figures are
-    asked once)."""
-    ones = {}
-    for dev in devices:
-        d = cost.cluster.device(dev)
-        ones.setdefault((d.type, d.optimizer_points), dev)
-
-    def after(sync_s: np.ndarray, opt_needs: tuple) -> np.ndarray:
-        u_stage, measured, _ = opt_needs  # bytes updated; measured steps per device type
-        opt = np.max([cost.optimizer_step_s(u_stage, dev, measured.get(t)) for (t, _), dev in ones.items()], axis=0)
-        return sync_s + opt + per_step_s
-
-    return after

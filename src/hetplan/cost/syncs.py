@@ -1,6 +1,6 @@
 """What summing a plan's gradients costs after a step: one entry per group of `hetplan.sync`
 (the replicas of a stage; the replicas of all stages that share a tied parameter), in the order
-every rank runs them, each timed by `CostModel.gradient_sync_s` over its members' devices. A
+every rank runs them, each timed by `CostModel._gradient_sync_s` over its members' devices. A
 stage whose replicas shard their optimizer state (`Stage.shard`) sums its own gradients by a
 reduce-scatter and gathers the updated weights after its step: the same bytes in the same
 number of ring steps as the all-reduce, so the same time.
@@ -59,7 +59,7 @@ def plan_syncs(cm, plan: Plan) -> tuple[SyncCost, ...]:
         if len(workers) < 2:
             continue
         dense, index = (sum(sizes[key][j] for key in group.params) for j in (0, 1))
-        out.append(SyncCost(group.members, devices, float(cm.gradient_sync_s(dense, index, workers))))
+        out.append(SyncCost(group.members, devices, float(cm._gradient_sync_s(dense, index, workers))))
     return tuple(out)
 
 
@@ -73,4 +73,4 @@ def _stage_bytes(cm, plan: Plan, k: int, spanning: list[tuple[int, frozenset[int
     parameters other stages also use are summed in their own group."""
     nodes = plan.stages[k].nodes
     moved = sum(cm.graph.tied[i].bytes for i, stages in spanning if k in stages)
-    return max(0, cm.optimizer_bytes(nodes) - moved), cm.index_bytes(nodes)
+    return max(0, cm._optimizer_bytes(nodes) - moved), cm._index_bytes(nodes)

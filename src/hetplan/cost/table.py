@@ -9,13 +9,13 @@ optimizer steps, built once from a graph, a cluster and a plan. The event simula
   operators costs whatever the size, when the profiler measured it) plus the rest of its batch
   time scaled by the micro-batch's share of the samples.
 - Replicas of a stage take contiguous slices of every micro-batch, sized in proportion to their
-  speed (`CostModel.replica_shares`) in whole rows (`hetplan.rows`, the split the runtime makes),
+  speed (`CostModel._replica_shares`) in whole rows (`hetplan.rows`, the split the runtime makes),
   so that they finish together. A replica receives from each replica of a producer stage the part
   of the tensor whose samples the two slices share, and sends gradients back the same way; a
   replica with no row of a micro-batch does nothing for it.
 - On a calibrated cluster a CPU replica's compute and optimizer step are slowed by the other CPU
-  workers of the plan on its host (`CostModel.corun_factor`), its optimizer step is read off
-  what was measured on it, and all-reduces off the measured curves (`CostModel.allreduce_s`).
+  workers of the plan on its host (`CostModel._corun_factor`), its optimizer step is read off
+  what was measured on it, and all-reduces off the measured curves (`CostModel._allreduce_s`).
 - Routing: `direct` sends a tensor from the stage that makes it to every stage that uses it, so
   stages form a DAG and independent branches run in parallel. `relay` models a runtime that only
   connects neighbouring stages (hetplan's runtime): a tensor that skips stages is
@@ -170,19 +170,42 @@ class StepCosts:
         return {d: formulas.held_memory_bytes(held[d], acts) for d, acts in peak_act_bytes.items()}
 
 
-def _replica(cm: CostModel, cluster: Cluster, plan: Plan, rows: StepRows, k: int, p: int, acts: int, kept: float,
-             split: bool, first_of_worker: bool) -> Replica:
-    stage, used = plan.stages[k], plan.devices
+def _replica_passes(cm: CostModel, plan: Plan, k: int, p: int, split: bool) -> tuple:
+    """What one replica of stage k costs whatever its rows: its passes for the whole batch and
+    their fixed parts as the runtime runs them, the weights' share of its backward (a schedule
+    that splits it), its optimizer step and the weights it holds (a tensor-parallel group's share;
+    None: the stage's). Replicas of one type, group size and runtime costs share these."""
+    stage, cluster = plan.stages[k], cm.cluster
     d = stage.devices[p]
-    dtype = cluster.device(d).type
-    slow = cm.corun_factor(d, used)  # other CPU workers of the plan on its host (calibrated clusters)
     dev = cluster.device(d)
-    fwd, bwd, ffix, bfix = replica_passes_s(*tp_times_s(cm, stage.nodes, dtype, stage.groups[p], plan.microbatches),
-                                            slow, dev.action_overhead_s)
+    slow = cm._corun_factor(d, plan.devices)  # other CPU workers of the plan on its host (calibrated clusters)
+    passes = replica_passes_s(*tp_times_s(cm, stage.nodes, dev.type, stage.groups[p], plan.microbatches),
+                              slow, dev.action_overhead_s)
+    weights = cm._stage_weight_share(stage.nodes, dev.type, k == 0) if split else 0.0
+    group, held, optimizer_s = stage.groups[p], None, cm.replica_optimizer_s(plan, k, d)
+    if len(group) > 1:  # each device holds and updates its share of the weights (`cost.tensor`)
+        params, casts = tp_bytes(cm.graph, stage.nodes, len(group))
+        held = int(weight_bytes(params, casts, 1, 0))
+        optimizer_s *= params / max(cm.graph.param_bytes_of(stage.nodes), 1)
+    return passes, weights, optimizer_s, slow, held
+
+
+def _replica(cm: CostModel, plan: Plan, rows: StepRows, k: int, p: int, acts: int, kept: float, split: bool,
+             first_of_worker: bool, alike: dict, per_mb: bool = True) -> Replica:
+    """One replica of stage k: its whole batch's figures and (`per_mb`) each micro-batch's."""
+    stage = plan.stages[k]
+    d = stage.devices[p]
+    dev = cm.cluster.device(d)
+    key = (dev.type, len(stage.groups[p]), dev.action_overhead_s, dev.step_overhead_s, dev.optimizer_points,
+           dev.host)
+    if key not in alike:
+        alike[key] = _replica_passes(cm, plan, k, p, split)
+    (fwd, bwd, ffix, bfix), weights, optimizer_s, slow, held = alike[key]
     frac = [rows.rows(k, j, p) / rows.batch_size for j in range(len(rows.micro))]
     share = sum(frac)
+    if not per_mb:  # the fast path's fold reads the whole batch's figures only
+        frac = []
     halves: tuple[tuple[float, ...], ...] = ((), ())
-    weights = cm.stage_weight_share(stage.nodes, dtype, k == 0) if split else 0.0
     if split:
         i_s, i_fix, w_s, w_fix = split_backward_s(bwd, bfix, weights, dev.action_overhead_s)
         if stage.recompute:  # the inputs' half runs the forward again first
@@ -193,11 +216,6 @@ def _replica(cm: CostModel, cluster: Cluster, plan: Plan, rows: StepRows, k: int
     if stage.recompute:
         bwd, bfix = recomputed_backward_s(bwd, bfix, fwd, ffix, dev.action_overhead_s)
         rebuilt, acts = tuple(acts * f for f in frac), kept
-    group, held, optimizer_s = stage.groups[p], None, cm.replica_optimizer_s(plan, k, d)
-    if len(group) > 1:  # each device holds and updates its share of the weights (`cost.tensor`)
-        params, casts = tp_bytes(cm.graph, stage.nodes, len(group))
-        held = int(weight_bytes(params, casts, 1, 0))
-        optimizer_s *= params / max(cm.graph.param_bytes_of(stage.nodes), 1)
     return Replica(d, share, share * fwd, share * bwd, share * acts, ffix, bfix,
                    # a worker holding several stages (interleaved) pays the runtime's per-step cost once
                    replica_tail_s(optimizer_s, slow, dev.step_overhead_s if first_of_worker else 0.0),
@@ -216,39 +234,95 @@ def _transfers_s(cluster: Cluster, src: str, dst: str, per_mb: tuple[float | Non
     return tuple(0.0 if b is None else transfer_s(b, bw, latency) for b in per_mb)
 
 
-def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direct",
-                     cost: CostModel | None = None) -> StepCosts:
-    """The work and messages of one training step of a (valid) plan."""
-    cm = cost or CostModel(graph, cluster)
-    by_id = graph.by_id
-    rows = cm.plan_rows(plan)
-    syncs = plan_syncs(cm, plan)
+def _stage_works(cm: CostModel, plan: Plan, rows: StepRows, syncs: tuple[SyncCost, ...],
+                 per_mb: bool = True) -> tuple[StageWork, ...]:
+    """Every stage's replicas (`_replica`), its own gradient sum and its memory's figures."""
+    by_id = cm.graph.by_id
     split = get_schedule(plan.schedule).split_backward
     own = {s.members[0][0]: s.seconds for s in syncs if len({k for k, _ in s.members}) == 1}
-    holder = plan.stage_ranks
     firsts = {held[0] for held in plan.rank_stages}
     stages = []
     for k, stage in enumerate(plan.stages):
         acts = sum(by_id[n].act_bytes for n in stage.nodes)
         kept = cm.kept_bytes(plan, k) if stage.recompute else 0.0
-        replicas = tuple(_replica(cm, cluster, plan, rows, k, p, acts, kept, split, k in firsts)
+        alike: dict = {}
+        replicas = tuple(_replica(cm, plan, rows, k, p, acts, kept, split, k in firsts, alike, per_mb)
                          for p in range(len(stage.devices)))
-        stages.append(StageWork(k, replicas, graph.param_bytes_of(stage.nodes), own.get(k, 0.0),
-                                graph.cast_bytes_of(stage.nodes), cm.sharded_bytes(plan, k)))
+        stages.append(StageWork(k, replicas, cm.graph.param_bytes_of(stage.nodes), own.get(k, 0.0),
+                                cm.graph.cast_bytes_of(stage.nodes), cm.sharded_bytes(plan, k)))
+    return tuple(stages)
+
+
+def _pair_bytes(rows: StepRows, plan: Plan, a: int, b: int, nbytes: int,
+                batch_size: int) -> dict[tuple[int, int], list[float | None]]:
+    """Per pair of replicas (p of stage a, q of stage b) whose slices share rows, per micro-batch
+    the bytes of those rows (None where they share none)."""
+    shared: dict[tuple[int, int], list[float | None]] = {}
+    for j in range(plan.microbatches):
+        for p, q, lo, hi in rows.overlaps(a, b, j):
+            shared.setdefault((p, q), [None] * plan.microbatches)[j] = nbytes * (hi - lo) / batch_size
+    return shared
+
+
+def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direct",
+                     cost: CostModel | None = None) -> StepCosts:
+    """The work and messages of one training step of a (valid) plan."""
+    cm = cost or CostModel(graph, cluster)
+    rows = cm.plan_rows(plan)
+    syncs = plan_syncs(cm, plan)
+    stages = _stage_works(cm, plan, rows, syncs)
     messages = []
     for (a, b), nbytes in sorted(stage_pair_bytes(graph, plan, routing).items()):
-        for p, src in enumerate(plan.stages[a].devices):
-            for q, dst in enumerate(plan.stages[b].devices):
-                shared = [rows.shared_rows(a, j, p, b, q) for j in range(plan.microbatches)]
-                per_mb = tuple(nbytes * (hi - lo) / graph.batch_size if hi > lo else None for lo, hi in shared)
-                # a tensor-parallel group's first device sends to every device of the other's group
-                copies = (len(plan.stages[b].groups[q]), len(plan.stages[a].groups[p]))
-                secs = [_transfers_s(cluster, a_dev, b_dev, tuple(None if x is None else x * c for x in per_mb))
-                        for (a_dev, b_dev), c in zip(((src, dst), (dst, src)), copies, strict=True)]
-                if any(x is not None for x in per_mb):
-                    messages.append(Message(a, b, src, dst, per_mb, *secs))
-    return StepCosts(tuple(stages), tuple(messages), microbatch_fractions(graph.batch_size, plan.microbatches),
-                     plan.schedule, routing, graph.batch_size, holder, syncs)
+        for (p, q), per_mb in sorted(_pair_bytes(rows, plan, a, b, nbytes, graph.batch_size).items()):
+            src, dst = plan.stages[a].devices[p], plan.stages[b].devices[q]
+            # a tensor-parallel group's first device sends to every device of the other's group
+            copies = (len(plan.stages[b].groups[q]), len(plan.stages[a].groups[p]))
+            secs = [_transfers_s(cluster, a_dev, b_dev, tuple(None if x is None else x * c for x in per_mb))
+                    for (a_dev, b_dev), c in zip(((src, dst), (dst, src)), copies, strict=True)]
+            messages.append(Message(a, b, src, dst, tuple(per_mb), *secs))
+    return StepCosts(stages, tuple(messages), microbatch_fractions(graph.batch_size, plan.microbatches),
+                     plan.schedule, routing, graph.batch_size, plan.stage_ranks, syncs)
+
+
+def fold_plan(cm: CostModel, plan: Plan) -> dict[str, np.ndarray]:
+    """`lower_chain`'s inputs for any plan as a chain (the fast path, `hetplan.sim.fast`):
+    replicated stages folded into one stage (the slowest replica; a cut's transfers as long as
+    its busiest interface is busy, `CostModel._busiest_interface_s`) and skipping tensors relayed
+    (an approximation where the plan has either; exact otherwise). The stages are the event
+    simulator's (`step_costs`); the messages are summed per pair of devices, never listed."""
+    graph, cluster = cm.graph, cm.cluster
+    rows = cm.plan_rows(plan)
+    syncs = plan_syncs(cm, plan)
+    stages = _stage_works(cm, plan, rows, syncs, per_mb=False)
+    n = len(stages)
+    pairs: list[dict[tuple[str, str], float]] = [{} for _ in range(n - 1)]
+    lat = np.zeros(n - 1)
+    for (a, b), nbytes in stage_pair_bytes(graph, plan, "relay").items():
+        for (p, q), per_mb in _pair_bytes(rows, plan, a, b, nbytes, graph.batch_size).items():
+            src, dst = plan.stages[a].devices[p], plan.stages[b].devices[q]
+            total = sum(x for x in per_mb if x is not None)
+            if src != dst and total > 0:
+                pairs[a][(src, dst)] = pairs[a].get((src, dst), 0.0) + total
+                lat[a] = max(lat[a], cluster.link(src, dst).latency_s)
+
+    def slowest(field: str) -> np.ndarray:
+        return np.array([max(getattr(r, field) for r in st.replicas) for st in stages])
+
+    spanning = [sync for sync in syncs if len({k for k, _ in sync.members}) > 1]  # tied parameters
+    members = np.zeros((len(spanning), n), dtype=bool)
+    for g, sync in enumerate(spanning):
+        members[g, [k for k, _ in sync.members]] = True
+    split = {}
+    if get_schedule(plan.schedule).split_backward:  # as replica 0 of each stage splits it
+        split = {"weight_share": np.array([st.replicas[0].weight_share for st in stages]),
+                 "action_overhead_s": np.array([cluster.device(st.replicas[0].device).action_overhead_s
+                                                for st in stages])}
+    return {"fwd_s": slowest("fwd_s"), "bwd_s": slowest("bwd_s"),
+            "send_s": np.array([cm._busiest_interface_s(p) for p in pairs]), "latency_s": lat,
+            "fwd_fixed_s": slowest("fwd_fixed_s"), "bwd_fixed_s": slowest("bwd_fixed_s"),
+            "allreduce_s": np.array([st.allreduce_s for st in stages]),
+            "optimizer_s": slowest("optimizer_s"), "tied_members": members,
+            "tied_s": np.array([sync.seconds for sync in spanning]), **split}
 
 
 # The array form: P plans at once, each a chain of stages on one device each (a replicated
@@ -331,12 +405,12 @@ class ChainStages:
     fwd_fixed_s: np.ndarray
     bwd_fixed_s: np.ndarray
     bwd_weighted_s: np.ndarray  # the backward of its nodes with weights
-    optimizer_s: np.ndarray  # its weights' optimizer step on its device (`CostModel.optimizer_step_s`)
+    optimizer_s: np.ndarray  # its weights' optimizer step on its device (`CostModel._optimizer_step_s`)
     param_bytes: np.ndarray  # a tied parameter once
     act_bytes: np.ndarray
     cut_bytes: np.ndarray  # (P, n - 1): a batch's bytes across each boundary
     tied_members: np.ndarray | None = None  # (P, G, n): the stages each tied parameter spans
-    tied_s: np.ndarray | None = None  # (P, G): its sum (`CostModel.gradient_sync_s`)
+    tied_s: np.ndarray | None = None  # (P, G): its sum (`CostModel._gradient_sync_s`)
     cast_bytes: np.ndarray | float = 0.0  # 16-bit copies of its weights (mixed precision)
 
 
@@ -369,12 +443,12 @@ class ChainDevices:
         self.action_overhead_s = np.array([d.action_overhead_s for d in cluster.devices])
         self.step_overhead_s = np.array([d.step_overhead_s for d in cluster.devices])
         self._host = np.array([cluster.hosts.index(d.host) for d in cluster.devices])
-        self._cpu = np.array([cm.is_cpu(d.id) for d in cluster.devices])
+        self._cpu = np.array([cm._is_cpu(d.id) for d in cluster.devices])
         slowdown = cluster.calibration.corun_slowdown if cluster.calibration is not None else ()
         self._corun = np.array([formulas.corun_factor(k, slowdown) for k in range(len(ids) + 2)]) if slowdown else None
 
     def corun(self, devices: np.ndarray) -> np.ndarray:
-        """(P, n) `CostModel.corun_factor` of each stage's device among the plan's devices."""
+        """(P, n) `CostModel._corun_factor` of each stage's device among the plan's devices."""
         if self._corun is None:
             return np.ones(devices.shape)
         same = (self._host[devices][:, :, None] == self._host[devices][:, None, :]) & self._cpu[devices][:, None, :]

@@ -8,7 +8,7 @@ Shoeybi et al., 2019, section 3; the split is `hetplan.pieces.tensor_split`).
   what DTensor's dispatch adds to each operator.
 - Communication: each node that splits sums its partial outputs with two all-reduces of its
   output in the forward (after the attention and after the MLP) and two in the backward (the
-  inputs' gradients), on the group's links (one host: `CostModel.allreduce_s`), each of a
+  inputs' gradients), on the group's links (one host: `CostModel._allreduce_s`), each of a
   micro-batch's bytes, paid per action. DTensor's gathering of the vocabulary's logits for the loss, and
   GPT-2's joined q, k, v (gathered before they are split) are left out.
 - Memory: a node's parameters (their gradients and optimizer state, their 16-bit copies) are
@@ -43,7 +43,7 @@ def node_tp_times_s(cm, node: str, device_type: str, group: Sequence[str],
     (a measured curve is not a line: gloo on this VM took 1.4 ms for 64 kB and for 1 MB alike);
     without (a planner's grouped problem, whose micro-batches are not chosen yet), as latency
     per action plus bytes over the batch."""
-    whole, fixed = cm.node_times_s(device_type)[node], cm.node_fixed_s(device_type)[node]
+    whole, fixed = cm._node_times_s(device_type)[node], cm._node_fixed_s(device_type)[node]
     t = len(group)
     if t == 1:
         return (*whole, *fixed)
@@ -52,10 +52,10 @@ def node_tp_times_s(cm, node: str, device_type: str, group: Sequence[str],
     if not split:
         per_action, per_batch = 0.0, 0.0
     elif microbatches:
-        per_action, per_batch = cm.allreduce_s(out_bytes / microbatches, group), 0.0
+        per_action, per_batch = cm._allreduce_s(out_bytes / microbatches, group), 0.0
     else:  # an all-reduce as a + b * bytes: a per action, b * bytes over the batch
-        per_action = cm.allreduce_s(1.0, group)
-        per_batch = cm.allreduce_s(out_bytes, group) - per_action
+        per_action = cm._allreduce_s(1.0, group)
+        per_batch = cm._allreduce_s(out_bytes, group) - per_action
     out = []
     for w, f in zip(whole, fixed, strict=True):
         f_tp = f * (1 + DTENSOR_FIXED_FACTOR) + ALLREDUCES_PER_PASS * per_action
@@ -68,7 +68,7 @@ def tp_times_s(cm, nodes: Sequence[str], device_type: str, group: Sequence[str],
     """Forward and backward of `nodes` for the whole batch on a group of devices of one type,
     and their fixed parts (`node_tp_times_s`)."""
     if len(group) == 1:
-        return (*cm.stage_times_s(nodes, device_type), *cm.stage_fixed_s(nodes, device_type))
+        return (*cm._stage_times_s(nodes, device_type), *cm._stage_fixed_s(nodes, device_type))
     times = [node_tp_times_s(cm, n, device_type, group, microbatches) for n in nodes]
     return tuple(math.fsum(t[i] for t in times) for i in range(4))
 

@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
-from hetplan.cost.formulas import stage_memory_bytes
+from hetplan.cost.stage_table import StageTable
 from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
 from hetplan.units import fmt_bytes
 
 if TYPE_CHECKING:
-    from hetplan.planners import PlanOptions
+    from hetplan.planners.options import PlanOptions
 
 
 def default_microbatches(batch_size: int, stages: int) -> int:
@@ -167,7 +167,7 @@ def data_parallel(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
     # a replica needs a row of every micro-batch: no more of them than the smallest has rows
     most = min(options.max_replicas or len(devices), max(1, graph.batch_size // m))
     if most < len(devices):
-        fastest = sorted(devices, key=lambda d: (cm.device_stage_s(nodes, d), devices.index(d)))
+        fastest = sorted(devices, key=lambda d: (cm.whole_graph_s(cluster.device(d).type), devices.index(d)))
         devices = [d for d in devices if d in fastest[:most]]
     while devices:
         plan = Plan((Stage(nodes, tuple(devices)),), m, options.schedule, "data-parallel", options.objective)
@@ -175,9 +175,9 @@ def data_parallel(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
         short = [d for d in devices if need[d] > cluster.device(d).mem_bytes]
         if not short:
             return plan
-        devices.remove(max(short, key=lambda d: (cm.device_stage_s(nodes, d), d)))
-    need = min(stage_memory_bytes(graph.param_bytes_total, graph.act_bytes_total, 1 / m,
-                                  graph.cast_bytes_of(graph.by_id)), 2**63)
+        devices.remove(max(short, key=lambda d: (cm.whole_graph_s(cluster.device(d).type), d)))
+    table = StageTable.of_chain(cm)
+    need = min(float(table.memory_bytes(table.kind(cluster.ids[:1]), 0, table.last, 1 / m)), 2**63)
     biggest = max(cluster.devices, key=lambda d: d.mem_bytes)
     raise InfeasibleError(
         f"data parallelism needs the whole model on every device it uses, at least {fmt_bytes(need)} "
@@ -194,7 +194,7 @@ def single(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
     for i, device in enumerate(cluster.devices):
         plan = Plan((Stage(nodes, (device.id,)),), m, options.schedule, "single", options.objective)
         need = cm.stage_memory_bytes(plan, 0, device.id)
-        candidates.append((cm.device_stage_s(nodes, device.id), i, need, plan))
+        candidates.append((cm.whole_graph_s(device.type), i, need, plan))
     fitting = [c for c in candidates if c[2] <= cluster.devices[c[1]].mem_bytes]
     if not fitting:
         need = min(c[2] for c in candidates)

@@ -53,10 +53,11 @@ def distinct_permutations(items: list) -> Iterator[list]:
         seq[i + 1:] = reversed(seq[i + 1:])
 
 
-def device_orders(cluster: Cluster, speed: dict[str, float], objective: str,
+def device_orders(cluster: Cluster, speed: dict[str, float], cheap_first: bool = False,
                   limit: int = MAX_ORDERS) -> list[tuple[str, ...]]:
     """Sequences of all devices: every distinct order of device classes (`device_classes`) when
-    there are at most `limit`, else a few orders that keep types and hosts together."""
+    there are at most `limit`, else a few orders that keep types and hosts together (and with
+    `cheap_first`, the cheapest work first: `Objective.cheap_first`)."""
     classes = {(cluster.device(ids[0]).type, cluster.device(ids[0]).host, k): ids
                for k, ids in enumerate(device_classes(cluster))}  # (type, host, number) -> ids
     counts = Counter({c: len(ids) for c, ids in classes.items()})
@@ -85,7 +86,7 @@ def device_orders(cluster: Cluster, speed: dict[str, float], objective: str,
             seq += [key for q in queues for key in q]
             across += [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
         orders += [realise(seq)] + ([realise(across)] if across != seq else [])
-    if objective == "cost":  # cheapest work first: price per unit of speed
+    if cheap_first:  # cheapest work first: price per unit of speed
         seq = sorted(classes, key=lambda c: (cluster.device(classes[c][0]).usd_per_hour / speed[c[0]], c))
         orders.append(realise([c for c in seq for _ in classes[c]]))
         # k = 1, 2, 4, ... devices of the first type, then the types taken in turn: a plan uses a

@@ -16,7 +16,7 @@ set S_k minus S_(k-1). We extend both papers:
   clusters, where all orders are tried, the search over devices is complete.
 - Communication: the bytes crossing each cut (each tensor once, however many consumers it has
   beyond the cut: `Graph.crossing_bytes`), sent forward and (as gradients) back, always
-  counted, routed as the runtime routes rows (`CostModel.routed_cut_s`: replica p sends to the
+  counted, routed as the runtime routes rows (`CostModel._routed_cut_s`: replica p sends to the
   replicas of the next stage whose slices of the micro-batch overlap its own, the transfers
   sharing the interfaces they cross, so replicas in line on one host talk inside it); the
   `throughput` objective prices a cut as `CostModel.bottleneck_s` does (`cut_Bps`).
@@ -106,37 +106,35 @@ simulator's re-scoring corrects these for the plans it sees, not for the ones th
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import replace
-
-import numpy as np
+from dataclasses import dataclass, replace
 
 from hetplan.cluster import Cluster
-from hetplan.cost import CostModel
-from hetplan.cost.formulas import usd_per_step
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, plan_problems
 from hetplan.planners import baselines
+from hetplan.planners.candidates import Candidates
 from hetplan.planners.devices import device_orders
 from hetplan.planners.dp_program import (
     SMALL_CLUSTER,
     label_plan,
     model_step_s,
+    order_setup,
     run_order,
     useful_microbatches,
     usual_microbatches,
 )
 from hetplan.planners.kit import microbatch_choices
+from hetplan.planners.objectives import objective
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.refine import polish
 from hetplan.planners.scale import scale_candidates
 from hetplan.planners.scoring import Scorer
 from hetplan.planners.states import StateSums
-from hetplan.sim.fast import fast_step_s
+from hetplan.planners.tensor_groups import type_degrees
 
 MAX_STATES = 160
 TOP_K = 12
@@ -171,83 +169,82 @@ def baseline_plans(graph: Graph, cluster: Cluster, options: PlanOptions) -> list
     return plans
 
 
-def _baseline_bound_s(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer,
-                      known: Sequence[Plan] = ()) -> float:
-    """The first bound on the step: for time, the simulated steps of the baselines and of the
-    `known` plans (with slack: the program's model may see them slower); for cost, the floor
-    (slower plans are infeasible); for throughput, the bound on the steady state: theirs."""
-    if options.objective == "cost":
-        return graph.batch_size / options.min_samples_per_s
-    bound = math.inf
-    if options.objective in ("time", "throughput"):
-        for plan in [*baseline_plans(graph, cluster, replace(options, microbatches=None)), *known]:
-            est = scorer.estimate(plan)
-            if est.feasible and options.allows(plan):
-                # the steady state is the program's exact model; the step is not (slack)
-                bound = min(bound, est.bottleneck_s if options.objective == "throughput"
-                            else est.step_s * (1.0 + BASELINE_SLACK))
-    return bound
+def _first_bounds(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer,
+                  known: Sequence[Plan] = ()) -> _Bounds:
+    """The first bounds (`Objective.bound`): on the step, the simulated steps of the baselines
+    and of the `known` plans (with slack: the program's model may see them slower); on the steady
+    state, theirs (the program's model of it is exact); under a floor, the step it allows."""
+    kind = objective(options).bound
+    bounds = _Bounds(kind)
+    if kind == "floor":
+        bounds.step_s = graph.batch_size / options.min_samples_per_s
+        return bounds
+    if kind not in ("step", "steady"):
+        return bounds
+    for plan in [*baseline_plans(graph, cluster, replace(options, microbatches=None)), *known]:
+        est = scorer.estimate(plan)
+        if est.feasible and options.allows(plan):
+            if kind == "steady":
+                bounds.steady_s = min(bounds.steady_s, est.bottleneck_s)
+            else:
+                bounds.step_s = min(bounds.step_s, est.step_s * (1.0 + BASELINE_SLACK))
+    return bounds
+
+
+@dataclass
+class _Bounds:
+    """What a partial plan must beat (`Objective.bound` says which): the step, the price per step,
+    the steady state. A plan found tightens the objective's own."""
+
+    kind: str
+    step_s: float = math.inf
+    usd: float = math.inf
+    steady_s: float = math.inf
+
+    def see(self, lab, m: int, step_s: float, usd: float, batch_size: int) -> None:
+        if self.kind == "floor" and step_s <= self.step_s:
+            self.usd = min(self.usd, usd * (1.0 + BOUND_SLACK))
+        elif self.kind == "steady":
+            self.steady_s = min(self.steady_s, lab.thr_s)
+        elif self.kind == "step" and batch_size // m >= ROUNDING_ROWS * lab.k_max:
+            self.step_s = min(self.step_s, step_s * (1.0 + BOUND_SLACK))
 
 
 def _pool(prob: StateSums, scorer: Scorer, orders: list[tuple[str, ...]], choices: tuple[int, ...],
-          options: PlanOptions, known: Sequence[Plan] = ()) -> list[tuple]:
+          options: PlanOptions, known: Sequence[Plan] = (), stats: dict | None = None) -> list[tuple]:
     """(key, order, label, m) of every front label and allowed m over all orders, best first by
-    the program's model. Bounds cut every partial plan that cannot beat the best found so far:
-    the first bound, then the best step (time) or price x step above the floor (cost) of the
-    orders done."""
-    graph = scorer.graph
-    bound, bound_usd, bound_thr = _baseline_bound_s(graph, scorer.cluster, options, scorer, known), math.inf, math.inf
-    if options.objective == "throughput":
-        bound, bound_thr = math.inf, bound
-    pool = []
-    # two passes: the usual micro-batch counts, then labels that memory allows only more of (in
-    # one pass, those would crowd the fronts: the model is optimistic about many small ones)
-    passes = [(max(usual_microbatches(choices)), False)]
-    if max(choices) > passes[0][0]:
-        passes.append((max(choices), True))
-    for order, (m_max, many) in itertools.product(orders, passes):
-        for lab in run_order(prob, scorer, order, options, m_max, bound, bound_usd=bound_usd,
-                              bound_thr=bound_thr):
-            if many and lab.m_req <= passes[0][0]:
-                continue
-            for m in useful_microbatches(lab, choices, graph.batch_size, many):
-                t = model_step_s(lab, m)
-                if options.objective == "cost":
-                    fast_enough = graph.batch_size / max(t, 1e-30) >= 0.9 * (options.min_samples_per_s or 0)
-                    key = (0 if fast_enough else 1, usd_per_step(lab.usd_per_hour, t))
-                    if t <= bound:
-                        bound_usd = min(bound_usd, usd_per_step(lab.usd_per_hour, t) * (1.0 + BOUND_SLACK))
-                elif options.objective == "throughput":
-                    key = (0, lab.thr_s, t)
-                    bound_thr = min(bound_thr, lab.thr_s)
-                else:
-                    key = (0, t)
-                    if options.objective == "time" and graph.batch_size // m >= ROUNDING_ROWS * lab.k_max:
-                        bound = min(bound, t * (1.0 + BOUND_SLACK))
-                pool.append((key, order, lab, m))
+    the program's model (`Objective.rank`). Bounds cut every partial plan that cannot beat the
+    best found so far: the first bounds, then what the orders done found. Each order runs with
+    the usual micro-batch counts, and again with every count where memory cut a label that more
+    micro-batches would have let fit (in one pass, those would crowd the fronts: the model is
+    optimistic about many small ones)."""
+    graph, table = scorer.graph, prob.table
+    bounds = _first_bounds(graph, scorer.cluster, options, scorer, known)
+    degrees = type_degrees(graph, scorer.cluster, options.max_tp)
+    usual = max(usual_microbatches(choices))
+    floor = (options.min_samples_per_s or 0) * 0.9
+    pool, cache = [], {}
+    for order in orders:
+        setup = order_setup(prob, scorer, order, options, degrees, cache)
+        passes = [(usual, False)]
+        while passes:
+            m_max, many = passes.pop(0)
+            labels, program = run_order(prob, scorer, order, options, m_max, bounds.step_s, bound_usd=bounds.usd,
+                                        bound_thr=bounds.steady_s, setup=setup)
+            if stats is not None:
+                stats["labels_extended"] = stats.get("labels_extended", 0) + program.extended
+            if not many and program.short_of_microbatches and max(choices) > usual:
+                passes.append((max(choices), True))
+            for lab in labels:
+                for m in useful_microbatches(lab, choices, graph.batch_size, many) if lab.m_req > usual or not many \
+                        else ():
+                    t = float(model_step_s(lab, m))
+                    usd = float(table.usd_per_step(lab.usd_per_hour, t))
+                    pool.append((objective(options).rank(t, usd, lab.thr_s, graph.batch_size / max(t, 1e-30) < floor),
+                                 order, lab, m))
+                    bounds.see(lab, m, t, usd, graph.batch_size)
     pool.sort(key=lambda x: x[0])
     return pool
-
-
-def _rerank(graph: Graph, cluster: Cluster, plans: list[Plan], options: PlanOptions, top_k: int,
-            cost: CostModel) -> list[Plan]:
-    """The top_k of the plans by the fast path (the exact recurrence of the schedule, with
-    latencies and uneven micro-batches), by step or, for cost, by price above the floor."""
-    if len(plans) <= top_k:
-        return plans
-    fast = fast_step_s(graph, cluster, plans)
-    if options.objective == "throughput":  # the steady state first (the program's, exact), then the step
-        steady = np.array([cost.bottleneck_s(p) for p in plans])
-        keep = np.lexsort((fast, steady))[:top_k]
-        return [plans[int(k)] for k in keep]
-    if options.objective == "cost":
-        usd = usd_per_step(np.array([sum(cluster.device(d).usd_per_hour for d in p.devices) for p in plans]), fast)
-        slow = graph.batch_size / fast < (options.min_samples_per_s or 0) * 0.9
-        rank = np.where(slow, np.inf, usd)
-    else:
-        rank = fast
-    keep = np.argsort(rank, kind="stable")[:top_k]
-    return [plans[int(k)] for k in keep]
 
 
 def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer | None = None,
@@ -259,34 +256,36 @@ def dp_candidates(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: 
     this cluster) tighten the first bound, as the baselines do."""
     scorer = scorer or Scorer(graph, cluster, options)
     prob = StateSums(graph, scorer.cost, max_states)
-    speed = {t: 1.0 / max(float(prob.time[t][-1]), 1e-30) for t in prob.types}
-    orders = device_orders(cluster, speed, options.objective)
-    plans = _rerank(graph, cluster, _program_plans(prob, scorer, orders, options, known), options, top_k,
-                    scorer.cost)
+    table = prob.table
+    speed = {t: 1.0 / max(float(table.whole_s(prob.kind_of_type(t), 0, table.last)), 1e-30) for t in prob.types}
+    orders = device_orders(cluster, speed, objective(options).cheap_first)
+    stats: dict = {}
+    plans = scorer.shortlist(_program_plans(prob, scorer, orders, options, known, stats), top_k)
     meta = {"states": len(prob.states), "states_used": len(prob.ideals), "all_cuts": prob.states.complete,
-            "device_orders": len(orders)}
+            "device_orders": len(orders), **stats}
     if len(prob.ideals) < len(prob.states) and plans:
         # states were left out: a second pass over every state near where the best plans cut
         around = sorted({i for p in plans[:ZOOM_PLANS] for i in prob.cut_indices([s.nodes for s in p.stages])})
         near = StateSums(graph, scorer.cost, max_states, around=around, width=ZOOM_WIDTH)
-        plans = _rerank(graph, cluster, plans + _program_plans(near, scorer, orders, options, known), options,
-                        top_k, scorer.cost)
+        plans = scorer.shortlist(plans + _program_plans(near, scorer, orders, options, known, stats), top_k)
         meta["zoom_states"] = len(near.ideals)
     meta["candidates"] = len(plans)
     return plans, meta
 
 
 def _program_plans(prob: StateSums, scorer: Scorer, orders: list[tuple[str, ...]], options: PlanOptions,
-                   known: Sequence[Plan]) -> list[Plan]:
-    """The plans of the pool's best labels (at most POOL, at most PER_SHAPE of one shape)."""
+                   known: Sequence[Plan], stats: dict) -> list[Plan]:
+    """The plans of the pool's best labels (at most POOL, at most PER_SHAPE of one shape), each
+    with the program's step in its meta (`model_s`)."""
     plans, seen, shapes = [], set(), Counter()
-    for _, order, lab, m in _pool(prob, scorer, orders, microbatch_choices(scorer.graph, options), options, known):
+    for _, order, lab, m in _pool(prob, scorer, orders, microbatch_choices(scorer.graph, options), options, known,
+                                  stats):
         plan = label_plan(prob, order, lab, m, options)
         k, shape = Scorer.key(plan), tuple(len(st.devices) for st in plan.stages)
         if k not in seen and shapes[shape] < PER_SHAPE:
             seen.add(k)
             shapes[shape] += 1
-            plans.append(plan)
+            plans.append(replace(plan, meta={"model_s": round(float(model_step_s(lab, m)), 9)}))
             if len(plans) >= POOL:
                 break
     return plans
@@ -312,44 +311,61 @@ def host_prefixes(cluster: Cluster) -> list[Cluster]:
 
 def dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
     scorer = Scorer(graph, cluster, options)
-    states = MAX_STATES if len(cluster.devices) <= SUB_CLUSTER else BIG_CLUSTER_STATES
-    # the smaller clusters first, each bounded by the ones before (their plans run here too)
-    subs, found = host_prefixes(cluster), []
-    for sub in subs:
-        found += dp_candidates(graph, sub, options, known=found)[0][:SUB_CLUSTER_KEEP]
-        found += _baselines_as_dp(graph, sub, options)
-    device_program = len(cluster.devices) <= DEVICE_PROGRAM
-    plans, meta = dp_candidates(graph, cluster, options, scorer, max_states=states, known=found) \
-        if device_program else ([], {"states": 0, "states_used": 0, "all_cuts": False, "device_orders": 0})
-    plans += found
-    if len(cluster.devices) > SMALL_CLUSTER:  # wide stages of one type, counted per type (`scale`)
-        wide = scale_candidates(scorer, StateSums(graph, scorer.cost, SCALE_STATES))
-        plans += wide
-        meta["scale_candidates"] = len(wide)
+    found = Candidates(scorer)
+    subs, meta = _programs(graph, cluster, options, scorer, found)
+    for name, plan in _baselines_as_dp(graph, cluster, options):
+        found.add([plan], f"baseline {name}")
+    if not any(scorer.estimate(p).feasible for p in found.simulated()) and not options.microbatches:
+        # nothing fits: so that the error names the shortfall at the smallest micro-batch, the
+        # time-balanced pipeline with one row per micro-batch is tried too
+        for name, plan in _baselines_as_dp(graph, cluster, replace(options, microbatches=graph.batch_size)):
+            found.add([plan], f"baseline {name}, one row a micro-batch")
+    picked = found.best("dp")
+    best = polish(scorer, picked, microbatch_choices(graph, options))
     meta["sub_clusters"] = [len(sub.devices) for sub in subs]
-    plans += _baselines_as_dp(graph, cluster, options)
-    if options.objective == "cost" and device_program:
+    meta["explain"] = found.explanation(best, picked)
+    return replace(best, meta={**{k: v for k, v in best.meta.items() if k != "model_s"}, "dp": meta})
+
+
+def _programs(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer,
+              found: Candidates) -> tuple[list[Cluster], dict]:
+    """The programs' candidates into `found`: the label program on the first hosts, smallest
+    first (each bounded by the ones before: their plans run here too), and on the cluster; the
+    per-type program past SMALL_CLUSTER devices; under a floor, the fastest plans too."""
+    states = MAX_STATES if len(cluster.devices) <= SUB_CLUSTER else BIG_CLUSTER_STATES
+    subs, known = host_prefixes(cluster), []
+    for sub in subs:
+        plans = dp_candidates(graph, sub, options, known=known)[0][:SUB_CLUSTER_KEEP]
+        found.add(plans, f"label program on the first {len(sub.devices)} devices")
+        known += plans + [p for _, p in _baselines_as_dp(graph, sub, options)]
+    device_program = len(cluster.devices) <= DEVICE_PROGRAM
+    meta: dict = {"states": 0, "states_used": 0, "all_cuts": False, "device_orders": 0}
+    if device_program:
+        plans, meta = dp_candidates(graph, cluster, options, scorer, max_states=states, known=known)
+        found.add(plans, "label program")
+    if len(cluster.devices) > SMALL_CLUSTER:  # wide stages of one type, counted per type (`scale`)
+        wide = scale_candidates(scorer, StateSums(graph, scorer.cost, SCALE_STATES),
+                                type_degrees(graph, cluster, options.max_tp))
+        found.add(wide, "per-type program")
+        meta["scale_candidates"] = len(wide)
+    if objective(options).cheap_first and device_program:
         # the fastest plans are candidates too: the program's model, against which the floor is
         # checked first, can see a plan that reaches it as too slow (ctr-dnn on eight CPU
         # workers: 154,000 samples/s simulated, and nothing found at a floor of 145,000)
         fastest, _ = dp_candidates(graph, cluster, replace(options, objective="time", min_samples_per_s=None),
-                                   max_states=states, known=found)
-        plans += [replace(p, objective="cost") for p in fastest]
-    if not any(scorer.estimate(p).feasible for p in plans) and not options.microbatches:
-        # nothing fits: so that the error names the shortfall at the smallest micro-batch, the
-        # time-balanced pipeline with one row per micro-batch is tried too
-        plans += _baselines_as_dp(graph, cluster, replace(options, microbatches=graph.batch_size))
-    best = polish(scorer, scorer.best(plans, "dp"), microbatch_choices(graph, options))
-    return replace(best, meta={**best.meta, "dp": meta})
+                                   max_states=states, known=known)
+        found.add([replace(p, objective=options.objective) for p in fastest], "label program, fastest plans")
+    return subs, meta
 
 
-def _baselines_as_dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> list[Plan]:
-    """The baselines' plans, as dp's candidates: the program's model can rank a pipeline above
-    data parallelism that the simulator finds slower (resnet18 on 8 V100s: 108.7 ms against
-    100.2 ms). Not for cost, whose floor the program applies itself."""
-    if options.objective == "cost":
+def _baselines_as_dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> list[tuple[str, Plan]]:
+    """The baselines' plans, as dp's candidates (with their names): the program's model can rank
+    a pipeline above data parallelism that the simulator finds slower (resnet18 on 8 V100s:
+    108.7 ms against 100.2 ms). Not under a floor, which the program applies itself."""
+    if objective(options).floor:
         return []
-    return [replace(p, planner="dp", objective=options.objective) for p in baseline_plans(graph, cluster, options)]
+    return [(p.planner, replace(p, planner="dp", objective=options.objective))
+            for p in baseline_plans(graph, cluster, options)]
 
 
 def warm_start(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan | None:

@@ -1,59 +1,62 @@
 """The label program of `hetplan.planners.dp`: Pareto fronts of labels per (cut state, position
-in a device order), built from the end of the pipeline backwards. The recurrence, its model of a
-step and its assumptions are in `hetplan.planners.dp`'s docstring (after PipeDream's optimizer,
-Narayanan et al., SOSP 2019, and Ju et al.'s antichain dynamic program); this module is the
-kernel, dp.py the driver (device orders, bounds, pool, re-ranking)."""
+in a device order), built from the end of the pipeline backwards, over the table of stage
+options (`hetplan.cost.stage_table`). The recurrence, its model of a step and its assumptions
+are in `hetplan.planners.dp`'s docstring (after PipeDream's optimizer, Narayanan et al., SOSP
+2019, and Ju et al.'s antichain dynamic program); this module is the kernel, dp.py the driver
+(device orders, bounds, pool, re-ranking).
+
+The kernel is array code, as Alpa's stage program is a kernel over a cost tensor (Zheng et al.,
+OSDI 2022): for one device order, every stage option's figures (its time, per-micro-batch part,
+memory against its devices, gradient sum and optimizer step) are read from the table for every
+pair of states at once, per group of devices (a span of the order, as data-parallel replicas or,
+on devices of one host and type, as tensor-parallel groups) and per choice (recomputing or not).
+Fronts are arrays (position, state, slot); the front of state i at position d is made from every
+option that starts there at once: the labels of the fronts after each option, extended by it,
+the best by rank that no better one covers (within EPSILON) kept.
+"""
 
 from __future__ import annotations
 
 import math
-from collections import Counter
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from hetplan.cost import after_stage
-from hetplan.cost.formulas import (
-    activation_room_bytes,
-    stage_memory_bytes,
-    steady_cut_s,
-    steady_stage_s,
-    usd_per_step,
-)
 from hetplan.plan import Plan, Stage
 from hetplan.planners.kit import microbatch_choices
+from hetplan.planners.objectives import objective
 from hetplan.planners.options import PlanOptions
 from hetplan.planners.scoring import Scorer
 from hetplan.planners.states import StateSums
 from hetplan.schedule import get_schedule
 
 MAX_LABELS = 6
-EPSILON = 0.002  # labels closer than this in sum, max and all-reduce are merged
+EPSILON = 0.002  # labels closer than this in sum, max and all-reduce are as good as each other
 SMALL_CLUSTER = 8  # up to this many devices a stage may take any number of them as replicas
 BIG_CLUSTER_REPLICAS = 4  # on bigger clusters, at most this many
 USUAL_MICROBATCHES = 32  # see `usual_microbatches`
+PRESELECT = 48  # of a front's candidates, the best this many by rank are compared pairwise
+# the fields of a label, each an array over (position, state, slot) in the fronts
+FIELDS = ("sum_s", "max_s", "ar_s", "after", "m_req", "usd_per_hour", "k_first", "lat_s", "rank", "k_max", "thr_s",
+          "c_first", "fix_sum_s", "fix_max_s", "option", "next_state", "next_slot")
 
 
 class Label(NamedTuple):
-    """A way to run the nodes after a state on the devices after a position of the order."""
+    """A way to run the nodes after a state on the devices after a position of the order: the
+    label at the front of the empty state, with its stages."""
 
     sum_s: float  # sum over its stages of t_k + 2 c_k
     max_s: float  # P: the slowest stage, link or (1F1B) round trip
     ar_s: float  # the largest all-reduce + optimizer step of a stage
-    after: int  # stages in it (1F1B's in-flight bound for the stage before)
     m_req: int  # the fewest micro-batches memory allows
-    usd_per_hour: float  # of every device from its first one to the end of the order
-    k_first: int  # replicas of its first stage
+    usd_per_hour: float  # of every device it uses
+    k_max: int  # its largest replica group: micro-batches need at least that many rows
+    thr_s: float  # objective throughput: its slowest stage or cut in PipeDream's steady state
     lat_s: float  # latencies along its cuts
-    stage: tuple[int, int, int, int, bool] | None  # its first stage: (state i, state j, position d, replicas k,
-    # whether it recomputes)
-    parent: Label | None
-    rank: float  # the step at the most micro-batches it can use (times the price for cost): which a full front drops
-    k_max: int = 1  # its largest replica group: micro-batches need at least that many rows
-    thr_s: float = 0.0  # objective throughput: its slowest stage or cut in PipeDream's steady state
-    c_first: float = 0.0  # the transfer time of the cut after its first stage
-    fix_sum_s: float = 0.0  # sum over its stages of what a micro-batch pays whatever its rows
-    fix_max_s: float = 0.0  # the largest of those
+    fix_sum_s: float  # sum over its stages of what a micro-batch pays whatever its rows
+    fix_max_s: float  # the largest of those
+    stages: tuple[tuple[int, int, int, int, int, bool], ...]  # (state i, state j, position d, devices, tp, recompute)
 
 
 def rows_for_replicas(batch_size: int, m: int, k_max: int, choices: tuple[int, ...]) -> bool:
@@ -78,308 +81,402 @@ def useful_microbatches(lab: Label, choices: tuple[int, ...], batch_size: int, m
     return fit[:2] if many else [m for m in fit if m <= USUAL_MICROBATCHES]
 
 
-def model_step_s(lab: Label, m: int) -> float:
-    """T(m) of the module's docstring: the program's step time of a label with m micro-batches,
-    with what every micro-batch pays whatever its rows (the profile's fixed parts)."""
+def model_step_s(lab, m):
+    """T(m) of dp's docstring: the program's step time of a label with m micro-batches, with what
+    every micro-batch pays whatever its rows (numbers or arrays alike)."""
     return (lab.sum_s + (m - 1) * lab.max_s) / m + lab.fix_sum_s + (m - 1) * lab.fix_max_s + 2 * lab.lat_s + lab.ar_s
 
 
-class _Order:
-    """What the program needs about one device order: device types, replica groups (type counts,
-    smallest memory per type, all-reduce ring, optimizer and per-step costs), links, prices and
-    the least time the work of each state can take on the first d devices."""
+@dataclass(frozen=True)
+class _Option:
+    """A stage option along an order: the `span` devices from position `d` as replicas of `tp`
+    devices each, recomputing or not; `g` indexes its group's figures."""
 
-    def __init__(self, prob: StateSums, scorer: Scorer, order: tuple[str, ...], options: PlanOptions) -> None:
-        cluster = scorer.cluster
+    d: int
+    span: int
+    tp: int
+    recompute: bool
+    g: int
+
+    @property
+    def replicas(self) -> int:
+        return self.span // self.tp
+
+
+class _Order:
+    """What the program needs about one device order: per group of devices (a span of the order,
+    with a tensor-parallel degree), the figures of every stage between two states (the table's),
+    the cuts' times per byte, prices and the least time the work of each state can take on the
+    first d devices."""
+
+    def __init__(self, prob: StateSums, scorer: Scorer, order: tuple[str, ...], options: PlanOptions,
+                 degrees: dict[str, tuple[int, ...]], cache: dict | None = None) -> None:
+        table, cluster = prob.table, scorer.cluster
+        self.cache = {} if cache is None else cache
         self.order, self.D = order, len(order)
         self.dev = [cluster.device(x) for x in order]
-        tindex = {t: k for k, t in enumerate(prob.types)}
-        self.dtype = [tindex[d.type] for d in self.dev]
-        self.times = np.array([prob.time[t] for t in prob.types])  # (types, states)
-        self.fixed = np.array([prob.fixed[t] for t in prob.types])
-        # recomputation (`Stage.recompute`): what it adds to a stage, and whether stages may or must
-        self.fwd = np.array([prob.fwd[t] for t in prob.types])
-        self.fwd_fixed = np.array([prob.fwd_fixed[t] for t in prob.types])
-        self.recompute = {"never": (False,), "where-needed": (False, True), "always": (True,)}[options.recompute]
+        self.choices = {"never": (False,), "where-needed": (False, True), "always": (True,)}[options.recompute]
         self.shard = options.shard != "never"  # stages of several replicas shard their optimizer state
         self.bounded = get_schedule(options.schedule).bounded  # in flight bounded by the stages after
-        # a full front drops the label whose step is worst at the most micro-batches it can use:
-        # the most whose micro-batches have a row for each replica of its widest stage
-        choices = usual_microbatches(microbatch_choices(scorer.graph, options))
-        self.rank_m = [max([m for m in choices if rows_for_replicas(scorer.graph.batch_size, m, k, choices)],
-                           default=max(choices)) for k in range(self.D + 1)]
+        self.track_price = objective(options).track == "price"
+        self.track_thr = objective(options).track == "steady"
         # the user's --max-replicas raises the cap of big clusters too (slower: more widths to try)
-        self.max_replicas = min(options.max_replicas or (self.D if self.D <= SMALL_CLUSTER else BIG_CLUSTER_REPLICAS),
-                                self.D)
-        # the stages after a stage matter only through 1F1B's memory; skip them when all fits anyway
-        fits_anywhere = stage_memory_bytes(prob.params[-1], prob.acts[-1], 1.0, prob.casts[-1]) <= min(
-            d.mem_bytes for d in self.dev)
-        self.track_r = self.bounded and not fits_anywhere
-        self.track_price = options.objective == "cost"
-        self.track_thr = options.objective == "throughput"
-        self.cost = scorer.cost
-        self.usd_prefix = [0.0]
-        for d in self.dev:
-            self.usd_prefix.append(self.usd_prefix[-1] + d.usd_per_hour)
-        self.groups = {(d, k): self._group(prob, scorer, d, k) for d in range(self.D) for k in range(1, self.D - d + 1)}
-        self.links = [cluster.link(order[p], order[p + 1]) if p + 1 < self.D else None for p in range(self.D)]
-        self.rest = self._rest(len(prob.types))
-        self._ending: tuple = (-1, None)
-        self._rebuilt: tuple = (-1, None)
-        self._cut_Bps: dict[tuple[int, int, int], float] = {}
-        self._cut_s: dict[tuple[int, int, int], float] = {}
-        # replicas' shares of a micro-batch, by their type's speed on the whole model
-        self.weight = [1.0 / max(float(prob.time[d.type][-1]), 1e-30) for d in self.dev]
+        self.max_span = min(options.max_replicas or (self.D if self.D <= SMALL_CLUSTER else BIG_CLUSTER_REPLICAS),
+                            self.D)
+        n = len(prob.ideals)
+        self.valid = prob.inside  # (i, j): state i is a proper subset of state j
+        self.groups: list[tuple[int, int, int]] = []  # (d, span, tp)
+        self.options: list[_Option] = []
+        self.fig: dict[str, list[np.ndarray]] = {}
+        pairs = (np.arange(n)[:, None], np.arange(n)[None, :])  # every pair of states (i, j)
+        for d in range(self.D):
+            for span in range(1, min(self.max_span, self.D - d) + 1):
+                for tp in self._degrees(d, span, degrees):
+                    self.groups.append((d, span, tp))
+                    for rc in self.choices if tp == 1 else (False,):
+                        self.options.append(_Option(d, span, tp, rc, len(self.options)))
+                        self._figures(table, d, span, tp, rc, pairs)
+        self.option_d = np.array([o.d for o in self.options])
+        self.option_e = np.array([o.d + o.span for o in self.options])
+        self.option_span = np.array([o.span for o in self.options])
+        self.option_replicas = np.array([o.replicas for o in self.options])
+        self.usd_prefix = np.concatenate([[0.0], np.cumsum([d.usd_per_hour for d in self.dev])])
+        self.rest = self._rest(prob)
+        self._cuts(table, scorer)
+        every = microbatch_choices(scorer.graph, options)
+        choices = usual_microbatches(every)
+        self.rank_m = np.array([max([m for m in choices if rows_for_replicas(scorer.graph.batch_size, m, k, choices)],
+                                    default=max(choices)) for k in range(self.D + 1)])
+        # the most micro-batches a label whose widest stage has k replicas can use (a row each)
+        self.most_m = np.array([max([m for m in every if rows_for_replicas(scorer.graph.batch_size, m, k, every)],
+                                    default=max(every)) for k in range(self.D + 1)])
+        fits_anywhere = (table.memory_bytes(prob.kind_of_type(self.dev[0].type), 0, n - 1, 1.0) <= min(
+            d.mem_bytes for d in self.dev))
+        self.track_r = self.bounded and not bool(fits_anywhere)
 
-    def cut_Bps(self, d: int, e: int, k_next: int) -> float:
-        """The cut's bandwidth (`CostModel.cut_Bps`) from the devices d .. e-1 of the order to
-        the k_next after them."""
-        key = (d, e, k_next)
-        if key not in self._cut_Bps:
-            self._cut_Bps[key] = self.cost.cut_Bps(self.order[d:e], self.order[e:e + k_next])
-        return self._cut_Bps[key]
+    def _degrees(self, d: int, span: int, degrees: dict[str, tuple[int, ...]]) -> list[int]:
+        """1, and the tensor-parallel degrees a span of devices of one host and type can take."""
+        devs = self.dev[d:d + span]
+        if len({(x.type, x.host) for x in devs}) > 1:
+            return [1]
+        return [1, *(t for t in degrees.get(devs[0].type, ()) if t > 1 and span % t == 0)]
 
-    def cut_s_per_byte(self, d: int, e: int, k_next: int) -> float:
-        """Seconds per byte of the cut from the devices d .. e-1 of the order to the k_next after
-        them, routed as the runtime routes rows (`CostModel.routed_cut_s`)."""
-        key = (d, e, k_next)
-        if key not in self._cut_s:
-            self._cut_s[key] = self.cost.routed_cut_s(self.order[d:e], self.order[e:e + k_next],
-                                                      self.weight[d:e], self.weight[e:e + k_next])
-        return self._cut_s[key]
+    def _figures(self, table, d: int, span: int, tp: int, rc: bool, pairs: tuple[np.ndarray, np.ndarray]) -> None:
+        """The figures of every stage i -> j on the devices d .. d+span-1 as replicas of tp devices
+        (kept in `prob.figures` for other orders: devices alike in type, host and memory cost alike)."""
+        ids = self.order[d:d + span]
+        key = (tuple((x.type, x.host, x.mem_bytes, x.usd_per_hour) for x in self.dev[d:d + span]), tp, rc)
+        if key not in self.cache:
+            self.cache[key] = self._group_figures(table, ids, tp, rc, pairs)
+        for name, value in self.cache[key].items():
+            self.fig.setdefault(name, []).append(value)
 
-    def ending_at(self, prob: StateSums, j: int) -> tuple[np.ndarray, ...]:
-        """For stages S_j - S_i over every earlier state i: the i, the stage's time per device
-        type (types, candidates), its parameter bytes, its activation bytes and what its optimizer
-        step and its replicas' gradient sum need (the bytes it updates, its measured time per
-        device type where the profiler measured it, the bytes of its sparse rows' indices) (kept
-        for the last j)."""
-        if self._ending[0] != j:
-            below = prob.below_arr[j]
-            opt = (prob.updated[j] - prob.updated[below], {t: o[j] - o[below] for t, o in prob.opt.items()},
-                   prob.indices[j] - prob.indices[below])
-            self._ending = (j, (below, self.times[:, j][:, None] - self.times[:, below],
-                                (prob.params[j] - prob.params[below], prob.casts[j] - prob.casts[below]),
-                                prob.acts[j] - prob.acts[below], opt))
-        return self._ending[1]
+    def _group_figures(self, table, ids: tuple[str, ...], tp: int, rc: bool,
+                       pairs: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
+        i, j = pairs
+        span = len(ids)
+        groups = [ids[x:x + tp] for x in range(0, span, tp)]
+        kinds: dict[tuple, tuple] = {}
+        for grp in groups:  # one kind per type (and memory, runtime costs) among the replicas
+            kind = table.kind(grp)
+            key = (kind.type, kind.mem_bytes, kind.action_overhead_s, kind.corun)
+            kinds[key] = (kind, kinds.get(key, (kind, 0))[1] + 1)
+        kind_list, counts = [k for k, _ in kinds.values()], [c for _, c in kinds.values()]
+        replicas = len(groups)
+        valid = table.tp_valid(tp, i, j)
+        shards = np.where(table.dense(i, j), replicas, 1) if self.shard and tp == 1 and replicas > 1 else 1
+        share = table.shares(kind_list, counts, i, j)
+        scaled, fixed, ratio, rebuilt, fits = [], [], [], [], valid.copy()
+        for kind, sh in zip(kind_list, share, strict=True):
+            s, f = table.compute_s(kind, i, j, rc)
+            scaled.append(sh * s)
+            fixed.append(f)
+            room, per_batch, again = table.memory_terms(kind, i, j, rc, shards)
+            fits &= room > 0
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio.append(np.where(room > 0, per_batch * sh / np.maximum(room, 1.0), np.inf))
+                rebuilt.append(np.where(room > 0, again * sh / np.maximum(room, 1.0), np.inf))
+        entries = tuple(grp[0] for grp in groups)
+        together = np.max(scaled, axis=0)
+        figures = {"t": together, "fixed": np.max(fixed, axis=0), "ratio": np.max(ratio, axis=0),
+                   "rebuilt": np.max(rebuilt, axis=0), "fits": fits,
+                   "ar": table.tail_s(entries, i, j, shards, degree=tp),
+                   "steady": table.steady_s(together, entries, i, j) if self.track_thr else together}
+        shape = np.broadcast(i, j).shape
+        return {name: np.broadcast_to(value, shape).astype(bool if name == "fits" else np.float32)
+                for name, value in figures.items()}
 
-    def rebuilt_at(self, prob: StateSums, j: int) -> tuple[np.ndarray, ...]:
-        """For the same stages, what recomputing adds: the forward's time and its fixed part per
-        device type (types, candidates), and the bytes it keeps instead of its activations (the
-        cut before it and the cut after it, `CostModel.kept_bytes`) (kept for the last j)."""
-        if self._rebuilt[0] != j:
-            below = prob.below_arr[j]
-            kept = np.where(below > 0, prob.cut[below], 0.0) + (prob.cut[j] if j != len(prob.ideals) - 1 else 0.0)
-            self._rebuilt = (j, (self.fwd[:, j][:, None] - self.fwd[:, below],
-                                 self.fwd_fixed[:, j][:, None] - self.fwd_fixed[:, below], kept))
-        return self._rebuilt[1]
+    def stack(self) -> None:
+        """The figures as arrays (option, i, j)."""
+        self.fig = {name: np.stack(values) for name, values in self.fig.items()}
 
-    def _group(self, prob: StateSums, scorer: Scorer, d: int, k: int) -> tuple:
-        cnt = [0] * len(prob.types)
-        mem: dict[int, float] = {}
-        for x in range(d, d + k):
-            cnt[self.dtype[x]] += 1
-            mem[self.dtype[x]] = min(mem.get(self.dtype[x], math.inf), self.dev[x].mem_bytes)
-        devices = tuple(self.order[d:d + k])
-        per_step = max(self.dev[x].step_overhead_s for x in range(d, d + k))
-        return cnt, mem, after_stage(scorer.cost, devices, per_step), devices
+    def _cuts(self, table, scorer: Scorer) -> None:
+        """Per (d, e, span after): a cut's seconds per byte from devices d .. e-1 to the next span
+        (routed as the runtime routes rows, `StageTable.cut_per_byte_s`; replicas weighted by
+        their type's speed on the whole model), its steady-state bandwidth (throughput), and the
+        latency of the link at e."""
+        speed = {t: 1.0 / max(float(table.whole_s(table.kind(_one(scorer, t)), 0, table.last)), 1e-30)
+                 for t in table.types}
+        weight = [speed[d.type] for d in self.dev]
+        K = self.max_span  # noqa: N806
+        self.cut_pb = np.zeros((self.D + 1, self.D + 1, K + 1))
+        self.cut_Bps = np.full((self.D + 1, self.D + 1, K + 1), np.inf)
+        for d in range(self.D):
+            for e in range(d + 1, min(d + K, self.D) + 1):
+                for k in range(1, min(K, self.D - e) + 1):
+                    nxt = self.order[e:e + k]
+                    self.cut_pb[d, e, k] = table.cut_per_byte_s(self.order[d:e], nxt, weight[d:e], weight[e:e + k])
+                    if self.track_thr:
+                        self.cut_Bps[d, e, k] = table.cut_Bps(self.order[d:e], nxt)
+        self.latency = np.array([scorer.cluster.link(self.order[p], self.order[p + 1]).latency_s
+                                 if p + 1 < self.D else 0.0 for p in range(self.D)])
 
-    def _rest(self, types: int) -> np.ndarray:
+    def _rest(self, prob: StateSums) -> np.ndarray:
         """rest[i, d]: the least time the nodes of state i can take on devices 0 .. d-1 together."""
-        speed_prefix = np.zeros((self.D + 1, types))
-        for x in range(self.D):
-            speed_prefix[x + 1] = speed_prefix[x]
-            speed_prefix[x + 1][self.dtype[x]] += 1
+        table = prob.table
+        types = list(table.types)
+        whole = np.array([table.whole_s(prob.kind_of_type(t), 0, np.arange(len(prob.ideals))) for t in types])
+        count = np.zeros((self.D + 1, len(types)))
+        for x, dev in enumerate(self.dev):
+            count[x + 1] = count[x]
+            count[x + 1][types.index(dev.type)] += 1
         with np.errstate(divide="ignore", invalid="ignore"):
-            inv = np.where(self.times > 0, 1.0 / self.times, 0.0)  # (types, states)
-            total_speed = speed_prefix @ inv  # (D + 1, states)
+            inv = np.where(whole > 0, 1.0 / whole, 0.0)  # (types, states)
+            total_speed = count @ inv  # (D + 1, states)
             return np.where(total_speed > 0, 1.0 / total_speed, 0.0).T
 
 
-class _Front:
-    """Pareto fronts of labels per (state, position), at most `max_labels` each."""
-
-    def __init__(self, setup: _Order, max_labels: int) -> None:
-        self.labels: dict[tuple[int, int], list[Label]] = {}
-        self.track_r, self.track_price, self.max_labels = setup.track_r, setup.track_price, max_labels
-        self.track_thr = setup.track_thr
-
-    def _covers(self, o: Label, lab: Label, slack: float) -> bool:
-        """o is at least as good as lab in every tracked dimension (times within `slack`)."""
-        return (o.sum_s <= lab.sum_s * slack and o.max_s <= lab.max_s * slack and o.ar_s <= lab.ar_s * slack
-                and o.m_req <= lab.m_req and o.k_max <= lab.k_max and (not self.track_r or o.after <= lab.after)
-                and (not self.track_price or o.usd_per_hour <= lab.usd_per_hour)
-                and (not self.track_thr or o.thr_s <= lab.thr_s * slack))
-
-    def add(self, key: tuple[int, int], lab: Label) -> None:
-        labels = self.labels.setdefault(key, [])
-        # epsilon-dominance: a label within EPSILON of another in time is as good as it
-        if any(self._covers(o, lab, 1 + EPSILON) for o in labels):
-            return
-        labels[:] = [o for o in labels if not self._covers(lab, o, 1.0)]
-        labels.append(lab)
-        if len(labels) > self.max_labels:  # keep the most promising: drop the worst by its rank,
-            # but keep the best of each first-stage width (the model can misjudge one width for
-            # all its labels: resnet50 on 4 V100 at 1 GB/s, bench/dp_no_miss.py)
-            widths = Counter(o.k_first for o in labels)
-            shared = [o for o in labels if widths[o.k_first] > 1] or labels
-            labels.remove(max(shared, key=lambda o: o.rank))
+def _one(scorer: Scorer, type_name: str) -> tuple[str]:
+    return (next(d.id for d in scorer.cluster.devices if d.type == type_name),)
 
 
-def _stage_options(prob: StateSums, setup: _Order, j: int, d: int, k: int, bound_s: float,
-                   recompute: bool = False) -> tuple:
-    """For the stage S_j - S_i on devices d .. d+k-1, over every earlier state i at once: which
-    i are allowed (time bound, memory, devices left), the stage's time, its memory need over
-    what is free (the worst replica type), its all-reduce + optimizer step, and (objective
-    throughput) its steady-state time per batch, and what each micro-batch costs it whatever its
-    rows (its slowest replica type's fixed parts). A stage that recomputes runs its forward again
-    and keeps its cuts' bytes instead of its activations, of which it holds one micro-batch's:
-    its memory need is then the kept bytes' ratio plus, last, the activations' ratio."""
-    below, diff, w_stage, a_stage, opt_needs = setup.ending_at(prob, j)
-    cnt, mem, after_stage, devices = setup.groups[(d, k)]
-    used = [ti for ti, c in enumerate(cnt) if c]
-    shards = _shards(setup, k, opt_needs[0], w_stage[0])
-    if recompute:
-        fwd, fwd_fixed, kept = setup.rebuilt_at(prob, j)
-        diff, held = diff + fwd, kept
-    else:
-        held = a_stage
+class _Fronts:
+    """Pareto fronts of labels as one array (field, position, state, slot); rank inf: no label."""
+
+    def __init__(self, positions: int, states: int, slots: int) -> None:
+        self.a = np.zeros((len(FIELDS), positions, states, slots))
+        self.a[F["rank"]] = np.inf
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.a[F[name]]
+
+
+F = {name: k for k, name in enumerate(FIELDS)}
+
+
+def _recompute_microbatches(after, rt, rebuilt, bounded: bool):
+    """The fewest micro-batches m with which a recomputing stage fits (arrays): rt of its room
+    per batch kept for each micro-batch in flight (all m under GPipe, min(m, after + 1) under
+    1F1B) plus `rebuilt` for one micro-batch's activations, over m (conservative by one where
+    exact)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        speed = sum(cnt[ti] / diff[ti] for ti in used)  # inf where a type needs no time
-        t = np.where(np.isfinite(speed) & (speed > 0), 1.0 / speed, 0.0)
-        # memory of each replica type: its share of every micro-batch's activations
-        ratio = np.zeros(len(below))  # needed / free, the worst replica type
-        rebuilt = np.zeros(len(below))  # recomputing: one micro-batch's activations over what is free
-        fits = np.ones(len(below), dtype=bool)
-        for ti in used:
-            share = np.where(np.isfinite(speed) & (diff[ti] > 0), t / diff[ti], 1.0 / k)
-            room = activation_room_bytes(mem[ti], *w_stage, shards)
-            fits &= room > 0
-            ratio = np.maximum(ratio, np.where(room > 0, held * share / np.maximum(room, 1.0), np.inf))
-            if recompute:
-                rebuilt = np.maximum(rebuilt, np.where(room > 0, a_stage * share / np.maximum(room, 1.0), np.inf))
-    ok = (t <= bound_s) & fits & ((ratio <= 1.0) | setup.bounded)
-    ok &= (below == 0) if d == 0 else (below != 0)  # with d == 0 no devices are left for nodes before
-    ok &= setup.rest[below, d] <= bound_s  # the slowest stage before takes at least that
-    sync = setup.cost.gradient_sync_s(opt_needs[0], opt_needs[2], devices)  # bytes updated, index bytes
-    ar = after_stage(sync, (opt_needs[0] / shards, {t: o / shards for t, o in opt_needs[1].items()}, opt_needs[2]))
-    steady = steady_stage_s(t, setup.cost.steady_sync_s(opt_needs[0], devices), k) if setup.track_thr else t
-    fixed = np.max([setup.fixed[ti, j] - setup.fixed[ti, below] + (fwd_fixed[ti] if recompute else 0.0)
-                    for ti in used], axis=0)
-    return np.nonzero(ok)[0], below, t, ratio, ar, steady, fixed, rebuilt
-
-
-def _shards(setup: _Order, k: int, updated: np.ndarray, params: np.ndarray) -> np.ndarray | int:
-    """Over how many replicas each candidate stage shards its optimizer state: all k where
-    sharding is on and its gradients are dense (`refine.shardable`), else 1."""
-    if not setup.shard or k < 2:
-        return 1
-    return np.where(updated < params - 0.5, 1, k)  # fewer bytes updated than held: a sparse table
-
-
-def _extend(lab: Label, stage: tuple[int, int, int, int, bool], ts: float, memory: tuple[float, float], ar: float,
-            c_s: float, lt: float, r_i: float, setup: _Order, m_max: int, bounds: tuple[float, float, float],
-            steady_s: float = 0.0, fixed_s: float = 0.0) -> Label | None:
-    """The label of `lab` with one more stage in front (time ts, memory ratios (what it holds per
-    batch, what it rebuilds of one micro-batch when it recomputes; `_stage_options`), all-reduce
-    ar, transfer c_s and latency lt across its cut; its steady-state time, or its cut's if
-    slower, steady_s), or None when memory or the bounds cut it."""
-    bound_s, bound_usd, bound_thr = bounds
-    thr = max(lab.thr_s, steady_s)
-    if thr > bound_thr:
-        return None
-    mr, (rt, rebuilt) = lab.m_req, memory
-    if stage[4]:
-        mr = max(mr, _recompute_microbatches(lab.after, rt, rebuilt, setup.bounded))
-        if mr > m_max:
-            return None
-    elif rt > 1.0:  # 1F1B: this stage holds min(m, r + 1) micro-batches; m must exceed r + 1
-        mr = max(mr, math.floor((lab.after + 1) * rt) + 1)
-        if mr > m_max:
-            return None
-    s2 = lab.sum_s + ts + 2 * c_s
-    # a device sends and receives through one interface each: the first stage of `lab` receives
-    # the activations of this cut and the gradients of its next one, one after the other
-    mx2 = max(lab.max_s, ts, c_s + lab.c_first)
-    if setup.bounded:
-        # 1F1B lets this stage have r + 1 micro-batches in flight, so one round trip through the
-        # rest of the pipeline is shared by at most r + 1 of them
-        mx2 = max(mx2, s2 / (lab.after + 1))
-    # a lower bound on the whole step: the stages still to come take at least r_i in all and the
-    # slowest of them at least r_i too (their devices are disjoint, so max(w_k / speed_k) >=
-    # sum(w_k) / sum(speed_k)); the best m is the largest
-    low = (s2 + r_i + (m_max - 1) * max(mx2, r_i)) / m_max
-    if low > bound_s or (setup.track_price and usd_per_step(lab.usd_per_hour, low) > bound_usd):
-        return None
-    out = Label(s2, mx2, max(lab.ar_s, ar), lab.after + 1, mr, lab.usd_per_hour, stage[3], lab.lat_s + lt, stage,
-                lab, 0.0, max(lab.k_max, stage[3]), thr, c_s, lab.fix_sum_s + fixed_s, max(lab.fix_max_s, fixed_s))
-    m = min(m_max, max(mr, setup.rank_m[out.k_max]))
-    rank = thr if setup.track_thr else model_step_s(out, m) * (out.usd_per_hour if setup.track_price else 1.0)
-    return out._replace(rank=rank)
-
-
-def _recompute_microbatches(after: int, rt: float, rebuilt: float, bounded: bool) -> float:
-    """The fewest micro-batches m with which a recomputing stage fits: rt of its room per batch
-    kept for each micro-batch in flight (all m under GPipe, min(m, after + 1) under 1F1B) plus
-    `rebuilt` for one micro-batch's activations, over m (conservative by one where exact)."""
-    few = 1 if rt + rebuilt <= 1.0 else (math.floor(rebuilt / (1.0 - rt)) + 1 if rt < 1.0 else math.inf)
-    if not bounded or few <= after + 1:
+        few = np.where(rt + rebuilt <= 1.0, 1.0,
+                       np.where(rt < 1.0, np.floor(rebuilt / np.maximum(1.0 - rt, 1e-300)) + 1, np.inf))
+    if not bounded:
         return few
-    return max(after + 2, math.floor(rt * (after + 1) + rebuilt) + 1)
+    deep = np.maximum(after + 2, np.floor(rt * (after + 1) + rebuilt) + 1)
+    return np.where(few <= after + 1, few, deep)
+
+
+class _Program:
+    """One order's program: fronts filled from the last state backwards (`run`)."""
+
+    def __init__(self, prob: StateSums, setup: _Order, m_max: int, bounds: tuple[float, float, float],
+                 max_labels: int) -> None:
+        self.prob, self.setup, self.m_max, self.bounds, self.L = prob, setup, m_max, bounds, max_labels
+        n = len(prob.ideals)
+        self.fronts = _Fronts(setup.D + 1, n, max_labels)
+        self.above = [np.nonzero(prob.inside[i])[0] for i in range(n)]
+        self.extended = 0
+        self.short_of_microbatches = False  # a label was cut because memory needed more than m_max
+        f = self.fronts
+        for e in range(1, setup.D + 1):  # the empty pipeline after the last state, devices e.. unused
+            f["rank"][e, n - 1, 0] = 0.0
+            f["m_req"][e, n - 1, 0] = 1
+            f["usd_per_hour"][e, n - 1, 0] = setup.usd_prefix[e]
+            f["option"][e, n - 1, 0] = -1
+        self.rc = np.array([o.recompute for o in setup.options])
+
+    def run(self) -> list[Label]:
+        for i in range(len(self.prob.ideals) - 2, -1, -1):
+            if len(self.above[i]):
+                self._state(i)
+        return self._labels(0, 0)
+
+    def _state(self, i: int) -> None:
+        """The fronts of state i at every position, from every option starting there (options
+        come in the order of their positions, so each position's candidates are one run)."""
+        setup = self.setup
+        opts = np.nonzero((setup.option_d == 0) if i == 0 else (setup.option_d > 0))[0]
+        js = self.above[i]
+        # the (option, state) pairs whose front after the option has a label (slot 0: the best)
+        has = np.isfinite(self.fronts["rank"][setup.option_e[opts][:, None], js[None, :], 0])
+        o_idx, j_idx = np.nonzero(has)
+        if not len(o_idx):
+            return
+        cand = self._extend(i, opts[o_idx], js[j_idx])
+        if cand is None:
+            return
+        ds = setup.option_d[opts[o_idx]]
+        cuts = np.flatnonzero(np.diff(ds)) + 1
+        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(ds)], strict=True):
+            self._select(i, int(ds[lo]), cand[:, lo:hi])
+
+    def _extend(self, i: int, o: np.ndarray, j: np.ndarray) -> np.ndarray | None:
+        """The labels of the fronts after options o[p] at states j[p], each extended by its option
+        (a stage from state i): an array (field, pair, slot), rank inf where cut."""
+        setup, fig, n = self.setup, self.setup.fig, len(self.prob.ideals)
+        bound_s, bound_usd, bound_thr = self.bounds
+        d, e = setup.option_d[o], setup.option_e[o]
+        lab = self.fronts.a[:, e, j, :]
+        st = {name: fig[name][o, i, j][:, None] for name in ("t", "fixed", "ratio", "rebuilt", "fits", "ar", "steady")}
+        r_i = setup.rest[i, d][:, None]
+        ok = np.isfinite(lab[F["rank"]]) & st["fits"] & (st["t"] <= bound_s) & (r_i <= bound_s)
+        if not setup.bounded:
+            ok &= st["ratio"] <= 1.0
+        # the cut after the option's stage, to the first stage of the label (none after the last state)
+        cut = (self.prob.cut[j] * (j != n - 1))[:, None]
+        k_next = lab[F["k_first"]].astype(int)
+        c_s = cut * setup.cut_pb[d[:, None], e[:, None], k_next]
+        lt = np.where(cut > 0, setup.latency[np.maximum(e - 1, 0)][:, None], 0.0)
+        steady = st["steady"]
+        if setup.track_thr:
+            steady = np.maximum(steady, self.prob.table.steady_lanes_s(cut, setup.cut_Bps[d[:, None], e[:, None],
+                                                                                         k_next]))
+        thr = np.maximum(lab[F["thr_s"]], steady)
+        ok &= thr <= bound_thr
+        after, m_req, ratio = lab[F["after"]], lab[F["m_req"]], st["ratio"]
+        needed = np.where(self.rc[o][:, None], _recompute_microbatches(after, ratio, st["rebuilt"], setup.bounded),
+                          np.where(ratio > 1.0, np.floor((after + 1) * ratio) + 1, 1.0))
+        mr = np.maximum(m_req, needed)
+        k_max = np.maximum(lab[F["k_max"]], setup.option_replicas[o][:, None])
+        over = (mr > self.m_max) | (mr > setup.most_m[np.minimum(k_max, setup.D).astype(int)])
+        self.short_of_microbatches |= bool((ok & over).any())
+        ok &= ~over
+        s2 = lab[F["sum_s"]] + st["t"] + 2 * c_s
+        mx2 = np.maximum(np.maximum(lab[F["max_s"]], st["t"]), c_s + lab[F["c_first"]])
+        if setup.bounded:
+            mx2 = np.maximum(mx2, s2 / (after + 1))
+        low = (s2 + r_i + (self.m_max - 1) * np.maximum(mx2, r_i)) / self.m_max
+        ok &= low <= bound_s
+        if setup.track_price:
+            ok &= self.prob.table.usd_per_step(lab[F["usd_per_hour"]], low) <= bound_usd
+        count = int(ok.sum())
+        self.extended += count
+        if not count:
+            return None
+        out = np.empty_like(lab)
+        for name, value in (("sum_s", s2), ("max_s", mx2), ("ar_s", np.maximum(lab[F["ar_s"]], st["ar"])),
+                            ("after", after + 1), ("m_req", mr), ("usd_per_hour", lab[F["usd_per_hour"]]),
+                            ("k_first", setup.option_span[o][:, None]), ("lat_s", lab[F["lat_s"]] + lt),
+                            ("k_max", k_max),
+                            ("thr_s", thr), ("c_first", c_s), ("fix_sum_s", lab[F["fix_sum_s"]] + st["fixed"]),
+                            ("fix_max_s", np.maximum(lab[F["fix_max_s"]], st["fixed"])), ("option", o[:, None]),
+                            ("next_state", j[:, None]), ("next_slot", np.arange(self.L)[None, :])):
+            out[F[name]] = value
+        out[F["rank"]] = np.where(ok, self._rank(out), np.inf)
+        return out
+
+    def _rank(self, lab: np.ndarray) -> np.ndarray:
+        """What a full front drops first: the step at the most micro-batches a label can use (the
+        most whose micro-batches have a row for each replica of its widest stage), times the
+        price for cost; the steady state for throughput."""
+        setup = self.setup
+        if setup.track_thr:
+            return lab[F["thr_s"]]
+        k_max = np.minimum(lab[F["k_max"]], setup.D).astype(int)
+        m = np.minimum(self.m_max, np.maximum(lab[F["m_req"]], setup.rank_m[k_max]))
+        step = model_step_s(_View(lab), m)
+        return step * lab[F["usd_per_hour"]] if setup.track_price else step
+
+    def _select(self, i: int, d: int, cand: np.ndarray) -> None:
+        """The front of (i, d) from its candidates (field, pair, slot): the best by rank that no
+        better one covers within EPSILON (PRESELECT of them compared), at most L, the best of
+        each first stage's width first (the model can misjudge one width for all its labels:
+        resnet50 on 4 V100 at 1 GB/s, bench/dp_no_miss.py)."""
+        flat = cand.reshape(len(FIELDS), -1)
+        rank = flat[F["rank"]]
+        finite = np.flatnonzero(np.isfinite(rank))
+        if not len(finite):
+            return
+        top = flat[:, finite[np.argsort(rank[finite], kind="stable")[:PRESELECT]]]
+        idx = np.flatnonzero(~self._covered(top))
+        widths = top[F["k_first"], idx]
+        firsts = sorted(int(idx[np.flatnonzero(widths == w)[0]]) for w in np.unique(widths))
+        chosen = sorted(list(dict.fromkeys([*firsts[:self.L], *idx.tolist()]))[:self.L])
+        self.fronts.a[:, d, i, :len(chosen)] = top[:, chosen]
+
+    def _covered(self, lab: np.ndarray) -> np.ndarray:
+        """Per candidate (sorted by rank), whether an earlier one is at least as good in every
+        tracked dimension (times within EPSILON)."""
+        setup, slack = self.setup, 1.0 + EPSILON
+        n = lab.shape[1]
+        cov = np.ones((n, n), dtype=bool)  # cov[a, b]: a covers b
+        for name in ("sum_s", "max_s", "ar_s"):
+            cov &= lab[F[name]][:, None] <= lab[F[name]][None, :] * slack
+        for name in ("m_req", "k_max"):
+            cov &= lab[F[name]][:, None] <= lab[F[name]][None, :]
+        if setup.track_r:
+            cov &= lab[F["after"]][:, None] <= lab[F["after"]][None, :]
+        if setup.track_price:
+            cov &= lab[F["usd_per_hour"]][:, None] <= lab[F["usd_per_hour"]][None, :]
+        if setup.track_thr:
+            cov &= lab[F["thr_s"]][:, None] <= lab[F["thr_s"]][None, :] * slack
+        return np.triu(cov, 1).any(axis=0)
+
+    def _labels(self, i: int, d: int) -> list[Label]:
+        """The labels of front (i, d) with their stages."""
+        f, out = self.fronts, []
+        for slot in range(self.L):
+            if not math.isfinite(f["rank"][d, i, slot]):
+                continue
+            stages, (si, sd, ss) = [], (i, d, slot)
+            while f["option"][sd, si, ss] >= 0:
+                o = self.setup.options[int(f["option"][sd, si, ss])]
+                j = int(f["next_state"][sd, si, ss])
+                stages.append((si, j, sd, o.span, o.tp, o.recompute))
+                si, sd, ss = j, sd + o.span, int(f["next_slot"][sd, si, ss])
+            v = {name: float(f[name][d, i, slot]) for name in FIELDS}
+            out.append(Label(v["sum_s"], v["max_s"], v["ar_s"], int(v["m_req"]), v["usd_per_hour"], int(v["k_max"]),
+                             v["thr_s"], v["lat_s"], v["fix_sum_s"], v["fix_max_s"], tuple(stages)))
+        return out
+
+
+class _View:
+    """Attribute access to a label array's fields (for `model_step_s`)."""
+
+    def __init__(self, lab: np.ndarray) -> None:
+        for name in ("sum_s", "max_s", "fix_sum_s", "fix_max_s", "lat_s", "ar_s"):
+            setattr(self, name, lab[F[name]])
 
 
 def run_order(prob: StateSums, scorer: Scorer, order: tuple[str, ...], options: PlanOptions,
-               m_max: int, bound_s: float, max_labels: int = MAX_LABELS,
-               bound_usd: float = math.inf, bound_thr: float = math.inf) -> list[Label]:
-    """The Pareto front at ({}, device 0) for one device order."""
-    setup = _Order(prob, scorer, order, options)
-    front = _Front(setup, max_labels)
-    n = len(prob.ideals)
-    for e in range(1, setup.D + 1):
-        front.labels[(n - 1, e)] = [Label(0.0, 0.0, 0.0, 0, 1, setup.usd_prefix[e], 0, 0.0, None, None, 0.0)]
-    for j in range(n - 1, 0, -1):
-        if not len(prob.below_arr[j]):
-            continue
-        for e in range(1, setup.D + 1):
-            labels = front.labels.get((j, e))
-            for k in range(1, min(e, setup.max_replicas) + 1) if labels else ():
-                _stages_into(front, labels, prob, setup, j, e, k, m_max, (bound_s, bound_usd, bound_thr))
-    return front.labels.get((0, 0), [])
+              m_max: int, bound_s: float, max_labels: int = MAX_LABELS, bound_usd: float = math.inf,
+              bound_thr: float = math.inf, degrees: dict[str, tuple[int, ...]] | None = None,
+              setup: _Order | None = None) -> tuple[list[Label], _Program]:
+    """The Pareto front at ({}, device 0) for one device order, and the program that made it."""
+    if setup is None:
+        setup = order_setup(prob, scorer, order, options, degrees or {})
+    program = _Program(prob, setup, m_max, (bound_s, bound_usd, bound_thr), max_labels)
+    return program.run(), program
 
 
-def _stages_into(front: _Front, labels: list[Label], prob: StateSums, setup: _Order, j: int, e: int, k: int,
-                 m_max: int, bounds: tuple[float, float, float]) -> None:
-    """Every stage S_j - S_i on the k devices before position e (recomputing or not, as the
-    options allow), put in front of every label of (j, e), into the front of (i, e - k)."""
-    d = e - k
-    link = setup.links[e - 1] if j != len(prob.ideals) - 1 else None
-    cut_j = prob.cut[j]
-    for recompute in setup.recompute:
-        cand, below, t, ratio, ar_all, steady, fixed, rebuilt = _stage_options(prob, setup, j, d, k, bounds[0],
-                                                                               recompute)
-        for c_idx in cand.tolist():
-            i = int(below[c_idx])
-            ts, ar, r_i = float(t[c_idx]), float(ar_all[c_idx]), float(setup.rest[i, d])
-            memory = (float(ratio[c_idx]), float(rebuilt[c_idx]))
-            for lab in labels:
-                c_s = lt = steady_cut = 0.0
-                if link is not None and cut_j > 0:
-                    c_s = cut_j * setup.cut_s_per_byte(d, e, lab.k_first)
-                    lt = link.latency_s
-                    if setup.track_thr:  # PipeDream's question: the cut as `CostModel.bottleneck_s` sees it
-                        steady_cut = steady_cut_s(cut_j, setup.cut_Bps(d, e, lab.k_first))
-                out = _extend(lab, (i, j, d, k, recompute), ts, memory, ar, c_s, lt, r_i, setup, m_max, bounds,
-                              max(float(steady[c_idx]), steady_cut), float(fixed[c_idx]))
-                if out is not None:
-                    front.add((i, d), out)
+def order_setup(prob: StateSums, scorer: Scorer, order: tuple[str, ...], options: PlanOptions,
+                degrees: dict[str, tuple[int, ...]], cache: dict | None = None) -> _Order:
+    """The figures of one order's stage options (reused by the passes over it; `cache` keeps
+    groups' figures for the orders after it)."""
+    setup = _Order(prob, scorer, order, options, degrees, cache)
+    setup.stack()
+    return setup
 
 
 def label_plan(prob: StateSums, order: tuple[str, ...], lab: Label, m: int, options: PlanOptions) -> Plan:
     stages = []
-    while lab is not None and lab.stage is not None:
-        i, j, d, k, recompute = lab.stage
-        dense = prob.updated[j] - prob.updated[i] >= prob.params[j] - prob.params[i] - 0.5
-        stages.append(Stage(prob.nodes(i, j), order[d:d + k], recompute,
-                            shard=options.shard != "never" and k > 1 and bool(dense)))
-        lab = lab.parent
+    for i, j, d, span, tp, recompute in lab.stages:
+        devices = order[d:d + span]
+        groups = tuple(devices[x:x + tp] for x in range(0, span, tp))
+        dense = bool(prob.table.dense(i, j))
+        stages.append(Stage(prob.nodes(i, j), tuple(g[0] for g in groups), recompute,
+                            shard=options.shard != "never" and tp == 1 and len(groups) > 1 and dense,
+                            tp=tp, tp_devices=groups if tp > 1 else ()))
     return Plan(tuple(stages), m, options.schedule, "dp", options.objective)

@@ -30,6 +30,7 @@ import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import microbatch_fractions
+from hetplan.cost.stage_table import StageTable
 from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
@@ -140,9 +141,9 @@ class _Space:
         if self.total > limit:
             raise refusal(graph, f"{self.total:,} candidate plans", limit)
         self.above = [np.nonzero(below[i])[0].tolist() for i in range(s)]
-        node_t = {t: scorer.cost.node_times_s(t) for t in {d.type for d in cluster.devices}}
-        weights = mat.astype(float)
-        self.time_of = {t: weights @ np.array([sum(times[v]) for v in states.order]) for t, times in node_t.items()}
+        table = StageTable(scorer.cost, mat, states.order)
+        self.time_of = {cluster.device(c[0]).type: table.whole_s(table.kind((c[0],)), 0, np.arange(s))
+                        for c in self.classes}
         self.class_type = [cluster.device(c[0]).type for c in self.classes]
 
     def _count_chains(self, graph: Graph, below: np.ndarray, limit: int, ways: list[int]) -> list[list[int]]:

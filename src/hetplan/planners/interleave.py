@@ -21,9 +21,9 @@ from dataclasses import replace
 import numpy as np
 
 from hetplan.cost import CostModel
+from hetplan.cost.stage_table import StageTable, prefix_states
 from hetplan.plan import Plan, Stage
 from hetplan.schedule import get_schedule, stage_ranks
-from hetplan.sim.chains import chain_crossing_bytes
 
 MAX_PER_RANK = 4  # stages per rank tried
 
@@ -69,10 +69,11 @@ def interleaved(cost: CostModel, plan: Plan, schedule: str, per_rank: int, micro
     if n < 2 or len({d for g in groups for d in g}) != sum(len(g) for g in groups):
         return None
     order = _node_order(cost, plan)
-    times = np.array([[cost.stage_compute_s([node], g) for node in order] for g in groups])
+    table = StageTable(cost, prefix_states(len(order)), order)  # stages: runs of this order
+    at = np.arange(len(order))
+    times = np.array([table.together_s(g, at, at + 1) for g in groups])
     row_of = stage_ranks(schedule, n * per_rank, n)
-    crossing = chain_crossing_bytes(cost.graph, {node: i for i, node in enumerate(order)})
-    cut_s = np.array([crossing * cost.routed_cut_s(groups[row_of[c]], groups[row_of[c + 1]])
+    cut_s = np.array([table.cut * table.cut_per_byte_s(groups[row_of[c]], groups[row_of[c + 1]])
                       for c in range(len(row_of) - 1)]).reshape(len(row_of) - 1, len(order) + 1)
     cuts = linear_cuts(times, row_of, cut_s)
     if cuts is None:

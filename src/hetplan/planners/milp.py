@@ -12,7 +12,7 @@ The space: each stage runs on a *group*, a multiset of device classes (`devices.
 devices alike, on one host) of at most `--max-replicas` devices, mixed types and hosts allowed as
 in dp; past MAX_GROUPS multisets, r devices of one class (PipeDream's replicas). A cut's link is
 the slowest between the classes the two groups use, and the hosts' network interfaces it crosses
-cap what it carries at once (`CostModel.cut_Bps`), so the cut conflicts below are written per
+cap what it carries at once (`CostModel._cut_Bps`), so the cut conflicts below are written per
 pair of class sets (one pair when every link of the cluster is the same, on one host).
 
 The optimum is one of finitely many values: a stage option's time (s = (i, j, group): compute on
@@ -58,7 +58,6 @@ from scipy.optimize import milp as highs_milp
 from scipy.sparse import coo_array
 
 from hetplan.cluster import Cluster
-from hetplan.cost.formulas import steady_cut_s, steady_stage_s, weight_bytes
 from hetplan.errors import HetplanError, InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
@@ -162,17 +161,18 @@ class _Program:
         self._options(upper_s)
 
     def _options(self, upper_s: float) -> None:
-        """Arrays over the stage options: states i and j, group index, steady time."""
-        prob, cost = self.prob, self.cost
+        """Arrays over the stage options: states i and j, group index, steady time (the table's
+        figures: `StageTable.whole_s` per device, `StageTable.steady_s`, weights against memory)."""
+        prob, cost, table = self.prob, self.cost, self.prob.table
         pairs = [(i, j) for j in range(len(prob.ideals)) for i in prob.below[j]]
         if not pairs:
             raise InfeasibleError("milp: the graph has no stages to plan")
         i_arr, j_arr = (np.array(x, dtype=int) for x in zip(*pairs, strict=True))
-        weights, casts = prob.params[j_arr] - prob.params[i_arr], prob.casts[j_arr] - prob.casts[i_arr]
-        updated = prob.updated[j_arr] - prob.updated[i_arr]
+        kinds = {t: prob.kind_of_type(t) for t in prob.types}
+        whole = {t: table.whole_s(k, i_arr, j_arr) for t, k in kinds.items()}
         # what the other stages must do: no device computes faster than the fastest type, so
         # the rest of the work over the devices left takes at least this long per stage
-        fastest = np.min([prob.time[t] for t in prob.types], axis=0)
+        fastest = np.min([table.whole_s(k, 0, np.arange(len(prob.ideals))) for k in kinds.values()], axis=0)
         rest = fastest[-1] - (fastest[j_arr] - fastest[i_arr])
         total = len(cost.cluster.devices)
         # a cut's lanes are at most the group's size: the heaviest cut it touches at the fastest link
@@ -184,15 +184,16 @@ class _Program:
         for g, group in enumerate(self.groups):
             speed = np.zeros(len(pairs))
             for dev in group.devices:
-                t = prob.time[cost.cluster.device(dev).type]
+                w = whole[cost.cluster.device(dev).type]
                 with np.errstate(divide="ignore"):
-                    speed += np.where(t[j_arr] - t[i_arr] > 0, 1.0 / (t[j_arr] - t[i_arr]), np.inf)
+                    speed += np.where(w > 0, 1.0 / w, np.inf)
             compute = np.where(np.isfinite(speed), 1.0 / speed, 0.0)
-            steady = steady_stage_s(compute, cost.steady_sync_s(updated, group.devices), len(group.devices))
-            fits = weight_bytes(weights, casts) <= min(cost.cluster.device(d).mem_bytes for d in group.devices)
+            steady = table.steady_s(compute, group.devices, i_arr, j_arr)
+            fits = np.all([table.memory_terms(table.kind((dev,)), i_arr, j_arr)[0] >= 0 for dev in group.devices],
+                          axis=0)
             r = len(group.devices)
             others = total - r
-            floor = np.maximum(steady, steady_cut_s(touch, fast_Bps, r))
+            floor = np.maximum(steady, table.steady_lanes_s(touch, fast_Bps, r))
             floor = np.maximum(floor, np.where(rest <= 0, 0.0, rest / others if others else np.inf))
             keep = fits & (floor <= upper_s * (1 + 1e-9))
             cols.append((i_arr[keep], j_arr[keep], np.full(int(keep.sum()), g), steady[keep], floor[keep]))
@@ -206,7 +207,7 @@ class _Program:
         2 bytes / (bandwidth r) that the options allow, r the replicas of the side it counts."""
         sizes = np.array([len(self.groups[g].devices) for g in self.g])
         keys = np.array([self.groups[g].link_key for g in self.g])
-        out = []
+        table, out = self.prob.table, []
         for k in range(1, len(self.prob.ideals) - 1):
             nbytes = float(self.prob.cut[k])
             into, leave = self.j == k, self.i == k
@@ -215,21 +216,21 @@ class _Program:
                     for b in np.unique(keys[leave]):
                         bw = self._bandwidth(int(a), int(b))
                         for r in np.unique(np.r_[sizes[into & (keys == a)], sizes[leave & (keys == b)]]):
-                            out.append((k, int(a), int(b), int(r), steady_cut_s(nbytes, bw, r)))
+                            out.append((k, int(a), int(b), int(r), float(table.steady_lanes_s(nbytes, bw, r))))
                         cap = self._nic_cap(int(a), int(b))
                         if math.isfinite(cap):  # the hosts' interfaces, whatever the sizes (size 0: any)
-                            out.append((k, int(a), int(b), 0, steady_cut_s(nbytes, cap)))
+                            out.append((k, int(a), int(b), 0, float(table.steady_lanes_s(nbytes, cap, 1))))
         return out
 
     def _nic_cap(self, a: int, b: int) -> float:
-        """`CostModel.nic_cap_Bps` between groups of classes `a` and `b` (bits): it depends on
+        """`CostModel._nic_cap_Bps` between groups of classes `a` and `b` (bits): it depends on
         their hosts only, so one device per class stands for the class."""
         if self.uniform:
             return math.inf
         one = [members[:1] for members in self.classes]
         senders = [d for c, m in enumerate(one) if a >> c & 1 for d in m]
         receivers = [d for c, m in enumerate(one) if b >> c & 1 for d in m]
-        return self.cost.nic_cap_Bps(senders, receivers)
+        return self.prob.table.nic_cap_Bps(senders, receivers)
 
     def feasibility(self, limit_s: float, cuts: list) -> tuple[np.ndarray, LinearConstraint, np.ndarray]:
         """The program "a plan whose every stage and cut takes at most limit_s": the options
@@ -277,17 +278,17 @@ class _Program:
 
     def _bandwidth(self, a: int, b: int) -> float:
         """The slowest link from a group of classes `a` (bits) to one of classes `b`, as
-        `CostModel.slowest_Bps` sees the two stages' devices (within one class: two of its devices)."""
+        `CostModel._slowest_Bps` sees the two stages' devices (within one class: two of its devices)."""
         if self.uniform:
             ids = self.cost.cluster.ids
-            return self.cost.slowest_Bps(ids[:1], ids[1:2]) if len(ids) > 1 else math.inf
+            return self.prob.table.slowest_Bps(ids[:1], ids[1:2]) if len(ids) > 1 else math.inf
         slowest = math.inf
         for c, one in enumerate(self.classes):
             for d, other in enumerate(self.classes):
                 if a >> c & 1 and b >> d & 1:
                     pair = (one[:1], one[1:2]) if c == d else (one, other)
                     if pair[1]:
-                        slowest = min(slowest, self.cost.slowest_Bps(*pair))
+                        slowest = min(slowest, self.prob.table.slowest_Bps(*pair))
         return slowest
 
     def bottleneck_of(self, chosen: np.ndarray) -> float:

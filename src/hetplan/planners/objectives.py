@@ -38,7 +38,7 @@ import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
-from hetplan.cost.formulas import usd_per_step
+from hetplan.cost.stage_table import StageTable
 from hetplan.graph import Graph
 from hetplan.plan import Estimate
 from hetplan.planners.options import PlanOptions
@@ -87,28 +87,50 @@ class Objective:
     t_ref_s)`), a lower bound on it from a step at least `bound_s` long whose slowest stage
     computes `slowest_s` on devices costing `usd_per_hour` (`lower`), whether the throughput
     floor binds (`floor`), and how to say it (`says(options)`). Planners read it here rather than
-    branching on the name."""
+    branching on the name:
+
+    - `rank(step_s, usd_per_step, steady_s, slow)`: the key a search ranks candidates by, before
+      they are simulated (a tuple, compared in order; numbers or arrays alike); `slow`: below the
+      throughput floor, as far as the search can tell;
+    - `bound`: what dp's first bound is and what a found plan tightens: "step" (the baselines'
+      simulated steps), "steady" (their steady states), "floor" (the step the floor allows; a
+      plan tightens the price), or "" (none);
+    - `track`: what dp's labels keep besides the step: "price", "steady" or "";
+    - `event_only`: its figures need the event simulator (the busiest link, the steady state of
+      replicated stages), not the fast path;
+    - `cheap_first`: device orders also put the cheapest work first, and the fastest plans join
+      the candidates (a price under a floor)."""
 
     name: str
     base: Callable[..., Any]
     lower: Callable[..., float]
     says: Callable[[PlanOptions], str]
+    rank: Callable[..., tuple]
     floor: bool = False
+    bound: str = ""
+    track: str = ""
+    event_only: bool = False
+    cheap_first: bool = False
 
 
 OBJECTIVES = {o.name: o for o in (
     Objective("time", lambda step, usd, neck, link, mem, batch, opt, ref: step,
-              lambda bound, slowest, usd_h, batch, opt, ref: bound, lambda opt: "shortest step"),
+              lambda bound, slowest, usd_h, batch, opt, ref: bound, lambda opt: "shortest step",
+              lambda step, usd, steady, slow: (step,), bound="step"),
     Objective("cost", lambda step, usd, neck, link, mem, batch, opt, ref: usd / batch,
-              lambda bound, slowest, usd_h, batch, opt, ref: usd_per_step(usd_h, bound) / batch,
-              lambda opt: f"lowest price per sample at >= {opt.min_samples_per_s:g} samples/s", floor=True),
+              lambda bound, slowest, usd_h, batch, opt, ref: StageTable.usd_per_step(usd_h, bound) / batch,
+              lambda opt: f"lowest price per sample at >= {opt.min_samples_per_s:g} samples/s",
+              lambda step, usd, steady, slow: (slow, usd), floor=True, bound="floor", track="price",
+              cheap_first=True),
     Objective("throughput", lambda step, usd, neck, link, mem, batch, opt, ref: neck,
               lambda bound, slowest, usd_h, batch, opt, ref: slowest,
-              lambda opt: "highest steady-state throughput (PipeDream's slowest stage or cut)"),
+              lambda opt: "highest steady-state throughput (PipeDream's slowest stage or cut)",
+              lambda step, usd, steady, slow: (steady, step), bound="steady", track="steady", event_only=True),
     Objective("mdpe", lambda step, usd, neck, link, mem, batch, opt, ref: mdpe_of(step, link, mem, opt, ref),
               lambda bound, slowest, usd_h, batch, opt, ref: opt.alpha * bound / ref,
               lambda opt: (f"mdpe (alpha {opt.alpha:g}, beta {opt.beta:g}, gamma {opt.gamma:g}, link tolerance "
-                           f"{opt.comm_tolerance:g}, memory tolerance {opt.mem_tolerance:g})")),
+                           f"{opt.comm_tolerance:g}, memory tolerance {opt.mem_tolerance:g})"),
+              lambda step, usd, steady, slow: (step,), event_only=True),
 )}
 
 

@@ -36,16 +36,21 @@ class PlanOptions:
     faithful: for the RL planners, the paper's set-up (cold start, the paper's hyper-parameters)
     instead of hetplan's default (warm start from dp, never worse than dp).
     recompute: which stages of the plan recompute their activations in their backward:
-    `never`, `always`, or `where-needed`, the stages with a replica over its device's memory
-    (`hetplan.planners.refine.with_recompute`; dp weighs each stage both ways).
+    `never`, `always`, or `where-needed` (the default), the stages with a replica over its
+    device's memory (`hetplan.planners.refine.with_recompute`; dp weighs each stage both ways).
     shard: which stages' replicas shard their optimizer state (ZeRO-1, `Stage.shard`): `never`,
-    or `replicated`: every stage of two replicas or more whose gradients are dense. In the cost
+    or `replicated` (the default): every stage of two replicas or more whose gradients are dense
+    and that is not tensor-parallel. Measured on this VM's CPU workers the step is the same or
+    shorter sharded (BENCHMARKS.md, "Memory and precision choices"). In the cost
     model it costs no time (the reduce-scatter and all-gather move what the all-reduce moves) and
     saves memory and optimizer time, so every such stage takes it (`refine.with_shard`); dp and
     the per-type program count its memory while they choose the stages' widths.
-    max_tp: the most devices a tensor-parallel replica may have (`Stage.tp`; 1: none). Every
-    planner plans on the cluster with its devices grouped each way that allows and the best plan
-    wins, the plan without tensor parallelism among them (`hetplan.planners.tensor_groups`).
+    max_tp: the most devices a tensor-parallel replica may have (`Stage.tp`; 1: none), or None
+    (the default, "auto"): dp and its per-type program weigh groups of up to a host's GPUs of one
+    type where the graph says how its nodes split (`tensor_groups.type_degrees`). With a number
+    above 1 every planner also plans on the cluster with its devices grouped each way that
+    allows and the best plan wins, the plan without tensor parallelism among them
+    (`hetplan.planners.tensor_groups`).
     """
 
     microbatches: int | None = None
@@ -63,9 +68,9 @@ class PlanOptions:
     max_iters: int | None = None
     max_replicas: int | None = None
     faithful: bool = False
-    recompute: str = "never"
-    shard: str = "never"
-    max_tp: int = 1
+    recompute: str = "where-needed"
+    shard: str = "replicated"
+    max_tp: int | None = None
 
     def __post_init__(self) -> None:
         # in this order, so that the first thing wrong is the one reported
@@ -98,8 +103,8 @@ class PlanOptions:
             raise HetplanError(f"--max-iters: {self.max_iters!r} must be a whole number >= 1")
         if self.max_replicas is not None and not _whole(self.max_replicas):
             raise HetplanError(f"--max-replicas: {self.max_replicas!r} must be a whole number >= 1")
-        if not _whole(self.max_tp):
-            raise HetplanError(f"--max-tp: {self.max_tp!r} must be a whole number >= 1")
+        if self.max_tp is not None and not _whole(self.max_tp):
+            raise HetplanError(f"--max-tp: {self.max_tp!r} must be a whole number >= 1 or auto")
 
     def allows(self, plan) -> bool:
         """Whether a plan keeps within `max_replicas`."""

@@ -5,7 +5,8 @@ where the runtime splits whole rows, `scale`'s ignores latencies); a steepest-de
 the plan they return, in the spirit of the boundary refinement of graph partitioners
 (Kernighan and Lin, "An efficient heuristic procedure for partitioning graphs", 1970), recovers
 what that costs near their plan: the neighbouring micro-batch counts, and one node moved across
-a stage boundary, the best move of a round taken while it improves the objective.
+a stage boundary, the best move of a round taken while it improves the objective (the moves
+shortlisted by the fast path, the shortlist simulated).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hetplan.planners.scoring import Scorer
 from hetplan.schedule import SCHEDULE_NAMES, get_schedule
 
 MAX_ROUNDS = 8  # boundary moves taken at most
+SHORTLIST = 2  # of a round's moves, the best this many by the fast path are simulated
 
 
 def refine_microbatches(scorer: Scorer, plan: Plan, choices: tuple[int, ...]) -> Plan:
@@ -113,7 +115,9 @@ def polish(scorer: Scorer, plan: Plan, choices: tuple[int, ...], rounds: int = M
     value = scorer.value(best)
     for _ in range(rounds):
         moves = [p for p in boundary_moves(best) if not plan_problems(p, scorer.graph, scorer.cluster)]
-        scored = sorted(((scorer.value(p), i, p) for i, p in enumerate(moves)), key=lambda x: (x[0], x[1]))
+        # the fast path shortlists the moves; the event simulator scores those
+        scored = sorted(((scorer.value(p), i, p) for i, p in enumerate(scorer.shortlist(moves, SHORTLIST))),
+                        key=lambda x: (x[0], x[1]))
         if not scored or not scored[0][0] < value:
             break
         value, _, best = scored[0]

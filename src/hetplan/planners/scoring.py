@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
-from hetplan.cost.formulas import stage_memory_bytes, weight_bytes
+from hetplan.cost.stage_table import StageTable
 from hetplan.errors import InfeasibleError
 from hetplan.graph import Graph
 from hetplan.plan import Estimate, Plan
@@ -16,6 +18,7 @@ from hetplan.planners import objectives
 from hetplan.planners.options import PlanOptions
 from hetplan.schedule import get_schedule
 from hetplan.sim import simulate
+from hetplan.sim.fast import fast_step_s
 from hetplan.units import fmt_bytes
 
 
@@ -40,6 +43,10 @@ class Scorer:
         return (tuple((s.nodes, s.devices, s.recompute, s.shard, s.tp_devices) for s in plan.stages), plan.microbatches,
                 plan.schedule)
 
+    def scored(self, plan: Plan) -> bool:
+        """Whether the event simulator has scored this plan already."""
+        return self.key(plan) in self._cache
+
     def estimate(self, plan: Plan) -> Estimate:
         k = self.key(plan)
         if k not in self._cache:
@@ -60,6 +67,28 @@ class Scorer:
                                         self.t_ref_s)
         excess = max(len(s.devices) for s in plan.stages) - (self.options.max_replicas or len(self.cluster.devices))
         return float(objectives.penalised(value, max(excess, 0), 0.0))
+
+    def fast_keys(self, plans: list[Plan]) -> tuple[np.ndarray, np.ndarray]:
+        """The fast path's step of each plan (`hetplan.sim.fast`: exact for chains of single
+        devices, replicated stages folded) and the order the objective ranks them in by it
+        (`Objective.rank`), plans beyond `--max-replicas` or with an idle replica last."""
+        if not plans:
+            return np.zeros(0), np.zeros(0, dtype=int)
+        fast = fast_step_s(self.graph, self.cluster, plans)
+        obj = objectives.objective(self.options)
+        usd = np.array([self.cost.usd_per_step(p.devices, float(t)) for p, t in zip(plans, fast, strict=True)])
+        steady = np.array([self.cost.bottleneck_s(p) for p in plans]) if obj.track == "steady" else fast
+        slow = self.graph.batch_size / np.maximum(fast, 1e-300) < (self.options.min_samples_per_s or 0) * 0.9
+        banned = np.array([not self.options.allows(p) or bool(idle_replicas(self.cost, p)) for p in plans])
+        keys = obj.rank(fast, usd, steady, slow)
+        order = np.lexsort(tuple(np.broadcast_to(k, fast.shape) for k in reversed((banned, *keys))))
+        return fast, order
+
+    def shortlist(self, plans: list[Plan], k: int) -> list[Plan]:
+        """The k best plans by the fast path (`fast_keys`)."""
+        if len(plans) <= k:
+            return plans
+        return [plans[int(i)] for i in self.fast_keys(plans)[1][:k]]
 
     def best(self, plans: list[Plan], planner: str) -> Plan:
         """The plan with the best objective; a clear error when none is feasible."""
@@ -108,17 +137,19 @@ def memory_infeasible(graph: Graph, cluster: Cluster, options: PlanOptions,
                       closest: tuple[Plan, str, int] | None = None) -> InfeasibleError:
     """Say what memory the model needs that the cluster does not have: a node that fits on no
     device, more than all devices hold, or else the shortfall of the `closest` plan tried."""
-    worst = max(graph.nodes, key=lambda n: stage_memory_bytes(n.param_bytes, n.act_bytes, 1.0, n.cast_bytes))
+    table = StageTable.of_chain(CostModel(graph, cluster))
+    one, at = table.kind(cluster.ids[:1]), np.arange(len(table.order))  # node k: the stage k -> k + 1
+    k = int(np.argmax(table.memory_bytes(one, at, at + 1, 1.0)))
+    worst = graph.by_id[table.order[k]]
     biggest = max(cluster.devices, key=lambda d: d.mem_bytes)
-    single = weight_bytes(worst.param_bytes, worst.cast_bytes)
+    single = float(table.weights_bytes(one, k, k + 1))
     if single > biggest.mem_bytes:
         return InfeasibleError(
             f"node {worst.id} ({worst.op}) alone needs {fmt_bytes(single)} for its weights, gradients and "
             f"optimizer state, more than the largest device ({biggest.id}, {fmt_bytes(biggest.mem_bytes)}): "
             "no split can fit it; use devices with more memory")
     # at the least, every weight copy; and every activation where the schedule holds all in flight
-    need = stage_memory_bytes(graph.param_bytes_total, graph.act_bytes_total,
-                              0.0 if get_schedule(options.schedule).bounded else 1.0, graph.cast_bytes_of(graph.by_id))
+    need = float(table.memory_bytes(one, 0, table.last, 0.0 if get_schedule(options.schedule).bounded else 1.0))
     mems = sorted((d.mem_bytes for d in cluster.devices), reverse=True)
     total, count = 0, 0
     for mem in mems:

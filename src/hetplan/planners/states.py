@@ -14,6 +14,7 @@ exponentially many states; past `limit` we fall back to the prefixes of one topo
 together with the down-set of every single node (a polynomial family that still contains every
 cut of a chain), and say so. `coarsen` keeps at most K states, spread evenly over the compute
 time with the cheapest cut in each slice, for the dynamic program on large graphs.
+What a stage between two states costs is the cost package's (`StateSums.table`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetplan.cost import CostModel
+from hetplan.cost.stage_table import StageTable
 from hetplan.graph import Graph
 
 
@@ -151,28 +153,11 @@ def subset_matrix(bits: np.ndarray) -> np.ndarray:
     return np.triu(outside, k=1)
 
 
-def cut_bytes(graph: Graph, mat: np.ndarray, order: tuple[str, ...]) -> np.ndarray:
-    """Per state ((states, nodes) membership `mat`), the bytes crossing its cut: per source
-    node, its crossing edges' bytes, at most its output (`Graph.crossing_bytes`, for all states
-    at once)."""
-    if not graph.edges:
-        return np.zeros(len(mat))
-    index = {v: k for k, v in enumerate(order)}
-    src = np.array([index[e.src] for e in graph.edges], dtype=int)
-    dst = np.array([index[e.dst] for e in graph.edges], dtype=int)
-    nbytes = np.array([float(e.bytes) for e in graph.edges])
-    crossing = (mat[:, src] > 0) & (mat[:, dst] == 0)  # (states, edges)
-    sources = np.unique(src)
-    per_source = np.stack([crossing[:, src == v] @ nbytes[src == v] for v in sources], axis=1)  # (states, sources)
-    cap = np.array([graph.sent_cap_bytes[order[v]] for v in sources])
-    return np.minimum(per_source, cap).sum(axis=1)
-
-
 class StateSums:
-    """Per cut state (at most `max_states` of them after `coarsen`): the time of its nodes on each
-    of the cluster's device types, its parameter and activation bytes and the bytes across its
-    cut; `below[j]`: the states i < j with S_i a subset of S_j. What dp (`hetplan.planners.dp`)
-    reads."""
+    """The cut states a planner cuts at (at most `max_states` of them after `coarsen`), the
+    table of every stage between two of them (`hetplan.cost.stage_table.StageTable`: what dp,
+    the per-type program, milp and exact read), and `below[j]`: the states i < j with S_i a
+    subset of S_j."""
 
     def __init__(self, graph: Graph, cost: CostModel, max_states: int, around: Sequence[int] = (),
                  width: int = 0) -> None:
@@ -180,40 +165,29 @@ class StateSums:
         and the full one and, for each of these, the `width` states before and after it by
         compute time (a zoom into where a first pass cut), instead of `coarsen`'s."""
         self.graph = graph
-
         states = cut_states(graph)
-        mat = states.matrix().astype(float)
-        by_id = graph.by_id
-        order = states.order
-        self.types = sorted({d.type for d in cost.cluster.devices})
-        node_t = {t: cost.node_times_s(t) for t in self.types}
-        self.time = {t: mat @ np.array([sum(node_t[t][v]) for v in order]) for t in self.types}
-        self.fwd = {t: mat @ np.array([node_t[t][v][0] for v in order]) for t in self.types}  # what recomputing adds
-        node_fixed = {t: cost.node_fixed_s(t) for t in self.types}  # what a micro-batch pays whatever its rows
-        self.fixed = {t: mat @ np.array([sum(node_fixed[t].get(v, (0.0, 0.0))) for v in order]) for t in self.types}
-        self.fwd_fixed = {t: mat @ np.array([node_fixed[t].get(v, (0.0, 0.0))[0] for v in order]) for t in self.types}
-        ref = self.types[0]
-        cut = cut_bytes(graph, mat, order)
-        keep = zoom(states, self.time[ref], around, width) if around else coarsen(states, self.time[ref], cut,
-                                                                                  max_states)
+        mat = states.matrix()
+        full = StageTable(cost, mat, states.order)
+        ref = full.type_kind(full.types[0])
+        weight = full.whole_s(ref, 0, np.arange(len(mat)))
+        keep = zoom(states, weight, around, width) if around else coarsen(states, weight, full.cut, max_states)
         self.ideals = [states.ideals[k] for k in keep]
-        self.time = {t: v[keep] for t, v in self.time.items()}
-        self.fwd = {t: v[keep] for t, v in self.fwd.items()}
-        self.fixed = {t: v[keep] for t, v in self.fixed.items()}
-        self.fwd_fixed = {t: v[keep] for t, v in self.fwd_fixed.items()}
-        self.params = (mat @ np.array([float(by_id[v].param_bytes) for v in order]))[keep]
-        self.casts = (mat @ np.array([float(by_id[v].cast_bytes) for v in order]))[keep]  # 16-bit weight copies
-        self.updated = (mat @ np.array([float(by_id[v].optimizer_bytes) for v in order]))[keep]  # optimizer's
-        self.indices = (mat @ np.array([float(cost.index_bytes([v])) for v in order]))[keep]  # sparse rows' indices
-        measured = {t: cost.measured_optimizer_s(t) for t in self.types}
-        self.opt = {t: (mat @ np.array([m[v] for v in order]))[keep] for t, m in measured.items() if m is not None}
-        self.acts = (mat @ np.array([float(by_id[v].act_bytes) for v in order]))[keep]
-        self.cut = cut[keep]
+        self.table = StageTable(cost, mat[keep], states.order) if len(keep) < len(mat) else full
+        self.types = self.table.types
         self.states = states
-        n = len(self.ideals)
-        inside = subset_matrix(mat[keep] > 0)
-        self.below_arr = [np.nonzero(inside[:, j])[0] for j in range(n)]
+        inside = subset_matrix(mat[keep])
+        self.below_arr = [np.nonzero(inside[:, j])[0] for j in range(len(keep))]
         self.below = [b.tolist() for b in self.below_arr]
+        self.inside = inside
+
+    @property
+    def cut(self) -> np.ndarray:
+        """Per kept state, the bytes crossing its cut."""
+        return self.table.cut
+
+    def kind_of_type(self, type_name: str):
+        """The table's kind of one device of a type (the cluster's first of it)."""
+        return self.table.type_kind(type_name)
 
     def nodes(self, i: int, j: int) -> tuple[str, ...]:
         return self.states.members(self.ideals[j] & ~self.ideals[i])

@@ -26,9 +26,11 @@ import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
+
 from hetplan.cluster import Cluster, Device
 from hetplan.cost import CostModel
-from hetplan.cost.tensor import node_tp_times_s
+from hetplan.cost.stage_table import StageTable
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan, plan_problems
@@ -43,6 +45,37 @@ def degrees(graph: Graph, max_tp: int) -> tuple[int, ...]:
     """The degrees from 2 to `max_tp` that split some node evenly."""
     units = {n.tp_units for n in graph.nodes if n.tp_units}
     return tuple(t for t in range(2, max_tp + 1) if any(u % t == 0 for u in units))
+
+
+def type_degrees(graph: Graph, cluster: Cluster, max_tp: int | None) -> dict[str, tuple[int, ...]]:
+    """Per device type, the tensor-parallel degrees a stage on it may take: those of `degrees`
+    up to the most devices of the type on one host, and up to `max_tp`; with `max_tp` None (the
+    default, "auto"), GPU types only (a group of CPU workers is slower than one: BENCHMARKS.md)."""
+    per_host: dict[str, int] = {}
+    for (_, t), ids in _classes(cluster).items():
+        per_host[t] = max(per_host.get(t, 0), len(ids))
+    out = {}
+    for t, most in per_host.items():
+        if max_tp is None and cluster.types[t].kind != "gpu":
+            continue
+        cap = most if max_tp is None else min(most, max_tp)
+        out[t] = degrees(graph, cap) if cap > 1 else ()
+    return out
+
+
+def check_max_tp(graph: Graph, max_tp: int | None) -> None:
+    """`--max-tp` above 1 on a graph that cannot split: one line that says why and what to do."""
+    if max_tp is None or max_tp == 1 or degrees(graph, max_tp):
+        return
+    if all(n.tp_units is None for n in graph.nodes):
+        raise HetplanError(f"--max-tp {max_tp}: graph {graph.name!r} does not say how its nodes split tensor-parallel "
+                           "(no node has tp_units); profile the model again (hetplan profile records it), or add "
+                           "\"tp_units\" to its transformer blocks in the graph file (their heads and MLP units' "
+                           "greatest common divisor)")
+    most = max((n.tp_units or 0) for n in graph.nodes)
+    raise HetplanError(f"--max-tp {max_tp}: no node of graph {graph.name!r} splits into 2 to {max_tp} equal parts "
+                       f"(the most ways a node splits: {most}); use --max-tp 1 or a degree that divides its nodes' "
+                       "heads and MLP units")
 
 
 def _cuts(n: int, allowed: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -120,16 +153,19 @@ def grouped(graph: Graph, cluster: Cluster, grouping: Grouping, cost: CostModel)
                               d.action_overhead_s, d.step_overhead_s, d.optimizer_points))
     used = {d.type for d in devices}
     plain = sorted(t for t in used if t not in virtual)
+    # each node's passes on each type, and on each group (`StageTable.raw_passes_s` of a one-node stage)
+    table = StageTable.of_chain(cost)
+    at = np.arange(len(table.order))
+    kinds = {**{t: table.type_kind(t) for t in plain}, **{name: table.kind(g) for name, (_, g) in virtual.items()}}
+    passes = {name: np.array(table.raw_passes_s(kind, at, at + 1)[:4]) for name, kind in kinds.items()}
     nodes = []
     for n in graph.nodes:
-        times = {t: cost.node_times_s(t)[n.id] for t in plain}
-        fixed = {t: cost.node_fixed_s(t)[n.id] for t in plain}
-        for name, (base, group) in virtual.items():
-            fwd, bwd, fwd_fixed, bwd_fixed = node_tp_times_s(cost, n.id, base, group)
-            times[name], fixed[name] = (fwd, bwd), (fwd_fixed, bwd_fixed)
-        nodes.append(replace(n, fwd_s={t: v[0] for t, v in times.items()}, bwd_s={t: v[1] for t, v in times.items()},
-                             fwd_fixed_s={t: v[0] for t, v in fixed.items()},
-                             bwd_fixed_s={t: v[1] for t, v in fixed.items()},
+        k = table.order.index(n.id)
+        per = {name: p[:, k] for name, p in passes.items()}
+        nodes.append(replace(n, fwd_s={t: float(v[0]) for t, v in per.items()},
+                             bwd_s={t: float(v[1]) for t, v in per.items()},
+                             fwd_fixed_s={t: float(v[2]) for t, v in per.items()},
+                             bwd_fixed_s={t: float(v[3]) for t, v in per.items()},
                              opt_s={t: v for t, v in n.opt_s.items() if t in plain}))
     profiled = plain[0] if plain else next(iter(virtual))
     return (replace(graph, nodes=tuple(nodes), profiled_on=profiled),
@@ -149,10 +185,16 @@ def ungrouped(plan: Plan, grouping: Grouping) -> Plan:
 
 def with_tensor_groups(run: Callable[[Graph, Cluster, PlanOptions], Plan], graph: Graph, cluster: Cluster,
                        options: PlanOptions) -> Plan:
-    """The best of `run`'s plans on the problem as it is and on each grouping (module docstring)."""
+    """The best of `run`'s plans on the problem as it is and on each grouping (module docstring),
+    where the user asked for tensor parallelism (`--max-tp N`, N > 1); by default (`max_tp`
+    None) the planner's plan as it is (dp and the per-type program weigh tensor-parallel groups
+    themselves, `type_degrees`)."""
+    check_max_tp(graph, options.max_tp)
+    if options.max_tp is None:
+        return run(graph, cluster, options)
     flat = replace(options, max_tp=1)
     best = run(graph, cluster, flat)
-    if options.max_tp == 1 or not degrees(graph, options.max_tp):
+    if options.max_tp == 1:
         return best
     search = _Search(run, graph, cluster, flat, best)
     small = small_groupings(graph, cluster, options.max_tp)

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hetplan.catalog import by_driver_name
 from hetplan.errors import HetplanError
 from hetplan.machine import usable_cores
 
 _SPEC = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
-GiB = 2**30
 
 
 @dataclass(frozen=True)
@@ -31,17 +31,10 @@ class ProfileDevice:
 
 
 def cuda_type_name(name: str, mem_bytes: int) -> str:
-    """The catalog type of a GPU from the name the driver reports and its memory."""
-    low = name.lower()
-    big = mem_bytes > 48 * GiB
-    for key, small, large in (("h200", "h200-141gb", "h200-141gb"), ("h100", "h100-80gb", "h100-80gb"),
-                              ("a100", "a100-40gb", "a100-80gb"), ("3090", "rtx3090-24gb", "rtx3090-24gb"),
-                              ("l4", "l4-24gb", "l4-24gb"), ("t4", "t4-16gb", "t4-16gb")):
-        if key in low:
-            return large if big else small
-    if "v100" in low:
-        return "v100-32gb" if mem_bytes > 20 * GiB else "v100-16gb"
-    return "gpu-" + re.sub(r"[^a-z0-9]+", "-", low).strip("-")
+    """The catalog type of a GPU from the name the driver reports and its memory
+    (`catalog.by_driver_name`), else `gpu-<name>`."""
+    known = by_driver_name(name, mem_bytes)
+    return known.name if known else "gpu-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def cores_short_of(threads: int) -> int | None:

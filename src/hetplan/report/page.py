@@ -27,7 +27,7 @@ from hetplan.cluster import Cluster
 from hetplan.graph import Graph
 from hetplan.io.serde import atomic_write_text
 from hetplan.plan import Plan, prediction_error
-from hetplan.report import figures
+from hetplan.report import figures, tables
 from hetplan.runtime.stage_times import StageTime
 from hetplan.timeline import Timeline
 from hetplan.timeline.gantt import device_labels
@@ -156,6 +156,32 @@ def replicas_table(replicas: Sequence[StageTime]) -> str:
                   "steps after the warm-up")
 
 
+EXPLAIN_TEXT_COLUMNS = ("source", "shape", "why it lost")
+
+
+def _explain_row(rank: str, candidate: Mapping[str, Any], why: str) -> str:
+    values = (0 if rank == "winner" else int(rank), None, None, candidate["microbatches"],
+              *(candidate.get(k) for k in tables.EXPLAIN_TIMES), None)
+    texts = tables.explain_cells(rank, candidate, why)
+    cells = (_cell(text, value, "text" if col in EXPLAIN_TEXT_COLUMNS else "")
+             for col, text, value in zip(tables.EXPLAIN_HEADERS, texts, values, strict=True))
+    return f'<tr class="{"chosen" if rank == "winner" else ""}">{"".join(cells)}</tr>'
+
+
+def explain_section(plan: Plan | None) -> str:
+    """"Why this plan": where the planner's winner came from and why its best runners-up lost, as
+    `hetplan plan --explain` prints it; empty for a plan whose planner records none."""
+    explain = tables.explanation(plan) if plan is not None else None
+    if explain is None:
+        return ""
+    lines = [tables.explain_headline(plan, explain), tables.explain_note(plan, explain)]
+    rows = [_explain_row(*row) for row in tables.explained(explain)]
+    table = _table("explain", tables.EXPLAIN_HEADERS, rows,
+                   "the step as the planner's own model, the fast path and the event simulator put it")
+    said = "".join(f"<p>{html.escape(line)}</p>" for line in lines if line)
+    return f'<section id="section-explain"><h2>Why this plan</h2>{said}{table}</section>'
+
+
 def _figure_json(fig) -> str:
     # "</" would end the <script> element the JSON sits in
     return plotly.io.to_json(fig, validate=False, pretty=False).replace("</", "<\\/")
@@ -208,6 +234,7 @@ def _body(data: ReportData) -> str:
         parts.append("</section>")
     if data.replicas and not any(fig_id == "timeline" for fig_id, _, _ in figures_):
         parts.append(f'<section id="section-devices"><h2>The step</h2>{replicas_table(data.replicas)}</section>')
+    parts.append(explain_section(data.plan))  # empty without an explanation
     if data.comparison or data.runs:
         parts.append('<section id="section-comparison"><h2>The comparison</h2><p>Click a column\'s header to '
                      "sort by it.</p>")
@@ -234,7 +261,7 @@ th, td { border-bottom: 1px solid #e5e5e5; padding: 4px 10px; text-align: right;
 th:first-child, td:first-child, td.text { text-align: left; }
 td.text { white-space: normal; }
 th { cursor: pointer; background: #f6f6f6; user-select: none; white-space: normal; vertical-align: bottom; }
-tr.best td { font-weight: 600; background: #eef6ee; }
+tr.best td, tr.chosen td { font-weight: 600; background: #eef6ee; }
 tr.failed td { color: #999; }
 .figure { width: 100%; min-height: 120px; }
 #status { color: #b00; }

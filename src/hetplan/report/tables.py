@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from hetplan.cluster import Cluster
@@ -158,6 +161,82 @@ def show_search(console: Console, plan: Plan) -> None:
     if body.get("returned") == "warm start":
         console.print(f"  returned the warm start: nothing {plan.planner} sampled was better "
                       "(a larger --budget-s or --max-iters searches longer)")
+
+
+EXPLAIN_HEADERS = ("rank", "source", "shape", "micro-batches", "model", "fast path", "simulated", "why it lost")
+EXPLAIN_TIMES = ("model_s", "fast_s", "sim_s")  # the candidate's keys the three time columns show
+EXPLAIN_NUMBERS = ("micro-batches", "model", "fast path", "simulated")
+EXPLAIN_HEADERS_FOLDED = {"micro-batches": "micro-\nbatches", "fast path": "fast\npath"}  # fits 120 columns
+
+
+def explanation(plan: Plan) -> Mapping[str, Any] | None:
+    """Why a planner chose its plan, where it records it: under its own entry of the plan's meta
+    (dp's: `hetplan.planners.candidates`); None for the planners that record none, and for one
+    without what the table reads (meta is free JSON: a plan file edited by hand still loads)."""
+    body = plan.meta.get(plan.planner) if plan.meta else None
+    explain = body.get("explain") if isinstance(body, Mapping) else None
+    return explain if _well_formed(explain) else None
+
+
+def _well_formed(explain: Any) -> bool:
+    if not isinstance(explain, Mapping) or not {"winner", "runners_up", "candidates", "simulated"} <= explain.keys():
+        return False
+    winner, others = explain["winner"], explain["runners_up"]
+    if not isinstance(others, Sequence) or not all(isinstance(c, Mapping) and "lost" in c for c in others):
+        return False
+    return all(isinstance(c, Mapping) and {"source", "shape", "microbatches"} <= c.keys() for c in (winner, *others))
+
+
+def explained(explain: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], str]]:
+    """(rank, candidate, why it lost) of the winner ("winner", "chosen"), then of each runner-up."""
+    return [("winner", explain["winner"], "chosen"),
+            *((str(k), c, c["lost"]) for k, c in enumerate(explain["runners_up"], 1))]
+
+
+def explain_cells(rank: str, candidate: Mapping[str, Any], why: str) -> tuple[str, ...]:
+    """One row of the table, in EXPLAIN_HEADERS' order."""
+    times = (candidate.get(k) for k in EXPLAIN_TIMES)
+    return (rank, candidate["source"], candidate["shape"], str(candidate["microbatches"]),
+            *(fmt_seconds(t) if isinstance(t, int | float) and math.isfinite(t) else "-" for t in times), why)
+
+
+def explain_headline(plan: Plan, explain: Mapping[str, Any]) -> str:
+    return f"{plan.planner} compared {explain['candidates']} candidates, simulated {explain['simulated']}"
+
+
+def explain_note(plan: Plan, explain: Mapping[str, Any]) -> str | None:
+    """A line when the plan's simulated step is not its winner's: the schedule, recomputation or
+    sharding the options asked for are applied after the planner chose (`make_plan`)."""
+    sim_s, est = explain["winner"].get("sim_s"), plan.predicted
+    if est is None or not isinstance(sim_s, int | float) or math.isclose(est.step_s, sim_s, rel_tol=1e-3):
+        return None
+    return (f"the schedule, recomputation or sharding asked for changed the winner after {plan.planner} chose it: "
+            f"{fmt_seconds(est.step_s)} a step, not {fmt_seconds(sim_s)}")
+
+
+def no_explanation(plan: Plan) -> str:
+    return f"the {plan.planner} planner records no explanation; dp does"
+
+
+def show_explanation(console: Console, plan: Plan) -> None:
+    """Where the plan came from and why the best others lost, or a line saying the planner
+    records none."""
+    explain = explanation(plan)
+    if explain is None:
+        console.print(no_explanation(plan))
+        return
+    console.print(explain_headline(plan, explain))
+    table = Table(title="why this plan", title_justify="left")
+    for col in EXPLAIN_HEADERS:
+        table.add_column(EXPLAIN_HEADERS_FOLDED.get(col, col),
+                         justify="right" if col in EXPLAIN_NUMBERS else "left")
+    for rank, candidate, why in explained(explain):
+        # shapes read "2 x [t4-16gb x1]": text, not rich markup
+        table.add_row(*map(escape, explain_cells(rank, candidate, why)), style="bold" if rank == "winner" else None)
+    console.print(table)
+    note = explain_note(plan, explain)
+    if note:
+        console.print(escape(note))
 
 
 def show_estimate(console: Console, est: Estimate) -> None:

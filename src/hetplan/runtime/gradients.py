@@ -24,7 +24,7 @@ The sum is the sparse gradient of the whole batch: the union of the rows, as one
 training on the whole batch would get, so SparseAdam updates the same rows. Which parameters are
 tables is known from the model before any step (`sparse_parameter_ids`), the same on every rank,
 so that a group without tables pays nothing more and a replica that looked up no row agrees.
-`hetplan.cost.CostModel.gradient_sync_s` charges the same: the dense bytes and the rows, and
+`hetplan.cost.CostModel._gradient_sync_s` charges the same: the dense bytes and the rows, and
 the two collectives more.
 """
 

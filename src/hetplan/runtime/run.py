@@ -18,8 +18,8 @@ from typing import Any
 
 from hetplan.cluster import Cluster
 from hetplan.cost import usd_per_step
-from hetplan.errors import HetplanError
-from hetplan.graph import Graph, at_batch
+from hetplan.errors import HetplanError, shown
+from hetplan.graph import Graph, at_batch, batch_size_problem
 from hetplan.io import serde
 from hetplan.io.serde import atomic_write_text
 from hetplan.plan import Estimate, Plan, prediction_error, validate_plan
@@ -91,8 +91,9 @@ def _sizes(graph: Graph | None, model: str, s: RunSettings, plan: Plan) -> tuple
     granularity (given, else the graph's)."""
     from hetplan.zoo import ZOO
 
-    if s.batch_size is not None and (isinstance(s.batch_size, bool) or s.batch_size < 1):
-        raise HetplanError(f"--batch-size: {s.batch_size} must be a whole number of samples >= 1")
+    problem = None if s.batch_size is None else batch_size_problem(s.batch_size)
+    if problem:
+        raise HetplanError(f"--batch-size: {shown(s.batch_size)} {problem}")
     planned = plan.meta.get("batch_size")
     planned = planned if isinstance(planned, int) and not isinstance(planned, bool) and planned >= 1 else None
     batch_size = s.batch_size or planned or (graph.batch_size if graph is not None else None)

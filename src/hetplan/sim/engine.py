@@ -20,7 +20,7 @@ in its gradient sums (`hetplan.cost.syncs`: a replicated stage's own parameters,
 parameter over all the stages that use it; each an all-reduce by the ring formula or the curve
 measured on a calibrated cluster; of a table with sparse gradients only its looked-up rows), in
 the order the runtime's ranks run them; they use the network, not the device's compute. Then
-every replica takes its optimizer step (`CostModel.stage_optimizer_s`: as the profiler measured
+every replica takes its optimizer step (`CostModel._stage_optimizer_s`: as the profiler measured
 it on the device's type, else Adam's memory-bound formula of the bytes it updates, or as
 `hetplan calibrate` measured it on the device).
 

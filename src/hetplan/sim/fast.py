@@ -42,7 +42,7 @@ import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel, microbatch_fractions
-from hetplan.cost.table import ChainCosts, lower_chain, step_costs
+from hetplan.cost.table import ChainCosts, fold_plan, lower_chain
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
@@ -207,39 +207,9 @@ def _topological(deps: list[list[int]]) -> list[tuple[int, tuple[int, ...]]]:
 
 
 def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | None = None) -> dict[str, np.ndarray]:
-    """`lower_chain`'s inputs for any plan's table (`step_costs`) as a chain: replicated stages
-    folded into one stage (the slowest replica; a cut's transfers as long as its busiest
-    interface is busy, `CostModel.busiest_interface_s`) and skipping tensors relayed (an
-    approximation where the plan has either; exact otherwise)."""
-    cm = cost or CostModel(graph, cluster)
-    model = step_costs(graph, cluster, plan, "relay", cm)
-    n = len(model.stages)
-    pairs: list[dict[tuple[str, str], float]] = [{} for _ in range(n - 1)]
-    lat = np.zeros(n - 1)
-    for msg in model.messages:
-        k = msg.src_stage
-        if msg.src != msg.dst and msg.bytes_per_batch > 0:
-            pairs[k][(msg.src, msg.dst)] = pairs[k].get((msg.src, msg.dst), 0.0) + msg.bytes_per_batch
-            lat[k] = max(lat[k], cluster.link(msg.src, msg.dst).latency_s)
-
-    def slowest(field: str) -> np.ndarray:
-        return np.array([max(getattr(r, field) for r in st.replicas) for st in model.stages])
-
-    spanning = [sync for sync in model.syncs if len({k for k, _ in sync.members}) > 1]  # tied parameters
-    members = np.zeros((len(spanning), n), dtype=bool)
-    for g, sync in enumerate(spanning):
-        members[g, [k for k, _ in sync.members]] = True
-    split = {}
-    if get_schedule(plan.schedule).split_backward:  # as replica 0 of each stage splits it
-        split = {"weight_share": np.array([st.replicas[0].weight_share for st in model.stages]),
-                 "action_overhead_s": np.array([cluster.device(st.replicas[0].device).action_overhead_s
-                                                for st in model.stages])}
-    return {"fwd_s": slowest("fwd_s"), "bwd_s": slowest("bwd_s"),
-            "send_s": np.array([cm.busiest_interface_s(p) for p in pairs]), "latency_s": lat,
-            "fwd_fixed_s": slowest("fwd_fixed_s"), "bwd_fixed_s": slowest("bwd_fixed_s"),
-            "allreduce_s": np.array([st.allreduce_s for st in model.stages]),
-            "optimizer_s": slowest("optimizer_s"), "tied_members": members,
-            "tied_s": np.array([sync.seconds for sync in spanning]), **split}
+    """`lower_chain`'s inputs for any plan (`hetplan.cost.table.fold_plan`: replicated stages
+    folded, skipping tensors relayed)."""
+    return fold_plan(cost or CostModel(graph, cluster), plan)
 
 
 def fast_step_s(graph: Graph, cluster: Cluster, plans: Sequence[Plan]) -> np.ndarray:

@@ -93,6 +93,15 @@ SHAPES = {
         TransformerShape("opt-2.7b", 32, 2560, 10240, 32, 50272, tied_embeddings=True),
         TransformerShape("opt-6.7b", 32, 4096, 16384, 32, 50272, tied_embeddings=True),
         TransformerShape("llama-3-8b", 32, 4096, 14336, 32, 128256, kv_heads=8, gated=True),
+        # EleutherAI/gpt-neo-2.7B's config.json: num_layers 32, hidden_size 2560, num_heads 20,
+        # intermediate_size null (4 x hidden), vocab_size 50257, embeddings tied (transformers'
+        # default). Its layers alternate global and local attention (window_size 256); the count
+        # treats every layer as global, an upper bound on its attention FLOPs.
+        TransformerShape("gpt-neo-2.7b", 32, 2560, 10240, 20, 50257, tied_embeddings=True),
+        # meta-llama/Meta-Llama-3-70B's config.json: num_hidden_layers 80, hidden_size 8192,
+        # intermediate_size 28672, num_attention_heads 64, num_key_value_heads 8, vocab_size
+        # 128256, hidden_act silu (SwiGLU), tie_word_embeddings false.
+        TransformerShape("llama-3-70b", 80, 8192, 28672, 64, 128256, kv_heads=8, gated=True),
     )
 }
 

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.cost import CostModel, in_flight_share
-from hetplan.cost.formulas import stage_memory_bytes_array
+from hetplan.cost import CostModel
+from hetplan.cost.stage_table import StageTable
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
 from hetplan.planners import objectives
@@ -77,9 +77,9 @@ def unit_starts(graph: Graph, cluster: Cluster, max_units: int = MAX_UNITS) -> n
     if len(order) <= max_units:
         return np.arange(len(order) + 1)
     cm = CostModel(graph, cluster)
-    times = cm.node_times_s(cm.fastest_type())
+    table = StageTable.of_chain(cm, order)
+    w = table.node_s(table.type_kind(cm.fastest_type()))
     # a little weight per node so that runs of nodes without time still split
-    w = np.array([times[v][0] + times[v][1] for v in order])
     w = w + max(w.sum(), 1e-30) / (10 * len(order))
     cum = np.cumsum(w) / w.sum()
     starts = [0]
@@ -151,13 +151,8 @@ class PlanEnv:
         self.m_choices = microbatch_choices(graph, options)
         self.cost = CostModel(graph, cluster)
         self.t_ref_s = objectives.reference_time_s(graph, cluster, self.cost)
-        by_id = graph.by_id
-        params = np.array([by_id[v].param_bytes for v in self.order], dtype=float)
-        acts = np.array([by_id[v].act_bytes for v in self.order], dtype=float)
-        self.unit_params = np.add.reduceat(params, self.starts[:-1]) if len(params) else np.zeros(0)
-        self.unit_acts = np.add.reduceat(acts, self.starts[:-1]) if len(acts) else np.zeros(0)
-        casts = np.array([by_id[v].cast_bytes for v in self.order], dtype=float)
-        self.unit_casts = np.add.reduceat(casts, self.starts[:-1]) if len(casts) else np.zeros(0)
+        self.table = self.scorer.table  # stages: runs of units, prefixes of the order
+        self.kind = self.table.kind(cluster.ids[:1])  # memory depends on a replica's degree only (1)
         self.mem_bytes = np.array([d.mem_bytes for d in cluster.devices], dtype=float)
         self.evaluations = 0
         # held fraction of the batch by (stages, stage index), the smallest over allowed m
@@ -169,22 +164,25 @@ class PlanEnv:
         counts (`hetplan.cost.in_flight_share`)."""
         key = (n, s)
         if key not in self._held:
-            self._held[key] = min(in_flight_share(self.options.schedule, n, s, self.graph.batch_size, m)
+            self._held[key] = min(self.table.in_flight_share(self.options.schedule, n, s, self.graph.batch_size, m)
                                   for m in self.m_choices)
         return self._held[key]
 
     def stage_need_bytes(self, stages: np.ndarray, n: np.ndarray) -> np.ndarray:
-        """(P, G) the least memory each stage needs over the allowed micro-batch counts (0 past n)."""
-        p = stages.shape[0]
+        """(P, G) the least memory each stage needs over the allowed micro-batch counts (0 past n):
+        stage g holds the units labelled g, a run of them (`repair`)."""
+        p, u = stages.shape
         onehot = stages[:, :, None] == np.arange(self.groups)[None, None, :]
-        params = (onehot * self.unit_params[None, :, None]).sum(axis=1)
-        acts = (onehot * self.unit_acts[None, :, None]).sum(axis=1)
-        casts = (onehot * self.unit_casts[None, :, None]).sum(axis=1)
+        units = np.arange(u)[None, :, None]
+        lo = np.where(onehot, units, u).min(axis=1)  # (P, G): first unit, u when the stage is empty
+        hi = np.where(onehot, units + 1, 0).max(axis=1)
         held = np.zeros((p, self.groups))
         for i in range(p):
             for s in range(int(n[i])):
                 held[i, s] = self.held_fraction(int(n[i]), s)
-        return stage_memory_bytes_array(params, acts, held, casts)
+        need = self.table.memory_bytes(self.kind, self.starts[np.minimum(lo, u)], self.starts[np.maximum(hi, lo)],
+                                       held)
+        return np.where(hi > lo, need, 0.0)
 
     def device_mask(self, need_bytes: np.ndarray, used: np.ndarray) -> np.ndarray:
         """(P, D) which devices a stage may take: unused and with room; every unused device when

@@ -13,13 +13,13 @@
 
 from __future__ import annotations
 
-import math
 import zlib
 
 import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
+from hetplan.cost.stage_table import StageTable
 from hetplan.graph import Graph
 
 
@@ -38,9 +38,8 @@ def _per_unit(values: np.ndarray, starts: np.ndarray, how: str = "sum") -> np.nd
 def node_times(graph: Graph, cluster: Cluster) -> np.ndarray:
     """Forward + backward time of each node (topological order) on the cluster's fastest type."""
     cm = CostModel(graph, cluster)
-    order = graph.topo_order
-    times = cm.node_times_s(cm.fastest_type())
-    return np.array([times[v][0] + times[v][1] for v in order])
+    table = StageTable.of_chain(cm)
+    return table.node_s(table.type_kind(cm.fastest_type()))
 
 
 def op_vocabulary(graph: Graph, starts: np.ndarray) -> np.ndarray:
@@ -134,8 +133,7 @@ def trinity_features(graph: Graph, cluster: Cluster, starts: np.ndarray, seed: i
 def device_features(graph: Graph, cluster: Cluster) -> np.ndarray:
     """(D, 3) per device: relative speed on this graph, log memory and price, Z-scored."""
     cm = CostModel(graph, cluster)
-    order = graph.topo_order
-    total = {t: math.fsum(cm.stage_times_s(order, t)) for t in {d.type for d in cluster.devices}}
+    total = {t: cm.whole_graph_s(t) for t in {d.type for d in cluster.devices}}
     speed = np.array([1.0 / max(total[d.type], 1e-30) for d in cluster.devices])
     mem = np.log(np.array([d.mem_bytes for d in cluster.devices], dtype=float))
     usd = np.array([d.usd_per_hour for d in cluster.devices])

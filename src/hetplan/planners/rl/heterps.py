@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from hetplan.cluster import Cluster
-from hetplan.cost.formulas import weight_bytes
+from hetplan.cost.stage_table import StageTable, prefix_states
 from hetplan.graph import Graph
 from hetplan.plan import Plan, Stage
 from hetplan.planners import objectives
@@ -92,6 +92,7 @@ class Provisioner:
         self.scorer = Scorer(graph, cluster, options)  # mdpe, and the final choice, by the event simulator
         self.cost, self.t_ref_s = self.scorer.cost, self.scorer.t_ref_s
         self.m_choices = microbatch_choices(graph, options)
+        self.table = StageTable(self.cost, prefix_states(len(self.order)), self.order)  # states: prefixes of the order
         # the objective's scale: every device busy for the reference time (cost), or that time
         usd_per_hour = sum(d.usd_per_hour for d in cluster.devices)
         self.scale = objectives.objective(options).lower(self.t_ref_s, self.t_ref_s, usd_per_hour, graph.batch_size,
@@ -104,7 +105,7 @@ class Provisioner:
         and cost; mdpe needs the busiest link's share, which the fast path does not give for
         replicated stages, so it is the event simulator's (and throughput's, which needs the
         replicated stages' all-reduce)."""
-        if self.options.objective in ("mdpe", "throughput"):  # counted in the scorer's simulations
+        if objectives.objective(self.options).event_only:  # counted in the scorer's simulations
             return [(self.scorer.search_value(p), math.isfinite(self.scorer.value(p)), p) for p in plans]
         self.evaluations += len(plans)
         steps = fast_step_s(self.graph, self.cluster, plans)
@@ -174,12 +175,12 @@ class Provisioner:
                 break
             # the stage with the longest per-replica busy time that can still grow
             busy = []
-            for k, (_, _, t) in enumerate(runs):
+            for k, (lo, hi, t) in enumerate(runs):
                 if free[self.types[t]] <= 0 or counts[k] >= (self.options.max_replicas or counts[k] + 1):
                     continue
-                st = plan.stages[k]
-                one = self.cost.device_stage_s(st.nodes, st.devices[0]) / counts[k]
-                busy.append((one + self.cost.stage_sync_s(st.nodes, st.devices), k))
+                st, i, j = plan.stages[k], int(self.starts[lo]), int(self.starts[hi])
+                one = float(self.table.whole_s(self.table.kind(st.devices[:1]), i, j)) / counts[k]
+                busy.append((one + float(self.table.tail_s(st.devices, i, j)), k))
             if not busy:
                 break
             _, k = max(busy)
@@ -211,10 +212,10 @@ def all_one_type(graph: Graph, cluster: Cluster, options: PlanOptions, device_ty
 def _type_mask(graph: Graph, cluster: Cluster, prov: Provisioner, starts: np.ndarray) -> torch.Tensor:
     """(U, types): a type whose one device cannot hold a unit's weights, gradients and optimizer
     state is masked out (every type allowed for a unit that fits on none)."""
-    params = np.add.reduceat(np.array([graph.by_id[v].param_bytes for v in prov.order], float), starts[:-1])
-    casts = np.add.reduceat(np.array([graph.by_id[v].cast_bytes for v in prov.order], float), starts[:-1])
+    table = prov.table
+    weights = table.weights_bytes(table.kind(prov.pool[prov.types[0]][:1]), starts[:-1], starts[1:])
     biggest = np.array([max(cluster.device(d).mem_bytes for d in prov.pool[t]) for t in prov.types], float)
-    mask = torch.as_tensor(weight_bytes(params, casts)[:, None] <= biggest[None, :])
+    mask = torch.as_tensor(weights[:, None] <= biggest[None, :])
     mask[~mask.any(dim=1)] = True
     return mask
 

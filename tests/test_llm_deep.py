@@ -1,0 +1,52 @@
+"""`bench/llm_deep.py`'s lower bound on a step: never above the best split of the work among the
+devices (the linear program, solved), and equal to it when every node takes the same share of
+the chain's time on every type."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.optimize import linprog
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from llm_deep import lower_bound_s  # noqa: E402
+
+
+def best_split_s(work: dict[str, dict[str, float]], count: dict[str, int]) -> float:
+    """min T: each node's work split among the types (x[n, t] >= 0, summing to 1), each type's
+    devices doing their share in T: sum over nodes of x[n, t] w_t(n) <= count_t T."""
+    types, nodes = list(count), list(next(iter(work.values())))
+    size = len(types) * len(nodes)
+    cost = np.zeros(size + 1)
+    cost[-1] = 1.0
+    upper = np.zeros((len(types), size + 1))
+    for i, t in enumerate(types):
+        for j, n in enumerate(nodes):
+            upper[i, j * len(types) + i] = work[t][n]
+        upper[i, -1] = -count[t]
+    equal = np.zeros((len(nodes), size + 1))
+    for j in range(len(nodes)):
+        equal[j, j * len(types):(j + 1) * len(types)] = 1.0
+    out = linprog(cost, A_ub=upper, b_ub=np.zeros(len(types)), A_eq=equal, b_eq=np.ones(len(nodes)))
+    assert out.status == 0
+    return out.fun
+
+
+def test_the_bound_never_exceeds_the_best_split():
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        types = ["a", "b", "c"][:rng.integers(1, 4)]
+        nodes = [f"n{i}" for i in range(rng.integers(1, 7))]
+        work = {t: {n: float(rng.uniform(0.01, 10.0)) for n in nodes} for t in types}
+        count = {t: int(rng.integers(1, 9)) for t in types}
+        assert lower_bound_s(work, count) <= best_split_s(work, count) * (1 + 1e-7)
+
+
+def test_the_bound_is_the_chain_over_every_devices_speed_when_shares_agree():
+    work = {"fast": {"x": 1.0, "y": 3.0}, "slow": {"x": 2.0, "y": 6.0}}  # the slow type half as fast on both
+    count = {"fast": 2, "slow": 4}
+    whole_over_speed = 1.0 / (2 / 4.0 + 4 / 8.0)
+    assert lower_bound_s(work, count) == pytest.approx(whole_over_speed)
+    assert best_split_s(work, count) == pytest.approx(whole_over_speed)
