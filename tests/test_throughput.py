@@ -279,7 +279,8 @@ def test_dp_is_never_worse_than_the_baselines(profiles):
 def test_known_plans_tighten_dp_s_first_bound():
     """The smaller clusters' plans bound the bigger cluster's program (bench/dp_scale.py: 29 s
     -> 13 s on 32 devices): the first bound is the best simulated step of the baselines and the
-    known plans, with the program's slack; a known plan the options do not allow is ignored."""
+    known plans, with the program's slack, or the program's own step of a plan it made; a known
+    plan the options do not allow is ignored."""
     from hetplan.planners.dp import BASELINE_SLACK, _first_bounds, baseline_plans
 
     def _baseline_bound_s(*args, **kwargs):
@@ -300,6 +301,11 @@ def test_known_plans_tighten_dp_s_first_bound():
     capped = PlanOptions(max_replicas=1)
     assert _baseline_bound_s(graph, cluster, capped, scorer, known=[fast]) == pytest.approx(
         _baseline_bound_s(graph, cluster, capped, scorer))
+    # a plan the program made bounds it by the program's own step of it, unsimulated
+    from hetplan.planners.dp import BOUND_SLACK
+
+    made = replace(fast, meta={"model_s": 0.05})
+    assert _baseline_bound_s(graph, cluster, options, scorer, known=[made]) == pytest.approx(0.05 * (1 + BOUND_SLACK))
 
 
 def test_zeroing_the_input_never_gives_dp_a_worse_plan(profiles):

@@ -253,15 +253,13 @@ def _stage_works(cm: CostModel, plan: Plan, rows: StepRows, syncs: tuple[SyncCos
     return tuple(stages)
 
 
-def _pair_bytes(rows: StepRows, plan: Plan, a: int, b: int, nbytes: int,
-                batch_size: int) -> dict[tuple[int, int], list[float | None]]:
-    """Per pair of replicas (p of stage a, q of stage b) whose slices share rows, per micro-batch
-    the bytes of those rows (None where they share none)."""
-    shared: dict[tuple[int, int], list[float | None]] = {}
-    for j in range(plan.microbatches):
-        for p, q, lo, hi in rows.overlaps(a, b, j):
-            shared.setdefault((p, q), [None] * plan.microbatches)[j] = nbytes * (hi - lo) / batch_size
-    return shared
+def _shared_rows(rows: StepRows, a: int, b: int) -> np.ndarray:
+    """(micro-batch, replica p of stage a, replica q of stage b): the rows the two replicas'
+    slices of each micro-batch share (`StepRows.shared_rows`, for every pair at once)."""
+    first, other = np.asarray(rows.slices[a]), np.asarray(rows.slices[b])  # (m, replicas, 2)
+    lo = np.maximum(first[:, :, None, 0], other[:, None, :, 0])
+    hi = np.minimum(first[:, :, None, 1], other[:, None, :, 1])
+    return np.maximum(hi - lo, 0)
 
 
 def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direct",
@@ -273,7 +271,9 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
     stages = _stage_works(cm, plan, rows, syncs)
     messages = []
     for (a, b), nbytes in sorted(stage_pair_bytes(graph, plan, routing).items()):
-        for (p, q), per_mb in sorted(_pair_bytes(rows, plan, a, b, nbytes, graph.batch_size).items()):
+        shared = _shared_rows(rows, a, b)
+        for p, q in zip(*(x.tolist() for x in np.nonzero(shared.any(axis=0))), strict=True):
+            per_mb = [nbytes * int(n) / graph.batch_size if n else None for n in shared[:, p, q]]
             src, dst = plan.stages[a].devices[p], plan.stages[b].devices[q]
             # a tensor-parallel group's first device sends to every device of the other's group
             copies = (len(plan.stages[b].groups[q]), len(plan.stages[a].groups[p]))
@@ -298,9 +298,9 @@ def fold_plan(cm: CostModel, plan: Plan) -> dict[str, np.ndarray]:
     pairs: list[dict[tuple[str, str], float]] = [{} for _ in range(n - 1)]
     lat = np.zeros(n - 1)
     for (a, b), nbytes in stage_pair_bytes(graph, plan, "relay").items():
-        for (p, q), per_mb in _pair_bytes(rows, plan, a, b, nbytes, graph.batch_size).items():
-            src, dst = plan.stages[a].devices[p], plan.stages[b].devices[q]
-            total = sum(x for x in per_mb if x is not None)
+        totals = _shared_rows(rows, a, b).sum(axis=0) * (nbytes / graph.batch_size)
+        for p, q in zip(*(x.tolist() for x in np.nonzero(totals)), strict=True):
+            src, dst, total = plan.stages[a].devices[p], plan.stages[b].devices[q], float(totals[p, q])
             if src != dst and total > 0:
                 pairs[a][(src, dst)] = pairs[a].get((src, dst), 0.0) + total
                 lat[a] = max(lat[a], cluster.link(src, dst).latency_s)

@@ -6,7 +6,9 @@ the fastest plans. Each candidate keeps its source and its program's own step (`
 fast path ranks all of them by the objective (`Scorer.fast_keys`); the event simulator scores
 the SIMULATED best of those that fit in memory by the cost model and every one within NEAR of
 the best by the fast path (the fast path folds replicated stages, so its order among close
-candidates is not the simulator's); the objective picks among those simulated.
+candidates is not the simulator's), past the best two within a budget of the simulator's events
+(a deep pipeline of many micro-batches takes a second to simulate); the objective picks among
+those simulated.
 
 `explanation` says where the winner came from and why each of the best few others lost: its
 time (or the objective's value) against the winner's, its memory (the device it overflows), or
@@ -15,6 +17,7 @@ a limit of the runtime (`hetplan.runtime.support`): what `hetplan plan --explain
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,9 +27,10 @@ from hetplan.planners.scoring import Scorer
 from hetplan.runtime.support import runtime_refusal
 from hetplan.units import fmt_bytes
 
-SIMULATED = 6  # candidates the event simulator scores at least (those that fit, best by the fast path),
+SIMULATED = 6  # candidates the event simulator scores (those that fit, best by the fast path),
 NEAR = 0.05  # and every one within this of the best by the fast path,
-MOST_SIMULATED = 24  # at most this many
+MOST_SIMULATED = 24  # at most this many,
+EVENTS = 200_000  # and past the best two, no more than this many events in all (`Scorer.events`)
 RUNNERS_UP = 5  # the others the explanation lists
 
 
@@ -38,6 +42,7 @@ class Candidates:
     plans: list[Plan] = field(default_factory=list)
     sources: dict[tuple, str] = field(default_factory=dict)
     fast: dict[tuple, float] = field(default_factory=dict)
+    _chosen: tuple[int, list[Plan]] = (-1, [])
 
     def add(self, plans: list[Plan], source: str) -> None:
         for plan in plans:
@@ -49,25 +54,27 @@ class Candidates:
     def source(self, plan: Plan) -> str:
         return self.sources.get(Scorer.key(plan), "polish")
 
-    def _fits(self, plan: Plan) -> bool:
-        """Whether every replica fits in memory by the cost model (before simulating it)."""
-        cost = self.scorer.cost
-        return all(need <= cost.cluster.device(d).mem_bytes for k in range(len(plan.stages))
-                   for d, need in cost.stage_replicas_memory_bytes(plan, k).items())
-
     def simulated(self) -> list[Plan]:
-        """The candidates the event simulator scores (the module's docstring)."""
+        """The candidates the event simulator scores (the module's docstring); kept until more
+        candidates come."""
+        if self._chosen[0] != len(self.plans):
+            self._chosen = (len(self.plans), self._choose())
+        return self._chosen[1]
+
+    def _choose(self) -> list[Plan]:
         fast, order = self.scorer.fast_keys(self.plans)
         for plan, t in zip(self.plans, fast, strict=True):
             self.fast[Scorer.key(plan)] = float(t)
         ranked = [self.plans[int(i)] for i in order]
-        fitting = [p for p in ranked if self._fits(p)]
+        fitting = [p for p in ranked if self.scorer.fits(p)]
         if not fitting:
             return ranked[:MOST_SIMULATED]
         best_fast = min(self.fast[Scorer.key(p)] for p in fitting)
         chosen = fitting[:SIMULATED] + [p for p in fitting[SIMULATED:]
                                         if self.fast[Scorer.key(p)] <= best_fast * (1 + NEAR)]
-        return chosen[:MOST_SIMULATED]
+        chosen = chosen[:MOST_SIMULATED]
+        spent = itertools.accumulate(Scorer.events(p) for p in chosen)
+        return [p for k, (p, used) in enumerate(zip(chosen, spent, strict=True)) if k < 2 or used <= EVENTS]
 
     def best(self, planner: str) -> Plan:
         """The simulated candidate with the best objective; the scorer's error when none fits
@@ -79,14 +86,22 @@ class Candidates:
 
     def explanation(self, winner: Plan, picked: Plan) -> dict:
         """Where `winner` came from (`picked`, the candidate it was polished from, when they
-        differ) and the best RUNNERS_UP other simulated candidates, each with its figures and why
-        it lost."""
-        simulated = [p for p in self.plans if self.scorer.scored(p) and Scorer.key(p) != Scorer.key(winner)]
+        differ) and the best RUNNERS_UP other simulated candidates of distinct layouts, each with
+        its figures and why it lost."""
+        simulated = [p for p in self.plans if self.scorer.scored(p)]
         simulated.sort(key=lambda p: (self.scorer.value(p), self.scorer.estimate(p).step_s))
+        # one of each layout: alike devices in another order make the same plan
+        seen = {self._layout(winner)}
+        simulated = [p for p in simulated if not (self._layout(p) in seen or seen.add(self._layout(p)))]
         source = self.source(picked) + ("" if Scorer.key(picked) == Scorer.key(winner) else ", then polished")
         return {"winner": {**self.figures(winner), "source": source},
                 "runners_up": [{**self.figures(p), "lost": self.why_lost(p, winner)} for p in simulated[:RUNNERS_UP]],
                 "candidates": len(self.plans), "simulated": self.scorer.simulations}
+
+    def _layout(self, plan: Plan) -> tuple:
+        """What tells two plans apart in the explanation: their shape, micro-batches and each
+        stage's nodes."""
+        return shape(plan, self.scorer), plan.microbatches, tuple(st.nodes for st in plan.stages)
 
     def figures(self, plan: Plan) -> dict:
         est = self.scorer.estimate(plan)

@@ -11,7 +11,9 @@ set S_k minus S_(k-1). We extend both papers:
   most 24; otherwise orders that keep types and hosts together, one per order of the types
   (fastest first, ...), plus cheapest-per-speed first for cost. Along an order, each stage
   takes the next k >= 1 devices as data-parallel replicas (mixed types allowed: a replica's share
-  of every micro-batch is proportional to its speed) and devices left at the end stay unused.
+  of every micro-batch is proportional to its speed), or, where they are devices of one type on
+  one host and the graph's nodes split so (`tensor_groups.type_degrees`), as replicas of t of
+  them each in a tensor-parallel group; devices left at the end stay unused.
   Every assignment of disjoint device groups to stages is such a run of some order, so on small
   clusters, where all orders are tried, the search over devices is complete.
 - Communication: the bytes crossing each cut (each tensor once, however many consumers it has
@@ -20,9 +22,14 @@ set S_k minus S_(k-1). We extend both papers:
   replicas of the next stage whose slices of the micro-batch overlap its own, the transfers
   sharing the interfaces they cross, so replicas in line on one host talk inside it); the
   `throughput` objective prices a cut as `CostModel.bottleneck_s` does (`cut_Bps`).
-- Memory: a stage whose replica would not fit under the schedule (4x its parameters plus its
-  stashed activations: all micro-batches under GPipe, min(m, stages after it + 1) under 1F1B)
-  is not allowed. With `--recompute where-needed` every stage is also tried recomputing its
+- Every figure of a stage (its time on its group with the runtime's cost per action and
+  co-running, its memory, its gradient sum and optimizer step, its cut's time per byte) is read
+  from the table of stage options (`hetplan.cost.stage_table`), for every pair of states and
+  group of an order at once.
+- Memory: a stage whose replica would not fit under the schedule (4x its parameters, an r-th of
+  Adam's state where its r replicas shard it, plus its stashed activations: all micro-batches
+  under GPipe, min(m, stages after it + 1) under 1F1B) is not allowed. With `--recompute
+  where-needed` (the default) every stage is also tried recomputing its
   activations (`Stage.recompute`: its forward's time again; it keeps its cuts' bytes per
   micro-batch in flight and one micro-batch's activations, the fewest micro-batches that allows
   by `dp_program._recompute_microbatches`), and the fronts keep whichever labels are not
@@ -61,8 +68,8 @@ F(V, e) = {empty} for e >= 1 and
 answer F({}, 0). With S states (at most 160 after `coarsen`), D devices, O orders and fronts
 capped at L labels (6, after merging labels within 0.2%), the work is O(O * S^2 * D * K * L)
 label extensions in the worst case, K the largest replica group (D up to 8 devices, then 4).
-Pairs of states with no subset relation are skipped; the transitions of one (state, position,
-group size) are computed for all earlier states at once with numpy; and a partial plan is cut
+Pairs of states with no subset relation are skipped; the fronts of one state at every position
+are made at once in arrays, from every option that starts there (`dp_program`); a partial plan is cut
 when a lower bound on its step (the work left, spread over the devices left, is at least the
 slowest stage still to come) exceeds the best step found so far (the baselines' simulated
 steps, then the best of the orders already done, with 5% slack because the model is not exact).
@@ -94,14 +101,17 @@ one device type, any number of replicas, every micro-batch size; that is where p
 to a thousand GPUs come from (`bench/llm_plans.py`).
 
 Finally the best 256 (label, m) pairs by T(m) (or price, for `cost`) over all orders are turned
-into plans and re-ranked by the fast path (`hetplan.sim.fast`, the schedule's exact recurrence
-for chains), the TOP_K best of those are re-scored by the event simulator, and the best by the
-user's objective is returned. Assumptions: compute time linear in the micro-batch size; the
-latency between the two adjacent devices of two stages stands for all; a cut's transfers all
-run at once at its bandwidth (the simulator's interfaces also serialise what shares a sender,
-a receiver or a host's interface in time); all-reduces do not overlap anything; tensors that
-skip stages are charged on every cut they cross (relayed, as the runtime sends them). The event
-simulator's re-scoring corrects these for the plans it sees, not for the ones the program discarded.
+into plans and re-ranked by the fast path (`hetplan.sim.fast`, the schedule's exact recurrence for
+chains), and the TOP_K best of those join the candidates of the other programs and the baselines
+(`hetplan.planners.candidates`: all ranked by the fast path, the best that fit scored by the event
+simulator, the best by the user's objective polished and returned, with where it came from and why
+the runners-up lost in its meta, `meta["dp"]["explain"]`). Assumptions: compute time linear in the
+micro-batch size; the latency between the two adjacent devices of two stages stands for all; a
+cut's transfers all run at once at its bandwidth (the simulator's interfaces also serialise what
+shares a sender, a receiver or a host's interface in time); all-reduces do not overlap anything;
+tensors that skip stages are charged on every cut they cross (relayed, as the runtime sends them).
+The event simulator's re-scoring corrects these for the plans it sees, not for the ones the
+program discarded.
 """
 
 from __future__ import annotations
@@ -172,8 +182,9 @@ def baseline_plans(graph: Graph, cluster: Cluster, options: PlanOptions) -> list
 def _first_bounds(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scorer,
                   known: Sequence[Plan] = ()) -> _Bounds:
     """The first bounds (`Objective.bound`): on the step, the simulated steps of the baselines
-    and of the `known` plans (with slack: the program's model may see them slower); on the steady
-    state, theirs (the program's model of it is exact); under a floor, the step it allows."""
+    (with slack: the program's model may see them slower) and the program's own steps of the
+    `known` plans it made (`model_s`); on the steady state, theirs, simulated (the program's
+    model of it is exact); under a floor, the step it allows."""
     kind = objective(options).bound
     bounds = _Bounds(kind)
     if kind == "floor":
@@ -181,9 +192,14 @@ def _first_bounds(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: 
         return bounds
     if kind not in ("step", "steady"):
         return bounds
+    if kind == "step":  # the program's own step of the known plans it made (no simulation needed)
+        bounds.step_s = min([p.meta["model_s"] * (1.0 + BOUND_SLACK) for p in known
+                             if "model_s" in p.meta and options.allows(p)], default=math.inf)
     for plan in [*baseline_plans(graph, cluster, replace(options, microbatches=None)), *known]:
+        if not (options.allows(plan) and scorer.fits(plan)) or (kind == "step" and "model_s" in plan.meta):
+            continue
         est = scorer.estimate(plan)
-        if est.feasible and options.allows(plan):
+        if est.feasible:
             if kind == "steady":
                 bounds.steady_s = min(bounds.steady_s, est.bottleneck_s)
             else:

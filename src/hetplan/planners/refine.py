@@ -11,6 +11,7 @@ shortlisted by the fast path, the shortlist simulated).
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from hetplan.cost import CostModel
@@ -20,16 +21,17 @@ from hetplan.planners.scoring import Scorer
 from hetplan.schedule import SCHEDULE_NAMES, get_schedule
 
 MAX_ROUNDS = 8  # boundary moves taken at most
-SHORTLIST = 2  # of a round's moves, the best this many by the fast path are simulated
+SHORTLIST = 2  # of a round's moves, the best this many by the fast path are simulated,
+POLISH_EVENTS = 150_000  # events the polish may simulate (`Scorer.events`)
 
 
-def refine_microbatches(scorer: Scorer, plan: Plan, choices: tuple[int, ...]) -> Plan:
+def refine_microbatches(scorer: Scorer, plan: Plan, choices: tuple[int, ...], budget: float = math.inf) -> Plan:
     """The plan with the neighbouring micro-batch counts of `choices`, one step at a time while
-    the simulated objective improves."""
+    the simulated objective improves (and the scorer has simulated fewer events than `budget`)."""
     best, value = plan, scorer.value(plan)
     for step in (1, -1):
         k = choices.index(best.microbatches) if best.microbatches in choices else None
-        while k is not None and 0 <= k + step < len(choices):
+        while k is not None and 0 <= k + step < len(choices) and scorer.simulated_events <= budget:
             k += step
             other = replace(best, microbatches=choices[k])
             other_value = scorer.value(other)
@@ -110,10 +112,14 @@ def _with(plan: Plan, k: int, a: Stage, b: Stage) -> Plan:
 def polish(scorer: Scorer, plan: Plan, choices: tuple[int, ...], rounds: int = MAX_ROUNDS) -> Plan:
     """Steepest descent from `plan`: the micro-batch counts around it, then the best boundary
     move of each round while one improves the objective (at most `rounds`), then the counts
-    again. Never worse than `plan`."""
-    best = refine_microbatches(scorer, plan, choices)
+    again, while the polish has simulated at most POLISH_EVENTS (`Scorer.events`: a deep
+    pipeline of many micro-batches takes a second to simulate). Never worse than `plan`."""
+    budget = scorer.simulated_events + POLISH_EVENTS
+    best = refine_microbatches(scorer, plan, choices, budget)
     value = scorer.value(best)
     for _ in range(rounds):
+        if scorer.simulated_events > budget:
+            break
         moves = [p for p in boundary_moves(best) if not plan_problems(p, scorer.graph, scorer.cluster)]
         # the fast path shortlists the moves; the event simulator scores those
         scored = sorted(((scorer.value(p), i, p) for i, p in enumerate(scorer.shortlist(moves, SHORTLIST))),
@@ -121,4 +127,4 @@ def polish(scorer: Scorer, plan: Plan, choices: tuple[int, ...], rounds: int = M
         if not scored or not scored[0][0] < value:
             break
         value, _, best = scored[0]
-    return refine_microbatches(scorer, best, choices) if best is not plan else best
+    return refine_microbatches(scorer, best, choices, budget) if best is not plan else best

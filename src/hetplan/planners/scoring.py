@@ -32,7 +32,9 @@ class Scorer:
     cost: CostModel = field(init=False)
     t_ref_s: float = field(init=False)
     simulations: int = field(init=False, default=0)
+    simulated_events: int = field(init=False, default=0)  # `events` of the plans simulated so far
     _cache: dict = field(init=False, default_factory=dict)
+    _programs: dict = field(init=False, default_factory=dict)  # the fast path's compiled programs by shape
 
     def __post_init__(self) -> None:
         self.cost = CostModel(self.graph, self.cluster)
@@ -43,6 +45,18 @@ class Scorer:
         return (tuple((s.nodes, s.devices, s.recompute, s.shard, s.tp_devices) for s in plan.stages), plan.microbatches,
                 plan.schedule)
 
+    @staticmethod
+    def events(plan: Plan) -> int:
+        """About how many events the event simulator runs for a plan (its time goes with them):
+        each replica's passes of each micro-batch and their messages."""
+        return 4 * plan.microbatches * sum(len(st.all_devices) for st in plan.stages)
+
+    def fits(self, plan: Plan) -> bool:
+        """Whether every replica fits in memory by the cost model (`CostModel.stage_replicas_memory_bytes`),
+        before the simulator is asked."""
+        return all(need <= self.cluster.device(d).mem_bytes for k in range(len(plan.stages))
+                   for d, need in self.cost.stage_replicas_memory_bytes(plan, k).items())
+
     def scored(self, plan: Plan) -> bool:
         """Whether the event simulator has scored this plan already."""
         return self.key(plan) in self._cache
@@ -51,6 +65,7 @@ class Scorer:
         k = self.key(plan)
         if k not in self._cache:
             self.simulations += 1
+            self.simulated_events += self.events(plan)
             self._cache[k] = simulate(self.graph, self.cluster, plan, routing=self.options.routing,
                                       timeline=False, cost=self.cost).estimate
         return self._cache[k]
@@ -74,7 +89,7 @@ class Scorer:
         (`Objective.rank`), plans beyond `--max-replicas` or with an idle replica last."""
         if not plans:
             return np.zeros(0), np.zeros(0, dtype=int)
-        fast = fast_step_s(self.graph, self.cluster, plans)
+        fast = self.fast_step_s(plans)
         obj = objectives.objective(self.options)
         usd = np.array([self.cost.usd_per_step(p.devices, float(t)) for p, t in zip(plans, fast, strict=True)])
         steady = np.array([self.cost.bottleneck_s(p) for p in plans]) if obj.track == "steady" else fast
@@ -83,6 +98,10 @@ class Scorer:
         keys = obj.rank(fast, usd, steady, slow)
         order = np.lexsort(tuple(np.broadcast_to(k, fast.shape) for k in reversed((banned, *keys))))
         return fast, order
+
+    def fast_step_s(self, plans: list[Plan]) -> np.ndarray:
+        """The fast path's step of each plan (`hetplan.sim.fast.fast_step_s`, its programs kept)."""
+        return fast_step_s(self.graph, self.cluster, plans, self.cost, self._programs)
 
     def shortlist(self, plans: list[Plan], k: int) -> list[Plan]:
         """The k best plans by the fast path (`fast_keys`)."""

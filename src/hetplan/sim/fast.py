@@ -212,16 +212,21 @@ def chain_inputs(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | N
     return fold_plan(cost or CostModel(graph, cluster), plan)
 
 
-def fast_step_s(graph: Graph, cluster: Cluster, plans: Sequence[Plan]) -> np.ndarray:
-    """Fast-path step time of any plans (grouped by shape; one numpy pass per group)."""
-    cm = CostModel(graph, cluster)
+def fast_step_s(graph: Graph, cluster: Cluster, plans: Sequence[Plan], cost: CostModel | None = None,
+                programs: dict | None = None) -> np.ndarray:
+    """Fast-path step time of any plans (grouped by shape; one numpy pass per group). `programs`
+    keeps the compiled programs by shape for later calls (a planner's, for its problem)."""
+    cm = cost or CostModel(graph, cluster)
+    programs = {} if programs is None else programs
     out = np.empty(len(plans))
     inputs = [chain_inputs(graph, cluster, plan, cm) for plan in plans]
     groups: dict[tuple[int, int, str, int], list[int]] = {}
     for k, plan in enumerate(plans):
         groups.setdefault((len(plan.stages), plan.microbatches, plan.schedule, len(inputs[k]["tied_s"])), []).append(k)
     for (n, m, schedule, _), members in groups.items():
-        program = ChainProgram(n, microbatch_fractions(graph.batch_size, m), schedule)
+        if (n, m, schedule) not in programs:
+            programs[(n, m, schedule)] = ChainProgram(n, microbatch_fractions(graph.batch_size, m), schedule)
+        program = programs[(n, m, schedule)]
         stacked = {key: np.stack([inputs[k][key] for k in members]) for key in inputs[members[0]]}
         out[members] = program.step_s(lower_chain(schedule, program.fractions, **stacked))
     return out

@@ -59,7 +59,6 @@ from hetplan.planners.rl.loop import (
     thin,
 )
 from hetplan.planners.scoring import Scorer
-from hetplan.sim.fast import fast_step_s
 
 # HeterPS's REINFORCE: 8 samples a batch, Adam at 3e-3, a baseline decaying by 0.9, reward
 # -log(value / v_ref), and (warm) a bias of WARM_NATS towards dp's types fading over half the run
@@ -108,7 +107,7 @@ class Provisioner:
         if objectives.objective(self.options).event_only:  # counted in the scorer's simulations
             return [(self.scorer.search_value(p), math.isfinite(self.scorer.value(p)), p) for p in plans]
         self.evaluations += len(plans)
-        steps = fast_step_s(self.graph, self.cluster, plans)
+        steps = self.scorer.fast_step_s(plans)
         out = []
         opts, batch = self.options, self.graph.batch_size
         for plan, step in zip(plans, steps, strict=True):
