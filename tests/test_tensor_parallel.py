@@ -406,3 +406,28 @@ def test_the_groupings_planned_on():
     # a100s: alone or a pair; v100s: alone, a pair, two pairs, a triple or all four
     assert len(small_groupings(graph, cluster, 4)) == 2 * 5 - 1
     assert by_type(cluster, {"v100-16gb": 3}) == (("v0", "v1", "v2"),)
+
+
+def test_max_tp_on_a_graph_that_cannot_split_is_refused_in_one_line():
+    """Asked for groups of 2 on a graph whose nodes say nothing of how they split (a PipeDream
+    import), or split only 3 ways: one line that says why and what to do (it used to plan as if
+    --max-tp were 1, silently). By default (auto) nothing is asked, so nothing is refused."""
+    from hetplan.errors import HetplanError
+    from hetplan.graph import Edge, Graph, Node
+    from hetplan.io.clusters import cluster_from_spec
+    from hetplan.planners import PlanOptions, make_plan
+
+    t = {"a100-40gb": 0.01}
+    cluster = cluster_from_spec({"devices": [{"id": "a", "type": "a100-40gb", "host": "h", "count": 2}]}, "two")
+    silent = Graph("imported", (Node("a", "Conv2d", t, t), Node("b", "Conv2d", t, t)), (Edge("a", "b", 10),), 4,
+                   "a100-40gb")
+    with pytest.raises(HetplanError, match=r"^--max-tp 2: graph 'imported' does not say how its nodes split "
+                                           r"tensor-parallel \(no node has tp_units\); profile the model again"):
+        make_plan(silent, cluster, "dp", PlanOptions(max_tp=2))
+    odd = Graph("odd", (Node("a", "Block", t, t, tp_units=3), Node("b", "Head", t, t, tp_units=0)),
+                (Edge("a", "b", 10),), 4, "a100-40gb")
+    with pytest.raises(HetplanError, match=r"^--max-tp 2: no node of graph 'odd' splits into 2 to 2 equal parts "
+                                           r"\(the most ways a node splits: 3\)"):
+        make_plan(odd, cluster, "uniform", PlanOptions(max_tp=2))
+    assert make_plan(silent, cluster, "dp").predicted.feasible
+    assert all(s.tp == 1 for s in make_plan(odd, cluster, "dp").stages)

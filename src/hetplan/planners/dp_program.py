@@ -90,13 +90,12 @@ def model_step_s(lab, m):
 @dataclass(frozen=True)
 class _Option:
     """A stage option along an order: the `span` devices from position `d` as replicas of `tp`
-    devices each, recomputing or not; `g` indexes its group's figures."""
+    devices each, recomputing or not."""
 
     d: int
     span: int
     tp: int
     recompute: bool
-    g: int
 
     @property
     def replicas(self) -> int:
@@ -125,16 +124,14 @@ class _Order:
                             self.D)
         n = len(prob.ideals)
         self.valid = prob.inside  # (i, j): state i is a proper subset of state j
-        self.groups: list[tuple[int, int, int]] = []  # (d, span, tp)
         self.options: list[_Option] = []
         self.fig: dict[str, list[np.ndarray]] = {}
         pairs = (np.arange(n)[:, None], np.arange(n)[None, :])  # every pair of states (i, j)
         for d in range(self.D):
             for span in range(1, min(self.max_span, self.D - d) + 1):
                 for tp in self._degrees(d, span, degrees):
-                    self.groups.append((d, span, tp))
                     for rc in self.choices if tp == 1 else (False,):
-                        self.options.append(_Option(d, span, tp, rc, len(self.options)))
+                        self.options.append(_Option(d, span, tp, rc))
                         self._figures(table, d, span, tp, rc, pairs)
         self.option_d = np.array([o.d for o in self.options])
         self.option_e = np.array([o.d + o.span for o in self.options])
@@ -163,7 +160,8 @@ class _Order:
 
     def _figures(self, table, d: int, span: int, tp: int, rc: bool, pairs: tuple[np.ndarray, np.ndarray]) -> None:
         """The figures of every stage i -> j on the devices d .. d+span-1 as replicas of tp devices
-        (kept in `prob.figures` for other orders: devices alike in type, host and memory cost alike)."""
+        (kept in `cache` for the other orders: devices alike in type, host, memory and price cost
+        alike)."""
         ids = self.order[d:d + span]
         key = (tuple((x.type, x.host, x.mem_bytes, x.usd_per_hour) for x in self.dev[d:d + span]), tp, rc)
         if key not in self.cache:
@@ -215,8 +213,7 @@ class _Order:
         (routed as the runtime routes rows, `StageTable.cut_per_byte_s`; replicas weighted by
         their type's speed on the whole model), its steady-state bandwidth (throughput), and the
         latency of the link at e."""
-        speed = {t: 1.0 / max(float(table.whole_s(table.kind(_one(scorer, t)), 0, table.last)), 1e-30)
-                 for t in table.types}
+        speed = {t: 1.0 / max(float(table.whole_s(table.type_kind(t), 0, table.last)), 1e-30) for t in table.types}
         weight = [speed[d.type] for d in self.dev]
         K = self.max_span  # noqa: N806
         self.cut_pb = np.zeros((self.D + 1, self.D + 1, K + 1))
@@ -244,10 +241,6 @@ class _Order:
             inv = np.where(whole > 0, 1.0 / whole, 0.0)  # (types, states)
             total_speed = count @ inv  # (D + 1, states)
             return np.where(total_speed > 0, 1.0 / total_speed, 0.0).T
-
-
-def _one(scorer: Scorer, type_name: str) -> tuple[str]:
-    return (next(d.id for d in scorer.cluster.devices if d.type == type_name),)
 
 
 class _Fronts:
@@ -390,21 +383,31 @@ class _Program:
         return step * lab[F["usd_per_hour"]] if setup.track_price else step
 
     def _select(self, i: int, d: int, cand: np.ndarray) -> None:
-        """The front of (i, d) from its candidates (field, pair, slot): the best by rank that no
-        better one covers within EPSILON (PRESELECT of them compared), at most L, the best of
-        each first stage's width first (the model can misjudge one width for all its labels:
-        resnet50 on 4 V100 at 1 GB/s, bench/dp_no_miss.py)."""
+        """The front of (i, d) from its candidates (field, pair, slot): in rank order, those that
+        no better one covers within EPSILON (compared PRESELECT at a time, until there are L of
+        them and one of each first stage's width), at most L, the best of each width first (the
+        model can misjudge one width for all its labels: resnet50 on 4 V100 at 1 GB/s,
+        bench/dp_no_miss.py)."""
         flat = cand.reshape(len(FIELDS), -1)
         rank = flat[F["rank"]]
         finite = np.flatnonzero(np.isfinite(rank))
         if not len(finite):
             return
-        top = flat[:, finite[np.argsort(rank[finite], kind="stable")[:PRESELECT]]]
-        idx = np.flatnonzero(~self._covered(top))
-        widths = top[F["k_first"], idx]
-        firsts = sorted(int(idx[np.flatnonzero(widths == w)[0]]) for w in np.unique(widths))
-        chosen = sorted(list(dict.fromkeys([*firsts[:self.L], *idx.tolist()]))[:self.L])
-        self.fronts.a[:, d, i, :len(chosen)] = top[:, chosen]
+        ordered = flat[:, finite[np.argsort(rank[finite], kind="stable")]]
+        if ordered.shape[1] <= 1:
+            self.fronts.a[:, d, i, :1] = ordered
+            return
+        every_width = set(np.unique(ordered[F["k_first"]]).tolist())
+        kept = ordered[:, :0]
+        for start in range(0, ordered.shape[1], PRESELECT):
+            both = np.concatenate([kept, ordered[:, start:start + PRESELECT]], axis=1)
+            kept = both[:, ~self._covered(both)]
+            if kept.shape[1] >= self.L and set(kept[F["k_first"]].tolist()) >= every_width:
+                break
+        widths = kept[F["k_first"]]
+        firsts = sorted(int(np.flatnonzero(widths == w)[0]) for w in np.unique(widths))
+        chosen = sorted(list(dict.fromkeys([*firsts[:self.L], *range(kept.shape[1])]))[:self.L])
+        self.fronts.a[:, d, i, :len(chosen)] = kept[:, chosen]
 
     def _covered(self, lab: np.ndarray) -> np.ndarray:
         """Per candidate (sorted by rank), whether an earlier one is at least as good in every

@@ -21,8 +21,9 @@ from hetplan.planners.scoring import Scorer
 from hetplan.schedule import SCHEDULE_NAMES, get_schedule
 
 MAX_ROUNDS = 8  # boundary moves taken at most
-SHORTLIST = 2  # of a round's moves, the best this many by the fast path are simulated,
-POLISH_EVENTS = 150_000  # events the polish may simulate (`Scorer.events`)
+ROUND_EVENTS = 100_000  # a round's moves are all simulated where they take at most this many events,
+SHORTLIST = 2  # else the best this many by the fast path;
+POLISH_EVENTS = 300_000  # events the polish may simulate (`Scorer.events`)
 
 
 def refine_microbatches(scorer: Scorer, plan: Plan, choices: tuple[int, ...], budget: float = math.inf) -> Plan:
@@ -121,9 +122,12 @@ def polish(scorer: Scorer, plan: Plan, choices: tuple[int, ...], rounds: int = M
         if scorer.simulated_events > budget:
             break
         moves = [p for p in boundary_moves(best) if not plan_problems(p, scorer.graph, scorer.cluster)]
-        # the fast path shortlists the moves; the event simulator scores those
-        scored = sorted(((scorer.value(p), i, p) for i, p in enumerate(scorer.shortlist(moves, SHORTLIST))),
-                        key=lambda x: (x[0], x[1]))
+        # the event simulator scores every move where a round of them is cheap; else the fast
+        # path shortlists them (it folds replicated stages: its order of close moves is not the
+        # simulator's)
+        every = len(moves) * Scorer.events(best) <= ROUND_EVENTS
+        shortlist = moves if every else scorer.shortlist(moves, SHORTLIST)
+        scored = sorted(((scorer.value(p), i, p) for i, p in enumerate(shortlist)), key=lambda x: (x[0], x[1]))
         if not scored or not scored[0][0] < value:
             break
         value, _, best = scored[0]
