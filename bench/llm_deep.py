@@ -238,7 +238,8 @@ def markdown(rows: list[dict]) -> str:
     """The rows as BENCHMARKS.md's tables have them, and where each plan's gap to the bound goes."""
     head = ("| problem | step | bound (gap) | stages: type x replicas (tp, recompute, shard) | devices used per type "
             "| micro-batches | peak memory per type / its memory | planning s | planning MiB |")
-    gaps = ["| problem | devices unused | bubble | busy share of the step, per type used |", "|---|---|---|---|"]
+    gaps = ["| problem | devices unused | idle share of the used devices' step (fill, drain, imbalance, sums) "
+            "| busy share of the step, per type used |", "|---|---|---|---|"]
     for r in rows:
         if r["status"] == "planned":
             unused = {t: n - r["devices_used"].get(t, 0) for t, n in r["gpus"].items()}
