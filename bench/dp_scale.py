@@ -35,10 +35,11 @@ PROFILES = HERE.parent.parent / "shared" / "data" / "pipedream-profiles"
 RUN = """
 import json, resource, sys, time
 from hetplan.io import serde
-from hetplan.planners import make_plan
+from hetplan.planners import PlanOptions, make_plan
 graph, cluster = serde.load(sys.argv[1]), serde.load(sys.argv[2])
+options = PlanOptions(**json.loads(sys.argv[3]))
 start = time.perf_counter()
-plan = make_plan(graph, cluster, "dp")
+plan = make_plan(graph, cluster, "dp", options)
 print(json.dumps({"seconds": time.perf_counter() - start, "peak_rss_mib": resource.getrusage(
     resource.RUSAGE_SELF).ru_maxrss / 1024, "plan": serde.to_dict(plan)}))
 """
@@ -56,13 +57,15 @@ class DpFailed(SystemExit):
     with dp's message; `bench/llm_deep.py` catches it and goes on with the next problem."""
 
 
-def run_dp(graph_file: Path, cluster, tmp: Path, timeout_s: float = 3600) -> dict:
-    """dp (`make_plan(..., "dp")`, default options) in a process of its own: its wall seconds,
-    peak memory (ru_maxrss) and plan. Raises `subprocess.TimeoutExpired` (the process killed)
-    past `timeout_s`, and `DpFailed` with the last line dp wrote to stderr if it fails."""
+def run_dp(graph_file: Path, cluster, tmp: Path, timeout_s: float = 3600, options: dict | None = None) -> dict:
+    """dp (`make_plan(..., "dp")` with `PlanOptions(**options)`, the defaults unless given) in a
+    process of its own: its wall seconds, peak memory (ru_maxrss) and plan. Raises
+    `subprocess.TimeoutExpired` (the process killed) past `timeout_s`, and `DpFailed` with the
+    last line dp wrote to stderr if it fails."""
     cluster_file = tmp / f"{cluster.name}.json"
     serde.dump(cluster, cluster_file)
-    out = subprocess.run([sys.executable, "-c", RUN, str(graph_file), str(cluster_file)], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", RUN, str(graph_file), str(cluster_file), json.dumps(options or {})],
+                         capture_output=True,
                          text=True, timeout=timeout_s, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if out.returncode != 0:
         # a process killed by the kernel (out of memory) writes nothing: say how it ended

@@ -1,7 +1,7 @@
 """Plans for models that fit nowhere whole: dp's plan for each problem against a lower bound on its step.
 
     .venv/bin/python bench/llm_deep.py [--only NAME ...] [--timeout-s 900] [--markdown]
-        [-o bench/results/llm_deep.json]
+        [--recompute MODE ...] [-o bench/results/llm_deep.json]
 
 Problems (`PROBLEMS`, a global batch of 2,048 sequences for the Llamas, 1,024 for the others):
 Llama-3-8B at 8,192 tokens a sequence on 8 A100-40GB + 8 V100-16GB and on 32 A100 + 96 V100
@@ -20,7 +20,9 @@ tensor-parallel degree, recomputation, sharding, nodes), devices used per type, 
 peak memory per type against the type's memory, planning time and memory, dp's `meta`, and two
 lower bounds (`lower_bound_s`): `bound_any_s`, the forward and backward work of the whole batch
 shared among every device of the cluster at its own speed, which no plan beats; `bound_plan_s`,
-the same with the plan's recomputed forwards added. The gaps are the step over each.
+the same with the plan's recomputed forwards added. The gaps are the step over each. With
+`--recompute MODE` (repeatable) each problem is planned once per mode instead (`hetplan plan
+--recompute`: never, stage or block where needed, or both, the default's where-needed), a row each.
 
 Every figure is the event simulator's (the plan's `predicted`, as `make_plan` attaches it) on
 counted graphs: nothing here was measured.
@@ -49,6 +51,7 @@ from hetplan.graph import Graph
 from hetplan.io import serde
 from hetplan.io.clusters import cluster_from_spec, hosts_spec
 from hetplan.plan import Plan
+from hetplan.planners.options import RECOMPUTE_CHOICES
 from hetplan.zoo.llm import transformer_chain
 
 HERE = Path(__file__).resolve().parent
@@ -154,7 +157,7 @@ def peak_memory(plan: Plan, cluster: Cluster) -> dict[str, dict[str, int]]:
 
 
 def plan_fields(plan: Plan, cluster: Cluster, times, devices_per_type: Mapping[str, int]) -> dict:
-    recomputed = [n for s in plan.stages if s.recompute for n in s.nodes]
+    recomputed = [n for s in plan.stages if s.recomputes for n in s.nodes]
     bound_plan = lower_bound_s(work_s(times, recomputed), devices_per_type)
     est, meta = plan.predicted, serde.plain(plan.meta)
     return {"step_s": est.step_s, "feasible": est.feasible, "violations": list(est.violations),
@@ -174,7 +177,7 @@ def busy_share(plan: Plan, cluster: Cluster) -> dict[str, float]:
     return {t: sum(v) / len(v) for t, v in shares.items()}
 
 
-def one_problem(name: str, timeout_s: float, tmp: Path) -> dict:
+def one_problem(name: str, timeout_s: float, tmp: Path, recompute: str | None = None) -> dict:
     problem = PROBLEMS[name]
     graph, cluster = problem.graph(), problem.cluster(name)
     devices_per_type = count_types(cluster, cluster.ids)
@@ -182,12 +185,12 @@ def one_problem(name: str, timeout_s: float, tmp: Path) -> dict:
     bound_any = lower_bound_s(work_s(times), devices_per_type)
     row = {"problem": name, "model": problem.model, "batch": problem.batch, "seq_len": problem.seq_len,
            "precision": problem.precision, "gpus": devices_per_type, "inter_host": problem.inter_host,
-           "bound_any_s": bound_any}
+           "bound_any_s": bound_any, "recompute_option": recompute or "default"}
     graph_file = tmp / f"graph-{slug(name)}.json"  # run_dp writes the cluster to {name}.json
     serde.dump(graph, graph_file)
     began = time.perf_counter()
     try:
-        dp = dp_scale.run_dp(graph_file, cluster, tmp, timeout_s)
+        dp = dp_scale.run_dp(graph_file, cluster, tmp, timeout_s, {"recompute": recompute} if recompute else None)
     except subprocess.TimeoutExpired:
         return {**row, "status": "timed out", "why": f"dp ran past {timeout_s:g} s and was stopped",
                 "process_s": time.perf_counter() - began}
@@ -208,7 +211,7 @@ def short(device_type: str) -> str:
 def stages_text(stages: list[dict]) -> str:
     """Runs of equal stages as `k x [TYPE x replicas (tp, recompute, shard)]`."""
     texts = [f"{'+'.join(map(short, s['type'].split('+')))} x {s['replicas']} "
-             f"({s['tp']}, {'yes' if s['recompute'] else 'no'}, {'yes' if s['shard'] else 'no'})" for s in stages]
+             f"({s['tp']}, {unit_text(s['recompute'])}, {'yes' if s['shard'] else 'no'})" for s in stages]
     runs: list[list] = []
     for t in texts:
         if runs and runs[-1][0] == t:
@@ -218,10 +221,21 @@ def stages_text(stages: list[dict]) -> str:
     return ", ".join(t if k == 1 else f"{k} x [{t}]" for t, k in runs)
 
 
+def label(r: dict) -> str:
+    """A row's problem, with the --recompute it was planned with where not the default."""
+    option = r.get("recompute_option", "default")
+    return r["problem"] + ("" if option == "default" else f" (--recompute {option})")
+
+
+def unit_text(recompute) -> str:
+    """A stage's recomputation as the table shows it (files of before the units: true, false)."""
+    return {True: "stage", False: "no", "none": "no"}.get(recompute, recompute)
+
+
 def markdown_row(r: dict) -> str:
     if r["status"] != "planned":
         why = r["why"].replace("|", "\\|")  # a cell ends at a bar
-        return (f"| {r['problem']} | {r['status']}: {why} | any plan >= {r['bound_any_s']:.2f} s "
+        return (f"| {label(r)} | {r['status']}: {why} | any plan >= {r['bound_any_s']:.2f} s "
                 f"| - | - | - | - | {r['process_s']:.0f} (process) | - |")
     step = f"{r['step_s']:.2f} s" + ("" if r["feasible"] else " (infeasible)")
     bound = f"{r['bound_plan_s']:.2f} s ({r['gap_plan']:.2f}x)"
@@ -230,7 +244,7 @@ def markdown_row(r: dict) -> str:
     used = " + ".join(f"{n} {short(t)}" for t, n in r["devices_used"].items())
     memory = ", ".join(f"{short(t)} {m['peak_bytes'] / GIB:.1f}/{m['mem_bytes'] / GIB:.0f} GiB"
                        for t, m in r["peak_memory"].items())
-    return (f"| {r['problem']} | {step} | {bound} | {stages_text(r['stages'])} | {used} | {r['microbatches']} "
+    return (f"| {label(r)} | {step} | {bound} | {stages_text(r['stages'])} | {used} | {r['microbatches']} "
             f"| {memory} | {r['planning_s']:.1f} | {r['planning_peak_rss_mib']:.0f} |")
 
 
@@ -243,7 +257,7 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         if r["status"] == "planned":
             unused = {t: n - r["devices_used"].get(t, 0) for t, n in r["gpus"].items()}
-            gaps.append(f"| {r['problem']} | {', '.join(f'{n} {short(t)}' for t, n in unused.items() if n) or 'none'} "
+            gaps.append(f"| {label(r)} | {', '.join(f'{n} {short(t)}' for t, n in unused.items() if n) or 'none'} "
                         f"| {r['bubble_fraction']:.0%} | "
                         f"{', '.join(f'{short(t)} {v:.0%}' for t, v in r['busy_share'].items())} |")
     return "\n".join([head, "|---" * 9 + "|", *map(markdown_row, rows), "", *gaps])
@@ -254,13 +268,16 @@ def main() -> None:
     parser.add_argument("--only", action="append", choices=list(PROBLEMS), help="a problem (default: all)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="dp's time limit a problem")
     parser.add_argument("--markdown", action="store_true", help="print the rows as a Markdown table at the end")
+    parser.add_argument("--recompute", action="append", choices=RECOMPUTE_CHOICES,
+                        help="plan with this --recompute instead of the default (repeatable: a row each)")
     parser.add_argument("-o", "--output", type=Path, default=HERE / "results" / "llm_deep.json")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only or PROBLEMS:
-            rows.append(one_problem(name, args.timeout_s, Path(tmp)))
-            print(json.dumps(rows[-1], default=str), flush=True)
+            for recompute in args.recompute or [None]:
+                rows.append(one_problem(name, args.timeout_s, Path(tmp), recompute))
+                print(json.dumps(rows[-1], default=str), flush=True)
     statuses = [r["status"] for r in rows]
     summary = {"problems": len(rows), "planned": statuses.count("planned"),
                "feasible": sum(bool(r.get("feasible")) for r in rows), "timed_out": statuses.count("timed out"),

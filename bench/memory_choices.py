@@ -3,12 +3,13 @@ against measured, on this machine's CPU workers, for each precision x (recomputa
 optimizer-state sharding).
 
     .venv/bin/python bench/memory_choices.py [--steps 20] [--rounds 3] [--repeats 10]
-        [--models NAME ...] [-o bench/results/memory_choices.json]
+        [--models NAME ...] [--choices NAME ...] [--precisions P ...] [-o bench/results/memory_choices.json]
 
 `hetplan calibrate` of `local` first (as bench/schedules.py), then per model and precision
 (fp32, bf16) a profile on one thread in that precision and, per round, the uniform two-stage
 split under 1F1B with 4 micro-batches run with no stage, the first stage, and both stages
-recomputing, and the model as one stage on both workers (data parallel, 4 micro-batches) with
+recomputing (whole, or per block: `first-block`, `both-block`), and the model as one stage on
+both workers (data parallel, 4 micro-batches) with
 and without sharding Adam's state between them (median step after 3 warm-up steps; the median
 over rounds), against the event
 simulator on the calibrated cluster from the median profile. Peak memory per worker: the
@@ -25,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from predicted_vs_measured import median_graph
+from schedules import MODELS as SCHEDULE_MODELS
 from schedules import rounds, run_bench
 
 from hetplan.plan import Stage
@@ -33,7 +35,10 @@ from hetplan.runtime.settings import RunSettings
 from hetplan.sim import simulate
 
 PRECISIONS = ("fp32", "bf16")
-CHOICES = {"none": (), "first": (0,), "both": (0, 1), "dp": "plain", "dp-shard": "shard"}
+CHOICES = {"none": (), "first": (0,), "both": (0, 1), "first-block": ((0,), "block"), "both-block": ((0, 1), "block"),
+           "dp": "plain", "dp-shard": "shard"}
+# the zoo's models of bench/schedules.py, and a Llama block by block (per-block recomputation's case)
+MODELS = [*SCHEDULE_MODELS, ("llama-tiny", 8, 64, "block", None)]
 
 
 def _choice(base, precision: str, choice) -> object:
@@ -43,13 +48,14 @@ def _choice(base, precision: str, choice) -> object:
         nodes = tuple(n for s in base.stages for n in s.nodes)
         devices = tuple(d for s in base.stages for d in s.devices)
         return replace(base, precision=precision, stages=(Stage(nodes, devices, shard=choice == "shard"),))
-    return replace(base, precision=precision,
-                   stages=tuple(replace(s, recompute=k in choice) for k, s in enumerate(base.stages)))
+    stages, unit = choice if len(choice) == 2 and isinstance(choice[1], str) else (choice, "stage")
+    return replace(base, precision=precision, stages=tuple(replace(s, recompute=unit if k in stages else "none")
+                                                           for k, s in enumerate(base.stages)))
 
 
 def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
     rows = []
-    for precision in PRECISIONS:
+    for precision in args.precisions or PRECISIONS:
         rows += _run_precision(entry, cluster, calibrated, args, tmp, precision)
     return rows
 
@@ -58,7 +64,7 @@ def _run_precision(entry, cluster, calibrated, args, tmp, precision: str) -> lis
     model, batch, seq, granularity, blocks = entry
     graphs, measured = [], {}
     for r, base in rounds(entry, cluster, args, graphs, precision):
-        for name, choice in CHOICES.items():
+        for name, choice in ((n, CHOICES[n]) for n in args.choices or CHOICES):
             plan = _choice(base, precision, choice)
             spec = run_spec(plan, cluster, model, RunSettings(batch_size=batch, seq_len=seq, granularity=granularity,
                             block_classes=tuple(blocks or ()), steps=args.steps, warmup=3,
@@ -89,5 +95,10 @@ def describe(r: dict) -> str:
             f"predicted {r['predicted_step_s'] * 1e3:7.1f} ms {r['error']:+.0%}; peak measured / predicted {mem}")
 
 
+def more_arguments(parser) -> None:
+    parser.add_argument("--choices", nargs="*", choices=list(CHOICES), help="a subset of the choices (default: all)")
+    parser.add_argument("--precisions", nargs="*", choices=PRECISIONS, help="a subset of the precisions")
+
+
 if __name__ == "__main__":
-    run_bench("memory_choices", run_model, describe)
+    run_bench("memory_choices", run_model, describe, MODELS, more_arguments)

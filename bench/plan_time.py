@@ -126,7 +126,7 @@ def plan_facts(plan) -> dict:
     return {"status": "ok" if plan.predicted.feasible else "no plan", "step_s": plan.predicted.step_s,
             "stages": len(stages), "devices_used": len(plan.devices), "microbatches": plan.microbatches,
             "schedule": plan.schedule, "replicas": [len(s.devices) for s in stages],
-            "recompute": any(getattr(s, "recompute", False) for s in stages),
+            "recompute": any(getattr(s, "recompute", False) not in (False, "none") for s in stages),
             "shard": any(getattr(s, "shard", False) for s in stages),
             "tp": any(getattr(s, "tp", 1) > 1 for s in stages), "max_tp": max(getattr(s, "tp", 1) for s in stages),
             "planning_s": plan.meta.get("planning_s")}

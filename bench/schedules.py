@@ -94,11 +94,14 @@ def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
     return rows
 
 
-def run_bench(name: str, run_model, describe, models=None) -> None:
+def run_bench(name: str, run_model, describe, models=None, more_arguments=None) -> None:
     """The command line and the run shared by the benchmarks of local workers on calibrated
     `local` (this one and bench/memory_choices.py): calibrate, then `run_model` per model, print each
-    row by `describe`, write the rows to `-o` (default bench/results/NAME.json)."""
+    row by `describe`, write the rows to `-o` (default bench/results/NAME.json). `more_arguments`
+    adds a benchmark's own flags to the parser."""
     parser = argparse.ArgumentParser()
+    if more_arguments is not None:
+        more_arguments(parser)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=10, help="profiler repeats per node")
     parser.add_argument("--rounds", type=int, default=3)

@@ -3,6 +3,7 @@ again in the backward and keeps only the stage's boundary tensors, the simulator
 model's peak memory follow the closed form, and the runtime's weights equal one process's and,
 to the last bit, the same plan's without recomputation."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -11,7 +12,7 @@ from hetplan.cost import CostModel
 from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
 from hetplan.pieces.split import split_step
-from hetplan.plan import Plan
+from hetplan.plan import Plan, Stage
 from hetplan.runtime.launch import run_spec
 from hetplan.runtime.local import run_threads
 from hetplan.runtime.settings import RunSettings
@@ -25,9 +26,10 @@ from test_executor import chain_plan, cpus, no_dropout, reference_step
 V100X4 = load_cluster("v100x4")
 
 
-def recomputing(plan: Plan, stages=None) -> Plan:
+def recomputing(plan: Plan, stages=None, unit="stage") -> Plan:
     keep = set(range(len(plan.stages)) if stages is None else stages)
-    return replace(plan, stages=tuple(replace(s, recompute=k in keep) for k, s in enumerate(plan.stages)))
+    return replace(plan, stages=tuple(replace(s, recompute=unit if k in keep else "none")
+                                      for k, s in enumerate(plan.stages)))
 
 
 @pytest.mark.parametrize("n,m", [(1, 1), (3, 4), (4, 8)])
@@ -55,42 +57,119 @@ def test_peak_memory_keeps_the_boundaries_and_one_micro_batch(m):
         for k, stage in enumerate(plan.stages):
             held = min(m, 4 - k)
             kept = e * (1 if k in (0, 3) else 2)
-            acts = kept * held / m + a / m if stage.recompute else a * held / m
+            acts = kept * held / m + a / m if stage.recomputes else a * held / m
             want = 4 * params + acts
             assert est.peak_mem_bytes[f"v{k}"] == pytest.approx(want, abs=1)
             assert cm.stage_memory_bytes(plan, k, f"v{k}") == pytest.approx(want, abs=1)
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_per_block_keeps_each_nodes_input_and_rebuilds_one_node(m):
+    """Two stages of three nodes (activations 1, 3 and 2 MB per batch; each node sends E = 10 kB
+    to the next) under 1F1B: stage k holds min(m, 2 - k) micro-batches. Per block it keeps per
+    micro-batch the cut before it and every node's output that a node reads (3E for stage 0,
+    E + 2E for stage 1, whose last node's output is the loss), and rebuilds only its largest
+    node (3 MB) while its backward runs; per stage it keeps its two cuts and rebuilds all 6 MB.
+    The simulator and the cost model agree with the closed form, and a planner's table too."""
+    from hetplan.cost.stage_table import StageTable
+    from hetplan.graph import Node
+
+    e, params = 1e4, 1000
+    g = chain(6, acts=0, edge_bytes=e, params=params, batch=8)
+    g = replace(g, nodes=tuple(replace(n, act_bytes=a) for n, a in zip(g.nodes, [1e6, 3e6, 2e6] * 2, strict=True)))
+    assert all(isinstance(n, Node) for n in g.nodes)
+    plan = Plan((Stage(("n0", "n1", "n2"), ("v0",)), Stage(("n3", "n4", "n5"), ("v1",))), m, "1f1b", "test")
+    kept = {"block": (3 * e, e + 2 * e), "stage": (e, e), "none": (6e6, 6e6)}
+    rebuilt = {"block": 3e6, "stage": 6e6, "none": 0.0}
+    table = StageTable.of_chain(CostModel(g, V100X4))
+    for unit in ("none", "stage", "block"):
+        p = recomputing(plan, unit=unit)
+        est = simulate(g, V100X4, p).estimate
+        cm = CostModel(g, V100X4)
+        for k, (i, j) in enumerate(((0, 3), (3, 6))):
+            held = min(m, 2 - k)
+            want = 4 * 3 * params + kept[unit][k] * held / m + rebuilt[unit] / m
+            assert est.peak_mem_bytes[f"v{k}"] == pytest.approx(want, abs=1)
+            assert cm.stage_memory_bytes(p, k, f"v{k}") == pytest.approx(want, abs=1)
+            kind = table.kind((f"v{k}",))
+            assert float(table.memory_bytes(kind, i, j, held / m, 1 / m, unit)) == pytest.approx(want, abs=1)
+
+
+def test_a_stage_recomputing_per_block_saves_its_pieces_inputs_and_rebuilds_each_piece_once():
+    """What autograd saves in the forward of a gpt2-tiny stage: all its activations without
+    recomputation; per block only each piece's inputs (its checkpoint's); in the backward
+    each piece that saved something runs again once (the `rebuilt` calls), and the gradients are the plain ones."""
+    import torch
+
+    from hetplan.runtime.executor import Role, StageRunner
+
+    zm = no_dropout(load_model("gpt2-tiny", batch_size=2, seq_len=8, seed=0))
+    split = split_step(zm.step, zm.batch, "block", zm.block_classes)
+    plan = chain_plan([p.name for p in split.pieces], [1], 1, "1f1b")
+    module = stage_modules(split, plan)[0]
+    inputs = [zm.batch[k] for k in split.input_names]
+    grads, saved = {}, {}
+    for unit in ("none", "block"):
+        runner = StageRunner(Role(0, 0, ((0,),), None, unit), lambda rows: module, (), (), None, torch.device("cpu"))
+        calls = []
+        runner.rebuilt = lambda calls=calls: calls.append(1)
+        count = []
+
+        def pack(t, count=count):
+            count.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = runner._run(module, inputs)
+        saved[unit] = sum(count)
+        module.zero_grad()
+        loss.backward()
+        grads[unit] = {n: p.grad.clone() for n, p in module.named_parameters()}
+        # each piece whose backward needs what it saved runs again, once (not the first, which
+        # makes the embeddings' positions from the inputs and saves nothing)
+        assert len(calls) == (len(module.pieces) - 1 if unit == "block" else 0)
+    read = []  # the pieces' inputs, which each piece's checkpoint keeps
+    module.run(inputs, lambda piece, args: read.append(sum(a.numel() for a in args)) or piece(*args))
+    assert saved["block"] == sum(read) and 4 * saved["block"] < saved["none"]
+    assert all(grads["block"][n].equal(grads["none"][n]) for n in grads["none"])
+
+
 def test_a_plan_file_says_which_stages_recompute():
     plan = recomputing(one_per_stage(3, 2), stages=[1])
     back = serde.loads(serde.dumps(plan))
-    assert [s.recompute for s in back.stages] == [False, True, False] and back == plan
+    assert [s.recompute for s in back.stages] == ["none", "stage", "none"] and back == plan
     old = serde.to_dict(one_per_stage(3, 2))
     for s in old["stages"]:
         s.pop("recompute")
     assert serde.from_dict(old) == one_per_stage(3, 2)  # plan files from before read as before
 
 
-def run_weights(name, replicas, m, schedule, recompute, batch=8):
+def run_weights(name, replicas, m, schedule, recompute, batch=8, unit="stage", granularity="layer"):
     zm = no_dropout(load_model(name, batch_size=batch, seq_len=16, seed=0))
-    split = split_step(zm.step, zm.batch, "layer", zm.block_classes)
+    split = split_step(zm.step, zm.batch, granularity, zm.block_classes)
     plan = chain_plan([p.name for p in split.pieces], replicas, m, schedule)
-    plan = recomputing(plan, recompute)
-    spec = run_spec(plan, cpus(sum(replicas)), name, RunSettings(batch_size=batch, seq_len=16, granularity="layer",
+    plan = recomputing(plan, recompute, unit)
+    spec = run_spec(plan, cpus(sum(replicas)), name, RunSettings(batch_size=batch, seq_len=16, granularity=granularity,
                     block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0, optimizer="sgd", lr=0.1,
                     out_dir="unused", no_dropout=True))
     return zm, split, plan, spec, run_threads(spec)
 
 
-@pytest.mark.parametrize("name,replicas,m,schedule,recompute", [
-    ("gpt2-tiny", [1, 2], 3, "1f1b", [0, 1]),  # a replicated stage recomputing, rows split 4 + 4
-    ("gpt2-tiny", [1, 1, 1], 4, "gpipe", [1]),  # one stage of three
-    ("gpt2-tiny", [1, 1], 4, "zero-bubble", [0, 1]),  # the backward split in I and W
-    ("inception-tiny", [1, 1], 2, "1f1b", [0, 1]),  # branches, batch norm's running statistics
+@pytest.mark.parametrize("name,replicas,m,schedule,recompute,unit,granularity", [
+    ("gpt2-tiny", [1, 2], 3, "1f1b", [0, 1], "stage", "layer"),  # a replicated stage recomputing, rows 4 + 4
+    ("gpt2-tiny", [1, 1, 1], 4, "gpipe", [1], "stage", "layer"),  # one stage of three
+    ("gpt2-tiny", [1, 1], 4, "zero-bubble", [0, 1], "stage", "layer"),  # the backward split in I and W
+    ("inception-tiny", [1, 1], 2, "1f1b", [0, 1], "stage", "layer"),  # branches, batch norm's statistics
+    # a checkpoint per node: transformer blocks, layers, pieces that change their inputs in place
+    ("gpt2-tiny", [1, 2], 3, "1f1b", [0, 1], "block", "block"),
+    ("llama-tiny", [1, 1], 4, "zero-bubble", [0, 1], "block", "block"),
+    ("inception-tiny", [1, 1], 2, "1f1b", [0, 1], "block", "layer"),
 ])
-def test_recomputing_stages_train_as_one_process_and_as_without(name, replicas, m, schedule, recompute):
-    zm, split, plan, spec, results = run_weights(name, replicas, m, schedule, recompute)
-    _, _, _, _, plain = run_weights(name, replicas, m, schedule, [])
+def test_recomputing_stages_train_as_one_process_and_as_without(name, replicas, m, schedule, recompute, unit,
+                                                                 granularity):
+    zm, split, plan, spec, results = run_weights(name, replicas, m, schedule, recompute, unit=unit,
+                                                 granularity=granularity)
+    _, _, _, _, plain = run_weights(name, replicas, m, schedule, [], granularity=granularity)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     ref_loss = reference_step(zm, _batches(spec, zm, 0), m, 0.1)
     modules = stage_modules(split, plan)
@@ -121,10 +200,10 @@ def test_where_needed_recomputes_the_stages_over_memory():
     g = chain(4, fwd=0.03, bwd=0.05, acts=20e9, edge_bytes=1e6, batch=8)
     asked = {mode: make_plan(g, V100X4, "uniform", PlanOptions(microbatches=4, recompute=mode))
              for mode in ("never", "where-needed", "always")}
-    assert [s.recompute for s in asked["never"].stages] == [False] * 4 and not asked["never"].predicted.feasible
-    assert [s.recompute for s in asked["where-needed"].stages] == [True, False, False, False]
+    assert [s.recompute for s in asked["never"].stages] == ["none"] * 4 and not asked["never"].predicted.feasible
+    assert [s.recompute for s in asked["where-needed"].stages] == ["stage", "none", "none", "none"]
     assert asked["where-needed"].predicted.feasible
-    assert [s.recompute for s in asked["always"].stages] == [True] * 4
+    assert [s.recompute for s in asked["always"].stages] == ["stage"] * 4
     steps = [asked[mode].predicted.step_s for mode in ("never", "where-needed", "always")]
     assert steps[0] < steps[1] < steps[2]  # each recomputing stage pays its forward again
 
@@ -147,9 +226,32 @@ def test_dp_chooses_where_to_recompute_as_exact_does(schedule, acts):
     steps = {}
     for mode in ("never", "where-needed"):
         steps[mode] = exact_step_dp_matches(g, V100X4, PlanOptions(schedule=schedule, recompute=mode),
-                                            lambda plan: [s.recompute for s in plan.stages])
+                                            lambda plan: [s.recomputes for s in plan.stages])
     assert steps["where-needed"] <= steps["never"] * (1 + 1e-9)
     assert (steps["where-needed"] < steps["never"]) == (acts[0] == 30e9)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_dp_recomputes_per_block_where_only_that_fits_as_exact_does(devices):
+    """Eight nodes of 0.4 GB of parameters (1.6 GB held each) and 8 GB of activations per batch of
+    4, sending 0.1 GB on, on one or two 16 GB V100s. On one, whole: the weights leave 3.2 GB,
+    the whole stage rebuilt (64 GB over at most 4 micro-batches) does not fit, per block (each
+    node's input, 0.8 GB over m, and one node's 8 GB over m) fits at 4 micro-batches. dp and
+    exact find the same step and units, per block, and no plan at all when only the whole stage
+    may be rebuilt; on two the same."""
+    from hetplan.io.clusters import cluster_from_spec
+    from hetplan.planners import PlanOptions
+
+    cluster = cluster_from_spec({"devices": [{"id": f"v{k}", "type": "v100-16gb"} for k in range(devices)]}, "v")
+    g = chain(8 * devices, fwd=0.03, bwd=0.05, edge_bytes=1e8, batch=4, params=0.4e9, acts=8e9)
+    units = lambda plan: [s.recompute for s in plan.stages]  # noqa: E731
+    step = {}
+    for mode in ("stage", "block", "where-needed"):
+        step[mode] = exact_step_dp_matches(g, cluster, PlanOptions(recompute=mode), units,
+                                           lambda plan: all(s.recompute == "block" for s in plan.stages) or
+                                           pytest.fail(f"not per block: {units(plan)}"))
+    assert step["stage"] == float("inf") and math.isfinite(step["block"])
+    assert step["where-needed"] == pytest.approx(step["block"], rel=1e-9)
 
 
 def test_the_workers_tensors_are_read_off_the_memory_in_use():
@@ -180,6 +282,19 @@ def test_the_workers_tensors_are_read_off_the_memory_in_use():
     x = torch.ones(2**22)
     assert malloc_in_use_bytes() - before >= x.numel() * 4
     del x
+
+
+def test_the_plan_table_says_which_stages_recompute_and_at_which_unit():
+    from rich.console import Console
+
+    from hetplan.report.tables import show_plan
+
+    console = Console(record=True, width=200)
+    plan = recomputing(recomputing(one_per_stage(3, 2), stages=[0]), stages=[1], unit="block")
+    plan = replace(plan, stages=(recomputing(one_per_stage(3, 2), stages=[0]).stages[0], *plan.stages[1:]))
+    show_plan(console, plan)
+    text = console.export_text()
+    assert "0 (recompute)" in text and "1 (recompute per block)" in text and "2 (" not in text
 
 
 def test_the_report_page_names_the_stages_that_recompute():

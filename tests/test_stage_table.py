@@ -21,7 +21,7 @@ from hetplan.schedule import inflight_microbatches
 CALIBRATED = Path(__file__).resolve().parents[1] / "bench" / "results" / "local-calibrated.json"
 
 
-def _chain_plan(graph, cluster, rng, recompute: bool, schedule: str = "1f1b"):
+def _chain_plan(graph, cluster, rng, recompute: str, schedule: str = "1f1b"):
     """A random chain of stages along the topological order, each on one device or replicated."""
     order = graph.topo_order
     n = int(rng.integers(1, min(3, len(order)) + 1))
@@ -72,7 +72,7 @@ def _check_plan(graph, cluster, plan, bounds):
 def test_a_stage_costs_in_the_table_what_the_simulator_charges(seed):
     rng = np.random.default_rng(seed)
     graph, cluster = random_problem(rng, max_nodes=8, max_devices=4)
-    for recompute in (False, True):
+    for recompute in ("none", "stage", "block"):
         plan, bounds = _chain_plan(graph, cluster, rng, recompute)
         if plan is None:
             continue

@@ -313,6 +313,16 @@ class Graph:
         message: the runtime sends each value once per boundary (`hetplan.runtime.stages`)."""
         return FrozenMap({n.id: float(n.out_bytes) if n.out_bytes > 0 else math.inf for n in self.nodes})
 
+    @cached_property
+    def read_bytes(self) -> Mapping[str, float]:
+        """Per node, the bytes of its output that other nodes read, each tensor once
+        (`crossing_bytes` of its edges): what a stage that recomputes per block keeps of it per
+        micro-batch, the input of the next checkpointed node."""
+        out: dict[str, list[Edge]] = {n.id: [] for n in self.nodes}
+        for e in self.edges:
+            out[e.src].append(e)
+        return FrozenMap({v: self.crossing_bytes(es) for v, es in out.items()})
+
     def crossing_bytes(self, edges: Iterable[Edge]) -> float:
         """The bytes that cross a cut whose crossing edges are `edges`: per source node, its
         edges' bytes, at most what it outputs (`sent_cap_bytes`). Every cost of a cut comes here."""

@@ -10,7 +10,7 @@ A plan is valid for a graph and a cluster when:
   the schedule's map, `Plan.stage_ranks`; ranks' devices apart; one worker per device running
   all its stages);
 - each tensor-parallel replica (`Stage.tp` > 1) is a group of devices of one type on one host,
-  its stage shards no optimizer state, runs under a schedule of one stage per device without
+  its stage shards no optimizer state nor recomputes per block, runs under a schedule of one stage per device without
   shared devices, and its nodes split its degrees (`hetplan.tp.splits_in`);
 - there are no more micro-batches than samples in the batch.
 `validate_plan` checks all of it and names the offending node, edge, stage or device.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from hetplan._frozen import FrozenMap, freeze
 from hetplan.cluster import Cluster
@@ -34,13 +34,18 @@ from hetplan.tp import splits_in
 
 SCHEDULES = SCHEDULE_NAMES  # hetplan.schedule owns what each means
 OBJECTIVES = ("time", "cost", "mdpe", "throughput")
+RECOMPUTE_UNITS = ("none", "stage", "block")  # what a stage's recomputation rebuilds at once (`Stage`)
 
 
 @dataclass(frozen=True)
 class Stage:
-    """A convex set of nodes run by one device, or by several data-parallel replicas. With
-    `recompute`, the stage keeps only its inputs per micro-batch and runs its forward again in
-    its backward (activation recomputation, torch.utils.checkpoint): less memory, more time.
+    """A convex set of nodes run by one device, or by several data-parallel replicas. Its
+    `recompute` (`RECOMPUTE_UNITS`) trades memory for time by running the forward again in the
+    backward (activation recomputation, torch.utils.checkpoint): "stage" keeps only the stage's
+    inputs and outputs per micro-batch and rebuilds all its activations at once; "block" keeps
+    each node's (block's) inputs and rebuilds one node at a time, as Megatron-LM's full
+    recomputation checkpoints each transformer layer; "none" keeps every activation. A plan file's
+    `true` and `false` read as "stage" and "none".
     With `shard` (two replicas or more), its replicas shard its optimizer state (ZeRO-1,
     `hetplan.runtime.sharding`): each updates a 1/r share of its parameters, summed to it by a
     reduce-scatter, and the updated shares are all-gathered: an r-th of Adam's state each.
@@ -52,7 +57,7 @@ class Stage:
 
     nodes: tuple[str, ...]
     devices: tuple[str, ...]
-    recompute: bool = False
+    recompute: Literal["none", "stage", "block", True, False] = "none"
     shard: bool = False
     tp: int = 1
     tp_devices: tuple[tuple[str, ...], ...] = ()
@@ -61,6 +66,10 @@ class Stage:
         object.__setattr__(self, "nodes", tuple(self.nodes))
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "tp_devices", tuple(tuple(g) for g in self.tp_devices))
+        if isinstance(self.recompute, bool):
+            object.__setattr__(self, "recompute", "stage" if self.recompute else "none")
+        if self.recompute not in RECOMPUTE_UNITS:
+            raise PlanError(f"a stage has recompute {self.recompute!r}; it must be one of {', '.join(RECOMPUTE_UNITS)}")
         if not self.nodes:
             raise PlanError("a stage needs at least one node")
         if not self.devices:
@@ -76,6 +85,11 @@ class Stage:
                             f"{self.tp}), the first of them the replica's entry in devices")
         if self.tp == 1 and self.tp_devices:
             raise PlanError(f"{who} lists tp_devices but has tp 1")
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether its backward runs its forward again (at any unit)."""
+        return self.recompute != "none"
 
     @property
     def groups(self) -> tuple[tuple[str, ...], ...]:
@@ -325,6 +339,9 @@ def _tp_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
         if stage.tp == 1:
             continue
         problems += _tp_group_problems(i, stage, cluster)
+        if stage.recompute == "block":
+            problems.append(f"stage {i} is tensor-parallel and recomputes per block; hetplan does not combine the "
+                            "two: set recompute \"stage\" or tp 1")
         if stage.shard:
             problems.append(f"stage {i} is tensor-parallel and shards its optimizer state; hetplan does not combine "
                             "the two: set shard false or tp 1")

@@ -115,9 +115,10 @@ def _add_plan_shape_options(planning: argparse.ArgumentParser) -> None:
                           help="pipeline schedule (auto: the planner's plan under the schedule its objective "
                                f"prefers) {_default('schedule')}")
     planning.add_argument("--recompute", default=PLAN.recompute, choices=RECOMPUTE_CHOICES,
-                          help="which stages recompute their activations in their backward, keeping only what "
-                               "crosses their cuts: never, always, or where-needed (the stages over their "
-                               f"devices' memory) {_default('recompute')}")
+                          help="which stages recompute their activations in their backward, and what each "
+                               "rebuilds at once: where-needed (the stages over their devices' memory, the whole "
+                               "stage or a block at a time, whichever needs less), stage or block (the same at "
+                               f"that unit only), never, or always {_default('recompute')}")
     planning.add_argument("--shard", default=PLAN.shard, choices=SHARD_CHOICES,
                           help="replicated: the replicas of every stage of two or more shard its optimizer state "
                                "(ZeRO-1: an r-th of Adam's state each, a reduce-scatter and an all-gather instead "

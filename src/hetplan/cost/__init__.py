@@ -369,7 +369,7 @@ class CostModel:
         sharding = {"shards": len(stage.devices), "sharded_bytes": self.sharded_bytes(plan, stage_index)}
         # each device of a tensor-parallel group holds its share of the weights (`cost.tensor`)
         held_w = {t: tp_bytes(self.graph, stage.nodes, t) for t in set(stage.degrees)}
-        acts = sum(self.graph.by_id[n].act_bytes for n in stage.nodes)
+        kept, rebuilt = self.held_bytes(plan, stage_index)
         # this stage's split only: planners ask this per stage and device, in loops
         rows = step_rows(self.graph.batch_size, plan.microbatches, [self._group_weights(stage.nodes, stage.groups)],
                          self._slices)
@@ -378,14 +378,12 @@ class CostModel:
         def share(p: int, micro: range) -> float:
             return sum(rows.rows(0, j, p) for j in micro) / self.graph.batch_size
 
-        kept = self.kept_bytes(plan, stage_index) if stage.recompute else 0.0
-
         def need(p: int, group: Sequence[str]) -> int:
             params, casts = held_w[len(group)]
-            if stage.recompute:
-                return formulas.recompute_memory_bytes(params, kept, acts, share(p, range(held)), share(p, range(1)),
+            if stage.recomputes:
+                return formulas.recompute_memory_bytes(params, kept, rebuilt, share(p, range(held)), share(p, range(1)),
                                                        cast_bytes=casts, **sharding)
-            return formulas.stage_memory_bytes(params, acts, share(p, range(held)), cast_bytes=casts, **sharding)
+            return formulas.stage_memory_bytes(params, kept, share(p, range(held)), cast_bytes=casts, **sharding)
 
         return {dev: need(p, group) for p, group in enumerate(stage.groups) for dev in group}
 
@@ -409,12 +407,22 @@ class CostModel:
         updated = self._optimizer_bytes(nodes)
         return whole * (1.0 - (1.0 - 1.0 / len(plan.stages[k].devices)) * sharded / updated) if updated else whole
 
-    def kept_bytes(self, plan: Plan, k: int) -> float:
-        """What a stage that recomputes keeps per batch between its forward and its backward: the
-        tensors it received (the cut before it, relayed tensors included) and those it made for
-        the next stage (the cut after it)."""
-        last = len(plan.stages) - 1
-        return (self.cut_bytes(plan, k - 1) if k > 0 else 0.0) + (self.cut_bytes(plan, k) if k < last else 0.0)
+    def held_bytes(self, plan: Plan, k: int) -> tuple[float, float]:
+        """What stage k holds per batch between its forward and its backward, and what (more) its
+        backward holds per batch while it runs, by its `Stage.recompute`: "none", its activations
+        and nothing more; "stage", the tensors it received (the cut before it, relayed ones
+        included) and those it made for the next stage (the cut after it), then all its
+        activations rebuilt; "block", the cut before it and every node's output that is read
+        (`Graph.read_bytes`: each checkpointed node's input), then the largest node's activations
+        rebuilt."""
+        stage, by_id = plan.stages[k], self.graph.by_id
+        acts = [by_id[n].act_bytes for n in stage.nodes]
+        before = self.cut_bytes(plan, k - 1) if k > 0 else 0.0
+        if stage.recompute == "block":
+            return before + math.fsum(self.graph.read_bytes[n] for n in stage.nodes), float(max(acts))
+        if stage.recompute == "stage":
+            return before + (self.cut_bytes(plan, k) if k < len(plan.stages) - 1 else 0.0), float(sum(acts))
+        return float(sum(acts)), 0.0
 
     def _stage_compute_s(self, nodes: Sequence[str], devices: Sequence[str]) -> float:
         """Forward + backward of the batch on a stage's replicas together (each its share)."""

@@ -20,8 +20,9 @@ them to one plan:
   (`CostModel._group_weights`, the rule of `hetplan.rows`);
 - `memory_terms` and `memory_bytes`: what a replica holds for its weights (gradients, Adam's
   state, its share where replicas shard it or a tensor-parallel group splits it, 16-bit copies)
-  and per share of the batch in flight (its activations, or where it recomputes its inputs and
-  outputs plus one micro-batch's activations rebuilt);
+  and per share of the batch in flight (`held_bytes`: its activations, or where it recomputes
+  what it keeps, plus one micro-batch's activations rebuilt: the whole stage's, or per block
+  the largest node's);
 - `tail_s`: after its last action, the replicas' gradient sum, the slowest replica's optimizer
   step (an r-th where they shard it) and the runtime's cost per step; `steady_s`, PipeDream's
   steady state of a stage for the `throughput` objective;
@@ -90,6 +91,24 @@ def _diff(prefix: np.ndarray, i, j) -> np.ndarray:
     return prefix[j] - prefix[i]
 
 
+def _largest_between(states: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """(S, S): for states i and j ((S, nodes) membership), the largest value of a node that j
+    holds and i does not (0 where none). Prefixes of one order take a running maximum per i;
+    other down-sets a pass over the nodes from the largest value down."""
+    n_states, n = states.shape
+    out = np.zeros((n_states, n_states))
+    if n_states == n + 1 and np.array_equal(states, prefix_states(n)):
+        for i in range(n):
+            out[i, i + 1:] = np.maximum.accumulate(values[i:])
+        return out
+    done = np.zeros((n_states, n_states), dtype=bool)
+    for v in np.argsort(-values, kind="stable"):
+        fresh = ~states[:, v][:, None] & states[:, v][None, :] & ~done
+        out[fresh] = values[v]
+        done |= fresh
+    return out
+
+
 class StageTable:
     """The per-state sums of a graph's nodes on a cluster (`states`: (S, nodes) membership of each
     cut state over the nodes in `order`), and the figures of any stage between two of them."""
@@ -105,6 +124,8 @@ class StageTable:
         self.updated = self._sum([by_id[v].optimizer_bytes for v in self.order])  # what the optimizer updates
         self.indices = self._sum([cost._index_bytes([v]) for v in self.order])  # sparse rows' indices
         self.acts = self._sum([by_id[v].act_bytes for v in self.order])
+        self.read = self._sum([self.graph.read_bytes[v] for v in self.order])  # kept by a per-block recompute
+        self._largest: np.ndarray | None = None
         self.cut = self._cut_bytes()
         # per tied parameter (`Graph.tied`), how many of its nodes each state holds, and its bytes
         index = {v: k for k, v in enumerate(self.order)}
@@ -168,24 +189,24 @@ class StageTable:
             self._passes[key] = (*(self._sum(cols[:, c]) for c in range(4)), self._sum(weighted))
         return self._passes[key]
 
-    def passes_s(self, kind: Kind, i, j, recompute: bool = False) -> tuple[np.ndarray, ...]:
+    def passes_s(self, kind: Kind, i, j, recompute: str = "none") -> tuple[np.ndarray, ...]:
         """One replica's passes of stages i -> j, as the runtime runs them (`formulas.replica_passes_s`):
         (forward scaled, backward scaled, forward fixed, backward fixed), the scaled parts for the
         whole batch, the fixed parts per micro-batch with the runtime's cost per action. A stage
         that recomputes runs its forward again in its backward (`formulas.recomputed_backward_s`)."""
         fwd, bwd, ffix, bfix, _ = (_diff(a, i, j) for a in self._type_sums(kind))
         f, b, f_fix, b_fix = formulas.replica_passes_s(fwd, bwd, ffix, bfix, kind.corun, kind.action_overhead_s)
-        if recompute:
+        if recompute != "none":
             b, b_fix = formulas.recomputed_backward_s(b, b_fix, f, f_fix, kind.action_overhead_s)
         return f, b, f_fix, b_fix
 
-    def compute_s(self, kind: Kind, i, j, recompute: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def compute_s(self, kind: Kind, i, j, recompute: str = "none") -> tuple[np.ndarray, np.ndarray]:
         """(the part of a replica's forward and backward that scales with its rows, for the whole
         batch; the part each micro-batch pays whatever its rows)."""
         f, b, f_fix, b_fix = self.passes_s(kind, i, j, recompute)
         return f + b, f_fix + b_fix
 
-    def action_s(self, kind: Kind, i, j, share, recompute: bool = False) -> np.ndarray:
+    def action_s(self, kind: Kind, i, j, share, recompute: str = "none") -> np.ndarray:
         """A replica's forward and backward of one micro-batch of `share` of the batch's rows."""
         scaled, fixed = self.compute_s(kind, i, j, recompute)
         return formulas.action_s(fixed, scaled, share)
@@ -293,32 +314,42 @@ class StageTable:
         params, casts = (_diff(a, i, j) for a in self._held(kind.degree))
         return formulas.weight_bytes(params - self.tied_excess_bytes(i, j), casts, shards)
 
-    def kept_bytes(self, i, j) -> np.ndarray:
-        """What a stage that recomputes keeps per batch between its passes: the cut before it and
-        the cut after it (`CostModel.kept_bytes`)."""
+    def held_bytes(self, i, j, recompute: str = "none") -> tuple[np.ndarray, np.ndarray]:
+        """What stages i -> j hold per batch between their passes, and what more their backward
+        holds per batch while it runs, by the unit they recompute (`CostModel.held_bytes`): none,
+        their activations; a stage, the cuts before and after it, then all its activations; a
+        block, the cut before it and every node's output that is read, then its largest node's
+        activations."""
         i, j = np.asarray(i), np.asarray(j)
-        return np.where(i > 0, self.cut[i], 0.0) + np.where(j < self.last, self.cut[j], 0.0)
+        acts = _diff(self.acts, i, j)
+        before = np.where(i > 0, self.cut[i], 0.0)
+        if recompute == "block":
+            return before + _diff(self.read, i, j), self.largest_acts(i, j) + 0.0 * acts
+        if recompute == "stage":
+            return before + np.where(j < self.last, self.cut[j], 0.0), acts
+        return acts, 0.0 * acts
 
-    def memory_terms(self, kind: Kind, i, j, recompute: bool = False, shards=1) -> tuple[np.ndarray, ...]:
+    def largest_acts(self, i, j) -> np.ndarray:
+        """The activations of the largest node of stages i -> j (0 where j does not hold i)."""
+        if self._largest is None:
+            self._largest = _largest_between(self._mat > 0, np.array([self.graph.by_id[v].act_bytes
+                                                                      for v in self.order], dtype=float))
+        return self._largest[i, j]
+
+    def memory_terms(self, kind: Kind, i, j, recompute: str = "none", shards=1) -> tuple[np.ndarray, ...]:
         """A replica's memory as three terms: (room: its device's memory less what it holds for the
         weights; per_batch: what it holds per share of the batch in flight; rebuilt: what it
         holds per share of one micro-batch while its backward runs). It fits when
         per_batch * in_flight_share + rebuilt * largest_share <= room."""
         room = kind.mem_bytes - self.weights_bytes(kind, i, j, shards)
-        acts = _diff(self.acts, i, j)
-        if recompute:
-            return room, self.kept_bytes(i, j) + 0.0 * acts, acts
-        return room, acts, 0.0 * acts
+        return (room, *self.held_bytes(i, j, recompute))
 
-    def memory_bytes(self, kind: Kind, i, j, in_flight_share, largest_share=0.0, recompute: bool = False,
+    def memory_bytes(self, kind: Kind, i, j, in_flight_share, largest_share=0.0, recompute: str = "none",
                      shards=1) -> np.ndarray:
         """A replica's peak memory holding `in_flight_share` of the batch in flight (and, where it
         recomputes, one micro-batch of `largest_share` rebuilt)."""
-        weights = self.weights_bytes(kind, i, j, shards)
-        acts = _diff(self.acts, i, j)
-        if recompute:
-            return weights + np.ceil(self.kept_bytes(i, j) * in_flight_share + acts * largest_share)
-        return weights + np.ceil(acts * in_flight_share)
+        per_batch, again = self.held_bytes(i, j, recompute)
+        return self.weights_bytes(kind, i, j, shards) + np.ceil(per_batch * in_flight_share + again * largest_share)
 
     # -- after the last action ------------------------------------------------------------------
     def _measured_opt(self, type_name: str) -> np.ndarray | None:

@@ -190,7 +190,7 @@ def _replica_passes(cm: CostModel, plan: Plan, k: int, p: int, split: bool) -> t
     return passes, weights, optimizer_s, slow, held
 
 
-def _replica(cm: CostModel, plan: Plan, rows: StepRows, k: int, p: int, acts: int, kept: float, split: bool,
+def _replica(cm: CostModel, plan: Plan, rows: StepRows, k: int, p: int, kept: tuple[float, float], split: bool,
              first_of_worker: bool, alike: dict, per_mb: bool = True) -> Replica:
     """One replica of stage k: its whole batch's figures and (`per_mb`) each micro-batch's."""
     stage = plan.stages[k]
@@ -208,14 +208,15 @@ def _replica(cm: CostModel, plan: Plan, rows: StepRows, k: int, p: int, acts: in
     halves: tuple[tuple[float, ...], ...] = ((), ())
     if split:
         i_s, i_fix, w_s, w_fix = split_backward_s(bwd, bfix, weights, dev.action_overhead_s)
-        if stage.recompute:  # the inputs' half runs the forward again first
+        if stage.recomputes:  # the inputs' half runs the forward again first
             i_s, i_fix = recomputed_backward_s(i_s, i_fix, fwd, ffix, dev.action_overhead_s)
         halves = tuple(tuple(action_s(fix, scaled, f) if f > 0 else 0.0 for f in frac)
                        for fix, scaled in ((i_fix, i_s), (w_fix, w_s)))
+    acts, again = kept  # per batch: kept between its passes; rebuilt in its backward (`CostModel.held_bytes`)
     rebuilt: tuple[float, ...] = ()
-    if stage.recompute:
+    if stage.recomputes:
         bwd, bfix = recomputed_backward_s(bwd, bfix, fwd, ffix, dev.action_overhead_s)
-        rebuilt, acts = tuple(acts * f for f in frac), kept
+        rebuilt = tuple(again * f for f in frac)
     return Replica(d, share, share * fwd, share * bwd, share * acts, ffix, bfix,
                    # a worker holding several stages (interleaved) pays the runtime's per-step cost once
                    replica_tail_s(optimizer_s, slow, dev.step_overhead_s if first_of_worker else 0.0),
@@ -237,16 +238,14 @@ def _transfers_s(cluster: Cluster, src: str, dst: str, per_mb: tuple[float | Non
 def _stage_works(cm: CostModel, plan: Plan, rows: StepRows, syncs: tuple[SyncCost, ...],
                  per_mb: bool = True) -> tuple[StageWork, ...]:
     """Every stage's replicas (`_replica`), its own gradient sum and its memory's figures."""
-    by_id = cm.graph.by_id
     split = get_schedule(plan.schedule).split_backward
     own = {s.members[0][0]: s.seconds for s in syncs if len({k for k, _ in s.members}) == 1}
     firsts = {held[0] for held in plan.rank_stages}
     stages = []
     for k, stage in enumerate(plan.stages):
-        acts = sum(by_id[n].act_bytes for n in stage.nodes)
-        kept = cm.kept_bytes(plan, k) if stage.recompute else 0.0
+        kept = cm.held_bytes(plan, k)
         alike: dict = {}
-        replicas = tuple(_replica(cm, plan, rows, k, p, acts, kept, split, k in firsts, alike, per_mb)
+        replicas = tuple(_replica(cm, plan, rows, k, p, kept, split, k in firsts, alike, per_mb)
                          for p in range(len(stage.devices)))
         stages.append(StageWork(k, replicas, cm.graph.param_bytes_of(stage.nodes), own.get(k, 0.0),
                                 cm.graph.cast_bytes_of(stage.nodes), cm.sharded_bytes(plan, k)))

@@ -30,8 +30,9 @@ set S_k minus S_(k-1). We extend both papers:
   Adam's state where its r replicas shard it, plus its stashed activations: all micro-batches
   under GPipe, min(m, stages after it + 1) under 1F1B) is not allowed. With `--recompute
   where-needed` (the default) every stage is also tried recomputing its
-  activations (`Stage.recompute`: its forward's time again; it keeps its cuts' bytes per
-  micro-batch in flight and one micro-batch's activations, the fewest micro-batches that allows
+  activations at both units (`Stage.recompute`: its forward's time again; it keeps its cuts'
+  bytes, or per block each node's input, per micro-batch in flight and one micro-batch's
+  activations of the stage, or of its largest node, the fewest micro-batches that allows
   by `dp_program._recompute_microbatches`), and the fronts keep whichever labels are not
   dominated: dp chooses per stage.
 - The objective of a flushed pipeline. With t_k a stage's time for the whole batch, c_k the

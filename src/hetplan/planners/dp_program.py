@@ -90,12 +90,12 @@ def model_step_s(lab, m):
 @dataclass(frozen=True)
 class _Option:
     """A stage option along an order: the `span` devices from position `d` as replicas of `tp`
-    devices each, recomputing or not."""
+    devices each, recomputing at a unit or not (`Stage.recompute`)."""
 
     d: int
     span: int
     tp: int
-    recompute: bool
+    recompute: str
 
     @property
     def replicas(self) -> int:
@@ -114,7 +114,7 @@ class _Order:
         self.cache = {} if cache is None else cache
         self.order, self.D = order, len(order)
         self.dev = [cluster.device(x) for x in order]
-        self.choices = {"never": (False,), "where-needed": (False, True), "always": (True,)}[options.recompute]
+        self.choices = options.recompute_units
         self.shard = options.shard != "never"  # stages of several replicas shard their optimizer state
         self.bounded = get_schedule(options.schedule).bounded  # in flight bounded by the stages after
         self.track_price = objective(options).track == "price"
@@ -130,9 +130,13 @@ class _Order:
         for d in range(self.D):
             for span in range(1, min(self.max_span, self.D - d) + 1):
                 for tp in self._degrees(d, span, degrees):
-                    for rc in self.choices if tp == 1 else (False,):
+                    plain_fits = False  # recomputing only adds time where every stage fits as it is
+                    for rc in self.choices if tp == 1 else ("none",):
+                        if plain_fits:
+                            continue
                         self.options.append(_Option(d, span, tp, rc))
                         self._figures(table, d, span, tp, rc, pairs)
+                        plain_fits = rc == "none" and self._fits_whole_batch()
         self.option_d = np.array([o.d for o in self.options])
         self.option_e = np.array([o.d + o.span for o in self.options])
         self.option_span = np.array([o.span for o in self.options])
@@ -151,6 +155,12 @@ class _Order:
             d.mem_bytes for d in self.dev))
         self.track_r = self.bounded and not bool(fits_anywhere)
 
+    def _fits_whole_batch(self) -> bool:
+        """Whether every stage of the last option added (one that does not recompute) fits, or does
+        not fit at all, with the whole batch's activations held."""
+        fits, ratio = self.fig["fits"][-1], self.fig["ratio"][-1]
+        return bool(np.all(~(fits & self.valid) | (ratio <= 1.0)))
+
     def _degrees(self, d: int, span: int, degrees: dict[str, tuple[int, ...]]) -> list[int]:
         """1, and the tensor-parallel degrees a span of devices of one host and type can take."""
         devs = self.dev[d:d + span]
@@ -158,7 +168,7 @@ class _Order:
             return [1]
         return [1, *(t for t in degrees.get(devs[0].type, ()) if t > 1 and span % t == 0)]
 
-    def _figures(self, table, d: int, span: int, tp: int, rc: bool, pairs: tuple[np.ndarray, np.ndarray]) -> None:
+    def _figures(self, table, d: int, span: int, tp: int, rc: str, pairs: tuple[np.ndarray, np.ndarray]) -> None:
         """The figures of every stage i -> j on the devices d .. d+span-1 as replicas of tp devices
         (kept in `cache` for the other orders: devices alike in type, host, memory and price cost
         alike)."""
@@ -169,7 +179,7 @@ class _Order:
         for name, value in self.cache[key].items():
             self.fig.setdefault(name, []).append(value)
 
-    def _group_figures(self, table, ids: tuple[str, ...], tp: int, rc: bool,
+    def _group_figures(self, table, ids: tuple[str, ...], tp: int, rc: str,
                        pairs: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
         i, j = pairs
         span = len(ids)
@@ -288,7 +298,7 @@ class _Program:
             f["m_req"][e, n - 1, 0] = 1
             f["usd_per_hour"][e, n - 1, 0] = setup.usd_prefix[e]
             f["option"][e, n - 1, 0] = -1
-        self.rc = np.array([o.recompute for o in setup.options])
+        self.rc = np.array([o.recompute != "none" for o in setup.options])
 
     def run(self) -> list[Label]:
         for i in range(len(self.prob.ideals) - 2, -1, -1):

@@ -10,7 +10,10 @@ from hetplan.plan import OBJECTIVES, SCHEDULES
 
 AUTO_SCHEDULE = "auto"  # not a schedule: the planner's plan under whichever the objective prefers
 SCHEDULE_CHOICES = (*SCHEDULES, AUTO_SCHEDULE)
-RECOMPUTE_CHOICES = ("never", "where-needed", "always")  # which stages recompute (`Stage.recompute`)
+# which stages recompute and at which unit (`Stage.recompute`): the units each choice lets a stage take
+RECOMPUTE_UNITS = {"never": ("none",), "where-needed": ("none", "stage", "block"), "always": ("stage", "block"),
+                   "stage": ("none", "stage"), "block": ("none", "block")}
+RECOMPUTE_CHOICES = tuple(RECOMPUTE_UNITS)
 SHARD_CHOICES = ("never", "replicated")  # which stages shard their optimizer state (`Stage.shard`)
 
 @dataclass(frozen=True)
@@ -35,9 +38,12 @@ class PlanOptions:
     that replicate search within it and no planner returns a plan beyond it.
     faithful: for the RL planners, the paper's set-up (cold start, the paper's hyper-parameters)
     instead of hetplan's default (warm start from dp, never worse than dp).
-    recompute: which stages of the plan recompute their activations in their backward:
-    `never`, `always`, or `where-needed` (the default), the stages with a replica over its
-    device's memory (`hetplan.planners.refine.with_recompute`; dp weighs each stage both ways).
+    recompute: which stages of the plan recompute their activations in their backward, and what
+    each rebuilds at once (`Stage.recompute`: the whole stage, or one block at a time):
+    `where-needed` (the default), the stages with a replica over its device's memory, at the
+    unit that needs less (`hetplan.planners.refine.with_recompute`; dp and the per-type program
+    weigh each stage all three ways); `stage` or `block`, the same at that unit only; `never`;
+    `always`, every stage at either unit.
     shard: which stages' replicas shard their optimizer state (ZeRO-1, `Stage.shard`): `never`,
     or `replicated` (the default): every stage of two replicas or more whose gradients are dense
     and that is not tensor-parallel. Measured on this VM's CPU workers the step is the same or
@@ -105,6 +111,11 @@ class PlanOptions:
             raise HetplanError(f"--max-replicas: {self.max_replicas!r} must be a whole number >= 1")
         if self.max_tp is not None and not _whole(self.max_tp):
             raise HetplanError(f"--max-tp: {self.max_tp!r} must be a whole number >= 1 or auto")
+
+    @property
+    def recompute_units(self) -> tuple[str, ...]:
+        """The `Stage.recompute` values a stage may take under `recompute`."""
+        return RECOMPUTE_UNITS[self.recompute]
 
     def allows(self, plan) -> bool:
         """Whether a plan keeps within `max_replicas`."""

@@ -17,6 +17,7 @@ from dataclasses import replace
 from hetplan.cost import CostModel
 from hetplan.plan import Plan, Stage, plan_problems
 from hetplan.planners.interleave import interleavings
+from hetplan.planners.options import RECOMPUTE_UNITS
 from hetplan.planners.scoring import Scorer
 from hetplan.schedule import SCHEDULE_NAMES, get_schedule
 
@@ -59,18 +60,32 @@ def best_schedule(scorer: Scorer, plan: Plan, names: tuple[str, ...] = SCHEDULE_
 
 
 def with_recompute(cost: CostModel, plan: Plan, mode: str) -> Plan:
-    """The plan with `recompute` set on more of its stages: `always` on every stage,
-    `where-needed` on each stage with a replica whose peak memory
-    (`CostModel.stage_replicas_memory_bytes`) is over its device's; never taken off a stage that
-    has it (a planner that weighs it, dp, chose it). With `never`, the plan as it is."""
-    if mode == "never":
+    """The plan with recomputation set on more of its stages (`PlanOptions.recompute_units`):
+    under `always` on every stage, otherwise on each stage with a replica whose peak memory
+    (`CostModel.stage_replicas_memory_bytes`) is over its device's; each at the allowed unit
+    whose replicas need the least (the same time either way). Never taken off a stage that has
+    it (a planner that weighs it, dp, chose it). With `never`, the plan as it is."""
+    units = [u for u in RECOMPUTE_UNITS[mode] if u != "none"]
+    if not units:
         return plan
-    over = {k for k, st in enumerate(plan.stages) if not st.recompute and (mode == "always" or any(
-        need > cost.cluster.device(d).mem_bytes for d, need in cost.stage_replicas_memory_bytes(plan, k).items()))}
-    if not over:
+    stages = list(plan.stages)
+    for k, st in enumerate(plan.stages):
+        if st.recomputes or (mode != "always" and not _over(cost, plan, k)):
+            continue
+        allowed = [u for u in units if st.tp == 1 or u != "block"]  # (`plan._tp_problems`)
+        if not allowed:
+            continue
+        trials = [replace(plan, stages=tuple(stages[:k]) + (replace(st, recompute=u),) + tuple(stages[k + 1:]))
+                  for u in allowed]
+        stages[k] = min(trials, key=lambda p: max(cost.stage_replicas_memory_bytes(p, k).values())).stages[k]
+    if tuple(stages) == plan.stages:
         return plan
-    stages = tuple(replace(s, recompute=True) if k in over else s for k, s in enumerate(plan.stages))
-    return replace(plan, stages=stages, predicted=None)
+    return replace(plan, stages=tuple(stages), predicted=None)
+
+
+def _over(cost: CostModel, plan: Plan, k: int) -> bool:
+    """Whether a replica of stage k needs more memory than its device has."""
+    return any(need > cost.cluster.device(d).mem_bytes for d, need in cost.stage_replicas_memory_bytes(plan, k).items())
 
 
 def shardable(cost: CostModel, stage) -> bool:

@@ -119,7 +119,7 @@ class _Option:
     d: int
     r: int
     tp: int
-    recompute: bool
+    recompute: str
     key: int
     replicas: int
     devices: tuple[str, ...]
@@ -140,14 +140,13 @@ class _Tables:
         self.prob, self.units, self.table = prob, units, prob.table
         self.cluster = scorer.cluster
         self.shard = scorer.options.shard != "never"  # replicated stages shard their optimizer state
-        self.recompute = {"never": (False,), "where-needed": (False, True), "always": (True,)}[
-            scorer.options.recompute]
+        self.recompute = scorer.options.recompute_units
         self.U, self.n = len(units.devices), len(prob.ideals)
         # each type's units (first, end), the last type first
         self.blocks = sorted({(units.block_end.index(e), e) for e in units.block_end}, reverse=True)
         n = self.n
         self.I, self.J = np.arange(n)[:, None], np.arange(n)[None, :]
-        self.keys: list[tuple[str, int, bool]] = []  # (type, degree, recompute)
+        self.keys: list[tuple[str, int, str]] = []  # (type, degree, recompute)
         self.scaled, self.fixed, self.per_batch, self.rebuilt, self.valid = [], [], [], [], []
         self._rooms: dict[tuple, np.ndarray] = {}
         self._tails: dict[tuple, np.ndarray] = {}
@@ -174,12 +173,16 @@ class _Tables:
                 groups = [devs[x:x + tp] for x in range(0, len(devs), tp)]
                 if len(devs) % tp or any(len({self.cluster.device(x).host for x in g}) > 1 for g in groups):
                     continue
-                for rc in self.recompute if tp == 1 else (False,):
+                plain_fits = False  # recomputing only adds time where every stage fits as it is
+                for rc in self.recompute if tp == 1 else ("none",):
+                    if plain_fits:
+                        continue
                     out.append(_Option(d, r, tp, rc, self._key(type_name, groups[0], rc), len(groups),
                                        tuple(g[0] for g in groups)))
+                    plain_fits = rc == "none" and self._fits_whole_batch(out[-1])
         return out
 
-    def _key(self, type_name: str, group: tuple[str, ...], rc: bool) -> int:
+    def _key(self, type_name: str, group: tuple[str, ...], rc: str) -> int:
         key = (type_name, len(group), rc)
         if key not in self.keys:
             kind = self.table.kind(group)
@@ -193,6 +196,13 @@ class _Tables:
             self.rebuilt.append(np.broadcast_to(rebuilt, shape))
             self.valid.append(np.broadcast_to(self.table.tp_valid(len(group), self.I, self.J), shape))
         return self.keys.index(key)
+
+    def _fits_whole_batch(self, o: _Option) -> bool:
+        """Whether every stage on the option (not recomputing) fits, or does not fit at all, with
+        the whole batch's activations held."""
+        room = self._room(o)
+        per_batch = self.per_batch[o.key]
+        return bool(np.all(~(self.valid[o.key] & self.prob.inside) | (room <= 0) | (per_batch <= room)))
 
     def sharding(self, o: _Option) -> bool:
         """Whether stages on the option shard their optimizer state where their gradients are
@@ -209,7 +219,7 @@ class _Tables:
         key = (type_name, o.tp, o.replicas if self.sharding(o) else 1)
         if key not in self._rooms:
             kind = self.table.kind(self.units.span(o.d, o.r)[:o.tp])
-            room = self.table.memory_terms(kind, self.I, self.J, False, self.shards(o))[0]
+            room = self.table.memory_terms(kind, self.I, self.J, "none", self.shards(o))[0]
             self._rooms[key] = np.broadcast_to(room, np.broadcast(self.I, self.J).shape)
         return self._rooms[key]
 

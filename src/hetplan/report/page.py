@@ -333,7 +333,7 @@ def facts_of(plan: Plan, measured_step_s: float | None = None) -> tuple[tuple[st
     est = plan.predicted
     out = [("planner", plan.planner), ("stages", str(len(plan.stages))), ("devices", str(len(plan.devices))),
            ("micro-batches", f"{plan.microbatches} ({plan.schedule})"), ("precision", plan.precision)]
-    for label, chosen in (("stages recomputing", [s.recompute for s in plan.stages]),
+    for label, chosen in (("stages recomputing", [s.recomputes for s in plan.stages]),
                           ("stages sharding optimizer state", [s.shard for s in plan.stages])):
         if any(chosen):
             out.append((label, ", ".join(str(k) for k, c in enumerate(chosen) if c)))

@@ -101,7 +101,7 @@ def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster:
         table.add_column("fwd+bwd", justify="right")
         table.add_column("memory", justify="right")
     for i, stage in enumerate(plan.stages):
-        marks = [word for word, on in ((tp_mark(stage), stage.tp > 1), ("recompute", stage.recompute),
+        marks = [word for word, on in ((tp_mark(stage), stage.tp > 1), (_recompute_mark(stage), stage.recomputes),
                                        ("shard", stage.shard)) if on]
         row = [f"{i} ({', '.join(marks)})" if marks else str(i), _devices_cell(stage.all_devices, cluster),
                str(len(stage.nodes)),
@@ -123,6 +123,11 @@ def tp_mark(stage) -> str:
     if len(set(stage.degrees)) == 1:
         return f"tp{stage.tp}"
     return "tp " + ",".join(map(str, stage.degrees))
+
+
+def _recompute_mark(stage) -> str:
+    """`recompute` for a stage rebuilt whole, `recompute per block` for one rebuilt a node at a time."""
+    return "recompute per block" if stage.recompute == "block" else "recompute"
 
 
 def _devices_cell(devices: tuple[str, ...], cluster: Cluster | None) -> str:

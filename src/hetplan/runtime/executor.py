@@ -18,7 +18,8 @@ For replica p of stage k, micro-batch j, with rows [lo, hi) of it (`StepRows.sli
     F j:  stage 0: x = rows [lo, hi) of micro-batch j of the batch
           else:    x = the rows each replica of stage k-1 shares with mine, joined in order
                    (a value without batch dimension: whole, from the replica holding my first row)
-          y = stage(x); keep (x, y) for B j   (a stage that recomputes: y = checkpoint(stage, x))
+          y = stage(x); keep (x, y) for B j   (a stage that recomputes: y = checkpoint(stage, x),
+                                               or per block each piece checkpointed in turn)
           last stage: loss_j = y;  else: send each replica of stage k+1 the rows of y we share
     B j:  last stage: backward(loss_j * (hi - lo) / batch)   # the batch's mean loss, by samples
           else:       g = the gradients of y from stage k+1's replicas, joined; backward(y, g)
@@ -64,7 +65,9 @@ class Role:
     replica: int
     ranks: tuple[tuple[int, ...], ...]
     rows: StepRows
-    recompute: bool = False  # keep only the inputs and outputs; run the forward again in the backward
+    # `Stage.recompute`: "stage", keep only the inputs and outputs and run the forward again in the
+    # backward; "block", the same around each piece (node) of the stage
+    recompute: str = "none"
     precision: str = FP32  # the arithmetic of its passes (`hetplan.pieces.mixed`)
     # tensor parallelism: groups[k][p], the ranks of replica p of stage k (ranks[k][p] first), and
     # this rank's place in its own group; only a group's first rank sends, to every rank of a group
@@ -194,8 +197,7 @@ class StageRunner:
         # torch's non-reentrant checkpoint keeps the inputs, restores the RNG state and autocast's
         # and runs the forward again when the backward first needs what it saved
         with self.mixed.forward():
-            out = checkpoint(_once_per_step(module, self.rebuilt), *inputs, use_reentrant=False) \
-                if self.role.recompute else module(*inputs)
+            out = self._run(module, inputs)
         outs = out if isinstance(out, tuple) else (out,)
         saved[j] = (inputs, outs)
         if self.role.last or self.role.position:  # a group's other ranks made the same outputs
@@ -207,6 +209,15 @@ class StageRunner:
                                                                                  peer.end - lo)) for i in idx]
             self._check(values, idx, peer)
             self._send(values, k + 1, peer.replica, self.tag(k, j, FORWARD), pending)
+
+    def _run(self, module: nn.Module, inputs: list[torch.Tensor]):
+        """The stage's forward, recomputed in its backward as `Role.recompute` says."""
+        if self.role.recompute == "stage":
+            return checkpoint(_once_per_step(module, self.rebuilt), *inputs, use_reentrant=False)
+        if self.role.recompute == "block":
+            return module.run(inputs, lambda piece, args: checkpoint(_once_per_step(piece, self.rebuilt), *args,
+                                                                     use_reentrant=False))
+        return module(*inputs)
 
     def _as_sent(self, lay: ValueLayout, value: torch.Tensor) -> torch.Tensor:
         """In mixed precision, a floating value in the dtype its boundary carries: the layouts come

@@ -12,7 +12,7 @@ inputs, and the last stage returns the loss.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,15 +86,25 @@ class StageModule(nn.Module):
         self.spec = spec
         self.pieces = nn.ModuleList([p.module for p in pieces])
         self._io = [(p.inputs, p.outputs) for p in pieces]
-        self._mutated = frozenset(v for p in pieces for v in changed_in_place(p)) & set(spec.inputs)
+        self._changes = [frozenset(changed_in_place(p)) for p in pieces]
+        self._mutated = frozenset(v for c in self._changes for v in c) & set(spec.inputs)
 
     def forward(self, *values: torch.Tensor):
+        return self.run(values)
+
+    def run(self, values: Sequence[torch.Tensor], call: Callable[[nn.Module, list], tuple] | None = None):
+        """The forward, each piece run by `call(piece, inputs)` where given (a checkpoint per piece:
+        `Stage.recompute` "block"); such a call's inputs that the piece changes in place are copies,
+        so that running it again in the backward reads what the forward read."""
         # a received value that a piece changes in place (ResNet's ReLU(inplace=True)) is copied
         # first: autograd forbids changing a leaf that asks for its gradient
         env = {v: x.clone() if v in self._mutated and x.requires_grad else x
                for v, x in zip(self.spec.inputs, values, strict=True)}
-        for module, (ins, outs) in zip(self.pieces, self._io, strict=True):
-            results = module(*(env[v] for v in ins))
+        for module, (ins, outs), changed in zip(self.pieces, self._io, self._changes, strict=True):
+            if call is None:
+                results = module(*(env[v] for v in ins))
+            else:
+                results = call(module, [env[v].clone() if v in changed else env[v] for v in ins])
             env.update(zip(outs, results, strict=True))
         # a value passed on unchanged is cloned: the pipeline's send and receive buffers must
         # not alias the stage's inputs
