@@ -1,7 +1,7 @@
 """Plans for models that fit nowhere whole: dp's plan for each problem against a lower bound on its step.
 
     .venv/bin/python bench/llm_deep.py [--only NAME ...] [--timeout-s 900] [--markdown]
-        [--recompute MODE ...] [-o bench/results/llm_deep.json]
+        [--recompute MODE ...] [--tp-activations split|whole ...] [-o bench/results/llm_deep.json]
 
 Problems (`PROBLEMS`, a global batch of 2,048 sequences for the Llamas, 1,024 for the others):
 Llama-3-8B at 8,192 tokens a sequence on 8 A100-40GB + 8 V100-16GB and on 32 A100 + 96 V100
@@ -22,7 +22,9 @@ lower bounds (`lower_bound_s`): `bound_any_s`, the forward and backward work of 
 shared among every device of the cluster at its own speed, which no plan beats; `bound_plan_s`,
 the same with the plan's recomputed forwards added. The gaps are the step over each. With
 `--recompute MODE` (repeatable) each problem is planned once per mode instead (`hetplan plan
---recompute`: never, stage or block where needed, or both, the default's where-needed), a row each.
+--recompute`: never, stage or block where needed, or both, the default's where-needed), a row each;
+with `--tp-activations whole` also with a tensor-parallel group's activations counted whole on
+each of its devices (every node's `act_split_share` 0), as before they were split.
 
 Every figure is the event simulator's (the plan's `predicted`, as `make_plan` attaches it) on
 counted graphs: nothing here was measured.
@@ -31,6 +33,7 @@ counted graphs: nothing here was measured.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -38,7 +41,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import dp_scale
@@ -177,15 +180,18 @@ def busy_share(plan: Plan, cluster: Cluster) -> dict[str, float]:
     return {t: sum(v) / len(v) for t, v in shares.items()}
 
 
-def one_problem(name: str, timeout_s: float, tmp: Path, recompute: str | None = None) -> dict:
+def one_problem(name: str, timeout_s: float, tmp: Path, recompute: str | None = None,
+                tp_activations: str = "split") -> dict:
     problem = PROBLEMS[name]
     graph, cluster = problem.graph(), problem.cluster(name)
+    if tp_activations == "whole":  # a group's devices each counted with every activation (an upper bound)
+        graph = replace(graph, nodes=tuple(replace(n, act_split_share=0.0) for n in graph.nodes))
     devices_per_type = count_types(cluster, cluster.ids)
     times = node_times_s(graph, cluster)
     bound_any = lower_bound_s(work_s(times), devices_per_type)
     row = {"problem": name, "model": problem.model, "batch": problem.batch, "seq_len": problem.seq_len,
            "precision": problem.precision, "gpus": devices_per_type, "inter_host": problem.inter_host,
-           "bound_any_s": bound_any, "recompute_option": recompute or "default"}
+           "bound_any_s": bound_any, "recompute_option": recompute or "default", "tp_activations": tp_activations}
     graph_file = tmp / f"graph-{slug(name)}.json"  # run_dp writes the cluster to {name}.json
     serde.dump(graph, graph_file)
     began = time.perf_counter()
@@ -224,7 +230,9 @@ def stages_text(stages: list[dict]) -> str:
 def label(r: dict) -> str:
     """A row's problem, with the --recompute it was planned with where not the default."""
     option = r.get("recompute_option", "default")
-    return r["problem"] + ("" if option == "default" else f" (--recompute {option})")
+    whole = r.get("tp_activations") == "whole"
+    return r["problem"] + ("" if option == "default" else f" (--recompute {option})") + (
+        " (a group's activations whole)" if whole else "")
 
 
 def unit_text(recompute) -> str:
@@ -270,13 +278,16 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="print the rows as a Markdown table at the end")
     parser.add_argument("--recompute", action="append", choices=RECOMPUTE_CHOICES,
                         help="plan with this --recompute instead of the default (repeatable: a row each)")
+    parser.add_argument("--tp-activations", action="append", choices=["split", "whole"],
+                        help="a group's activations split as the graph says (the default) or counted whole on "
+                             "each device, as before (repeatable: a row each)")
     parser.add_argument("-o", "--output", type=Path, default=HERE / "results" / "llm_deep.json")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only or PROBLEMS:
-            for recompute in args.recompute or [None]:
-                rows.append(one_problem(name, args.timeout_s, Path(tmp), recompute))
+            for recompute, acts in itertools.product(args.recompute or [None], args.tp_activations or ["split"]):
+                rows.append(one_problem(name, args.timeout_s, Path(tmp), recompute, acts))
                 print(json.dumps(rows[-1], default=str), flush=True)
     statuses = [r["status"] for r in rows]
     summary = {"problems": len(rows), "planned": statuses.count("planned"),

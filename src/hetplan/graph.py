@@ -87,7 +87,10 @@ class Node:
     `tp_units`: the most ways the node splits tensor-parallel (`hetplan.tp`): every degree that
     divides it splits the node's heads, MLP units and vocabulary evenly; 0: nothing in it splits
     (a norm, an embedding: whole on every device of a group); None: not known (a graph made by
-    an importer or an older profiler).
+    an importer or an older profiler). `act_split_share`: of `act_bytes`, the share a
+    tensor-parallel group splits among its devices (each holds 1/t of it), the rest held whole
+    on each (Korthikanti et al. 2022: 24 of a transformer layer's 34 s b h bytes without
+    sequence parallelism); 0, the default, counts them whole on every device (an upper bound).
     """
 
     id: str
@@ -108,6 +111,7 @@ class Node:
     sparse_rows: int = 0
     cast_bytes: int = 0
     tp_units: int | None = None
+    act_split_share: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -128,6 +132,10 @@ class Node:
         for name in ("flops", "param_bytes", "out_bytes", "act_bytes", "cast_bytes"):
             _check_number(getattr(self, name), f"{who}: {name}")
         object.__setattr__(self, "module", tuple(self.module))
+        _check_number(self.act_split_share, f"{who}: act_split_share")
+        if self.act_split_share > 1:
+            raise GraphError(f"{who}: act_split_share is {self.act_split_share}; it is a share of act_bytes, "
+                             "between 0 and 1")
         self._check_updated(who)
         for name, whole in (("fwd_fixed_s", self.fwd_s), ("bwd_fixed_s", self.bwd_s)):
             fixed = getattr(self, name)

@@ -33,7 +33,7 @@ from hetplan.cost import formulas, network
 from hetplan.cost.formulas import WEIGHT_COPIES, weight_bytes
 from hetplan.cost.projection import project_s
 from hetplan.cost.syncs import own_bytes
-from hetplan.cost.tensor import tp_bytes, tp_times_s
+from hetplan.cost.tensor import node_tp_act_bytes, tp_bytes, tp_times_s
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.plan import Plan
@@ -369,7 +369,7 @@ class CostModel:
         sharding = {"shards": len(stage.devices), "sharded_bytes": self.sharded_bytes(plan, stage_index)}
         # each device of a tensor-parallel group holds its share of the weights (`cost.tensor`)
         held_w = {t: tp_bytes(self.graph, stage.nodes, t) for t in set(stage.degrees)}
-        kept, rebuilt = self.held_bytes(plan, stage_index)
+        held_a = {t: self.held_bytes(plan, stage_index, t) for t in set(stage.degrees)}
         # this stage's split only: planners ask this per stage and device, in loops
         rows = step_rows(self.graph.batch_size, plan.microbatches, [self._group_weights(stage.nodes, stage.groups)],
                          self._slices)
@@ -380,6 +380,7 @@ class CostModel:
 
         def need(p: int, group: Sequence[str]) -> int:
             params, casts = held_w[len(group)]
+            kept, rebuilt = held_a[len(group)]
             if stage.recomputes:
                 return formulas.recompute_memory_bytes(params, kept, rebuilt, share(p, range(held)), share(p, range(1)),
                                                        cast_bytes=casts, **sharding)
@@ -407,16 +408,18 @@ class CostModel:
         updated = self._optimizer_bytes(nodes)
         return whole * (1.0 - (1.0 - 1.0 / len(plan.stages[k].devices)) * sharded / updated) if updated else whole
 
-    def held_bytes(self, plan: Plan, k: int) -> tuple[float, float]:
-        """What stage k holds per batch between its forward and its backward, and what (more) its
-        backward holds per batch while it runs, by its `Stage.recompute`: "none", its activations
+    def held_bytes(self, plan: Plan, k: int, degree: int = 1) -> tuple[float, float]:
+        """What a device of a replica of stage k (a tensor-parallel group of `degree`: its share of
+        the activations, `cost.tensor.node_tp_act_bytes`) holds per batch between its forward and
+        its backward, and what (more) its backward holds per batch while it runs, by its
+        `Stage.recompute`: "none", its activations
         and nothing more; "stage", the tensors it received (the cut before it, relayed ones
         included) and those it made for the next stage (the cut after it), then all its
         activations rebuilt; "block", the cut before it and every node's output that is read
         (`Graph.read_bytes`: each checkpointed node's input), then the largest node's activations
         rebuilt."""
-        stage, by_id = plan.stages[k], self.graph.by_id
-        acts = [by_id[n].act_bytes for n in stage.nodes]
+        stage = plan.stages[k]
+        acts = [node_tp_act_bytes(self.graph, n, degree) for n in stage.nodes]
         before = self.cut_bytes(plan, k - 1) if k > 0 else 0.0
         if stage.recompute == "block":
             return before + math.fsum(self.graph.read_bytes[n] for n in stage.nodes), float(max(acts))

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetplan.cost import CostModel, formulas, in_flight_share
-from hetplan.cost.tensor import node_tp_times_s, split_nodes
+from hetplan.cost.tensor import node_tp_act_bytes, node_tp_times_s, split_nodes
 
 __all__ = ["Kind", "StageTable", "prefix_states", "state_cut_bytes"]
 
@@ -125,7 +125,7 @@ class StageTable:
         self.indices = self._sum([cost._index_bytes([v]) for v in self.order])  # sparse rows' indices
         self.acts = self._sum([by_id[v].act_bytes for v in self.order])
         self.read = self._sum([self.graph.read_bytes[v] for v in self.order])  # kept by a per-block recompute
-        self._largest: np.ndarray | None = None
+        self._tp_acts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.cut = self._cut_bytes()
         # per tied parameter (`Graph.tied`), how many of its nodes each state holds, and its bytes
         index = {v: k for k, v in enumerate(self.order)}
@@ -314,27 +314,36 @@ class StageTable:
         params, casts = (_diff(a, i, j) for a in self._held(kind.degree))
         return formulas.weight_bytes(params - self.tied_excess_bytes(i, j), casts, shards)
 
-    def held_bytes(self, i, j, recompute: str = "none") -> tuple[np.ndarray, np.ndarray]:
-        """What stages i -> j hold per batch between their passes, and what more their backward
-        holds per batch while it runs, by the unit they recompute (`CostModel.held_bytes`): none,
-        their activations; a stage, the cuts before and after it, then all its activations; a
-        block, the cut before it and every node's output that is read, then its largest node's
-        activations."""
+    def held_bytes(self, i, j, recompute: str = "none", degree: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """What a device of a replica of stages i -> j (a tensor-parallel group of `degree`) holds
+        per batch between their passes, and what more their backward holds per batch while it
+        runs, by the unit they recompute (`CostModel.held_bytes`): none, their activations; a
+        stage, the cuts before and after it, then all its activations; a block, the cut before it
+        and every node's output that is read, then its largest node's activations."""
         i, j = np.asarray(i), np.asarray(j)
-        acts = _diff(self.acts, i, j)
+        acts = _diff(self._acts(degree)[0], i, j)
         before = np.where(i > 0, self.cut[i], 0.0)
         if recompute == "block":
-            return before + _diff(self.read, i, j), self.largest_acts(i, j) + 0.0 * acts
+            return before + _diff(self.read, i, j), self.largest_acts(i, j, degree) + 0.0 * acts
         if recompute == "stage":
             return before + np.where(j < self.last, self.cut[j], 0.0), acts
         return acts, 0.0 * acts
 
-    def largest_acts(self, i, j) -> np.ndarray:
-        """The activations of the largest node of stages i -> j (0 where j does not hold i)."""
-        if self._largest is None:
-            self._largest = _largest_between(self._mat > 0, np.array([self.graph.by_id[v].act_bytes
-                                                                      for v in self.order], dtype=float))
-        return self._largest[i, j]
+    def _acts(self, degree: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per node, what a device of a group of `degree` keeps of its activations
+        (`cost.tensor.node_tp_act_bytes`), and their sums per state."""
+        if degree not in self._tp_acts:
+            per = np.array([node_tp_act_bytes(self.graph, v, degree) for v in self.order], dtype=float)
+            self._tp_acts[degree] = (self._sum(per), per)
+        return self._tp_acts[degree]
+
+    def largest_acts(self, i, j, degree: int = 1) -> np.ndarray:
+        """The activations of the largest node of stages i -> j on a device of a group of `degree`
+        (0 where j does not hold i)."""
+        key = -degree  # the (S, S) matrix kept beside the degree's sums
+        if key not in self._tp_acts:
+            self._tp_acts[key] = (_largest_between(self._mat > 0, self._acts(degree)[1]), np.zeros(0))
+        return self._tp_acts[key][0][i, j]
 
     def memory_terms(self, kind: Kind, i, j, recompute: str = "none", shards=1) -> tuple[np.ndarray, ...]:
         """A replica's memory as three terms: (room: its device's memory less what it holds for the
@@ -342,13 +351,13 @@ class StageTable:
         holds per share of one micro-batch while its backward runs). It fits when
         per_batch * in_flight_share + rebuilt * largest_share <= room."""
         room = kind.mem_bytes - self.weights_bytes(kind, i, j, shards)
-        return (room, *self.held_bytes(i, j, recompute))
+        return (room, *self.held_bytes(i, j, recompute, kind.degree))
 
     def memory_bytes(self, kind: Kind, i, j, in_flight_share, largest_share=0.0, recompute: str = "none",
                      shards=1) -> np.ndarray:
         """A replica's peak memory holding `in_flight_share` of the batch in flight (and, where it
         recomputes, one micro-batch of `largest_share` rebuilt)."""
-        per_batch, again = self.held_bytes(i, j, recompute)
+        per_batch, again = self.held_bytes(i, j, recompute, kind.degree)
         return self.weights_bytes(kind, i, j, shards) + np.ceil(per_batch * in_flight_share + again * largest_share)
 
     # -- after the last action ------------------------------------------------------------------

@@ -243,9 +243,9 @@ def _stage_works(cm: CostModel, plan: Plan, rows: StepRows, syncs: tuple[SyncCos
     firsts = {held[0] for held in plan.rank_stages}
     stages = []
     for k, stage in enumerate(plan.stages):
-        kept = cm.held_bytes(plan, k)
+        kept = {t: cm.held_bytes(plan, k, t) for t in set(stage.degrees)}
         alike: dict = {}
-        replicas = tuple(_replica(cm, plan, rows, k, p, kept, split, k in firsts, alike, per_mb)
+        replicas = tuple(_replica(cm, plan, rows, k, p, kept[len(stage.groups[p])], split, k in firsts, alike, per_mb)
                          for p in range(len(stage.devices)))
         stages.append(StageWork(k, replicas, cm.graph.param_bytes_of(stage.nodes), own.get(k, 0.0),
                                 cm.graph.cast_bytes_of(stage.nodes), cm.sharded_bytes(plan, k)))

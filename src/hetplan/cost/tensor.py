@@ -12,8 +12,11 @@ Shoeybi et al., 2019, section 3; the split is `hetplan.pieces.tensor_split`).
   micro-batch's bytes, paid per action. DTensor's gathering of the vocabulary's logits for the loss, and
   GPT-2's joined q, k, v (gathered before they are split) are left out.
 - Memory: a node's parameters (their gradients and optimizer state, their 16-bit copies) are
-  1/t on each device; activations are counted whole (Megatron-LM without sequence parallelism
-  keeps the blocks' inputs and norms whole on every device: an upper bound).
+  1/t on each device; of its activations, the share the node says splits (`Node.act_split_share`:
+  a counted transformer block's 24 of 34 s b h bytes, Korthikanti et al. 2022, the heads' and the
+  MLP's inner values) is 1/t on each device, the rest (the blocks' inputs and norms, without
+  sequence parallelism) whole on every device (`tp_act_bytes`). A profiled node says 0 until
+  the profiler measures it: counted whole, an upper bound.
 """
 
 from __future__ import annotations
@@ -71,6 +74,19 @@ def tp_times_s(cm, nodes: Sequence[str], device_type: str, group: Sequence[str],
         return (*cm._stage_times_s(nodes, device_type), *cm._stage_fixed_s(nodes, device_type))
     times = [node_tp_times_s(cm, n, device_type, group, microbatches) for n in nodes]
     return tuple(math.fsum(t[i] for t in times) for i in range(4))
+
+
+def node_tp_act_bytes(graph: Graph, node: str, t: int) -> float:
+    """The activations one device of a group of `t` keeps of a node for its backward, per batch."""
+    n = graph.by_id[node]
+    if t == 1 or not n.tp_units:
+        return float(n.act_bytes)
+    return n.act_bytes * (1.0 - n.act_split_share + n.act_split_share / t)
+
+
+def tp_act_bytes(graph: Graph, nodes: Sequence[str], t: int) -> float:
+    """`node_tp_act_bytes` of a stage's nodes, summed."""
+    return math.fsum(node_tp_act_bytes(graph, n, t) for n in nodes)
 
 
 def tp_bytes(graph: Graph, nodes: Sequence[str], t: int) -> tuple[int, int]:

@@ -41,6 +41,9 @@ ACHIEVED_FRACTION_16 = 0.43
 BLOCK_FIXED_S = 20 * 10e-6
 BACKWARD_FLOPS = 2.0  # a backward pass does twice the forward's FLOPs
 STASH_ELEMENTS_PER_TOKEN_H = 17  # Korthikanti et al.'s 34 s b h bytes at 2 bytes an element
+# of those 34, the 24 a t-way tensor-parallel group splits (attention's q, k, v and its output
+# before the projection, the MLP's inner values; the rest, the layer's input and norms, whole)
+TP_SPLIT_SHARE = 24 / 34
 
 
 @dataclass(frozen=True)
@@ -144,15 +147,17 @@ class _Counting:
                 for t in self.types}
 
     def node(self, node_id: str, op: str, flops: float, params: int, out_bytes: int, act_bytes: int,
-             fixed_s: float, cast: bool = True, tp_units: int = 0) -> Node:
+             fixed_s: float, cast: bool = True, tp_units: int = 0, act_split_share: float = 0.0) -> Node:
         """`cast`: its products use its weights (an embedding's lookup does not); `tp_units`:
-        the most ways it splits tensor-parallel (`Node.tp_units`)."""
+        the most ways it splits tensor-parallel (`Node.tp_units`), `act_split_share` the share of
+        its activations that then splits (`Node.act_split_share`)."""
         casts = 2 * params if cast and is_mixed(self.precision) and flops > 0 else 0
         traffic = (casts or 4 * params) + out_bytes + act_bytes
         fwd = self.times(flops, traffic, fixed_s)
         bwd = self.times(BACKWARD_FLOPS * flops, 2 * traffic, fixed_s)
         return Node(node_id, op, fwd, bwd, flops=flops, param_bytes=4 * params, out_bytes=out_bytes,
                     act_bytes=act_bytes, module=(node_id,), cast_bytes=casts, tp_units=tp_units,
+                    act_split_share=act_split_share,
                     fwd_fixed_s={t.name: fixed_s for t in self.types},
                     bwd_fixed_s={t.name: fixed_s for t in self.types})
 
@@ -175,8 +180,10 @@ def transformer_chain(model: TransformerShape | str, batch_size: int, seq_len: i
     # tensor parallelism (`hetplan.pieces.tensor_split`) splits a block's heads and MLP units, and
     # the head's vocabulary unless it is the embedding's (tied weights stay whole)
     blocks = [count.node(f"block_{i}", "TransformerBlock", block_flops, m.block_params(), hidden_bytes, stash,
-                         BLOCK_FIXED_S, tp_units=math.gcd(m.heads, m.ffn)) for i in range(m.layers)]
-    # the loss's softmax is fp32 in every precision (autocast runs it so), after 16-bit logits
+                         BLOCK_FIXED_S, tp_units=math.gcd(m.heads, m.ffn), act_split_share=TP_SPLIT_SHARE)
+              for i in range(m.layers)]
+    # the loss's softmax is fp32 in every precision (autocast runs it so), after 16-bit logits;
+    # the runtime gathers a group's logits for the loss (no vocabulary-parallel loss): kept whole
     logits = (4 + (count.value_bytes if is_mixed(precision) else 0)) * tokens * m.vocab
     head = count.node("head", "LMHead", 2.0 * tokens * h * m.vocab, h * m.vocab + 2 * h, 4 * batch_size,
                       hidden_bytes + logits, BLOCK_FIXED_S, tp_units=0 if m.tied_embeddings else m.vocab)
