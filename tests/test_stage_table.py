@@ -174,3 +174,27 @@ def test_table_kinds_of_a_cluster_without_runtime_costs_are_plain():
     graph = Graph("one", (Node("a", "Linear", {"v100-16gb": 1.0}, {"v100-16gb": 2.0}),), (), 4, "v100-16gb")
     kind = StageTable.of_chain(CostModel(graph, cluster)).kind(cluster.ids[:1])
     assert (kind.corun, kind.action_overhead_s, kind.degree) == (1.0, 0.0, 1)
+
+
+def test_replicated_tensor_parallel_groups_sum_their_own_rows():
+    """Two replicas of two-way groups: each group's all-reduces carry its own rows of a
+    micro-batch (half), so the simulator's action equals the planners' table at a half share, and
+    is shorter than the one group's of the whole micro-batch."""
+    from hetplan.zoo.llm import transformer_chain
+
+    graph = transformer_chain("opt-350m", 8, 128, ["a100-40gb"])
+    cluster = cluster_from_spec({"devices": [{"id": "a", "type": "a100-40gb", "host": "h", "count": 4}]}, "four")
+    order = graph.topo_order
+    two = Plan((Stage(order, ("a0", "a2"), tp=2, tp_devices=(("a0", "a1"), ("a2", "a3"))),), 4, "1f1b", "test")
+    one = Plan((Stage(order, ("a0",), tp=2, tp_devices=(("a0", "a1"),)),), 4, "1f1b", "test")
+    cm = CostModel(graph, cluster)
+    table = StageTable.of_chain(cm)
+    kind = table.kind(("a0", "a1"))
+    rep = step_costs(graph, cluster, two, "relay", cm).stages[0].replicas[0]
+    alone = step_costs(graph, cluster, one, "relay", cm).stages[0].replicas[0]
+    assert rep.share == pytest.approx(0.5)
+    for mb in range(4):
+        assert table.action_s(kind, 0, len(order), 0.125) == pytest.approx(rep.fwd_mb_s[mb] + rep.bwd_mb_s[mb],
+                                                                           rel=1e-6)
+    # per action: the all-reduces of its one row of a micro-batch, not of both rows as one group alone
+    assert rep.fwd_fixed_s < alone.fwd_fixed_s

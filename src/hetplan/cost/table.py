@@ -170,16 +170,18 @@ class StepCosts:
         return {d: formulas.held_memory_bytes(held[d], acts) for d, acts in peak_act_bytes.items()}
 
 
-def _replica_passes(cm: CostModel, plan: Plan, k: int, p: int, split: bool) -> tuple:
+def _replica_passes(cm: CostModel, plan: Plan, k: int, p: int, split: bool, share: float) -> tuple:
     """What one replica of stage k costs whatever its rows: its passes for the whole batch and
-    their fixed parts as the runtime runs them, the weights' share of its backward (a schedule
-    that splits it), its optimizer step and the weights it holds (a tensor-parallel group's share;
-    None: the stage's). Replicas of one type, group size and runtime costs share these."""
+    their fixed parts as the runtime runs them (a tensor-parallel group's all-reduces of its
+    `share` of the batch's rows), the weights' share of its backward (a schedule that splits it),
+    its optimizer step and the weights it holds (a tensor-parallel group's share; None: the
+    stage's). Replicas of one type, group size and runtime costs (and share, for groups) share
+    these."""
     stage, cluster = plan.stages[k], cm.cluster
     d = stage.devices[p]
     dev = cluster.device(d)
     slow = cm._corun_factor(d, plan.devices)  # other CPU workers of the plan on its host (calibrated clusters)
-    passes = replica_passes_s(*tp_times_s(cm, stage.nodes, dev.type, stage.groups[p], plan.microbatches),
+    passes = replica_passes_s(*tp_times_s(cm, stage.nodes, dev.type, stage.groups[p], plan.microbatches, share),
                               slow, dev.action_overhead_s)
     weights = cm._stage_weight_share(stage.nodes, dev.type, k == 0) if split else 0.0
     group, held, optimizer_s = stage.groups[p], None, cm.replica_optimizer_s(plan, k, d)
@@ -196,13 +198,13 @@ def _replica(cm: CostModel, plan: Plan, rows: StepRows, k: int, p: int, kept: tu
     stage = plan.stages[k]
     d = stage.devices[p]
     dev = cm.cluster.device(d)
-    key = (dev.type, len(stage.groups[p]), dev.action_overhead_s, dev.step_overhead_s, dev.optimizer_points,
-           dev.host)
-    if key not in alike:
-        alike[key] = _replica_passes(cm, plan, k, p, split)
-    (fwd, bwd, ffix, bfix), weights, optimizer_s, slow, held = alike[key]
     frac = [rows.rows(k, j, p) / rows.batch_size for j in range(len(rows.micro))]
     share = sum(frac)
+    key = (dev.type, len(stage.groups[p]), dev.action_overhead_s, dev.step_overhead_s, dev.optimizer_points,
+           dev.host, share if len(stage.groups[p]) > 1 else None)
+    if key not in alike:
+        alike[key] = _replica_passes(cm, plan, k, p, split, share)
+    (fwd, bwd, ffix, bfix), weights, optimizer_s, slow, held = alike[key]
     if not per_mb:  # the fast path's fold reads the whole batch's figures only
         frac = []
     halves: tuple[tuple[float, ...], ...] = ((), ())

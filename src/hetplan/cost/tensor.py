@@ -39,13 +39,14 @@ def split_nodes(graph: Graph, nodes: Sequence[str]) -> set[str]:
 
 
 def node_tp_times_s(cm, node: str, device_type: str, group: Sequence[str],
-                    microbatches: int | None = None) -> tuple[float, float, float, float]:
+                    microbatches: int | None = None, share: float = 1.0) -> tuple[float, float, float, float]:
     """A node's forward and backward for the whole batch on a group of devices of one type, and
     the fixed part of each (paid per micro-batch). With `microbatches` (a plan's), each pass's
-    all-reduces are read off the all-reduce curve at a micro-batch's bytes and paid per action
-    (a measured curve is not a line: gloo on this VM took 1.4 ms for 64 kB and for 1 MB alike);
-    without (a planner's grouped problem, whose micro-batches are not chosen yet), as latency
-    per action plus bytes over the batch."""
+    all-reduces are read off the all-reduce curve at the bytes of the group's rows of a
+    micro-batch (`share` of the batch over the micro-batches: a replica sums its own rows) and
+    paid per action (a measured curve is not a line: gloo on this VM took 1.4 ms for 64 kB and
+    for 1 MB alike); without (a planner's grouped problem, whose micro-batches are not chosen
+    yet), as latency per action plus bytes over the batch, which its share of the rows scales."""
     whole, fixed = cm._node_times_s(device_type)[node], cm._node_fixed_s(device_type)[node]
     t = len(group)
     if t == 1:
@@ -55,7 +56,7 @@ def node_tp_times_s(cm, node: str, device_type: str, group: Sequence[str],
     if not split:
         per_action, per_batch = 0.0, 0.0
     elif microbatches:
-        per_action, per_batch = cm._allreduce_s(out_bytes / microbatches, group), 0.0
+        per_action, per_batch = cm._allreduce_s(out_bytes * share / microbatches, group), 0.0
     else:  # an all-reduce as a + b * bytes: a per action, b * bytes over the batch
         per_action = cm._allreduce_s(1.0, group)
         per_batch = cm._allreduce_s(out_bytes, group) - per_action
@@ -67,12 +68,12 @@ def node_tp_times_s(cm, node: str, device_type: str, group: Sequence[str],
 
 
 def tp_times_s(cm, nodes: Sequence[str], device_type: str, group: Sequence[str],
-               microbatches: int | None = None) -> tuple[float, float, float, float]:
+               microbatches: int | None = None, share: float = 1.0) -> tuple[float, float, float, float]:
     """Forward and backward of `nodes` for the whole batch on a group of devices of one type,
     and their fixed parts (`node_tp_times_s`)."""
     if len(group) == 1:
         return (*cm._stage_times_s(nodes, device_type), *cm._stage_fixed_s(nodes, device_type))
-    times = [node_tp_times_s(cm, n, device_type, group, microbatches) for n in nodes]
+    times = [node_tp_times_s(cm, n, device_type, group, microbatches, share) for n in nodes]
     return tuple(math.fsum(t[i] for t in times) for i in range(4))
 
 
