@@ -163,3 +163,28 @@ def test_an_explanation_without_what_the_table_reads_is_left_out():
     for broken in ({"winner": 1}, {**explain, "runners_up": [{"source": "x"}]}, {**explain, "winner": None}, "x"):
         plan = replace(good, meta={"dp": {"explain": broken}})
         assert explain_section(plan) == ""
+
+
+def test_the_simulators_budget_counts_past_the_best_two():
+    """dp simulates its best two candidates by the fast path whatever they take, then others
+    within a budget of events (`candidates.EVENTS`): two deep plans that spend more than the
+    budget between them leave the budget whole for a third (it was spent, and a 1,024-GPU
+    problem's third never simulated)."""
+    import numpy as np
+
+    from hetplan.planners.candidates import EVENTS, Candidates
+    from hetplan.planners.scoring import Scorer
+
+    class Ranked:  # the fast path's order as given, every plan fitting
+        def fast_keys(self, plans):
+            return np.arange(len(plans), dtype=float), np.arange(len(plans))
+
+        def fits(self, plan):
+            return True
+
+    deep = EVENTS // 4 + 1  # micro-batches of a one-device plan past the budget alone
+    plans = [Plan((Stage(("n0",), (f"v{k}",)),), m, "1f1b", "dp") for k, m in enumerate([deep, deep, 2, deep])]
+    assert Scorer.events(plans[0]) > EVENTS
+    found = Candidates(Ranked())
+    found.add(plans, "test")
+    assert found.simulated() == plans[:3]

@@ -73,8 +73,8 @@ class Candidates:
         chosen = fitting[:SIMULATED] + [p for p in fitting[SIMULATED:]
                                         if self.fast[Scorer.key(p)] <= best_fast * (1 + NEAR)]
         chosen = chosen[:MOST_SIMULATED]
-        spent = itertools.accumulate(Scorer.events(p) for p in chosen)
-        return [p for k, (p, used) in enumerate(zip(chosen, spent, strict=True)) if k < 2 or used <= EVENTS]
+        spent = itertools.accumulate(Scorer.events(p) for p in chosen[2:])  # the best two whatever they take
+        return chosen[:2] + [p for p, used in zip(chosen[2:], spent, strict=True) if used <= EVENTS]
 
     def best(self, planner: str) -> Plan:
         """The simulated candidate with the best objective; the scorer's error when none fits
