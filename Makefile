@@ -41,7 +41,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# the quick part of the suite (under 2 minutes), for while you work; CI runs `make test`
+# the quick part of the suite (about 8 minutes on a 2-core VM), for while you work; CI runs `make test`
 check: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" -q
 

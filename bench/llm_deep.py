@@ -218,12 +218,7 @@ def stages_text(stages: list[dict]) -> str:
     """Runs of equal stages as `k x [TYPE x replicas (tp, recompute, shard)]`."""
     texts = [f"{'+'.join(map(short, s['type'].split('+')))} x {s['replicas']} "
              f"({s['tp']}, {unit_text(s['recompute'])}, {'yes' if s['shard'] else 'no'})" for s in stages]
-    runs: list[list] = []
-    for t in texts:
-        if runs and runs[-1][0] == t:
-            runs[-1][1] += 1
-        else:
-            runs.append([t, 1])
+    runs = [(t, len(list(same))) for t, same in itertools.groupby(texts)]
     return ", ".join(t if k == 1 else f"{k} x [{t}]" for t, k in runs)
 
 

@@ -126,6 +126,7 @@ class StageTable:
         self.acts = self._sum([by_id[v].act_bytes for v in self.order])
         self.read = self._sum([self.graph.read_bytes[v] for v in self.order])  # kept by a per-block recompute
         self._tp_acts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._largest: dict[int, np.ndarray] = {}
         self.cut = self._cut_bytes()
         # per tied parameter (`Graph.tied`), how many of its nodes each state holds, and its bytes
         index = {v: k for k, v in enumerate(self.order)}
@@ -340,10 +341,9 @@ class StageTable:
     def largest_acts(self, i, j, degree: int = 1) -> np.ndarray:
         """The activations of the largest node of stages i -> j on a device of a group of `degree`
         (0 where j does not hold i)."""
-        key = -degree  # the (S, S) matrix kept beside the degree's sums
-        if key not in self._tp_acts:
-            self._tp_acts[key] = (_largest_between(self._mat > 0, self._acts(degree)[1]), np.zeros(0))
-        return self._tp_acts[key][0][i, j]
+        if degree not in self._largest:
+            self._largest[degree] = _largest_between(self._mat > 0, self._acts(degree)[1])
+        return self._largest[degree][i, j]
 
     def memory_terms(self, kind: Kind, i, j, recompute: str = "none", shards=1) -> tuple[np.ndarray, ...]:
         """A replica's memory as three terms: (room: its device's memory less what it holds for the
