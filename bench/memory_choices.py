@@ -8,7 +8,8 @@ optimizer-state sharding).
 `hetplan calibrate` of `local` first (as bench/schedules.py), then per model and precision
 (fp32, bf16) a profile on one thread in that precision and, per round, the uniform two-stage
 split under 1F1B with 4 micro-batches run with no stage, the first stage, and both stages
-recomputing (whole, or per block: `first-block`, `both-block`), and the model as one stage on
+recomputing (whole, per block: `first-block`, `both-block`, or per block keeping the products'
+outputs: `first-selective`, `both-selective`), and the model as one stage on
 both workers (data parallel, 4 micro-batches) with
 and without sharding Adam's state between them (median step after 3 warm-up steps; the median
 over rounds), against the event
@@ -36,6 +37,7 @@ from hetplan.sim import simulate
 
 PRECISIONS = ("fp32", "bf16")
 CHOICES = {"none": (), "first": (0,), "both": (0, 1), "first-block": ((0,), "block"), "both-block": ((0, 1), "block"),
+           "first-selective": ((0,), "selective"), "both-selective": ((0, 1), "selective"),
            "dp": "plain", "dp-shard": "shard"}
 # the zoo's models of bench/schedules.py, and a Llama block by block (per-block recomputation's case)
 MODELS = [*SCHEDULE_MODELS, ("llama-tiny", 8, 64, "block", None)]

@@ -69,11 +69,21 @@ def _check_plan(graph, cluster, plan, bounds):
         assert table.tail_s(stage.devices, i, j, shards) == pytest.approx(work.allreduce_s + slowest, rel=1e-9)
 
 
+def _with_selective_figures(graph, rng):
+    """The graph with random selective recomputation figures on every node (`Node.selective_bytes`)."""
+    nodes = tuple(replace(n, selective_keep_bytes=int(rng.integers(0, n.act_bytes + 1)),
+                          selective_rebuilt_bytes=int(rng.integers(0, n.act_bytes + 1)),
+                          selective_rebuild_share=float(rng.random())) for n in graph.nodes)
+    return replace(graph, nodes=nodes)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_a_stage_costs_in_the_table_what_the_simulator_charges(seed):
     rng = np.random.default_rng(seed)
     graph, cluster = random_problem(rng, max_nodes=8, max_devices=4)
-    for recompute in ("none", "stage", "block"):
+    # selective recomputation on a graph without its figures, then with them
+    for recompute, measured in (("none", 0), ("stage", 0), ("block", 0), ("selective", 0), ("selective", 1)):
+        graph = _with_selective_figures(graph, rng) if measured else graph
         plan, bounds = _chain_plan(graph, cluster, rng, recompute)
         if plan is None:
             continue

@@ -91,6 +91,13 @@ class Node:
     tensor-parallel group splits among its devices (each holds 1/t of it), the rest held whole
     on each (Korthikanti et al. 2022: 24 of a transformer layer's 34 s b h bytes without
     sequence parallelism); 0, the default, counts them whole on every device (an upper bound).
+
+    `selective_keep_bytes`, `selective_rebuilt_bytes`, `selective_rebuild_share`: under selective
+    recomputation (`hetplan.pieces.selective`: a checkpoint that keeps the outputs of the node's
+    products and rebuilds the rest), what the node keeps per batch besides its inputs, what its
+    backward builds again per batch (its activations less those kept), and the share of its
+    forward's time that runs again; None where not measured (the cost model then counts it as
+    keeping all its activations and running its whole forward again).
     """
 
     id: str
@@ -112,6 +119,9 @@ class Node:
     cast_bytes: int = 0
     tp_units: int | None = None
     act_split_share: float = 0.0
+    selective_keep_bytes: int | None = None
+    selective_rebuilt_bytes: int | None = None
+    selective_rebuild_share: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -137,6 +147,7 @@ class Node:
             raise GraphError(f"{who}: act_split_share is {self.act_split_share}; it is a share of act_bytes, "
                              "between 0 and 1")
         self._check_updated(who)
+        self._check_selective(who)
         for name, whole in (("fwd_fixed_s", self.fwd_s), ("bwd_fixed_s", self.bwd_s)):
             fixed = getattr(self, name)
             for dtype, t in fixed.items():
@@ -145,6 +156,34 @@ class Node:
                     raise GraphError(f"{who}: {name}[{dtype!r}] is {t}, more than the whole pass "
                                      f"({whole.get(dtype)}); the fixed part is a part of it")
             object.__setattr__(self, name, FrozenMap({k: float(v) for k, v in fixed.items()}))
+
+    def _check_selective(self, who: str) -> None:
+        for name in ("selective_keep_bytes", "selective_rebuilt_bytes"):
+            if getattr(self, name) is not None:
+                _check_number(getattr(self, name), f"{who}: {name}")
+        share = self.selective_rebuild_share
+        if share is not None:
+            _check_number(share, f"{who}: selective_rebuild_share")
+            if share > 1:
+                raise GraphError(f"{who}: selective_rebuild_share is {share}; it is a share of the forward's time, "
+                                 "between 0 and 1")
+
+    def selective_bytes(self) -> tuple[float, float]:
+        """What selective recomputation keeps of the node per batch besides its inputs, and what
+        it builds again (where not measured: all its activations kept, nothing built)."""
+        if self.selective_keep_bytes is None or self.selective_rebuilt_bytes is None:
+            return float(self.act_bytes), 0.0
+        return float(self.selective_keep_bytes), float(self.selective_rebuilt_bytes)
+
+    def rebuild_share(self, unit: str) -> float:
+        """The share of the node's forward that a backward recomputing at `unit` runs again
+        (`Stage.recompute`): none for "none", all for "stage" and "block", the measured share
+        for "selective" (all where not measured)."""
+        if unit == "none":
+            return 0.0
+        if unit == "selective" and self.selective_rebuild_share is not None:
+            return self.selective_rebuild_share
+        return 1.0
 
     def _check_updated(self, who: str) -> None:
         _check_number(self.sparse_rows, f"{who}: sparse_rows")
@@ -320,6 +359,13 @@ class Graph:
         that is 0, unknown). Two consumers of one tensor beyond a cut are two edges but one
         message: the runtime sends each value once per boundary (`hetplan.runtime.stages`)."""
         return FrozenMap({n.id: float(n.out_bytes) if n.out_bytes > 0 else math.inf for n in self.nodes})
+
+    @cached_property
+    def selective_measured(self) -> bool:
+        """Whether every node that keeps activations carries selective recomputation's figures
+        (`Node.selective_keep_bytes` and the rest)."""
+        return all(None not in (n.selective_keep_bytes, n.selective_rebuilt_bytes, n.selective_rebuild_share)
+                   for n in self.nodes if n.act_bytes > 0)
 
     @cached_property
     def read_bytes(self) -> Mapping[str, float]:

@@ -10,8 +10,10 @@ A plan is valid for a graph and a cluster when:
   the schedule's map, `Plan.stage_ranks`; ranks' devices apart; one worker per device running
   all its stages);
 - each tensor-parallel replica (`Stage.tp` > 1) is a group of devices of one type on one host,
-  its stage shards no optimizer state nor recomputes per block, runs under a schedule of one stage per device without
-  shared devices, and its nodes split its degrees (`hetplan.tp.splits_in`);
+  its stage shards no optimizer state nor recomputes per block (or selectively), runs under a
+  schedule of one stage per device without shared devices, and its nodes split its degrees
+  (`hetplan.tp.splits_in`);
+- no stage recomputes selectively under a schedule that splits the backward (zero bubble);
 - there are no more micro-batches than samples in the batch.
 `validate_plan` checks all of it and names the offending node, edge, stage or device.
 """
@@ -34,7 +36,7 @@ from hetplan.tp import splits_in
 
 SCHEDULES = SCHEDULE_NAMES  # hetplan.schedule owns what each means
 OBJECTIVES = ("time", "cost", "mdpe", "throughput")
-RECOMPUTE_UNITS = ("none", "stage", "block")  # what a stage's recomputation rebuilds at once (`Stage`)
+RECOMPUTE_UNITS = ("none", "stage", "block", "selective")  # what a stage's recomputation rebuilds at once (`Stage`)
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,9 @@ class Stage:
     backward (activation recomputation, torch.utils.checkpoint): "stage" keeps only the stage's
     inputs and outputs per micro-batch and rebuilds all its activations at once; "block" keeps
     each node's (block's) inputs and rebuilds one node at a time, as Megatron-LM's full
-    recomputation checkpoints each transformer layer; "none" keeps every activation. A plan file's
+    recomputation checkpoints each transformer layer; "selective" checkpoints each node as "block"
+    does but keeps the outputs of its products too and rebuilds only the rest (norms, activation
+    functions: `hetplan.pieces.selective`); "none" keeps every activation. A plan file's
     `true` and `false` read as "stage" and "none".
     With `shard` (two replicas or more), its replicas shard its optimizer state (ZeRO-1,
     `hetplan.runtime.sharding`): each updates a 1/r share of its parameters, summed to it by a
@@ -57,7 +61,7 @@ class Stage:
 
     nodes: tuple[str, ...]
     devices: tuple[str, ...]
-    recompute: Literal["none", "stage", "block", True, False] = "none"
+    recompute: Literal["none", "stage", "block", "selective", True, False] = "none"
     shard: bool = False
     tp: int = 1
     tp_devices: tuple[tuple[str, ...], ...] = ()
@@ -232,6 +236,11 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
     problems += _rank_problems(plan)
     problems += _shard_problems(plan, graph)
     problems += _tp_problems(plan, graph, cluster)
+    if get_schedule(plan.schedule).split_backward:
+        problems += [f"stage {i} recomputes selectively under {plan.schedule}, whose backward runs in two actions; "
+                     "torch's selective checkpoint allows one backward per block: set recompute \"block\" or a "
+                     "schedule that does not split the backward (1f1b)"
+                     for i, s in enumerate(plan.stages) if s.recompute == "selective"]
     if plan.precision != graph.precision:
         problems.append(f"the plan runs in {plan.precision} but graph {graph.name!r} was profiled in "
                         f"{graph.precision}; plan again from a profile in {plan.precision} "
@@ -339,9 +348,9 @@ def _tp_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
         if stage.tp == 1:
             continue
         problems += _tp_group_problems(i, stage, cluster)
-        if stage.recompute == "block":
-            problems.append(f"stage {i} is tensor-parallel and recomputes per block; hetplan does not combine the "
-                            "two: set recompute \"stage\" or tp 1")
+        if stage.recompute in ("block", "selective"):
+            problems.append(f"stage {i} is tensor-parallel and recomputes per block ({stage.recompute}); hetplan "
+                            "does not combine the two: set recompute \"stage\" or tp 1")
         if stage.shard:
             problems.append(f"stage {i} is tensor-parallel and shards its optimizer state; hetplan does not combine "
                             "the two: set shard false or tp 1")

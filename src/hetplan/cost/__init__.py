@@ -174,6 +174,14 @@ class CostModel:
         return self._summed(("times", tuple(nodes), device_type), lambda: (
             math.fsum(times[n][0] for n in nodes), math.fsum(times[n][1] for n in nodes)))
 
+    def rebuilt_forward_s(self, nodes: Sequence[str], device_type: str, unit: str) -> tuple[float, float]:
+        """The forward a backward recomputing at `unit` runs again, for the whole batch, and its
+        fixed part: each node's forward times its `Node.rebuild_share`."""
+        times, fixed, by_id = self._node_times_s(device_type), self._node_fixed_s(device_type), self.graph.by_id
+        return self._summed(("rebuilt", tuple(nodes), device_type, unit), lambda: (
+            math.fsum(by_id[n].rebuild_share(unit) * times[n][0] for n in nodes),
+            math.fsum(by_id[n].rebuild_share(unit) * fixed[n][0] for n in nodes)))
+
     def _stage_weight_share(self, nodes: Sequence[str], device_type: str, first: bool) -> float:
         """`formulas.weight_share` of a stage, when a schedule splits its backward."""
         times, by_id = self._node_times_s(device_type), self.graph.by_id
@@ -417,12 +425,17 @@ class CostModel:
         included) and those it made for the next stage (the cut after it), then all its
         activations rebuilt; "block", the cut before it and every node's output that is read
         (`Graph.read_bytes`: each checkpointed node's input), then the largest node's activations
-        rebuilt."""
+        rebuilt; "selective", as "block" and what each node keeps of its products, then the most
+        a node builds again (`Node.selective_bytes`)."""
         stage = plan.stages[k]
         acts = [node_tp_act_bytes(self.graph, n, degree) for n in stage.nodes]
         before = self.cut_bytes(plan, k - 1) if k > 0 else 0.0
+        read = math.fsum(self.graph.read_bytes[n] for n in stage.nodes)
         if stage.recompute == "block":
-            return before + math.fsum(self.graph.read_bytes[n] for n in stage.nodes), float(max(acts))
+            return before + read, float(max(acts))
+        if stage.recompute == "selective":
+            kept, again = zip(*(self.graph.by_id[n].selective_bytes() for n in stage.nodes), strict=True)
+            return before + read + math.fsum(kept), max(again)
         if stage.recompute == "stage":
             return before + (self.cut_bytes(plan, k) if k < len(plan.stages) - 1 else 0.0), float(sum(acts))
         return float(sum(acts)), 0.0

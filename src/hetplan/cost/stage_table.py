@@ -125,8 +125,11 @@ class StageTable:
         self.indices = self._sum([cost._index_bytes([v]) for v in self.order])  # sparse rows' indices
         self.acts = self._sum([by_id[v].act_bytes for v in self.order])
         self.read = self._sum([self.graph.read_bytes[v] for v in self.order])  # kept by a per-block recompute
+        # what a selective recompute keeps of each node besides its input, and what it rebuilds
+        kept, self._selective_again = np.array([by_id[v].selective_bytes() for v in self.order], dtype=float).T
+        self.selective_kept = self._sum(kept)
         self._tp_acts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._largest: dict[int, np.ndarray] = {}
+        self._largest: dict[tuple[int, str], np.ndarray] = {}
         self.cut = self._cut_bytes()
         # per tied parameter (`Graph.tied`), how many of its nodes each state holds, and its bytes
         index = {v: k for k, v in enumerate(self.order)}
@@ -197,9 +200,22 @@ class StageTable:
         that recomputes runs its forward again in its backward (`formulas.recomputed_backward_s`)."""
         fwd, bwd, ffix, bfix, _ = (_diff(a, i, j) for a in self._type_sums(kind))
         f, b, f_fix, b_fix = formulas.replica_passes_s(fwd, bwd, ffix, bfix, kind.corun, kind.action_overhead_s)
-        if recompute != "none":
+        if recompute == "selective":  # a share of each node's forward (`CostModel.rebuilt_forward_s`)
+            again, again_fix = (_diff(a, i, j) for a in self._selective_sums(kind))
+            rf, rf_fix = formulas.replica_passes_s(again, 0.0, again_fix, 0.0, kind.corun, kind.action_overhead_s)[::2]
+            b, b_fix = formulas.recomputed_backward_s(b, b_fix, rf, rf_fix, kind.action_overhead_s)
+        elif recompute != "none":
             b, b_fix = formulas.recomputed_backward_s(b, b_fix, f, f_fix, kind.action_overhead_s)
         return f, b, f_fix, b_fix
+
+    def _selective_sums(self, kind: Kind) -> tuple[np.ndarray, np.ndarray]:
+        """Per state, the forward a selective recompute runs again on one device of the kind's
+        type, for the whole batch, and its fixed part."""
+        key = (kind.type, "selective")
+        if key not in self._passes:
+            per = [self.cost.rebuilt_forward_s((v,), kind.type, "selective") for v in self.order]
+            self._passes[key] = tuple(self._sum([p[c] for p in per]) for c in range(2))
+        return self._passes[key]
 
     def compute_s(self, kind: Kind, i, j, recompute: str = "none") -> tuple[np.ndarray, np.ndarray]:
         """(the part of a replica's forward and backward that scales with its rows, for the whole
@@ -326,6 +342,9 @@ class StageTable:
         before = np.where(i > 0, self.cut[i], 0.0)
         if recompute == "block":
             return before + _diff(self.read, i, j), self.largest_acts(i, j, degree) + 0.0 * acts
+        if recompute == "selective":
+            return (before + _diff(self.read, i, j) + _diff(self.selective_kept, i, j),
+                    self.largest_acts(i, j, degree, recompute) + 0.0 * acts)
         if recompute == "stage":
             return before + np.where(j < self.last, self.cut[j], 0.0), acts
         return acts, 0.0 * acts
@@ -338,12 +357,15 @@ class StageTable:
             self._tp_acts[degree] = (self._sum(per), per)
         return self._tp_acts[degree]
 
-    def largest_acts(self, i, j, degree: int = 1) -> np.ndarray:
+    def largest_acts(self, i, j, degree: int = 1, recompute: str = "block") -> np.ndarray:
         """The activations of the largest node of stages i -> j on a device of a group of `degree`
-        (0 where j does not hold i)."""
-        if degree not in self._largest:
-            self._largest[degree] = _largest_between(self._mat > 0, self._acts(degree)[1])
-        return self._largest[degree][i, j]
+        (0 where j does not hold i); under "selective" recomputation, the largest a node rebuilds
+        (all but what it keeps)."""
+        key = (degree, "selective" if recompute == "selective" else "block")
+        if key not in self._largest:
+            per = self._selective_again if recompute == "selective" else self._acts(degree)[1]
+            self._largest[key] = _largest_between(self._mat > 0, per)
+        return self._largest[key][i, j]
 
     def memory_terms(self, kind: Kind, i, j, recompute: str = "none", shards=1) -> tuple[np.ndarray, ...]:
         """A replica's memory as three terms: (room: its device's memory less what it holds for the

@@ -183,13 +183,18 @@ def _replica_passes(cm: CostModel, plan: Plan, k: int, p: int, split: bool, shar
     slow = cm._corun_factor(d, plan.devices)  # other CPU workers of the plan on its host (calibrated clusters)
     passes = replica_passes_s(*tp_times_s(cm, stage.nodes, dev.type, stage.groups[p], plan.microbatches, share),
                               slow, dev.action_overhead_s)
+    if stage.recompute == "selective":  # what its backward runs again: a share of each node's forward
+        again, again_fix = cm.rebuilt_forward_s(stage.nodes, dev.type, stage.recompute)
+        rebuilt = replica_passes_s(again, 0.0, again_fix, 0.0, slow, dev.action_overhead_s)[::2]
+    else:
+        rebuilt = (passes[0], passes[2])
     weights = cm._stage_weight_share(stage.nodes, dev.type, k == 0) if split else 0.0
     group, held, optimizer_s = stage.groups[p], None, cm.replica_optimizer_s(plan, k, d)
     if len(group) > 1:  # each device holds and updates its share of the weights (`cost.tensor`)
         params, casts = tp_bytes(cm.graph, stage.nodes, len(group))
         held = int(weight_bytes(params, casts, 1, 0))
         optimizer_s *= params / max(cm.graph.param_bytes_of(stage.nodes), 1)
-    return passes, weights, optimizer_s, slow, held
+    return passes, rebuilt, weights, optimizer_s, slow, held
 
 
 def _replica(cm: CostModel, plan: Plan, rows: StepRows, k: int, p: int, kept: tuple[float, float], split: bool,
@@ -204,20 +209,20 @@ def _replica(cm: CostModel, plan: Plan, rows: StepRows, k: int, p: int, kept: tu
            dev.host, share if len(stage.groups[p]) > 1 else None)
     if key not in alike:
         alike[key] = _replica_passes(cm, plan, k, p, split, share)
-    (fwd, bwd, ffix, bfix), weights, optimizer_s, slow, held = alike[key]
+    (fwd, bwd, ffix, bfix), (rerun, rerun_fix), weights, optimizer_s, slow, held = alike[key]
     if not per_mb:  # the fast path's fold reads the whole batch's figures only
         frac = []
     halves: tuple[tuple[float, ...], ...] = ((), ())
     if split:
         i_s, i_fix, w_s, w_fix = split_backward_s(bwd, bfix, weights, dev.action_overhead_s)
         if stage.recomputes:  # the inputs' half runs the forward again first
-            i_s, i_fix = recomputed_backward_s(i_s, i_fix, fwd, ffix, dev.action_overhead_s)
+            i_s, i_fix = recomputed_backward_s(i_s, i_fix, rerun, rerun_fix, dev.action_overhead_s)
         halves = tuple(tuple(action_s(fix, scaled, f) if f > 0 else 0.0 for f in frac)
                        for fix, scaled in ((i_fix, i_s), (w_fix, w_s)))
     acts, again = kept  # per batch: kept between its passes; rebuilt in its backward (`CostModel.held_bytes`)
     rebuilt: tuple[float, ...] = ()
     if stage.recomputes:
-        bwd, bfix = recomputed_backward_s(bwd, bfix, fwd, ffix, dev.action_overhead_s)
+        bwd, bfix = recomputed_backward_s(bwd, bfix, rerun, rerun_fix, dev.action_overhead_s)
         rebuilt = tuple(again * f for f in frac)
     return Replica(d, share, share * fwd, share * bwd, share * acts, ffix, bfix,
                    # a worker holding several stages (interleaved) pays the runtime's per-step cost once

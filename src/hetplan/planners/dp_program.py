@@ -114,7 +114,7 @@ class _Order:
         self.cache = {} if cache is None else cache
         self.order, self.D = order, len(order)
         self.dev = [cluster.device(x) for x in order]
-        self.choices = options.recompute_units
+        self.choices = options.recompute_units(scorer.graph)
         self.shard = options.shard != "never"  # stages of several replicas shard their optimizer state
         self.bounded = get_schedule(options.schedule).bounded  # in flight bounded by the stages after
         self.track_price = objective(options).track == "price"

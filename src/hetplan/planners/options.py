@@ -7,14 +7,23 @@ from dataclasses import dataclass
 
 from hetplan.errors import HetplanError
 from hetplan.plan import OBJECTIVES, SCHEDULES
+from hetplan.schedule import get_schedule
 
 AUTO_SCHEDULE = "auto"  # not a schedule: the planner's plan under whichever the objective prefers
 SCHEDULE_CHOICES = (*SCHEDULES, AUTO_SCHEDULE)
 # which stages recompute and at which unit (`Stage.recompute`): the units each choice lets a stage take
-RECOMPUTE_UNITS = {"never": ("none",), "where-needed": ("none", "stage", "block"), "always": ("stage", "block"),
-                   "stage": ("none", "stage"), "block": ("none", "block")}
+RECOMPUTE_UNITS = {"never": ("none",), "where-needed": ("none", "stage", "block", "selective"),
+                   "always": ("stage", "block", "selective"), "stage": ("none", "stage"), "block": ("none", "block"),
+                   "selective": ("none", "selective")}
 RECOMPUTE_CHOICES = tuple(RECOMPUTE_UNITS)
 SHARD_CHOICES = ("never", "replicated")  # which stages shard their optimizer state (`Stage.shard`)
+
+def selective_allowed(graph, schedule: str) -> bool:
+    """Whether a plan of `graph` under `schedule` may recompute selectively: the graph carries its
+    figures (`Graph.selective_measured`) and the schedule runs one backward per micro-batch
+    (`plan.plan_problems`)."""
+    return graph.selective_measured and (schedule == AUTO_SCHEDULE or not get_schedule(schedule).split_backward)
+
 
 @dataclass(frozen=True)
 class PlanOptions:
@@ -39,11 +48,12 @@ class PlanOptions:
     faithful: for the RL planners, the paper's set-up (cold start, the paper's hyper-parameters)
     instead of hetplan's default (warm start from dp, never worse than dp).
     recompute: which stages of the plan recompute their activations in their backward, and what
-    each rebuilds at once (`Stage.recompute`: the whole stage, or one block at a time):
-    `where-needed` (the default), the stages with a replica over its device's memory, at the
-    unit that needs less (`hetplan.planners.refine.with_recompute`; dp and the per-type program
-    weigh each stage all three ways); `stage` or `block`, the same at that unit only; `never`;
-    `always`, every stage at either unit.
+    each rebuilds at once (`Stage.recompute`: the whole stage, one block at a time, or per block
+    all but its products' outputs): `where-needed` (the default), the stages with a replica over
+    its device's memory, at the fastest unit that fits (`hetplan.planners.refine.with_recompute`;
+    dp and the per-type program weigh each stage every way); `stage`, `block` or `selective`, the
+    same at that unit only; `never`; `always`, every stage at one of the units. Selective
+    recomputation is weighed only on graphs that carry its figures (`Graph.selective_measured`).
     shard: which stages' replicas shard their optimizer state (ZeRO-1, `Stage.shard`): `never`,
     or `replicated` (the default): every stage of two replicas or more whose gradients are dense
     and that is not tensor-parallel. Measured on this VM's CPU workers the step is the same or
@@ -112,10 +122,11 @@ class PlanOptions:
         if self.max_tp is not None and not _whole(self.max_tp):
             raise HetplanError(f"--max-tp: {self.max_tp!r} must be a whole number >= 1 or auto")
 
-    @property
-    def recompute_units(self) -> tuple[str, ...]:
-        """The `Stage.recompute` values a stage may take under `recompute`."""
-        return RECOMPUTE_UNITS[self.recompute]
+    def recompute_units(self, graph) -> tuple[str, ...]:
+        """The `Stage.recompute` values a stage of `graph` may take under `recompute` (selective
+        only where the graph carries its figures)."""
+        units = RECOMPUTE_UNITS[self.recompute]
+        return units if selective_allowed(graph, self.schedule) else tuple(u for u in units if u != "selective")
 
     def allows(self, plan) -> bool:
         """Whether a plan keeps within `max_replicas`."""

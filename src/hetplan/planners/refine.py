@@ -17,7 +17,7 @@ from dataclasses import replace
 from hetplan.cost import CostModel
 from hetplan.plan import Plan, Stage, plan_problems
 from hetplan.planners.interleave import interleavings
-from hetplan.planners.options import RECOMPUTE_UNITS
+from hetplan.planners.options import RECOMPUTE_UNITS, selective_allowed
 from hetplan.planners.scoring import Scorer
 from hetplan.schedule import SCHEDULE_NAMES, get_schedule
 
@@ -53,34 +53,53 @@ def best_schedule(scorer: Scorer, plan: Plan, names: tuple[str, ...] = SCHEDULE_
     candidates = [plan] if plan.schedule in names else []
     for name in names:
         if get_schedule(name).interleaved:
-            candidates += interleavings(scorer.cost, plan, name)
+            candidates += [_runnable_under(p) for p in interleavings(scorer.cost, plan, name)]
         elif name != plan.schedule:
-            candidates.append(replace(plan, schedule=name, predicted=None))
+            candidates.append(_runnable_under(replace(plan, schedule=name, predicted=None)))
     return min(candidates, key=scorer.value, default=plan)
+
+
+def _runnable_under(plan: Plan) -> Plan:
+    """The plan with its selective recomputation made per block where its schedule splits the
+    backward (`plan.plan_problems`: torch's selective checkpoint allows one backward per block)."""
+    if not get_schedule(plan.schedule).split_backward or all(s.recompute != "selective" for s in plan.stages):
+        return plan
+    return replace(plan, stages=tuple(replace(s, recompute="block") if s.recompute == "selective" else s
+                                      for s in plan.stages))
 
 
 def with_recompute(cost: CostModel, plan: Plan, mode: str) -> Plan:
     """The plan with recomputation set on more of its stages (`PlanOptions.recompute_units`):
     under `always` on every stage, otherwise on each stage with a replica whose peak memory
     (`CostModel.stage_replicas_memory_bytes`) is over its device's; each at the allowed unit
-    whose replicas need the least (the same time either way). Never taken off a stage that has
-    it (a planner that weighs it, dp, chose it). With `never`, the plan as it is."""
-    units = [u for u in RECOMPUTE_UNITS[mode] if u != "none"]
+    that runs again the least of its forward (`CostModel.rebuilt_forward_s`) among those whose
+    replicas fit, else at the one whose replicas need the least. Never taken off a stage that
+    has it (a planner that weighs it, dp, chose it). With `never`, the plan as it is."""
+    units = [u for u in RECOMPUTE_UNITS[mode]
+             if u != "none" and (u != "selective" or selective_allowed(cost.graph, plan.schedule))]
     if not units:
         return plan
     stages = list(plan.stages)
     for k, st in enumerate(plan.stages):
         if st.recomputes or (mode != "always" and not _over(cost, plan, k)):
             continue
-        allowed = [u for u in units if st.tp == 1 or u != "block"]  # (`plan._tp_problems`)
+        allowed = [u for u in units if st.tp == 1 or u == "stage"]  # (`plan._tp_problems`)
         if not allowed:
             continue
         trials = [replace(plan, stages=tuple(stages[:k]) + (replace(st, recompute=u),) + tuple(stages[k + 1:]))
                   for u in allowed]
-        stages[k] = min(trials, key=lambda p: max(cost.stage_replicas_memory_bytes(p, k).values())).stages[k]
+        stages[k] = min(trials, key=lambda p: _recompute_rank(cost, p, k)).stages[k]
     if tuple(stages) == plan.stages:
         return plan
     return replace(plan, stages=tuple(stages), predicted=None)
+
+
+def _recompute_rank(cost: CostModel, plan: Plan, k: int) -> tuple[bool, float, float]:
+    """Stage k's unit first where it fits, then by the forward it runs again, then by memory."""
+    stage, need = plan.stages[k], cost.stage_replicas_memory_bytes(plan, k)
+    again = max(cost.rebuilt_forward_s(stage.nodes, cost.cluster.device(d).type, stage.recompute)[0]
+                for d in stage.devices)
+    return _over(cost, plan, k), again, max(need.values())
 
 
 def _over(cost: CostModel, plan: Plan, k: int) -> bool:

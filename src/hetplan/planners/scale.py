@@ -140,7 +140,7 @@ class _Tables:
         self.prob, self.units, self.table = prob, units, prob.table
         self.cluster = scorer.cluster
         self.shard = scorer.options.shard != "never"  # replicated stages shard their optimizer state
-        self.recompute = scorer.options.recompute_units
+        self.recompute = scorer.options.recompute_units(scorer.graph)
         self.U, self.n = len(units.devices), len(prob.ideals)
         # each type's units (first, end), the last type first
         self.blocks = sorted({(units.block_end.index(e), e) for e in units.block_end}, reverse=True)

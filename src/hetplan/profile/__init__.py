@@ -29,11 +29,12 @@ from hetplan.errors import HetplanError
 from hetplan.graph import Edge, Graph, Node, Tied
 from hetplan.pieces.hostmem import keep_freed_memory
 from hetplan.pieces.mixed import Mixed
+from hetplan.pieces.selective import Figures
 from hetplan.pieces.split import GRANULARITIES, Piece, SplitStep, split_step, tensor_bytes
 from hetplan.precision import FP32
 from hetplan.precision import checked as checked_precision
 from hetplan.profile.devices import ProfileDevice, parse_device
-from hetplan.profile.timing import Timing, optimizer_times, time_in_sequence, warm_pass
+from hetplan.profile.timing import Timing, optimizer_times, selective_pass, time_in_sequence, warm_pass
 
 __all__ = ["GRANULARITIES", "ProfileReport", "profile", "profile_step"]
 
@@ -96,6 +97,17 @@ class _Measured:
     updated: dict[str, tuple[int | None, int]] = field(default_factory=dict)  # per node, `_updated_bytes`
     casts: dict[str, int] = field(default_factory=dict)  # per node, its weights' 16-bit copies (`Node.cast_bytes`)
     tp_units: dict[str, int] = field(default_factory=dict)  # per node, its most tensor-parallel ways (`Node.tp_units`)
+    # per node that keeps activations, what selective recomputation keeps, rebuilds and runs again
+    selective: dict[str, Figures] = field(default_factory=dict)
+
+
+def _selective_fields(figures: Figures | None) -> dict[str, float]:
+    """A node's selective recomputation figures (`Node.selective_keep_bytes` and the rest): none
+    kept, built or run again for a node that keeps no activations."""
+    if figures is None:
+        return {"selective_keep_bytes": 0, "selective_rebuilt_bytes": 0, "selective_rebuild_share": 0.0}
+    return {"selective_keep_bytes": figures.keep_bytes, "selective_rebuilt_bytes": figures.rebuilt_bytes,
+            "selective_rebuild_share": figures.rebuild_share}
 
 
 def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
@@ -132,6 +144,8 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
     with torch.no_grad(), mixed.step(), mixed.forward():  # the values as they are in that precision
         _, values = split.run(data, capture=True)
     warm = {p.name: warm_pass(p, [values[n] for n in p.inputs], split.input_names, mixed) for p in split.pieces}
+    kept = {p.name: selective_pass(p, [values[n] for n in p.inputs], split.input_names, mixed, device.torch_device)
+            for p in split.pieces if warm[p.name].act_bytes > 0}
     small = _small_batch(step, batch, device, granularity, block_classes, batch_size) if fixed else None
     repeats = max(repeats, 5) if check else repeats
     timed = time_in_sequence(split, data, device.torch_device, repeats, whole=work if check else None,
@@ -141,7 +155,7 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
     opt = optimizer_times(split, device.torch_device, repeats)
     return _Measured(split, values, timed.times, {n: w.flops for n, w in warm.items()},
                      {n: w.act_bytes for n, w in warm.items()}, timed.totals_s, timed.whole_s, repeats, parts, opt,
-                     updated, {n: w.cast_bytes for n, w in warm.items()}, _tp_units(work, split))
+                     updated, {n: w.cast_bytes for n, w in warm.items()}, _tp_units(work, split), kept)
 
 
 def profile_step(
@@ -321,6 +335,7 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
             act_bytes=first.act_bytes[piece.name],
             cast_bytes=first.casts.get(piece.name, 0),
             tp_units=first.tp_units.get(piece.name, 0),
+            **_selective_fields(first.selective.get(piece.name)),
             module=piece.modules,
             runs_on_host=any(m == h or m.startswith(h + ".") for m in piece.modules for h in host),
             updated_bytes=first.updated[piece.name][0],

@@ -17,7 +17,8 @@ the step, rather than timed alone, repeat after repeat, with its weights and inp
 
 Before the timed repeats, one untimed warm-up repeat; `warm_pass` also counts each piece's
 forward FLOPs (torch's `FlopCounterMode`) and the bytes its backward keeps alive
-(`saved_tensors_hooks`; storages of parameters are not counted, each storage is counted once).
+(`saved_tensors_hooks`; storages of parameters are not counted, each storage is counted once);
+`selective_pass` what selective recomputation keeps of a piece and the share it runs again.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from hetplan.pieces import selective
 from hetplan.pieces.mixed import Mixed, WeightCasts
 from hetplan.pieces.split import Piece, SplitStep, changed_in_place
 from hetplan.precision import FP32
@@ -95,6 +97,24 @@ def warm_pass(piece: Piece, inputs: Sequence[Any], data: Collection[str] = (), m
         if diff:
             torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
     return Warm(float(counter.get_total_flops()), sum(saved.values()), sum(casts.bytes.values()))
+
+
+def selective_pass(piece: Piece, inputs: Sequence[Any], data: Collection[str] = (), mixed: Mixed | None = None,
+                   device: str = "cpu") -> selective.Figures:
+    """What selective recomputation keeps of the piece and rebuilds, and the share of its forward
+    its backward runs again (`hetplan.pieces.selective.measure`), from forwards in `mixed`'s
+    precision as `warm_pass` runs them."""
+    mixed = mixed or Mixed(FP32, "cpu")
+    weights = list(piece.module.parameters())
+    params = {p.untyped_storage().data_ptr() for p in weights}
+    casts = WeightCasts(weights)
+    leaves = _leaves(inputs, [n in data for n in piece.inputs])
+
+    def run() -> None:
+        with mixed.step(), mixed.forward(), casts:
+            piece.module(*leaves)
+
+    return selective.measure(run, lambda ptr: ptr in params or ptr in casts.storages, torch.device(device))
 
 
 @dataclass(frozen=True)

@@ -126,8 +126,9 @@ def tp_mark(stage) -> str:
 
 
 def _recompute_mark(stage) -> str:
-    """`recompute` for a stage rebuilt whole, `recompute per block` for one rebuilt a node at a time."""
-    return "recompute per block" if stage.recompute == "block" else "recompute"
+    """`recompute` for a stage rebuilt whole, `recompute per block` for one rebuilt a node at a time,
+    `recompute selective` for one whose nodes keep their products' outputs."""
+    return {"block": "recompute per block", "selective": "recompute selective"}.get(stage.recompute, "recompute")
 
 
 def _devices_cell(devices: tuple[str, ...], cluster: Cluster | None) -> str:

@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hetplan.errors import HetplanError
+from hetplan.pieces import selective
 from hetplan.pieces.mixed import Mixed
 from hetplan.precision import FP32
 from hetplan.rows import StepRows
@@ -66,7 +67,8 @@ class Role:
     ranks: tuple[tuple[int, ...], ...]
     rows: StepRows
     # `Stage.recompute`: "stage", keep only the inputs and outputs and run the forward again in the
-    # backward; "block", the same around each piece (node) of the stage
+    # backward; "block", the same around each piece (node) of the stage; "selective", as "block"
+    # keeping the outputs of the pieces' products (`hetplan.pieces.selective`)
     recompute: str = "none"
     precision: str = FP32  # the arithmetic of its passes (`hetplan.pieces.mixed`)
     # tensor parallelism: groups[k][p], the ranks of replica p of stage k (ranks[k][p] first), and
@@ -214,9 +216,10 @@ class StageRunner:
         """The stage's forward, recomputed in its backward as `Role.recompute` says."""
         if self.role.recompute == "stage":
             return checkpoint(_once_per_step(module, self.rebuilt), *inputs, use_reentrant=False)
-        if self.role.recompute == "block":
+        if self.role.recompute in ("block", "selective"):
+            more = {"context_fn": selective.contexts} if self.role.recompute == "selective" else {}
             return module.run(inputs, lambda piece, args: checkpoint(_once_per_step(piece, self.rebuilt), *args,
-                                                                     use_reentrant=False))
+                                                                     use_reentrant=False, **more))
         return module(*inputs)
 
     def _as_sent(self, lay: ValueLayout, value: torch.Tensor) -> torch.Tensor:

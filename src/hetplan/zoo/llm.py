@@ -44,6 +44,12 @@ STASH_ELEMENTS_PER_TOKEN_H = 17  # Korthikanti et al.'s 34 s b h bytes at 2 byte
 # of those 34, the 24 a t-way tensor-parallel group splits (attention's q, k, v and its output
 # before the projection, the MLP's inner values; the rest, the layer's input and norms, whole)
 TP_SPLIT_SHARE = 24 / 34
+# Selective recomputation (`hetplan.pieces.selective`: products' outputs kept) of a block, in
+# Korthikanti et al.'s 34: it keeps q, k, v (6), attention's output (2), the MLP's first product
+# (8) and two products autograd would not save (the projections' outputs, 2 + 2): 20; it builds
+# again the norms' inputs and outputs, the products' inputs, the activation function's output and
+# dropout's masks: 18 (the 34 less the 16 it keeps of them), each read and written once.
+SELECTIVE_KEEP, SELECTIVE_REBUILT = 20 / 34, 18 / 34
 
 
 @dataclass(frozen=True)
@@ -147,17 +153,24 @@ class _Counting:
                 for t in self.types}
 
     def node(self, node_id: str, op: str, flops: float, params: int, out_bytes: int, act_bytes: int,
-             fixed_s: float, cast: bool = True, tp_units: int = 0, act_split_share: float = 0.0) -> Node:
+             fixed_s: float, cast: bool = True, tp_units: int = 0, act_split_share: float = 0.0,
+             selective: tuple[float, float] = (0.0, 0.0)) -> Node:
         """`cast`: its products use its weights (an embedding's lookup does not); `tp_units`:
         the most ways it splits tensor-parallel (`Node.tp_units`), `act_split_share` the share of
-        its activations that then splits (`Node.act_split_share`)."""
+        its activations that then splits (`Node.act_split_share`); `selective`, what selective
+        recomputation keeps and builds again (`Node.selective_keep_bytes`, `selective_rebuilt_bytes`),
+        the rebuilt bytes' element-wise work timed at the memory's bandwidth."""
         casts = 2 * params if cast and is_mixed(self.precision) and flops > 0 else 0
         traffic = (casts or 4 * params) + out_bytes + act_bytes
         fwd = self.times(flops, traffic, fixed_s)
         bwd = self.times(BACKWARD_FLOPS * flops, 2 * traffic, fixed_s)
+        keep, again = selective
+        # the rebuilt values read and written once, as a share of the forward on the slowest type for it
+        share = max((roofline_s(0.0, 2 * again, t) / fwd[t.name] for t in self.types if fwd[t.name] > 0), default=0.0)
         return Node(node_id, op, fwd, bwd, flops=flops, param_bytes=4 * params, out_bytes=out_bytes,
                     act_bytes=act_bytes, module=(node_id,), cast_bytes=casts, tp_units=tp_units,
-                    act_split_share=act_split_share,
+                    act_split_share=act_split_share, selective_keep_bytes=round(keep),
+                    selective_rebuilt_bytes=round(again), selective_rebuild_share=min(share, 1.0),
                     fwd_fixed_s={t.name: fixed_s for t in self.types},
                     bwd_fixed_s={t.name: fixed_s for t in self.types})
 
@@ -180,13 +193,16 @@ def transformer_chain(model: TransformerShape | str, batch_size: int, seq_len: i
     # tensor parallelism (`hetplan.pieces.tensor_split`) splits a block's heads and MLP units, and
     # the head's vocabulary unless it is the embedding's (tied weights stay whole)
     blocks = [count.node(f"block_{i}", "TransformerBlock", block_flops, m.block_params(), hidden_bytes, stash,
-                         BLOCK_FIXED_S, tp_units=math.gcd(m.heads, m.ffn), act_split_share=TP_SPLIT_SHARE)
+                         BLOCK_FIXED_S, tp_units=math.gcd(m.heads, m.ffn), act_split_share=TP_SPLIT_SHARE,
+                         selective=(SELECTIVE_KEEP * stash, SELECTIVE_REBUILT * stash))
               for i in range(m.layers)]
     # the loss's softmax is fp32 in every precision (autocast runs it so), after 16-bit logits;
     # the runtime gathers a group's logits for the loss (no vocabulary-parallel loss): kept whole
     logits = (4 + (count.value_bytes if is_mixed(precision) else 0)) * tokens * m.vocab
+    # selectively: the product's logits kept, the input and the softmax's fp32 output built again
     head = count.node("head", "LMHead", 2.0 * tokens * h * m.vocab, h * m.vocab + 2 * h, 4 * batch_size,
-                      hidden_bytes + logits, BLOCK_FIXED_S, tp_units=0 if m.tied_embeddings else m.vocab)
+                      hidden_bytes + logits, BLOCK_FIXED_S, tp_units=0 if m.tied_embeddings else m.vocab,
+                      selective=(count.value_bytes * tokens * m.vocab, hidden_bytes + 4 * tokens * m.vocab))
     nodes = (embed, *blocks, head)
     edges = tuple(Edge(a.id, b.id, hidden_bytes) for a, b in itertools.pairwise(nodes))
     meta = {"source": "analytic", "granularity": "block", "seq_len": str(seq_len),
