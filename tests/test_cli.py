@@ -510,6 +510,19 @@ def test_planning_on_a_type_that_was_not_profiled_says_so(cli, tmp_path):
     assert "note" not in r.err
 
 
+def test_planning_a_counted_graph_says_its_times_rest_on_one_gpus_fraction(cli, tmp_path):
+    """A counted chain's 16-bit times assume every GPU reaches the fraction one H200 reached: the
+    plan says so, with the fraction and the types; a profiled graph says nothing of it."""
+    g = tmp_path / "opt.json"
+    r = cli("profile", "opt-350m", "--roofline", "a100-40gb", "--roofline", "v100-16gb", "--precision", "bf16",
+            "--batch-size", "8", "--seq-len", "512", "-o", g)
+    assert r.code == 0, r.err
+    r = cli("plan", g, "--cluster", "a100+v100-8", "-o", tmp_path / "p.json")
+    assert r.code == 0, r.err
+    assert "graph 'opt-350m' is counted, not measured: its bf16 times assume every GPU (a100-40gb, v100-32gb) " \
+           "reaches 0.43 of its bf16 peak, as the counted blocks did on one H200" in r.err
+
+
 def test_a_prediction_for_real_workers_says_when_the_cluster_is_not_calibrated(cli, tmp_path):
     from dataclasses import replace
 

@@ -94,6 +94,13 @@ def test_block_granularity_gives_one_node_per_block():
     blocks = [n for n in g.nodes if n.op == "GPT2Block"]
     assert [n.id for n in blocks] == [f"transformer.h.{i}" for i in range(4)]
     assert blocks[0].module == ("transformer.h.0",)
+    # recomputation's figures, measured per block: selective keeps less than all its activations
+    # and builds again less than all of them plus what it keeps; both units add time
+    assert g.selective_measured
+    for b in blocks:
+        assert 0 < b.selective_keep_bytes < b.act_bytes
+        assert 0 < b.selective_rebuilt_bytes <= b.act_bytes
+        assert b.rerun_forwards["block"] > 0 and b.rerun_forwards["selective"] > 0
 
 
 def test_inception_has_parallel_branches():

@@ -73,7 +73,8 @@ def _with_selective_figures(graph, rng):
     """The graph with random selective recomputation figures on every node (`Node.selective_bytes`)."""
     nodes = tuple(replace(n, selective_keep_bytes=int(rng.integers(0, n.act_bytes + 1)),
                           selective_rebuilt_bytes=int(rng.integers(0, n.act_bytes + 1)),
-                          selective_rebuild_share=float(rng.random())) for n in graph.nodes)
+                          rerun_forwards={"block": float(2 * rng.random()), "selective": float(2 * rng.random())})
+                  for n in graph.nodes)
     return replace(graph, nodes=nodes)
 
 

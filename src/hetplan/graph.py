@@ -92,12 +92,15 @@ class Node:
     on each (Korthikanti et al. 2022: 24 of a transformer layer's 34 s b h bytes without
     sequence parallelism); 0, the default, counts them whole on every device (an upper bound).
 
-    `selective_keep_bytes`, `selective_rebuilt_bytes`, `selective_rebuild_share`: under selective
-    recomputation (`hetplan.pieces.selective`: a checkpoint that keeps the outputs of the node's
-    products and rebuilds the rest), what the node keeps per batch besides its inputs, what its
-    backward builds again per batch (its activations less those kept), and the share of its
-    forward's time that runs again; None where not measured (the cost model then counts it as
-    keeping all its activations and running its whole forward again).
+    `selective_keep_bytes`, `selective_rebuilt_bytes`: under selective recomputation
+    (`hetplan.pieces.selective`: a checkpoint that keeps the outputs of the node's products and
+    rebuilds the rest), what the node keeps per batch besides its inputs and what its backward
+    builds again per batch (its activations less those kept); None where not measured (the cost
+    model then counts it as keeping all its activations). `rerun_forwards`: per recomputation
+    unit checkpointed per node ("block", "selective"), the time recomputing the node that way
+    adds to a step, in forwards of the node, as the profiler measured it on its device (the
+    forward run again, or the part selective recomputation runs, and the checkpoint's own cost);
+    a unit missing counts one forward.
     """
 
     id: str
@@ -121,7 +124,7 @@ class Node:
     act_split_share: float = 0.0
     selective_keep_bytes: int | None = None
     selective_rebuilt_bytes: int | None = None
-    selective_rebuild_share: float | None = None
+    rerun_forwards: Mapping[str, float] = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -161,12 +164,15 @@ class Node:
         for name in ("selective_keep_bytes", "selective_rebuilt_bytes"):
             if getattr(self, name) is not None:
                 _check_number(getattr(self, name), f"{who}: {name}")
-        share = self.selective_rebuild_share
-        if share is not None:
-            _check_number(share, f"{who}: selective_rebuild_share")
-            if share > 1:
-                raise GraphError(f"{who}: selective_rebuild_share is {share}; it is a share of the forward's time, "
-                                 "between 0 and 1")
+        if not isinstance(self.rerun_forwards, Mapping):
+            raise GraphError(f"{who}: rerun_forwards must map recomputation units to forwards, got "
+                             f"{shown(self.rerun_forwards)}")
+        for unit, forwards in self.rerun_forwards.items():
+            if unit not in ("block", "selective"):
+                raise GraphError(f"{who}: rerun_forwards has unit {unit!r}; the units measured per node are block "
+                                 "and selective")
+            _check_number(forwards, f"{who}: rerun_forwards[{unit!r}]")
+        object.__setattr__(self, "rerun_forwards", FrozenMap({k: float(v) for k, v in self.rerun_forwards.items()}))
 
     def selective_bytes(self) -> tuple[float, float]:
         """What selective recomputation keeps of the node per batch besides its inputs, and what
@@ -175,15 +181,13 @@ class Node:
             return float(self.act_bytes), 0.0
         return float(self.selective_keep_bytes), float(self.selective_rebuilt_bytes)
 
-    def rebuild_share(self, unit: str) -> float:
-        """The share of the node's forward that a backward recomputing at `unit` runs again
-        (`Stage.recompute`): none for "none", all for "stage" and "block", the measured share
-        for "selective" (all where not measured)."""
+    def rerun(self, unit: str) -> float:
+        """The time recomputing at `unit` (`Stage.recompute`) adds, in forwards of the node: none
+        for "none", one for "stage", as measured for the units checkpointed per node
+        (`rerun_forwards`; one where not measured)."""
         if unit == "none":
             return 0.0
-        if unit == "selective" and self.selective_rebuild_share is not None:
-            return self.selective_rebuild_share
-        return 1.0
+        return self.rerun_forwards.get(unit, 1.0) if unit != "stage" else 1.0
 
     def _check_updated(self, who: str) -> None:
         _check_number(self.sparse_rows, f"{who}: sparse_rows")
@@ -364,8 +368,8 @@ class Graph:
     def selective_measured(self) -> bool:
         """Whether every node that keeps activations carries selective recomputation's figures
         (`Node.selective_keep_bytes` and the rest)."""
-        return all(None not in (n.selective_keep_bytes, n.selective_rebuilt_bytes, n.selective_rebuild_share)
-                   for n in self.nodes if n.act_bytes > 0)
+        return all(n.selective_keep_bytes is not None and n.selective_rebuilt_bytes is not None
+                   and "selective" in n.rerun_forwards for n in self.nodes if n.act_bytes > 0)
 
     @cached_property
     def read_bytes(self) -> Mapping[str, float]:

@@ -117,7 +117,8 @@ def _add_plan_shape_options(planning: argparse.ArgumentParser) -> None:
     planning.add_argument("--recompute", default=PLAN.recompute, choices=RECOMPUTE_CHOICES,
                           help="which stages recompute their activations in their backward, and what each "
                                "rebuilds at once: where-needed (the stages over their devices' memory, the whole "
-                               "stage or a block at a time, whichever needs less), stage or block (the same at "
+                               "stage, a block at a time, or per block all but its products' outputs "
+                               "(selective), the fastest that fits), stage, block or selective (the same at "
                                f"that unit only), never, or always {_default('recompute')}")
     planning.add_argument("--shard", default=PLAN.shard, choices=SHARD_CHOICES,
                           help="replicated: the replicas of every stage of two or more shard its optimizer state "

@@ -175,12 +175,12 @@ class CostModel:
             math.fsum(times[n][0] for n in nodes), math.fsum(times[n][1] for n in nodes)))
 
     def rebuilt_forward_s(self, nodes: Sequence[str], device_type: str, unit: str) -> tuple[float, float]:
-        """The forward a backward recomputing at `unit` runs again, for the whole batch, and its
-        fixed part: each node's forward times its `Node.rebuild_share`."""
+        """The time recomputing at `unit` adds to a backward, for the whole batch, and its fixed
+        part: each node's forward times its `Node.rerun`."""
         times, fixed, by_id = self._node_times_s(device_type), self._node_fixed_s(device_type), self.graph.by_id
         return self._summed(("rebuilt", tuple(nodes), device_type, unit), lambda: (
-            math.fsum(by_id[n].rebuild_share(unit) * times[n][0] for n in nodes),
-            math.fsum(by_id[n].rebuild_share(unit) * fixed[n][0] for n in nodes)))
+            math.fsum(by_id[n].rerun(unit) * times[n][0] for n in nodes),
+            math.fsum(by_id[n].rerun(unit) * fixed[n][0] for n in nodes)))
 
     def _stage_weight_share(self, nodes: Sequence[str], device_type: str, first: bool) -> float:
         """`formulas.weight_share` of a stage, when a schedule splits its backward."""

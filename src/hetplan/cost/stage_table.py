@@ -200,20 +200,20 @@ class StageTable:
         that recomputes runs its forward again in its backward (`formulas.recomputed_backward_s`)."""
         fwd, bwd, ffix, bfix, _ = (_diff(a, i, j) for a in self._type_sums(kind))
         f, b, f_fix, b_fix = formulas.replica_passes_s(fwd, bwd, ffix, bfix, kind.corun, kind.action_overhead_s)
-        if recompute == "selective":  # a share of each node's forward (`CostModel.rebuilt_forward_s`)
-            again, again_fix = (_diff(a, i, j) for a in self._selective_sums(kind))
+        if recompute in ("block", "selective"):  # as measured per node (`CostModel.rebuilt_forward_s`)
+            again, again_fix = (_diff(a, i, j) for a in self._rerun_sums(kind, recompute))
             rf, rf_fix = formulas.replica_passes_s(again, 0.0, again_fix, 0.0, kind.corun, kind.action_overhead_s)[::2]
             b, b_fix = formulas.recomputed_backward_s(b, b_fix, rf, rf_fix, kind.action_overhead_s)
         elif recompute != "none":
             b, b_fix = formulas.recomputed_backward_s(b, b_fix, f, f_fix, kind.action_overhead_s)
         return f, b, f_fix, b_fix
 
-    def _selective_sums(self, kind: Kind) -> tuple[np.ndarray, np.ndarray]:
-        """Per state, the forward a selective recompute runs again on one device of the kind's
-        type, for the whole batch, and its fixed part."""
-        key = (kind.type, "selective")
+    def _rerun_sums(self, kind: Kind, unit: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per state, what recomputing at `unit` (checkpointed per node) adds to a backward on one
+        device of the kind's type, for the whole batch, and its fixed part."""
+        key = (kind.type, unit)
         if key not in self._passes:
-            per = [self.cost.rebuilt_forward_s((v,), kind.type, "selective") for v in self.order]
+            per = [self.cost.rebuilt_forward_s((v,), kind.type, unit) for v in self.order]
             self._passes[key] = tuple(self._sum([p[c] for p in per]) for c in range(2))
         return self._passes[key]
 

@@ -183,7 +183,7 @@ def _replica_passes(cm: CostModel, plan: Plan, k: int, p: int, split: bool, shar
     slow = cm._corun_factor(d, plan.devices)  # other CPU workers of the plan on its host (calibrated clusters)
     passes = replica_passes_s(*tp_times_s(cm, stage.nodes, dev.type, stage.groups[p], plan.microbatches, share),
                               slow, dev.action_overhead_s)
-    if stage.recompute == "selective":  # what its backward runs again: a share of each node's forward
+    if stage.recompute in ("block", "selective"):  # what its backward adds: as measured per node
         again, again_fix = cm.rebuilt_forward_s(stage.nodes, dev.type, stage.recompute)
         rebuilt = replica_passes_s(again, 0.0, again_fix, 0.0, slow, dev.action_overhead_s)[::2]
     else:

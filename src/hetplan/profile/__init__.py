@@ -34,7 +34,7 @@ from hetplan.pieces.split import GRANULARITIES, Piece, SplitStep, split_step, te
 from hetplan.precision import FP32
 from hetplan.precision import checked as checked_precision
 from hetplan.profile.devices import ProfileDevice, parse_device
-from hetplan.profile.timing import Timing, optimizer_times, selective_pass, time_in_sequence, warm_pass
+from hetplan.profile.timing import Timing, optimizer_times, rerun_forwards, selective_pass, time_in_sequence, warm_pass
 
 __all__ = ["GRANULARITIES", "ProfileReport", "profile", "profile_step"]
 
@@ -97,17 +97,21 @@ class _Measured:
     updated: dict[str, tuple[int | None, int]] = field(default_factory=dict)  # per node, `_updated_bytes`
     casts: dict[str, int] = field(default_factory=dict)  # per node, its weights' 16-bit copies (`Node.cast_bytes`)
     tp_units: dict[str, int] = field(default_factory=dict)  # per node, its most tensor-parallel ways (`Node.tp_units`)
-    # per node that keeps activations, what selective recomputation keeps, rebuilds and runs again
-    selective: dict[str, Figures] = field(default_factory=dict)
+    # per node that keeps activations, what selective recomputation keeps and builds again, and
+    # what recomputing it adds per unit (`Node.rerun_forwards`)
+    selective: dict[str, tuple[Figures, dict[str, float]]] = field(default_factory=dict)
 
 
-def _selective_fields(figures: Figures | None) -> dict[str, float]:
-    """A node's selective recomputation figures (`Node.selective_keep_bytes` and the rest): none
-    kept, built or run again for a node that keeps no activations."""
-    if figures is None:
-        return {"selective_keep_bytes": 0, "selective_rebuilt_bytes": 0, "selective_rebuild_share": 0.0}
+def _selective_fields(measured: tuple[Figures, dict[str, float]] | None) -> dict[str, object]:
+    """A node's recomputation figures (`Node.selective_keep_bytes`, `rerun_forwards`, ...):
+    nothing kept, built or run again for a node that keeps no activations (its checkpoint is
+    never unpacked)."""
+    if measured is None:
+        return {"selective_keep_bytes": 0, "selective_rebuilt_bytes": 0,
+                "rerun_forwards": {"block": 0.0, "selective": 0.0}}
+    figures, rerun = measured
     return {"selective_keep_bytes": figures.keep_bytes, "selective_rebuilt_bytes": figures.rebuilt_bytes,
-            "selective_rebuild_share": figures.rebuild_share}
+            "rerun_forwards": rerun}
 
 
 def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
@@ -144,7 +148,8 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
     with torch.no_grad(), mixed.step(), mixed.forward():  # the values as they are in that precision
         _, values = split.run(data, capture=True)
     warm = {p.name: warm_pass(p, [values[n] for n in p.inputs], split.input_names, mixed) for p in split.pieces}
-    kept = {p.name: selective_pass(p, [values[n] for n in p.inputs], split.input_names, mixed, device.torch_device)
+    kept = {p.name: (selective_pass(p, [values[n] for n in p.inputs], split.input_names, mixed),
+                     rerun_forwards(p, [values[n] for n in p.inputs], split.input_names, mixed, device.torch_device))
             for p in split.pieces if warm[p.name].act_bytes > 0}
     small = _small_batch(step, batch, device, granularity, block_classes, batch_size) if fixed else None
     repeats = max(repeats, 5) if check else repeats

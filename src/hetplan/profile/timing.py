@@ -18,11 +18,13 @@ the step, rather than timed alone, repeat after repeat, with its weights and inp
 Before the timed repeats, one untimed warm-up repeat; `warm_pass` also counts each piece's
 forward FLOPs (torch's `FlopCounterMode`) and the bytes its backward keeps alive
 (`saved_tensors_hooks`; storages of parameters are not counted, each storage is counted once);
-`selective_pass` what selective recomputation keeps of a piece and the share it runs again.
+`selective_pass` what selective recomputation keeps of a piece and builds again, and
+`rerun_forwards` what recomputing it per block or selectively adds to its time.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from hetplan.pieces import selective
@@ -101,9 +104,9 @@ def warm_pass(piece: Piece, inputs: Sequence[Any], data: Collection[str] = (), m
 
 def selective_pass(piece: Piece, inputs: Sequence[Any], data: Collection[str] = (), mixed: Mixed | None = None,
                    device: str = "cpu") -> selective.Figures:
-    """What selective recomputation keeps of the piece and rebuilds, and the share of its forward
-    its backward runs again (`hetplan.pieces.selective.measure`), from forwards in `mixed`'s
-    precision as `warm_pass` runs them."""
+    """What selective recomputation keeps of the piece and builds again
+    (`hetplan.pieces.selective.measure`), from a forward in `mixed`'s precision as `warm_pass`
+    runs it."""
     mixed = mixed or Mixed(FP32, "cpu")
     weights = list(piece.module.parameters())
     params = {p.untyped_storage().data_ptr() for p in weights}
@@ -114,7 +117,41 @@ def selective_pass(piece: Piece, inputs: Sequence[Any], data: Collection[str] = 
         with mixed.step(), mixed.forward(), casts:
             piece.module(*leaves)
 
-    return selective.measure(run, lambda ptr: ptr in params or ptr in casts.storages, torch.device(device))
+    return selective.measure(run, lambda ptr: ptr in params or ptr in casts.storages)
+
+
+def rerun_forwards(piece: Piece, inputs: Sequence[Any], data: Collection[str] = (), mixed: Mixed | None = None,
+                   device: str = "cpu", repeats: int = 5) -> dict[str, float]:
+    """Per unit checkpointed per node ("block", "selective"), what recomputing the piece that way
+    adds to its forward and backward, in forwards of the piece (`Node.rerun_forwards`): the
+    fastest of `repeats` runs of each way after one to warm up, the piece alone, its inputs hot."""
+    mixed = mixed or Mixed(FP32, "cpu")
+    clock = Clock(device)
+    leaves = _leaves(inputs, [n in data for n in piece.inputs])
+    ways = {"none": piece.module,
+            "block": lambda *xs: checkpoint(piece.module, *xs, use_reentrant=False),
+            "selective": lambda *xs: checkpoint(piece.module, *xs, use_reentrant=False, context_fn=selective.contexts)}
+
+    def timed(run: Callable[..., Any], backward: bool) -> float:
+        best = math.inf
+        for k in range(repeats + 1):
+            _clear_grads(piece)
+            with mixed.step():
+                start = clock.stamp()
+                with mixed.forward():
+                    outs = run(*leaves)
+                diff = _differentiable(outs if isinstance(outs, tuple) else (outs,))
+                if backward and diff:
+                    torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
+                end = clock.stamp()
+            clock.finish()
+            best = min(best, clock.seconds(start, end)) if k else best
+        return best
+
+    forward = timed(piece.module, False)
+    plain = timed(ways["none"], True)
+    return {unit: max(0.0, timed(ways[unit], True) - plain) / forward if forward > 0 else 1.0
+            for unit in ("block", "selective")}
 
 
 @dataclass(frozen=True)

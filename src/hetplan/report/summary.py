@@ -109,12 +109,25 @@ def input_refs(graph_ref: str, cluster_ref: str) -> dict[str, str]:
             CLUSTER_REF: str(cluster.resolve()) if cluster.is_file() else cluster_ref}
 
 
+def _counted_notes(graph: Graph, cluster: Cluster) -> list[str]:
+    """A counted graph's (`hetplan.zoo.llm`) times rest on an achieved fraction of each type's
+    peak that was measured on one GPU only: said, with the types it is assumed for."""
+    fraction = graph.meta.get("achieved_fraction")
+    if graph.source != "analytic" or fraction is None:
+        return []
+    types = ", ".join(sorted({d.type for d in cluster.devices}))
+    return [f"graph '{graph.name}' is counted, not measured: its {graph.precision} times assume every GPU ({types}) "
+            f"reaches {fraction} of its {graph.precision} peak, as the counted blocks did on one H200 "
+            "(BENCHMARKS.md); profile a block on your GPUs (hetplan profile MODEL --granularity block --precision "
+            f"{graph.precision}) to measure it"]
+
+
 def estimate_notes(graph: Graph, cluster: Cluster, cluster_ref: str | None = None) -> list[str]:
     """What a prediction on this graph and cluster rests on that was not measured: the device
     types whose times are projected (a graph profiled on cpu-2t and planned on cpu-1t workers is
     otherwise silently a guess), and a cluster of real workers that was not calibrated. Said by
     the commands after they succeed and shown on the report page."""
-    notes = []
+    notes = _counted_notes(graph, cluster)
     projected = CostModel(graph, cluster).projected_types()
     if projected:
         pairs = ", ".join(f"{target} (from {source})" for target, source in projected.items())

@@ -170,7 +170,7 @@ class _Counting:
         return Node(node_id, op, fwd, bwd, flops=flops, param_bytes=4 * params, out_bytes=out_bytes,
                     act_bytes=act_bytes, module=(node_id,), cast_bytes=casts, tp_units=tp_units,
                     act_split_share=act_split_share, selective_keep_bytes=round(keep),
-                    selective_rebuilt_bytes=round(again), selective_rebuild_share=min(share, 1.0),
+                    selective_rebuilt_bytes=round(again), rerun_forwards={"selective": min(share, 1.0)},
                     fwd_fixed_s={t.name: fixed_s for t in self.types},
                     bwd_fixed_s={t.name: fixed_s for t in self.types})
 
