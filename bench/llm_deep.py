@@ -54,7 +54,7 @@ from hetplan.graph import Graph
 from hetplan.io import serde
 from hetplan.io.clusters import cluster_from_spec, hosts_spec
 from hetplan.plan import Plan
-from hetplan.planners.options import RECOMPUTE_CHOICES
+from hetplan.planners.options import RECOMPUTE_CHOICES, SEQUENCE_PARALLEL_CHOICES
 from hetplan.zoo.llm import transformer_chain
 
 HERE = Path(__file__).resolve().parent
@@ -146,7 +146,8 @@ def count_types(cluster: Cluster, devices: Iterable[str]) -> dict[str, int]:
 
 def stage_rows(plan: Plan, cluster: Cluster) -> list[dict]:
     return [{"type": "+".join(sorted(count_types(cluster, s.all_devices))), "replicas": len(s.devices), "tp": s.tp,
-             "recompute": s.recompute, "shard": s.shard, "nodes": len(s.nodes)} for s in plan.stages]
+             "recompute": s.recompute, "shard": s.shard, "sp": s.sequence_parallel, "nodes": len(s.nodes)}
+            for s in plan.stages]
 
 
 def peak_memory(plan: Plan, cluster: Cluster) -> dict[str, dict[str, int]]:
@@ -181,22 +182,26 @@ def busy_share(plan: Plan, cluster: Cluster) -> dict[str, float]:
 
 
 def one_problem(name: str, timeout_s: float, tmp: Path, recompute: str | None = None,
-                tp_activations: str = "split") -> dict:
+                tp_activations: str = "split", sequence_parallel: str | None = None) -> dict:
     problem = PROBLEMS[name]
     graph, cluster = problem.graph(), problem.cluster(name)
     if tp_activations == "whole":  # a group's devices each counted with every activation (an upper bound)
-        graph = replace(graph, nodes=tuple(replace(n, act_split_share=0.0) for n in graph.nodes))
+        graph = replace(graph, nodes=tuple(replace(n, act_split_share=0.0, act_sequence_share=0.0)
+                                           for n in graph.nodes))
     devices_per_type = count_types(cluster, cluster.ids)
     times = node_times_s(graph, cluster)
     bound_any = lower_bound_s(work_s(times), devices_per_type)
     row = {"problem": name, "model": problem.model, "batch": problem.batch, "seq_len": problem.seq_len,
            "precision": problem.precision, "gpus": devices_per_type, "inter_host": problem.inter_host,
-           "bound_any_s": bound_any, "recompute_option": recompute or "default", "tp_activations": tp_activations}
+           "bound_any_s": bound_any, "recompute_option": recompute or "default", "tp_activations": tp_activations,
+           "sequence_parallel_option": sequence_parallel or "default"}
+    options = {**({"recompute": recompute} if recompute else {}),
+               **({"sequence_parallel": sequence_parallel} if sequence_parallel else {})}
     graph_file = tmp / f"graph-{slug(name)}.json"  # run_dp writes the cluster to {name}.json
     serde.dump(graph, graph_file)
     began = time.perf_counter()
     try:
-        dp = dp_scale.run_dp(graph_file, cluster, tmp, timeout_s, {"recompute": recompute} if recompute else None)
+        dp = dp_scale.run_dp(graph_file, cluster, tmp, timeout_s, options or None)
     except subprocess.TimeoutExpired:
         return {**row, "status": "timed out", "why": f"dp ran past {timeout_s:g} s and was stopped",
                 "process_s": time.perf_counter() - began}
@@ -217,16 +222,19 @@ def short(device_type: str) -> str:
 def stages_text(stages: list[dict]) -> str:
     """Runs of equal stages as `k x [TYPE x replicas (tp, recompute, shard)]`."""
     texts = [f"{'+'.join(map(short, s['type'].split('+')))} x {s['replicas']} "
-             f"({s['tp']}, {unit_text(s['recompute'])}, {'yes' if s['shard'] else 'no'})" for s in stages]
+             f"({s['tp']}{' sp' if s.get('sp') else ''}, {unit_text(s['recompute'])}, {'yes' if s['shard'] else 'no'})"
+             for s in stages]
     runs = [(t, len(list(same))) for t, same in itertools.groupby(texts)]
     return ", ".join(t if k == 1 else f"{k} x [{t}]" for t, k in runs)
 
 
 def label(r: dict) -> str:
-    """A row's problem, with the --recompute it was planned with where not the default."""
-    option = r.get("recompute_option", "default")
+    """A row's problem, with the --recompute and --sequence-parallel it was planned with where not
+    the default."""
+    option, sp = r.get("recompute_option", "default"), r.get("sequence_parallel_option", "default")
     whole = r.get("tp_activations") == "whole"
     return r["problem"] + ("" if option == "default" else f" (--recompute {option})") + (
+        "" if sp == "default" else f" (--sequence-parallel {sp})") + (
         " (a group's activations whole)" if whole else "")
 
 
@@ -276,13 +284,16 @@ def main() -> None:
     parser.add_argument("--tp-activations", action="append", choices=["split", "whole"],
                         help="a group's activations split as the graph says (the default) or counted whole on "
                              "each device, as before (repeatable: a row each)")
+    parser.add_argument("--sequence-parallel", action="append", choices=SEQUENCE_PARALLEL_CHOICES,
+                        help="plan with this --sequence-parallel instead of the default (repeatable: a row each)")
     parser.add_argument("-o", "--output", type=Path, default=HERE / "results" / "llm_deep.json")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only or PROBLEMS:
-            for recompute, acts in itertools.product(args.recompute or [None], args.tp_activations or ["split"]):
-                rows.append(one_problem(name, args.timeout_s, Path(tmp), recompute, acts))
+            for recompute, acts, sp in itertools.product(args.recompute or [None], args.tp_activations or ["split"],
+                                                         args.sequence_parallel or [None]):
+                rows.append(one_problem(name, args.timeout_s, Path(tmp), recompute, acts, sp))
                 print(json.dumps(rows[-1], default=str), flush=True)
     statuses = [r["status"] for r in rows]
     summary = {"problems": len(rows), "planned": statuses.count("planned"),

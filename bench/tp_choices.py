@@ -1,9 +1,10 @@
 """Tensor parallelism on this machine's two CPU workers: the model as one stage on one worker,
-on both as data-parallel replicas, on both as one 2-way tensor-parallel group, and split in two
-pipeline stages; step time predicted against measured.
+on both as data-parallel replicas, on both as one 2-way tensor-parallel group (with sequence
+parallelism too: `tp2-sp`), and split in two pipeline stages; step time and peak memory per
+worker predicted against measured (as bench/memory_choices.py measures it).
 
     .venv/bin/python bench/tp_choices.py [--steps 10] [--rounds 2] [--repeats 10]
-        [--models NAME ...] [-o bench/results/tp_choices.json]
+        [--models NAME ...] [--plans NAME ...] [-o bench/results/tp_choices.json]
 
 `hetplan calibrate` of `local` first (as bench/schedules.py), then per model a profile on one
 thread per round (block granularity: each transformer block one node) and the four plans, 4
@@ -25,6 +26,7 @@ from hetplan.runtime.launch import launch, run_spec
 from hetplan.runtime.settings import RunSettings
 from hetplan.sim import simulate
 
+PLANS = ("one", "dp", "tp2", "tp2-sp", "pipeline")
 MODELS = [("gpt2-tiny", 8, 64, "block", ("GPT2Block",)), ("llama-tiny", 8, 64, "block", ("LlamaDecoderLayer",))]
 
 
@@ -34,6 +36,7 @@ def _choice(base, name: str):
     return {"one": replace(base, stages=(Stage(nodes, (a,)),)),
             "dp": replace(base, stages=(Stage(nodes, (a, b)),)),
             "tp2": replace(base, stages=(Stage(nodes, (a,), tp=2, tp_devices=((a, b),)),)),
+            "tp2-sp": replace(base, stages=(Stage(nodes, (a,), tp=2, tp_devices=((a, b),), sequence_parallel=True),)),
             "pipeline": base}[name]
 
 
@@ -41,28 +44,37 @@ def run_model(entry, cluster, calibrated, args, tmp) -> list[dict]:
     model, batch, seq, granularity, blocks = entry
     graphs, measured = [], {}
     for r, base in rounds(entry, cluster, args, graphs):
-        for name in ("one", "dp", "tp2", "pipeline"):
+        for name in args.plans or PLANS:
             plan = _choice(base, name)
             spec = run_spec(plan, cluster, model, RunSettings(batch_size=batch, seq_len=seq, granularity=granularity,
                             block_classes=tuple(blocks or ()), steps=args.steps, warmup=3,
                             out_dir=Path(tmp) / f"{model}-{r}-{name}"))
             result = launch(spec)
-            measured.setdefault(name, []).append((result.measured_step_s, plan))
+            measured.setdefault(name, []).append((result.measured_step_s, plan, result.peak_mem_bytes))
             print(f"{model:>12} {name:<9} round {r + 1}: {result.measured_step_s * 1e3:7.1f} ms", flush=True)
     graph = median_graph(graphs)
     rows = []
     for name, runs in measured.items():
         est = simulate(graph, calibrated, runs[0][1], timeline=False).estimate
-        step = statistics.median(s for s, _ in runs)
-        rows.append({"model": model, "plan": name, "measured_step_s": step, "measured_each_s": [s for s, _ in runs],
-                     "predicted_step_s": est.step_s, "error": step / est.step_s - 1})
+        step = statistics.median(s for s, *_ in runs)
+        rows.append({"model": model, "plan": name, "measured_step_s": step, "measured_each_s": [s for s, *_ in runs],
+                     "predicted_step_s": est.step_s, "error": step / est.step_s - 1,
+                     "measured_peak_mem_bytes": {d: statistics.median(r[2][d] for r in runs) for d in runs[0][2]},
+                     "predicted_peak_mem_bytes": dict(est.peak_mem_bytes)})
     return rows
 
 
 def describe(r: dict) -> str:
+    mem = ", ".join(f"{d} {r['measured_peak_mem_bytes'][d] / 2**20:.1f} / {b / 2**20:.1f} MiB "
+                    f"({r['measured_peak_mem_bytes'][d] / b - 1:+.0%})"
+                    for d, b in r["predicted_peak_mem_bytes"].items() if d in r["measured_peak_mem_bytes"])
     return (f"{r['model']:>12} {r['plan']:<9} measured {r['measured_step_s'] * 1e3:7.1f} ms predicted "
-            f"{r['predicted_step_s'] * 1e3:7.1f} ms {r['error']:+.0%}")
+            f"{r['predicted_step_s'] * 1e3:7.1f} ms {r['error']:+.0%}; peak measured / predicted {mem}")
+
+
+def more_arguments(parser) -> None:
+    parser.add_argument("--plans", nargs="*", choices=PLANS, help="a subset of the plans (default: all)")
 
 
 if __name__ == "__main__":
-    run_bench("tp_choices", run_model, describe, MODELS)
+    run_bench("tp_choices", run_model, describe, MODELS, more_arguments)

@@ -142,36 +142,41 @@ def test_a_tensor_parallel_group_costs_in_the_table_what_the_simulator_charges()
         replace(plan, microbatches=1), 0)["a1"]
 
 
+@pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("recompute", ["none", "stage", "block"])
-def test_a_tensor_parallel_group_keeps_its_share_of_the_blocks_activations(recompute):
+def test_a_tensor_parallel_group_keeps_its_share_of_the_blocks_activations(recompute, sp):
     """A counted chain's blocks split 24 of their 34 s b h bytes of activations over a group
     (Korthikanti et al.), the rest (and the embedding's and head's) whole: on a 2-way group a
-    device keeps 22/34 of a block's. The simulator, the cost model and the planners' table hold
-    that, recomputing or not (per block, the largest block's share rebuilt)."""
+    device keeps 22/34 of a block's; sequence-parallel, 6 more split (the gathered inputs of the
+    column-split products, 4, stay whole): 19/34. The simulator, the
+    cost model and the planners' table hold that, recomputing or not (per block, the largest
+    block's share rebuilt)."""
     from hetplan.cost.tensor import node_tp_act_bytes
     from hetplan.zoo.llm import transformer_chain
 
     graph = transformer_chain("opt-350m", 8, 128, ["a100-40gb"])
     block = graph.by_id["block_0"]
-    assert node_tp_act_bytes(graph, "block_0", 2) == pytest.approx(block.act_bytes * 22 / 34)
-    assert node_tp_act_bytes(graph, "head", 2) == graph.by_id["head"].act_bytes
+    kept, saved = (19, 15) if sp else (22, 12)  # of 34: what a device keeps of a block, and saves
+    assert node_tp_act_bytes(graph, "block_0", 2, sp) == pytest.approx(block.act_bytes * kept / 34)
+    assert node_tp_act_bytes(graph, "head", 2, sp) == graph.by_id["head"].act_bytes
     cluster = cluster_from_spec({"devices": [{"id": "a", "type": "a100-40gb", "host": "h", "count": 2}]}, "two")
     order = graph.topo_order
     m = 4
-    plan = Plan((Stage(order, ("a0",), recompute, tp=2, tp_devices=(("a0", "a1"),)),), m, "1f1b", "test")
+    plan = Plan((Stage(order, ("a0",), recompute, tp=2, tp_devices=(("a0", "a1"),), sequence_parallel=sp),), m,
+                "1f1b", "test")
     cm = CostModel(graph, cluster)
     whole, rebuilt = cm.held_bytes(plan, 0, 1)
     split, rebuilt_split = cm.held_bytes(plan, 0, 2)
     blocks = sum(n.act_bytes for n in graph.nodes if n.id.startswith("block_"))
     if recompute == "none":
-        assert whole - split == pytest.approx(blocks * 12 / 34) and rebuilt == rebuilt_split == 0
+        assert whole - split == pytest.approx(blocks * saved / 34) and rebuilt == rebuilt_split == 0
     elif recompute == "stage":
-        assert split == whole and rebuilt - rebuilt_split == pytest.approx(blocks * 12 / 34)
+        assert split == whole and rebuilt - rebuilt_split == pytest.approx(blocks * saved / 34)
     else:  # the largest node rebuilt: the head's logits, which stay whole
         assert split == whole and rebuilt == max(n.act_bytes for n in graph.nodes)
-        assert rebuilt_split == max(node_tp_act_bytes(graph, n, 2) for n in order)
+        assert rebuilt_split == max(node_tp_act_bytes(graph, n, 2, sp) for n in order)
     table = StageTable.of_chain(cm)
-    kind = table.kind(("a0", "a1"))
+    kind = table.kind(("a0", "a1"), sp)
     est = simulate(graph, cluster, plan).estimate
     weights = table.weights_bytes(kind, 0, len(order))
     want = weights + (split + rebuilt_split) / m  # one stage under 1F1B holds one micro-batch

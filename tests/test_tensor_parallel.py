@@ -30,7 +30,28 @@ def _grads(zm, loss) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in zm.step.named_parameters() if p.grad is not None}
 
 
-CASES = (("gpt2-tiny", 2), ("llama-tiny", 2), ("gpt2-tiny", 4), ("llama-tiny", 4))
+# (model, degree, sequence-parallel)
+CASES = (("gpt2-tiny", 2, False), ("llama-tiny", 2, False), ("gpt2-tiny", 4, False), ("llama-tiny", 4, False),
+         ("llama-tiny", 2, True), ("gpt2-tiny", 4, True))
+
+
+def _saved_bytes(stage, inputs) -> tuple[torch.Tensor, int]:
+    """The stage's output on `inputs`, and the bytes autograd saved for its backward (a DTensor's
+    local part; each storage once, its parameters not counted)."""
+    from torch.distributed.tensor import DTensor
+
+    saved: dict[int, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+
+    def pack(t):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.untyped_storage().data_ptr() not in weights:
+            saved[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stage(*inputs)
+    return out, sum(saved.values())
 
 
 def _group_worker(rank: int, world: int, store: str, out: str) -> None:
@@ -43,15 +64,15 @@ def _group_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group, in order
     try:
-        for model, degree in CASES:
+        for model, degree, sp in CASES:
             group = pairs[rank // 2] if degree == 2 else dist.group.WORLD
             zm, stage = _stage(model)
-            tp = parallelize([stage], zm.step, degree, rank % degree)[0][0]
+            tp = parallelize([stage], zm.step, degree, rank % degree, sp)[0][0]
             tp.attach(DeviceMesh.from_group(group, "cpu"))
             with running("cpu"):
-                loss = tp(*(zm.batch[k] for k in zm.batch))
+                loss, saved = _saved_bytes(tp, [zm.batch[k] for k in zm.batch])
                 grads = _grads(zm, loss)
-            torch.save({"loss": loss.detach(), "grads": grads}, f"{out}.{model}.{degree}.{rank}")
+            torch.save({"loss": loss.detach(), "grads": grads, "saved": saved}, f"{out}.{model}.{degree}.{sp}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -68,20 +89,24 @@ def _joined(name: str, parts: list[torch.Tensor], whole: torch.Tensor) -> torch.
 
 def test_two_and_four_way_stages_of_gpt2_tiny_and_llama_tiny_equal_one_process(tmp_path):
     """Four worker processes over gloo: each model's whole step as one stage on 2-way groups
-    (two side by side) and on one 4-way group; the loss and every gradient, the shards joined,
-    equal one process's to 1e-5."""
+    (two side by side) and on one 4-way group, with sequence parallelism or without; the loss and
+    every gradient, the shards joined, equal one process's to 1e-5. Sequence-parallel, a worker
+    saves less for its backward than without (its norms' and residuals' share of the tokens)."""
     mp.spawn(_group_worker, args=(4, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=4)
-    for model, degree in CASES:
+    for model, degree, sp in CASES:
         zm, stage = _stage(model)
         loss = stage(*(zm.batch[k] for k in zm.batch))
         want = _grads(zm, loss)
+        if sp:
+            saved = [torch.load(tmp_path / f"out.{model}.{degree}.{flag}.0")["saved"] for flag in (False, True)]
+            assert saved[1] < 0.9 * saved[0], saved
         for first in range(0, 4, degree):
-            got = [torch.load(tmp_path / f"out.{model}.{degree}.{r}") for r in range(first, first + degree)]
+            got = [torch.load(tmp_path / f"out.{model}.{degree}.{sp}.{r}") for r in range(first, first + degree)]
             torch.testing.assert_close(got[0]["loss"], loss.detach(), atol=1e-5, rtol=1e-5)
             assert set(got[0]["grads"]) == set(want)
             for name, whole in want.items():
                 joined = _joined(name, [g["grads"][name] for g in got], whole)
-                torch.testing.assert_close(joined, whole, atol=1e-5, rtol=1e-5, msg=f"{model} {degree} {name}")
+                torch.testing.assert_close(joined, whole, atol=1e-5, rtol=1e-5, msg=f"{model} {degree} {sp} {name}")
 
 
 def _cluster(n: int):
@@ -91,7 +116,8 @@ def _cluster(n: int):
         {"id": f"c{i}", "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for i in range(n)]}, "cpus")
 
 
-def _pipeline_equals_one_process(tmp_path, model: str, stages: list[list[int]], schedule: str) -> None:
+def _pipeline_equals_one_process(tmp_path, model: str, stages: list[list[int]], schedule: str,
+                                 sequence_parallel: bool = False) -> None:
     """Worker processes run a 2-stage plan whose stages' replicas have the devices given, one
     SGD step; the loss and every worker's weights (its shards joined) equal one process's."""
     from hetplan.runtime.launch import launch, run_spec
@@ -110,7 +136,8 @@ def _pipeline_equals_one_process(tmp_path, model: str, stages: list[list[int]], 
     for degrees, nodes in zip(stages, (names[:cut], names[cut:]), strict=True):
         groups = [tuple(next(devices) for _ in range(t)) for t in degrees]
         tp = max(degrees)
-        built.append(Stage(tuple(nodes), tuple(g[0] for g in groups), tp=tp, tp_devices=groups if tp > 1 else ()))
+        built.append(Stage(tuple(nodes), tuple(g[0] for g in groups), tp=tp, tp_devices=groups if tp > 1 else (),
+                           sequence_parallel=sequence_parallel and tp > 1))
     plan = Plan(tuple(built), 2, schedule, "test")
     spec = run_spec(plan, _cluster(sum(map(sum, stages))), model, RunSettings(
         batch_size=8, seq_len=SEQ, granularity="block", steps=1, warmup=0, optimizer="sgd", lr=0.1, out_dir=tmp_path,
@@ -139,6 +166,11 @@ def test_llama_tiny_two_replicas_of_two_way_groups_then_a_four_way_group_equal_o
     _pipeline_equals_one_process(tmp_path, "llama-tiny", [[2, 2], [4]], "gpipe")
 
 
+def test_llama_tiny_two_way_sequence_parallel_stages_equal_one_process(tmp_path):
+    """Both stages 2-way groups splitting their values along the tokens too, under 1F1B."""
+    _pipeline_equals_one_process(tmp_path, "llama-tiny", [[2], [2]], "1f1b", sequence_parallel=True)
+
+
 def test_a_replica_of_one_device_beside_a_two_way_group_equals_one_process(tmp_path):
     """Replicas of unlike degrees in one stage (Metis's A100s one by one beside a group of
     V100s): their gradients summed whole and given back as each worker's shards; GPT-2's head,
@@ -165,6 +197,37 @@ def test_the_split_follows_megatron_and_keeps_tied_and_key_value_weights_whole_w
     names = {n for n, _ in gpt2.named_parameters()}
     assert split_units(gpt2, {n for n in names if ".h.0." in n}) == 4  # heads 4, MLP 512
     assert split_units(gpt2, {n for n in names if "ln_f" in n}) == 0
+
+
+def test_sequence_parallel_is_a_tensor_parallel_stages_choice_and_its_plan_file_says_it(cli, tmp_path):
+    """A stage of one device per replica cannot split its tokens (refused in one line); a plan file
+    keeps the choice; `hetplan plan` marks the stage; `--sequence-parallel never` plans without it.
+    OPT-1.3B, one sequence of 2,048 tokens on two A100s of a host: one micro-batch, so a 2-way
+    group is the only way to use both, and sequence-parallel it holds less."""
+    from hetplan.errors import PlanError
+    from hetplan.io import serde
+
+    with pytest.raises(PlanError, match="sequence_parallel True; it is true only for a tensor-parallel stage"):
+        Stage(("a",), ("c0",), sequence_parallel=True)
+    stage = Stage(("a",), ("c0",), tp=2, tp_devices=(("c0", "c1"),), sequence_parallel=True)
+    plan = Plan((stage,), 1, "1f1b", "test")
+    assert serde.loads(serde.dumps(plan)) == plan
+    graph = tmp_path / "opt.json"
+    assert cli("profile", "opt-1.3b", "--roofline", "a100-40gb", "--batch-size", "1", "--seq-len", "2048",
+               "-o", graph).code == 0
+    spec = tmp_path / "two.yaml"
+    spec.write_text("devices: [{id: a, type: a100-40gb, host: h, count: 2}]\n")
+    marks, memory = {}, {}
+    for flag in ("tensor-parallel", "never"):
+        r = cli("plan", graph, "--cluster", spec, "--sequence-parallel", flag, "-o", tmp_path / f"{flag}.json")
+        assert r.code == 0, r.err
+        planned = serde.load(tmp_path / f"{flag}.json")
+        assert any(s.tp > 1 for s in planned.stages), r.out
+        marks[flag] = ("tp2 sp" in r.out, all(s.sequence_parallel == (flag != "never") for s in planned.stages
+                                              if s.tp > 1))
+        memory[flag] = max(planned.predicted.peak_mem_bytes.values())
+    assert marks == {"tensor-parallel": (True, True), "never": (False, True)}
+    assert memory["tensor-parallel"] < memory["never"]
 
 
 def test_a_projection_without_a_rule_is_refused_by_name():
@@ -354,18 +417,22 @@ def test_dp_with_tensor_parallelism_equals_exhaustive_search_on_random_problems(
 
 
 def test_each_projection_pair_is_bounded_as_megatron_bounds_it():
-    """Per llama block: the inputs of q, k, v, gate and up whole (f), the outputs of o and down
-    summed (g); k and v left alone where they stay whole (4 ways over 2 key-value heads)."""
+    """Per llama block: the input of q, k, v made whole once (f, shared by the three), the same
+    for gate and up, the outputs of o and down summed (g); 4 ways over 2 key-value heads, k and v
+    stay whole and read the plain input, not the f."""
     from hetplan.pieces.tensor_split import tensor_splits
     from hetplan.runtime.tensor_parallel import megatron_boundaries, replicated
 
-    for degree, per_block in ((2, 7), (4, 5)):
+    for degree, whole_entries in ((2, 3), (4, 1)):
         zm, stage = _stage("llama-tiny")
         names = {id(p): n for n, p in zm.step.named_parameters()}
         splits = tensor_splits(zm.step, degree)
         megatron_boundaries(stage, {pid: splits[n] for pid, n in names.items()})
         calls = [n for gm in stage.pieces for n in gm.graph.nodes if n.target is replicated]
-        assert len(calls) == 4 * per_block + 1  # and the head's input
+        assert len(calls) == 4 * 4 + 1  # and the head's input
+        # what reads them: per block q, k, v (or q alone), gate and up, and the two residual sums
+        readers = {u for c in calls for u in c.users if u.target is not replicated}
+        assert len(readers) == 4 * (whole_entries + 2 + 2) + 1
 
 
 def test_the_profiler_records_how_far_each_node_splits():

@@ -91,6 +91,10 @@ class Node:
     tensor-parallel group splits among its devices (each holds 1/t of it), the rest held whole
     on each (Korthikanti et al. 2022: 24 of a transformer layer's 34 s b h bytes without
     sequence parallelism); 0, the default, counts them whole on every device (an upper bound).
+    `act_sequence_share`: of `act_bytes`, the share a group splits too when it is
+    sequence-parallel (`Stage.sequence_parallel`: norms' inputs and dropout's masks, Korthikanti
+    et al.'s 6 of 34; the runtime keeps the all-gathered inputs of the column-split products, 4 of
+    the 34, whole for their weights' gradients, where Megatron-LM gathers them again).
 
     `selective_keep_bytes`, `selective_rebuilt_bytes`: under selective recomputation
     (`hetplan.pieces.selective`: a checkpoint that keeps the outputs of the node's products and
@@ -122,6 +126,7 @@ class Node:
     cast_bytes: int = 0
     tp_units: int | None = None
     act_split_share: float = 0.0
+    act_sequence_share: float = 0.0
     selective_keep_bytes: int | None = None
     selective_rebuilt_bytes: int | None = None
     rerun_forwards: Mapping[str, float] = field(default_factory=FrozenMap)
@@ -146,9 +151,11 @@ class Node:
             _check_number(getattr(self, name), f"{who}: {name}")
         object.__setattr__(self, "module", tuple(self.module))
         _check_number(self.act_split_share, f"{who}: act_split_share")
-        if self.act_split_share > 1:
-            raise GraphError(f"{who}: act_split_share is {self.act_split_share}; it is a share of act_bytes, "
-                             "between 0 and 1")
+        _check_number(self.act_sequence_share, f"{who}: act_sequence_share")
+        if self.act_split_share + self.act_sequence_share > 1 + 1e-12:
+            raise GraphError(f"{who}: act_split_share and act_sequence_share add up to "
+                             f"{self.act_split_share + self.act_sequence_share}; they are shares of act_bytes, "
+                             "0 to 1 together")
         self._check_updated(who)
         self._check_selective(who)
         for name, whole in (("fwd_fixed_s", self.fwd_s), ("bwd_fixed_s", self.bwd_s)):

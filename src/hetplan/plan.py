@@ -57,7 +57,11 @@ class Stage:
     (`hetplan.tp`), of up to `tp` devices each (replicas of a stage may differ: four A100s of
     one device each beside four V100s as one group): `tp_devices[p]` lists replica p's devices,
     the first of them `devices[p]`, the device that stands for the replica (its rows of the
-    batch, its messages)."""
+    batch, its messages). With `sequence_parallel` its groups split the values between
+    projection pairs along their tokens too (Korthikanti et al. 2022: norms and dropout on a
+    share of the tokens; an all-gather and a reduce-scatter in place of each all-reduce), so a
+    device keeps 1/t of its blocks' activations, not 24/34 of them
+    (`hetplan.runtime.tensor_parallel.gathered`)."""
 
     nodes: tuple[str, ...]
     devices: tuple[str, ...]
@@ -65,6 +69,7 @@ class Stage:
     shard: bool = False
     tp: int = 1
     tp_devices: tuple[tuple[str, ...], ...] = ()
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
@@ -89,6 +94,9 @@ class Stage:
                             f"{self.tp}), the first of them the replica's entry in devices")
         if self.tp == 1 and self.tp_devices:
             raise PlanError(f"{who} lists tp_devices but has tp 1")
+        if not isinstance(self.sequence_parallel, bool) or (self.sequence_parallel and self.tp == 1):
+            raise PlanError(f"{who} has sequence_parallel {self.sequence_parallel!r}; it is true only for a "
+                            "tensor-parallel stage (tp 2 or more), else false")
 
     @property
     def recomputes(self) -> bool:

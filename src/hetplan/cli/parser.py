@@ -18,7 +18,13 @@ from hetplan.io.pipedream import DEFAULT_DEVICE_TYPE, INPUT_TIMES
 from hetplan.plan import OBJECTIVES
 from hetplan.planners import PLANNERS, RL_PLANNERS
 from hetplan.planners.kit import FAITHFUL_BUDGET_S, LEARN_BUDGET_S, SEARCH_BUDGET_S
-from hetplan.planners.options import RECOMPUTE_CHOICES, SCHEDULE_CHOICES, SHARD_CHOICES, PlanOptions
+from hetplan.planners.options import (
+    RECOMPUTE_CHOICES,
+    SCHEDULE_CHOICES,
+    SEQUENCE_PARALLEL_CHOICES,
+    SHARD_CHOICES,
+    PlanOptions,
+)
 from hetplan.precision import PRECISIONS
 from hetplan.runtime.settings import DEFAULTS as RUN
 from hetplan.zoo import zoo_names
@@ -134,6 +140,11 @@ def _add_plan_shape_options(planning: argparse.ArgumentParser) -> None:
     planning.add_argument("--max-tp", default=PLAN.max_tp, metavar="N|auto" if auto else "N",
                           help="replicas may be tensor-parallel groups of up to N devices of one type on one host "
                                f"(1: none{auto}) {_default('max_tp', none='auto')}")
+    planning.add_argument("--sequence-parallel", default=PLAN.sequence_parallel, choices=SEQUENCE_PARALLEL_CHOICES,
+                          help="tensor-parallel: every tensor-parallel stage splits its values along the tokens too "
+                               "(norms and dropout on a share of them; an all-gather and a reduce-scatter in place "
+                               f"of each all-reduce: a device keeps 1/t of its blocks' activations) "
+                               f"{_default('sequence_parallel')}")
 
 
 def _add_objective_options(planning: argparse.ArgumentParser) -> None:

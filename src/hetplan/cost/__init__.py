@@ -428,7 +428,7 @@ class CostModel:
         rebuilt; "selective", as "block" and what each node keeps of its products, then the most
         a node builds again (`Node.selective_bytes`)."""
         stage = plan.stages[k]
-        acts = [node_tp_act_bytes(self.graph, n, degree) for n in stage.nodes]
+        acts = [node_tp_act_bytes(self.graph, n, degree, stage.sequence_parallel) for n in stage.nodes]
         before = self.cut_bytes(plan, k - 1) if k > 0 else 0.0
         read = math.fsum(self.graph.read_bytes[n] for n in stage.nodes)
         if stage.recompute == "block":

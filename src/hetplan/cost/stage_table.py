@@ -58,6 +58,7 @@ class Kind:
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     corun: float = 1.0
+    sequence_parallel: bool = False  # a group's values split along their tokens too (`Stage.sequence_parallel`)
 
     @property
     def degree(self) -> int:
@@ -128,8 +129,8 @@ class StageTable:
         # what a selective recompute keeps of each node besides its input, and what it rebuilds
         kept, self._selective_again = np.array([by_id[v].selective_bytes() for v in self.order], dtype=float).T
         self.selective_kept = self._sum(kept)
-        self._tp_acts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._largest: dict[tuple[int, str], np.ndarray] = {}
+        self._tp_acts: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
+        self._largest: dict[tuple[int, bool, str], np.ndarray] = {}
         self.cut = self._cut_bytes()
         # per tied parameter (`Graph.tied`), how many of its nodes each state holds, and its bytes
         index = {v: k for k, v in enumerate(self.order)}
@@ -169,12 +170,13 @@ class StageTable:
         return self.states - 1
 
     # -- kinds -------------------------------------------------------------------------------
-    def kind(self, devices: Sequence[str]) -> Kind:
-        """The kind of a replica on `devices` (one device, or a tensor-parallel group of one type)."""
+    def kind(self, devices: Sequence[str], sequence_parallel: bool = False) -> Kind:
+        """The kind of a replica on `devices` (one device, or a tensor-parallel group of one type,
+        sequence-parallel or not)."""
         dev = self.cluster.device(devices[0])
         slow = self.cost._corun_factor(dev.id, self._ids)
         return Kind(dev.type, tuple(devices), min(self.cluster.device(d).mem_bytes for d in devices),
-                    dev.action_overhead_s, dev.step_overhead_s, slow)
+                    dev.action_overhead_s, dev.step_overhead_s, slow, sequence_parallel and len(devices) > 1)
 
     # -- time --------------------------------------------------------------------------------
     def _type_sums(self, kind: Kind) -> tuple[np.ndarray, ...]:
@@ -331,39 +333,44 @@ class StageTable:
         params, casts = (_diff(a, i, j) for a in self._held(kind.degree))
         return formulas.weight_bytes(params - self.tied_excess_bytes(i, j), casts, shards)
 
-    def held_bytes(self, i, j, recompute: str = "none", degree: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """What a device of a replica of stages i -> j (a tensor-parallel group of `degree`) holds
+    def held_bytes(self, i, j, recompute: str = "none", degree: int = 1,
+                   sequence_parallel: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """What a device of a replica of stages i -> j (a tensor-parallel group of `degree`,
+        sequence-parallel or not) holds
         per batch between their passes, and what more their backward holds per batch while it
         runs, by the unit they recompute (`CostModel.held_bytes`): none, their activations; a
         stage, the cuts before and after it, then all its activations; a block, the cut before it
         and every node's output that is read, then its largest node's activations."""
         i, j = np.asarray(i), np.asarray(j)
-        acts = _diff(self._acts(degree)[0], i, j)
+        acts = _diff(self._acts(degree, sequence_parallel)[0], i, j)
         before = np.where(i > 0, self.cut[i], 0.0)
         if recompute == "block":
-            return before + _diff(self.read, i, j), self.largest_acts(i, j, degree) + 0.0 * acts
+            return before + _diff(self.read, i, j), self.largest_acts(i, j, degree, sequence_parallel) + 0.0 * acts
         if recompute == "selective":
             return (before + _diff(self.read, i, j) + _diff(self.selective_kept, i, j),
-                    self.largest_acts(i, j, degree, recompute) + 0.0 * acts)
+                    self.largest_acts(i, j, degree, sequence_parallel, recompute) + 0.0 * acts)
         if recompute == "stage":
             return before + np.where(j < self.last, self.cut[j], 0.0), acts
         return acts, 0.0 * acts
 
-    def _acts(self, degree: int) -> tuple[np.ndarray, np.ndarray]:
+    def _acts(self, degree: int, sequence_parallel: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Per node, what a device of a group of `degree` keeps of its activations
         (`cost.tensor.node_tp_act_bytes`), and their sums per state."""
-        if degree not in self._tp_acts:
-            per = np.array([node_tp_act_bytes(self.graph, v, degree) for v in self.order], dtype=float)
-            self._tp_acts[degree] = (self._sum(per), per)
-        return self._tp_acts[degree]
+        key = (degree, sequence_parallel)
+        if key not in self._tp_acts:
+            per = np.array([node_tp_act_bytes(self.graph, v, degree, sequence_parallel) for v in self.order],
+                           dtype=float)
+            self._tp_acts[key] = (self._sum(per), per)
+        return self._tp_acts[key]
 
-    def largest_acts(self, i, j, degree: int = 1, recompute: str = "block") -> np.ndarray:
+    def largest_acts(self, i, j, degree: int = 1, sequence_parallel: bool = False,
+                     recompute: str = "block") -> np.ndarray:
         """The activations of the largest node of stages i -> j on a device of a group of `degree`
         (0 where j does not hold i); under "selective" recomputation, the largest a node rebuilds
         (all but what it keeps)."""
-        key = (degree, "selective" if recompute == "selective" else "block")
+        key = (degree, sequence_parallel, "selective" if recompute == "selective" else "block")
         if key not in self._largest:
-            per = self._selective_again if recompute == "selective" else self._acts(degree)[1]
+            per = self._selective_again if recompute == "selective" else self._acts(degree, sequence_parallel)[1]
             self._largest[key] = _largest_between(self._mat > 0, per)
         return self._largest[key][i, j]
 
@@ -373,13 +380,13 @@ class StageTable:
         holds per share of one micro-batch while its backward runs). It fits when
         per_batch * in_flight_share + rebuilt * largest_share <= room."""
         room = kind.mem_bytes - self.weights_bytes(kind, i, j, shards)
-        return (room, *self.held_bytes(i, j, recompute, kind.degree))
+        return (room, *self.held_bytes(i, j, recompute, kind.degree, kind.sequence_parallel))
 
     def memory_bytes(self, kind: Kind, i, j, in_flight_share, largest_share=0.0, recompute: str = "none",
                      shards=1) -> np.ndarray:
         """A replica's peak memory holding `in_flight_share` of the batch in flight (and, where it
         recomputes, one micro-batch of `largest_share` rebuilt)."""
-        per_batch, again = self.held_bytes(i, j, recompute, kind.degree)
+        per_batch, again = self.held_bytes(i, j, recompute, kind.degree, kind.sequence_parallel)
         return self.weights_bytes(kind, i, j, shards) + np.ceil(per_batch * in_flight_share + again * largest_share)
 
     # -- after the last action ------------------------------------------------------------------

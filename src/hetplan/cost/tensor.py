@@ -77,17 +77,20 @@ def tp_times_s(cm, nodes: Sequence[str], device_type: str, group: Sequence[str],
     return tuple(math.fsum(t[i] for t in times) for i in range(4))
 
 
-def node_tp_act_bytes(graph: Graph, node: str, t: int) -> float:
-    """The activations one device of a group of `t` keeps of a node for its backward, per batch."""
+def node_tp_act_bytes(graph: Graph, node: str, t: int, sequence_parallel: bool = False) -> float:
+    """The activations one device of a group of `t` keeps of a node for its backward, per batch:
+    of a node that splits, its `act_split_share` split t ways (and its `act_sequence_share` with
+    sequence parallelism, `Stage.sequence_parallel`) and the rest whole."""
     n = graph.by_id[node]
     if t == 1 or not n.tp_units:
         return float(n.act_bytes)
-    return n.act_bytes * (1.0 - n.act_split_share + n.act_split_share / t)
+    split = n.act_split_share + (n.act_sequence_share if sequence_parallel else 0.0)
+    return n.act_bytes * (1.0 - split + split / t)
 
 
-def tp_act_bytes(graph: Graph, nodes: Sequence[str], t: int) -> float:
+def tp_act_bytes(graph: Graph, nodes: Sequence[str], t: int, sequence_parallel: bool = False) -> float:
     """`node_tp_act_bytes` of a stage's nodes, summed."""
-    return math.fsum(node_tp_act_bytes(graph, n, t) for n in nodes)
+    return math.fsum(node_tp_act_bytes(graph, n, t, sequence_parallel) for n in nodes)
 
 
 def tp_bytes(graph: Graph, nodes: Sequence[str], t: int) -> tuple[int, int]:

@@ -71,6 +71,12 @@ def _config(model: nn.Module) -> tuple[int, int]:
     return heads, int(getattr(cfg, "num_key_value_heads", 0) or heads)
 
 
+def hidden_size(model: nn.Module) -> int:
+    """The width of the model's residual stream, from its configuration (0 where it has none)."""
+    cfg = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    return int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "n_embd", 0) or getattr(cfg, "d_model", 0) or 0)
+
+
 def _projection_split(name: str, module: nn.Module, degree: int, heads: int, kv_heads: int) -> dict[str, Split]:
     leaf = name.rsplit(".", 1)[-1]
     out, weight = _out_dim(module), module.weight

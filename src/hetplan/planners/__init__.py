@@ -116,13 +116,14 @@ def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions
     if options.microbatches and options.microbatches > graph.batch_size:
         raise HetplanError(f"--microbatches: {options.microbatches} micro-batches for a batch of {graph.batch_size} "
                            f"samples; use at most {graph.batch_size}")
-    from hetplan.planners.refine import with_recompute, with_shard
+    from hetplan.planners.refine import with_recompute, with_sequence_parallel, with_shard
     from hetplan.planners.tensor_groups import with_tensor_groups
 
     start = time.perf_counter()
     cost = CostModel(graph, cluster)
     planned = with_shard(cost, with_tensor_groups(lambda g, c, o: _planned(spec, g, c, o, progress), graph, cluster,
                                                   options), options.shard)
+    planned = with_sequence_parallel(planned, options.sp)
     plan = replace(with_recompute(cost, planned, options.recompute), precision=graph.precision)
     planning_s = time.perf_counter() - start
     validate_plan(plan, graph, cluster)

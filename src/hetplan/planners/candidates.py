@@ -134,8 +134,8 @@ def shape(plan: Plan, scorer: Scorer) -> str:
     for st in plan.stages:
         types = Counter(scorer.cluster.device(d).type for d in st.devices)
         what = " + ".join(f"{t} x{n}" for t, n in sorted(types.items(), key=lambda x: (-x[1], x[0])))
-        what += (f" tp{st.tp}" if st.tp > 1 else "") + (f" rc-{st.recompute}" if st.recomputes else "") \
-            + (" zero1" if st.shard else "")
+        what += (f" tp{st.tp}{' sp' if st.sequence_parallel else ''}" if st.tp > 1 else "") \
+            + (f" rc-{st.recompute}" if st.recomputes else "") + (" zero1" if st.shard else "")
         if parts and parts[-1][0] == what:
             parts[-1][1] += 1
         else:

@@ -116,6 +116,7 @@ class _Order:
         self.dev = [cluster.device(x) for x in order]
         self.choices = options.recompute_units(scorer.graph)
         self.shard = options.shard != "never"  # stages of several replicas shard their optimizer state
+        self.sp = options.sp  # tensor-parallel groups are sequence-parallel too
         self.bounded = get_schedule(options.schedule).bounded  # in flight bounded by the stages after
         self.track_price = objective(options).track == "price"
         self.track_thr = objective(options).track == "steady"
@@ -186,7 +187,7 @@ class _Order:
         groups = [ids[x:x + tp] for x in range(0, span, tp)]
         kinds: dict[tuple, tuple] = {}
         for grp in groups:  # one kind per type (and memory, runtime costs) among the replicas
-            kind = table.kind(grp)
+            kind = table.kind(grp, self.sp)
             key = (kind.type, kind.mem_bytes, kind.action_overhead_s, kind.corun)
             kinds[key] = (kind, kinds.get(key, (kind, 0))[1] + 1)
         kind_list, counts = [k for k, _ in kinds.values()], [c for _, c in kinds.values()]
@@ -491,5 +492,5 @@ def label_plan(prob: StateSums, order: tuple[str, ...], lab: Label, m: int, opti
         dense = bool(prob.table.dense(i, j))
         stages.append(Stage(prob.nodes(i, j), tuple(g[0] for g in groups), recompute,
                             shard=options.shard != "never" and tp == 1 and len(groups) > 1 and dense,
-                            tp=tp, tp_devices=groups if tp > 1 else ()))
+                            tp=tp, tp_devices=groups if tp > 1 else (), sequence_parallel=options.sp and tp > 1))
     return Plan(tuple(stages), m, options.schedule, "dp", options.objective)

@@ -17,6 +17,8 @@ RECOMPUTE_UNITS = {"never": ("none",), "where-needed": ("none", "stage", "block"
                    "selective": ("none", "selective")}
 RECOMPUTE_CHOICES = tuple(RECOMPUTE_UNITS)
 SHARD_CHOICES = ("never", "replicated")  # which stages shard their optimizer state (`Stage.shard`)
+# which tensor-parallel stages split their values along the tokens too (`Stage.sequence_parallel`)
+SEQUENCE_PARALLEL_CHOICES = ("tensor-parallel", "never")
 
 def selective_allowed(graph, schedule: str) -> bool:
     """Whether a plan of `graph` under `schedule` may recompute selectively: the graph carries its
@@ -67,6 +69,9 @@ class PlanOptions:
     above 1 every planner also plans on the cluster with its devices grouped each way that
     allows and the best plan wins, the plan without tensor parallelism among them
     (`hetplan.planners.tensor_groups`).
+    sequence_parallel: `tensor-parallel` (the default), every tensor-parallel stage splits its
+    values along the tokens too (`Stage.sequence_parallel`: the same traffic, a device keeps 1/t
+    of its blocks' activations), and the planners size its memory so; `never`.
     """
 
     microbatches: int | None = None
@@ -87,6 +92,7 @@ class PlanOptions:
     recompute: str = "where-needed"
     shard: str = "replicated"
     max_tp: int | None = None
+    sequence_parallel: str = "tensor-parallel"
 
     def __post_init__(self) -> None:
         # in this order, so that the first thing wrong is the one reported
@@ -103,6 +109,9 @@ class PlanOptions:
             raise HetplanError(f"--recompute: {self.recompute!r} is unknown (allowed: {', '.join(RECOMPUTE_CHOICES)})")
         if self.shard not in SHARD_CHOICES:
             raise HetplanError(f"--shard: {self.shard!r} is unknown (allowed: {', '.join(SHARD_CHOICES)})")
+        if self.sequence_parallel not in SEQUENCE_PARALLEL_CHOICES:
+            raise HetplanError(f"--sequence-parallel: {self.sequence_parallel!r} is unknown (allowed: "
+                               f"{', '.join(SEQUENCE_PARALLEL_CHOICES)})")
         if self.objective not in OBJECTIVES:
             raise HetplanError(f"--objective: {self.objective!r} is unknown (allowed: {', '.join(OBJECTIVES)})")
 
@@ -127,6 +136,11 @@ class PlanOptions:
         only where the graph carries its figures)."""
         units = RECOMPUTE_UNITS[self.recompute]
         return units if selective_allowed(graph, self.schedule) else tuple(u for u in units if u != "selective")
+
+    @property
+    def sp(self) -> bool:
+        """Whether tensor-parallel stages are sequence-parallel too."""
+        return self.sequence_parallel != "never"
 
     def allows(self, plan) -> bool:
         """Whether a plan keeps within `max_replicas`."""

@@ -59,6 +59,13 @@ def best_schedule(scorer: Scorer, plan: Plan, names: tuple[str, ...] = SCHEDULE_
     return min(candidates, key=scorer.value, default=plan)
 
 
+def with_sequence_parallel(plan: Plan, on: bool) -> Plan:
+    """The plan with every tensor-parallel stage sequence-parallel where `on`
+    (`PlanOptions.sequence_parallel`), none where not."""
+    stages = tuple(replace(s, sequence_parallel=on and s.tp > 1) for s in plan.stages)
+    return plan if stages == plan.stages else replace(plan, stages=stages, predicted=None)
+
+
 def _runnable_under(plan: Plan) -> Plan:
     """The plan with its selective recomputation made per block where its schedule splits the
     backward (`plan.plan_problems`: torch's selective checkpoint allows one backward per block)."""

@@ -141,6 +141,7 @@ class _Tables:
         self.cluster = scorer.cluster
         self.shard = scorer.options.shard != "never"  # replicated stages shard their optimizer state
         self.recompute = scorer.options.recompute_units(scorer.graph)
+        self.sp = scorer.options.sp  # tensor-parallel groups are sequence-parallel too
         self.U, self.n = len(units.devices), len(prob.ideals)
         # each type's units (first, end), the last type first
         self.blocks = sorted({(units.block_end.index(e), e) for e in units.block_end}, reverse=True)
@@ -185,7 +186,7 @@ class _Tables:
     def _key(self, type_name: str, group: tuple[str, ...], rc: str) -> int:
         key = (type_name, len(group), rc)
         if key not in self.keys:
-            kind = self.table.kind(group)
+            kind = self.table.kind(group, self.sp)
             scaled, fixed = self.table.compute_s(kind, self.I, self.J, rc)
             _, per_batch, rebuilt = self.table.memory_terms(kind, self.I, self.J, rc)
             self.keys.append(key)
@@ -461,7 +462,8 @@ def _keep(tab: _Tables, CJ: np.ndarray, CO: np.ndarray, m: int, batch: int, held
         return math.inf  # sized for `held` in flight, it holds more: a run with more held covers it
     plan = Plan(tuple(Stage(tab.prob.nodes(i, j), o.devices, o.recompute,
                             shard=tab.sharding(o) and bool(tab.table.dense(i, j)),
-                            tp=o.tp, tp_devices=_groups(tab, o) if o.tp > 1 else ())
+                            tp=o.tp, tp_devices=_groups(tab, o) if o.tp > 1 else (),
+                            sequence_parallel=options.sp and o.tp > 1)
                       for i, j, o in stages), m, options.schedule, "dp", options.objective)
     if not options.allows(plan):
         return math.inf

@@ -173,13 +173,16 @@ def grouped(graph: Graph, cluster: Cluster, grouping: Grouping, cost: CostModel)
 
 
 def ungrouped(plan: Plan, grouping: Grouping) -> Plan:
-    """The grouped problem's plan on the real devices: each stage's groups as its replicas."""
+    """The grouped problem's plan on the real devices: each stage's groups as its replicas (a
+    group's stage recomputing whole where it recomputed per block: `plan._tp_problems`)."""
     group_of = {g[0]: g for g in grouping}
     stages = []
     for st in plan.stages:
         groups = tuple(group_of.get(d, (d,)) for d in st.devices)
         t = max(map(len, groups))
-        stages.append(replace(st, tp=t, tp_devices=groups if t > 1 else (), shard=st.shard and t == 1))
+        recompute = "stage" if t > 1 and st.recompute in ("block", "selective") else st.recompute
+        stages.append(replace(st, tp=t, tp_devices=groups if t > 1 else (), shard=st.shard and t == 1,
+                              recompute=recompute))
     return replace(plan, stages=tuple(stages), predicted=None)
 
 

@@ -119,10 +119,12 @@ def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster:
 
 
 def tp_mark(stage) -> str:
-    """`tp2` for replicas of two devices each; `tp 1,1,4` where they differ."""
+    """`tp2` for replicas of two devices each; `tp 1,1,4` where they differ; ` sp` after it where
+    the groups are sequence-parallel too."""
+    sp = " sp" if stage.sequence_parallel else ""
     if len(set(stage.degrees)) == 1:
-        return f"tp{stage.tp}"
-    return "tp " + ",".join(map(str, stage.degrees))
+        return f"tp{stage.tp}{sp}"
+    return "tp " + ",".join(map(str, stage.degrees)) + sp
 
 
 def _recompute_mark(stage) -> str:

@@ -244,7 +244,8 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     bounds = boundary_layouts(traces) if len(plan.stages) > 1 else []
     degree = plan.stages[me.stage].degrees[me.replica]
     # its shards in the model and its stage's traces (`tensor_parallel`)
-    dims = _parallelize(traces, zoo_model.step, me.stage, degree, me.tp) if degree > 1 else {}
+    dims = _parallelize(traces, zoo_model.step, me.stage, degree, me.tp,
+                        plan.stages[me.stage].sequence_parallel) if degree > 1 else {}
     names = {id(prm): name for name, prm in zoo_model.step.named_parameters()}
     groups, mixed = tp_sums(gradient_groups(traces, table, names), members)
     layouts = tuple((bounds[r.stage - 1] if r.stage > 0 else (), bounds[r.stage] if r.stage < len(bounds) else ())
@@ -259,11 +260,12 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     return replace(prepared, shards=_shards(plan, roles, groups, table[me.stage][me.replica]))
 
 
-def _parallelize(traces: Traces, model: nn.Module, stage: int, degree: int, index: int) -> dict[int, int]:
-    """The stage's module in every trace made tensor-parallel, worker `index` of `degree`;
-    returns the dimension each of its shards splits, by the shard's id."""
+def _parallelize(traces: Traces, model: nn.Module, stage: int, degree: int, index: int,
+                 sequence_parallel: bool) -> dict[int, int]:
+    """The stage's module in every trace made tensor-parallel (and sequence-parallel), worker
+    `index` of `degree`; returns the dimension each of its shards splits, by the shard's id."""
     sizes = sorted(traces.by_rows)
-    made, dims = parallelize([traces.by_rows[r][stage] for r in sizes], model, degree, index)
+    made, dims = parallelize([traces.by_rows[r][stage] for r in sizes], model, degree, index, sequence_parallel)
     for r, module in zip(sizes, made, strict=True):
         traces.by_rows[r][stage] = module
     return dims

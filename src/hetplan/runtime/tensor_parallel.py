@@ -31,9 +31,10 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import fx, nn
 
-from hetplan.pieces.tensor_split import COLUMN_KIND, ROW_KIND, Split, tensor_splits
+from hetplan.pieces.tensor_split import COLUMN_KIND, ROW_KIND, Split, hidden_size, tensor_splits
 
 _RESHAPE = torch.ops.aten.reshape.default
+_EMBEDDING = torch.ops.aten.embedding.default
 _PRODUCTS = {torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default,
              torch.ops.aten.matmul.default}
 
@@ -73,24 +74,27 @@ def contiguous_reshapes(module: nn.Module) -> None:
         gm.recompile()
 
 
-def parallelize(traced: list[nn.Module], model: nn.Module, degree: int,
-                index: int) -> tuple[list[TensorParallelStage], dict[int, int]]:
+def parallelize(traced: list[nn.Module], model: nn.Module, degree: int, index: int,
+                sequence_parallel: bool = False) -> tuple[list[TensorParallelStage], dict[int, int]]:
     """Worker `index` of a group of `degree`: one stage's modules (one per trace, sharing the
-    model's parameters) made tensor-parallel; the model and the traces then hold its shards.
+    model's parameters) made tensor-parallel, with `sequence_parallel` the values between
+    projection pairs split along their tokens; the model and the traces then hold its shards.
     Returns them, and the dimension each shard splits by the shard's id."""
     names = {id(p): n for n, p in model.named_parameters()}
     held = {names[id(p)]: p for mod in traced for p in mod.parameters() if id(p) in names}
     splits = tensor_splits(model, degree, set(held))
     by_id = {id(p): splits[name] for name, p in held.items()}
     for mod in traced:
-        megatron_boundaries(mod, by_id)
+        megatron_boundaries(mod, by_id, sequence_parallel)
         contiguous_reshapes(mod)
     shards = local_shards(held, splits, degree, index)
     per_module = [{name: by_id[id(p)].dim if id(p) in by_id else None for name, p in mod.named_parameters()}
                   for mod in traced]
     swap_parameters([model, *traced], shards)
     dims = {id(shards[pid]): split.dim for pid, split in by_id.items() if pid in shards}
-    return [TensorParallelStage(mod, placements) for mod, placements in zip(traced, per_module, strict=True)], dims
+    stream = hidden_size(model) if sequence_parallel else 0
+    return [TensorParallelStage(mod, placements, stream) for mod, placements in zip(traced, per_module, strict=True)], \
+        dims
 
 
 def replicated(x):
@@ -106,25 +110,72 @@ def replicated(x):
                               run_check=False)
 
 
-def megatron_boundaries(module: nn.Module, splits: Mapping[int, Split]) -> None:
+def gathered(x):
+    """Sequence parallelism's entry to a column-split product (Korthikanti et al. 2022): a value
+    split along its tokens made whole on every device (an all-gather), the partial sums of its
+    gradient reduce-scattered back to the split; a whole value as `replicated` makes it."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(x, DTensor) and any(p.is_shard() for p in x.placements):
+        return x.redistribute(x.device_mesh, [Replicate()])
+    return replicated(x)
+
+
+def to_tokens(x):
+    """A whole value split along its tokens (the dimension before the features), each device
+    taking its share (no communication; the gradient all-gathered): where sequence parallelism's
+    residual stream starts."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if isinstance(x, DTensor) and x.dim() >= 2 and x.placements == (Replicate(),):
+        return x.redistribute(x.device_mesh, [Shard(x.dim() - 2)])
+    return x
+
+
+def scattered(x):
+    """Sequence parallelism's exit from a row-split product: its partial sums summed into each
+    device's share of the tokens (a reduce-scatter; the dimension before the features), the
+    gradient made whole (an all-gather)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(x, DTensor) or x.dim() < 2:
+        return replicated(x)
+    return x.redistribute(x.device_mesh, [Shard(x.dim() - 2)])
+
+
+def megatron_boundaries(module: nn.Module, splits: Mapping[int, Split], sequence_parallel: bool = False) -> None:
     """In every graph of `module`: the input of a product with a column-split weight, and the
-    output of one with a row-split weight, made `replicated` (in place; `splits` by parameter id)."""
+    output of one with a row-split weight, made `replicated` (in place; `splits` by parameter id);
+    with `sequence_parallel`, `gathered` and `scattered` instead, and each embedding's output split
+    along its tokens (`to_tokens`: the residual stream, which a residual's sum would otherwise
+    make whole again)."""
+    enter, leave = (gathered, scattered) if sequence_parallel else (replicated, replicated)
     for gm in module.modules():
         if not isinstance(gm, fx.GraphModule):
             continue
+        made: dict[fx.Node, fx.Node] = {}  # one entry per value, shared by the products that read it (q, k, v)
         for node in list(gm.graph.nodes):
+            if sequence_parallel and node.op == "call_function" and node.target is _EMBEDDING:
+                _after(gm, node, to_tokens)
             if node.op != "call_function" or node.target not in _PRODUCTS:
                 continue
             kinds = {splits[id(p)].kind for p in _weights(gm, node) if id(p) in splits} - {""}
             if COLUMN_KIND in kinds:
                 for arg in [a for a in node.args if isinstance(a, fx.Node) and a.op != "get_attr"]:
-                    with gm.graph.inserting_before(node):
-                        node.replace_input_with(arg, gm.graph.call_function(replicated, (arg,)))
+                    if arg not in made:  # before its first product, which comes before the others
+                        with gm.graph.inserting_before(node):
+                            made[arg] = gm.graph.call_function(enter, (arg,))
+                    node.replace_input_with(arg, made[arg])
             if ROW_KIND in kinds:
-                with gm.graph.inserting_after(node):
-                    out = gm.graph.call_function(replicated, (node,))
-                node.replace_all_uses_with(out, delete_user_cb=lambda user, out=out: user is not out)
+                _after(gm, node, leave)
         gm.recompile()
+
+
+def _after(gm: fx.GraphModule, node: fx.Node, fn) -> None:
+    """Every use of `node`'s value in `gm` made a use of `fn(value)`."""
+    with gm.graph.inserting_after(node):
+        out = gm.graph.call_function(fn, (node,))
+    node.replace_all_uses_with(out, delete_user_cb=lambda user, out=out: user is not out)
 
 
 def _weights(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
@@ -136,11 +187,14 @@ class TensorParallelStage(nn.Module):
     given once the group's processes are connected (`attach`). Its forward and backward run
     inside `running` (the executor's step does: `StageRunner.around`)."""
 
-    def __init__(self, inner: nn.Module, placements: Mapping[str, int | None]) -> None:
+    def __init__(self, inner: nn.Module, placements: Mapping[str, int | None], stream: int = 0) -> None:
         super().__init__()
         self.inner = inner
         self.spec = getattr(inner, "spec", None)
         self.dims = dict(placements)  # by the inner module's parameter names: the dimension split, or None
+        # sequence-parallel: the residual stream's width; a received value of that many features
+        # enters split along its tokens (`to_tokens`), as the stage before held it
+        self.stream = stream
         self.mesh = None
 
     def attach(self, mesh) -> None:
@@ -158,11 +212,16 @@ class TensorParallelStage(nn.Module):
             return DTensor.from_local(x, mesh, [Replicate() if dim is None else Shard(dim)], run_check=False)
 
         params = {name: dist(prm, self.dims.get(name)) for name, prm in self.inner.named_parameters()}
-        inputs = tuple(dist(v) if isinstance(v, torch.Tensor) else v for v in values)
+        inputs = tuple(self._entered(dist(v)) if isinstance(v, torch.Tensor) else v for v in values)
         out = functional_call(self.inner, params, inputs)
         if isinstance(out, tuple):
             return tuple(_whole(v) for v in out)
         return _whole(out)
+
+    def _entered(self, value):
+        if self.stream and value.is_floating_point() and value.dim() == 3 and value.shape[-1] == self.stream:
+            return to_tokens(value)
+        return value
 
 
 def _whole(value):

@@ -44,6 +44,9 @@ STASH_ELEMENTS_PER_TOKEN_H = 17  # Korthikanti et al.'s 34 s b h bytes at 2 byte
 # of those 34, the 24 a t-way tensor-parallel group splits (attention's q, k, v and its output
 # before the projection, the MLP's inner values; the rest, the layer's input and norms, whole)
 TP_SPLIT_SHARE = 24 / 34
+# with sequence parallelism a group splits the norms' inputs and dropout's masks too (6 more); the
+# runtime keeps the all-gathered inputs of the column-split products (4) whole (`Node.act_sequence_share`)
+SEQUENCE_SPLIT_SHARE = 6 / 34
 # Selective recomputation (`hetplan.pieces.selective`: products' outputs kept) of a block, in
 # Korthikanti et al.'s 34: it keeps q, k, v (6), attention's output (2), the MLP's first product
 # (8) and two products autograd would not save (the projections' outputs, 2 + 2): 20; it builds
@@ -153,11 +156,11 @@ class _Counting:
                 for t in self.types}
 
     def node(self, node_id: str, op: str, flops: float, params: int, out_bytes: int, act_bytes: int,
-             fixed_s: float, cast: bool = True, tp_units: int = 0, act_split_share: float = 0.0,
+             fixed_s: float, cast: bool = True, tp_units: int = 0, act_split_share: tuple[float, float] = (0.0, 0.0),
              selective: tuple[float, float] = (0.0, 0.0)) -> Node:
         """`cast`: its products use its weights (an embedding's lookup does not); `tp_units`:
-        the most ways it splits tensor-parallel (`Node.tp_units`), `act_split_share` the share of
-        its activations that then splits (`Node.act_split_share`); `selective`, what selective
+        the most ways it splits tensor-parallel (`Node.tp_units`), `act_split_share` the shares of
+        its activations that then split (`Node.act_split_share`, `act_sequence_share`); `selective`, what selective
         recomputation keeps and builds again (`Node.selective_keep_bytes`, `selective_rebuilt_bytes`),
         the rebuilt bytes' element-wise work timed at the memory's bandwidth."""
         casts = 2 * params if cast and is_mixed(self.precision) and flops > 0 else 0
@@ -169,7 +172,8 @@ class _Counting:
         share = max((roofline_s(0.0, 2 * again, t) / fwd[t.name] for t in self.types if fwd[t.name] > 0), default=0.0)
         return Node(node_id, op, fwd, bwd, flops=flops, param_bytes=4 * params, out_bytes=out_bytes,
                     act_bytes=act_bytes, module=(node_id,), cast_bytes=casts, tp_units=tp_units,
-                    act_split_share=act_split_share, selective_keep_bytes=round(keep),
+                    act_split_share=act_split_share[0], act_sequence_share=act_split_share[1],
+                    selective_keep_bytes=round(keep),
                     selective_rebuilt_bytes=round(again), rerun_forwards={"selective": min(share, 1.0)},
                     fwd_fixed_s={t.name: fixed_s for t in self.types},
                     bwd_fixed_s={t.name: fixed_s for t in self.types})
@@ -193,7 +197,8 @@ def transformer_chain(model: TransformerShape | str, batch_size: int, seq_len: i
     # tensor parallelism (`hetplan.pieces.tensor_split`) splits a block's heads and MLP units, and
     # the head's vocabulary unless it is the embedding's (tied weights stay whole)
     blocks = [count.node(f"block_{i}", "TransformerBlock", block_flops, m.block_params(), hidden_bytes, stash,
-                         BLOCK_FIXED_S, tp_units=math.gcd(m.heads, m.ffn), act_split_share=TP_SPLIT_SHARE,
+                         BLOCK_FIXED_S, tp_units=math.gcd(m.heads, m.ffn),
+                         act_split_share=(TP_SPLIT_SHARE, SEQUENCE_SPLIT_SHARE),
                          selective=(SELECTIVE_KEEP * stash, SELECTIVE_REBUILT * stash))
               for i in range(m.layers)]
     # the loss's softmax is fp32 in every precision (autocast runs it so), after 16-bit logits;
