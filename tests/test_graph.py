@@ -174,3 +174,19 @@ def test_convexity_matches_brute_force(g, data):
         assert witness[0] in subset and witness[-1] in subset
         assert all(w not in subset for w in witness[1:-1])
         assert all((a, b) in g.edge_bytes for a, b in itertools.pairwise(witness))
+
+
+def test_a_graph_at_another_batch_scales_what_selective_recomputation_keeps_and_rebuilds():
+    """`--global-batch` 4x: a counted block keeps and rebuilds 4x the bytes selectively, as its
+    activations; the time recomputing adds stays a number of forwards."""
+    from hetplan.graph import at_batch
+    from hetplan.zoo.llm import transformer_chain
+
+    g = transformer_chain("opt-350m", 2, 128, ["a100-40gb"])
+    big = at_batch(g, 8)
+    for n in ("block_0", "head"):
+        a, b = g.by_id[n], big.by_id[n]
+        assert b.act_bytes == 4 * a.act_bytes
+        assert (b.selective_keep_bytes, b.selective_rebuilt_bytes) == (4 * a.selective_keep_bytes,
+                                                                        4 * a.selective_rebuilt_bytes)
+        assert b.rerun_forwards == a.rerun_forwards

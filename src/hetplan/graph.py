@@ -530,7 +530,8 @@ class Graph:
 def at_batch(graph: Graph, batch_size: int) -> Graph:
     """The graph for a batch of `batch_size` samples, from its profile at `graph.batch_size`: a
     pass takes its fixed part plus the rest scaled by the ratio of the batches; FLOPs, outputs,
-    stashed activations and the bytes on edges scale with it; weights do not. Tables with sparse
+    stashed activations (and what selective recomputation keeps and rebuilds of them) and the
+    bytes on edges scale with it; weights do not. Tables with sparse
     gradients look up proportionally more rows, at most all of them. `meta["profiled_batch_size"]`
     keeps the batch the times were measured at."""
     problem = batch_size_problem(batch_size)
@@ -547,9 +548,11 @@ def at_batch(graph: Graph, batch_size: int) -> Graph:
         updated = None if n.updated_bytes is None else min(n.param_bytes, round(n.updated_bytes * ratio))
         rows = round(n.sparse_rows * ratio) if n.updated_bytes is None or n.updated_bytes == 0 else \
             round(n.sparse_rows * (updated or 0) / n.updated_bytes)
+        selective = {k: None if getattr(n, k) is None else round(getattr(n, k) * ratio)
+                     for k in ("selective_keep_bytes", "selective_rebuilt_bytes")}
         return replace(n, fwd_s=scaled(n.fwd_s, n.fwd_fixed_s), bwd_s=scaled(n.bwd_s, n.bwd_fixed_s),
                        flops=n.flops * ratio, out_bytes=round(n.out_bytes * ratio),
-                       act_bytes=round(n.act_bytes * ratio), updated_bytes=updated, sparse_rows=rows)
+                       act_bytes=round(n.act_bytes * ratio), updated_bytes=updated, sparse_rows=rows, **selective)
 
     meta = {**graph.meta, "profiled_batch_size": graph.meta.get("profiled_batch_size", str(graph.batch_size))}
     return replace(graph, nodes=tuple(node(n) for n in graph.nodes),
