@@ -50,3 +50,27 @@ def test_the_bound_is_the_chain_over_every_devices_speed_when_shares_agree():
     whole_over_speed = 1.0 / (2 / 4.0 + 4 / 8.0)
     assert lower_bound_s(work, count) == pytest.approx(whole_over_speed)
     assert best_split_s(work, count) == pytest.approx(whole_over_speed)
+
+
+def test_dp_also_runs_its_per_type_program_without_the_newer_options():
+    """The per-type program ranks by its own model, so more options can push out a plan the
+    simulator prefers: where the graph carries selective recomputation's figures or groups may
+    be sequence-parallel, dp runs it on the problem without both as well (a graph without the
+    figures, `--sequence-parallel never`), and only once where there is neither."""
+    from dataclasses import replace
+
+    from hetplan.io.clusters import load_cluster
+    from hetplan.planners import PlanOptions
+    from hetplan.planners.dp import _per_type_scorers
+    from hetplan.planners.scoring import Scorer
+    from hetplan.zoo.llm import transformer_chain
+
+    graph = transformer_chain("opt-350m", 8, 512, ["a100-40gb", "v100-32gb"])
+    cluster = load_cluster("a100+v100-8")
+    both = _per_type_scorers(Scorer(graph, cluster, PlanOptions()))
+    assert len(both) == 2 and both[0][0].graph is graph
+    narrow = both[1][0]
+    assert not narrow.graph.selective_measured and not narrow.options.sp
+    assert [n.act_bytes for n in narrow.graph.nodes] == [n.act_bytes for n in graph.nodes]
+    plain = replace(graph, nodes=tuple(replace(n, selective_keep_bytes=None) for n in graph.nodes))
+    assert len(_per_type_scorers(Scorer(plain, cluster, PlanOptions(sequence_parallel="never")))) == 1
