@@ -1,5 +1,5 @@
 """The runs recorded on the 16-core H100 box (../shared/evidence/box-2026-11) as a check of the
-simulator (issue 15, item 5).
+simulator.
 
 Each plan with one device per stage is simulated on its recorded graph with the box's cluster
 file made into a calibrated cluster from `box_facts.json`, what was measured there: gloo point

@@ -96,7 +96,7 @@ def test_simulate_prints_the_estimate_and_draws_the_step(cli, profiles, tmp_path
 
 @pytest.mark.parametrize("extra,message", [
     (("--cluster", "v100x4"), "plan.json: invalid plan: stage 0 uses device 'a0', which cluster 'v100x4' does not "
-                              "have"),  # the message names the file (issue 13)
+                              "have"),  # the message names the file
     (("--cluster", "hetero-4", "--gantt", "x.jpg"), "x.jpg: the chart is written as .png, .svg or .pdf"),
     (("--cluster", "hetero-4", "--routing", "psychic"), "invalid choice: 'psychic'"),
 ])
@@ -397,7 +397,7 @@ def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
         assert s[key] is not None, key
     assert s["steps"] == 3 and len(s["losses"]) == 3 and 4.5 < s["loss_first"] < 6.5  # ln 256 = 5.5
     assert s["relative_error"] == pytest.approx(s["measured_step_s"] / s["predicted_step_s"] - 1)
-    # the run folder keeps what its page shows (issue 18), and the page itself
+    # the run folder keeps what its page shows, and the page itself
     assert s["report"] == str(out / "report.html") and (out / "report.html").stat().st_size > 1e6
     assert "measured (last step of the run)" in (out / "report.html").read_text()  # the traced step, on the page
     assert json.loads((out / "summary.json").read_text())["measured_step_s"] == s["measured_step_s"]
@@ -405,7 +405,7 @@ def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
     (tmp_path / "run.json").write_text(r.out)  # `run --json`'s output names its folder: its page is the run's
     page = cli("report", tmp_path / "run.json", "-o", tmp_path / "run.html", "--json")
     assert page.code == 0 and page.json()["of"] == "run", page.err
-    # the price of 1,000 samples, measured and predicted (issue 17): the devices' hourly price x the step
+    # the price of 1,000 samples, measured and predicted: the devices' hourly price x the step
     from hetplan.io.clusters import load_cluster
 
     hourly = sum(load_cluster("local").device(d).usd_per_hour for d in serde.load(p).devices)
@@ -417,7 +417,7 @@ def test_run_a_plan_and_compare_with_the_prediction(cli, tmp_path):
     assert r.code == 2 and "--resume needs --checkpoint-dir DIR" in r.err
     bad(cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--steps", "3", "--out", out, "--checkpoint-dir", ckpt,
             "--resume"), "the checkpoint is at step 3 already; ask for more steps (--steps 6)")
-    for steps in ("0", "-1"):  # used to end in statistics.StatisticsError (issue 13)
+    for steps in ("0", "-1"):  # used to end in statistics.StatisticsError
         bad(cli("run", p, "--model", "gpt2-tiny", "--graph", g, "--steps", steps, "--out", out), "run at least 1 step")
 
 
@@ -493,7 +493,7 @@ def test_catalog_lists_the_zoo_and_help_says_run(cli):
 
 
 def test_planning_on_a_type_that_was_not_profiled_says_so(cli, tmp_path):
-    """A graph profiled on cpu-2t planned on `local` (cpu-1t workers) was projected silently (issue 13)."""
+    """A graph profiled on cpu-2t planned on `local` (cpu-1t workers) was projected silently."""
     from hetplan.graph import Edge, Graph, Node
 
     g = tmp_path / "g.json"

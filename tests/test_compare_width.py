@@ -1,4 +1,4 @@
-"""`hetplan compare` in a narrow terminal: every number whole, the best row marked (issue 13)."""
+"""`hetplan compare` in a narrow terminal: every number whole, the best row marked."""
 
 import io
 import math

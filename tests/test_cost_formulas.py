@@ -1,5 +1,5 @@
 """hetplan.cost.formulas: the array forms agree with the scalar forms, and no module outside
-hetplan.cost writes a cost formula of its own (issue 14: one owner per formula)."""
+hetplan.cost writes a cost formula of its own (one owner per formula)."""
 
 import ast
 from pathlib import Path

@@ -1,5 +1,5 @@
-"""Synthetic training data keeps the example batch's structure and can be learnt (issue 13,
-item 7): before, every step re-drew masks and labels at random, so no model's loss fell."""
+"""Synthetic training data keeps the example batch's structure and can be learnt: drawing masks
+and labels at random every step would leave no loss that can fall."""
 
 import pytest
 import torch

@@ -141,7 +141,7 @@ def test_ctr_tables_and_mlp_on_different_workers_equal_single_process_with_adam(
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_transformers_families_run_in_four_stages(family):
-    """The families of issue 12 (grouped-query attention and rotary tables, an encoder-decoder,
+    """Model families (grouped-query attention and rotary tables, an encoder-decoder,
     masks that cross boundaries as views, a CNN), as 4-stage pipelines: a first stage, two that
     receive and send, a last one (the zoo's models run in 2 stages, under every schedule); every
     other family under zero bubble, whose split backward walks each family's autograd graph."""

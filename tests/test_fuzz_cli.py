@@ -1,4 +1,4 @@
-"""Fuzz the CLI with malformed graphs, clusters and plans (issue 13).
+"""Fuzz the CLI with malformed graphs, clusters and plans.
 
 Each example starts from a small valid file and breaks it in one way that is invalid by
 construction: a required key dropped, a value of the wrong type, a negative, NaN or infinite
@@ -257,7 +257,7 @@ def _alias_bomb(levels=9):
     return f"name: [{', '.join(lists)}]\ndevices: [{{id: c, type: cpu}}]\n".encode()
 
 
-# Files that do not parse, or parse into something hetplan cannot walk (issue 13, item 6).
+# Files that do not parse, or parse into something hetplan cannot walk.
 NASTY = [b"", b"\n", b"null", b"[]", b"42", b"'text'", b"[" * 100_000, b"{" * 100_000, b"- " * 5000 + b"x",
          b'{"a": ' * 5000 + b"1" + b"}" * 5000, b"9" * 5000,
          b'{"kind": "graph", "schema_version": 1' + b"0" * 5000 + b"}",

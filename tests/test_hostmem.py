@@ -1,6 +1,6 @@
 """The host allocator's setting (`hetplan.pieces.hostmem`): with it, a training step on the CPU
 page-faults nothing in its steady state; without it, glibc faulted Adam's temporaries in again
-every step (issue 15: the perceptron's runs measured 22-54% slower than its profile)."""
+every step (the perceptron's runs measured 22-54% slower than its profile)."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""The network's interfaces (issue 16): every device sends and receives through one interface of
+"""The network's interfaces: every device sends and receives through one interface of
 its own, traffic between hosts goes through the hosts' network interfaces, and transfers that
 share an interface take turns. Closed forms on steps made of communication only (no compute,
 no latency), so that every time is bytes over bandwidth."""

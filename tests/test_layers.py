@@ -1,4 +1,4 @@
-"""The package's modules import each other without a cycle (issue 14, item 5: `cluster.py` was
+"""The package's modules import each other without a cycle (`cluster.py` was
 both the data model and the file loader, and `cluster <-> io.serde` went round through imports
 inside functions). Every import counts, at the top or inside a function, except those under
 `if TYPE_CHECKING:`, which never run."""
@@ -80,7 +80,7 @@ def test_the_cluster_model_reads_no_files():
     assert not any(name.startswith("hetplan.io") for name in imports)
 
 
-# The layers, lowest first (issue 14): a module imports only from its own layer or lower ones.
+# The layers, lowest first: a module imports only from its own layer or lower ones.
 LAYERS = (
     "hetplan.errors hetplan.units hetplan._frozen hetplan.machine hetplan.schedule hetplan.rows hetplan.sync "
     "hetplan.catalog hetplan.precision",

@@ -1,5 +1,5 @@
 """The guide's "As a library" flow, run as written: load_graph, make_plan, simulate and
-run_plan working together (issue 14, item 4)."""
+run_plan working together."""
 
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""`hetplan report` (issue 18): one self-contained HTML page per plan, comparison or run (the run's
+"""`hetplan report`: one self-contained HTML page per plan, comparison or run (the run's
 page is checked in test_trace.py, on the traced run made there), opened in headless Chromium."""
 
 import html

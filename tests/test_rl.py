@@ -254,7 +254,7 @@ def test_curve_goes_to_tensorboard_when_it_is_installed(tmp_path, monkeypatch):
 
 def test_ppo_on_resnet50_no_longer_crashes_with_a_nan_probability(profiles):
     """The README's PPO command on resnet50 / hetero-4 ended in `probability tensor contains
-    either inf, nan or element < 0` (issue 13; --max-iters 299 makes it the same run every time):
+    either inf, nan or element < 0` (--max-iters 299 makes it the same run every time):
     the PPO ratio overflowed. Now it runs, and no update had to be skipped."""
     from hetplan.io.pipedream import import_pipedream
 

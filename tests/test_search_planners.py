@@ -128,7 +128,7 @@ def test_dp_gives_every_replica_rows_of_each_microbatch(index):
     """bench/dp_vs_exact.py's problems 92 and 127 (seed 0): four identical GPUs, two stages of two
     replicas. With as many micro-batches as rows, each micro-batch's single row went to one replica
     while the other idled, which dp's model (replicas share every micro-batch) did not see: dp was
-    52% and 43% slower than exact's plan at half the micro-batches (the rows split of issue 12)."""
+    52% and 43% slower than exact's plan at half the micro-batches (whole rows per replica)."""
     rng = np.random.default_rng(0)
     for _ in range(index + 1):
         graph, cluster = random_problem(rng)

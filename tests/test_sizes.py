@@ -1,4 +1,4 @@
-"""Clusters of many devices (issue 13, item 10): loading is linear, and past `MAX_DEVICES` a
+"""Clusters of many devices: loading is linear, and past `MAX_DEVICES` a
 cluster is refused at once, in one line that names the file and the limit."""
 
 import json

@@ -1,4 +1,4 @@
-"""Sparse gradients in the runtime (issue 17): embedding tables built with sparse=True train with
+"""Sparse gradients in the runtime: embedding tables built with sparse=True train with
 SparseAdam beside Adam, and replicas sum their sparse gradients into the union of their rows."""
 
 import threading

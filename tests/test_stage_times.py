@@ -1,4 +1,4 @@
-"""`hetplan run`'s stage table (issue 15, item 4): per stage, compute busy time and the share of
+"""`hetplan run`'s stage table: per stage, compute busy time and the share of
 the step spent communicating, predicted (simulated timeline) against measured (every run)."""
 
 import json

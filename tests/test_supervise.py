@@ -1,4 +1,4 @@
-"""Supervision both ways (issue 13, item 9): workers end when their launcher ends, however it
+"""Supervision both ways: workers end when their launcher ends, however it
 ends, and a run folder serves one run at a time. Before, `kill -9` or SIGTERM on `hetplan run`
 left its workers training to the last step, and a second run in the same folder deleted the
 first one's files."""

@@ -1,4 +1,4 @@
-"""PipeDream's question (issue 16): the `throughput` objective, `--max-replicas`, and exact's
+"""PipeDream's question: the `throughput` objective, `--max-replicas`, and exact's
 counting, which must refuse a big problem in under a second."""
 
 import itertools
@@ -44,7 +44,7 @@ def _big_cluster(hosts: int, per_host: int) -> object:
 
 @pytest.mark.parametrize("hosts", [2, 4, 8])
 def test_exact_refuses_big_problems_in_under_a_second(profiles, hosts):
-    """It took 2.2 s at 12 devices, 33 s at 16 and over 120 s at 20 (issue 16)."""
+    """It took 2.2 s at 12 devices, 33 s at 16 and over 120 s at 20."""
     graph = import_pipedream(profiles / "resnet50" / "graph.txt")
     start = time.perf_counter()
     refused = r"exact: at least ([\d,]+|10\^\d+) candidate plans, too many .* fewer than its 177 nodes"

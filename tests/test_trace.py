@@ -1,4 +1,4 @@
-"""`hetplan run --trace` (issue 15, item 4): the measured timeline of the last step, per worker,
+"""`hetplan run --trace`: the measured timeline of the last step, per worker,
 in the simulator's format and order."""
 
 import json

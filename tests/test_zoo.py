@@ -78,7 +78,7 @@ def test_user_model_from_a_factory():
 
 
 def test_a_users_module_is_found_in_the_current_folder_as_python_m_finds_it(tmp_path, monkeypatch):
-    """`hetplan profile mymodels:make` in the module's folder (issue 13: `No module named 'mymodels'`)."""
+    """`hetplan profile mymodels:make` in the module's folder (`No module named 'mymodels'`)."""
     import sys
 
     (tmp_path / "mymodels_i13.py").write_text(
