@@ -194,7 +194,7 @@ class Node:
         (`rerun_forwards`; one where not measured)."""
         if unit == "none":
             return 0.0
-        return self.rerun_forwards.get(unit, 1.0) if unit != "stage" else 1.0
+        return 1.0 if unit == "stage" else self.rerun_forwards.get(unit, 1.0)
 
     def _check_updated(self, who: str) -> None:
         _check_number(self.sparse_rows, f"{who}: sparse_rows")

@@ -60,8 +60,8 @@ class Stage:
     batch, its messages). With `sequence_parallel` its groups split the values between
     projection pairs along their tokens too (Korthikanti et al. 2022: norms and dropout on a
     share of the tokens; an all-gather and a reduce-scatter in place of each all-reduce), so a
-    device keeps 1/t of its blocks' activations, not 24/34 of them
-    (`hetplan.runtime.tensor_parallel.gathered`)."""
+    device keeps less of its blocks' activations (`Node.act_sequence_share`;
+    `hetplan.runtime.tensor_parallel.gathered`)."""
 
     nodes: tuple[str, ...]
     devices: tuple[str, ...]

@@ -143,7 +143,7 @@ def _add_plan_shape_options(planning: argparse.ArgumentParser) -> None:
     planning.add_argument("--sequence-parallel", default=PLAN.sequence_parallel, choices=SEQUENCE_PARALLEL_CHOICES,
                           help="tensor-parallel: every tensor-parallel stage splits its values along the tokens too "
                                "(norms and dropout on a share of them; an all-gather and a reduce-scatter in place "
-                               f"of each all-reduce: a device keeps 1/t of its blocks' activations) "
+                               "of each all-reduce: a device keeps less of its blocks' activations) "
                                f"{_default('sequence_parallel')}")
 
 

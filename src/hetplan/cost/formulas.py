@@ -212,6 +212,13 @@ def recomputed_backward_s(bwd_scaled_s, bwd_fixed_s, fwd_scaled_s, fwd_fixed_s, 
     return bwd_scaled_s + fwd_scaled_s, bwd_fixed_s + fwd_fixed_s - action_overhead_s
 
 
+def rerun_passes_s(rerun_s, rerun_fixed_s, corun, action_overhead_s):
+    """What a per-node recomputation adds to a backward (`CostModel.rebuilt_forward_s`: the time
+    for the whole batch and its fixed part), as `replica_passes_s` gives a forward: (scaled,
+    fixed), for `recomputed_backward_s`."""
+    return replica_passes_s(rerun_s, 0.0, rerun_fixed_s, 0.0, corun, action_overhead_s)[::2]
+
+
 def replica_tail_s(optimizer_step_s, corun, step_overhead_s):
     """A stage replica's optimizer step, slowed by co-running, and the runtime's cost per step."""
     return optimizer_step_s * corun + step_overhead_s

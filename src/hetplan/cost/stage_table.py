@@ -204,7 +204,7 @@ class StageTable:
         f, b, f_fix, b_fix = formulas.replica_passes_s(fwd, bwd, ffix, bfix, kind.corun, kind.action_overhead_s)
         if recompute in ("block", "selective"):  # as measured per node (`CostModel.rebuilt_forward_s`)
             again, again_fix = (_diff(a, i, j) for a in self._rerun_sums(kind, recompute))
-            rf, rf_fix = formulas.replica_passes_s(again, 0.0, again_fix, 0.0, kind.corun, kind.action_overhead_s)[::2]
+            rf, rf_fix = formulas.rerun_passes_s(again, again_fix, kind.corun, kind.action_overhead_s)
             b, b_fix = formulas.recomputed_backward_s(b, b_fix, rf, rf_fix, kind.action_overhead_s)
         elif recompute != "none":
             b, b_fix = formulas.recomputed_backward_s(b, b_fix, f, f_fix, kind.action_overhead_s)

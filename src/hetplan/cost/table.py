@@ -36,6 +36,7 @@ from hetplan.cost.formulas import (
     recomputed_backward_s,
     replica_passes_s,
     replica_tail_s,
+    rerun_passes_s,
     split_backward_s,
 )
 from hetplan.cost.syncs import SyncCost, plan_syncs
@@ -185,7 +186,7 @@ def _replica_passes(cm: CostModel, plan: Plan, k: int, p: int, split: bool, shar
                               slow, dev.action_overhead_s)
     if stage.recompute in ("block", "selective"):  # what its backward adds: as measured per node
         again, again_fix = cm.rebuilt_forward_s(stage.nodes, dev.type, stage.recompute)
-        rebuilt = replica_passes_s(again, 0.0, again_fix, 0.0, slow, dev.action_overhead_s)[::2]
+        rebuilt = rerun_passes_s(again, again_fix, slow, dev.action_overhead_s)
     else:
         rebuilt = (passes[0], passes[2])
     weights = cm._stage_weight_share(stage.nodes, dev.type, k == 0) if split else 0.0

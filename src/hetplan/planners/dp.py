@@ -383,8 +383,8 @@ def _per_type_scorers(scorer: Scorer) -> list[tuple[Scorer, str]]:
     """The per-type program's problems: the one asked, and where it may recompute selectively or
     make groups sequence-parallel, the same without those two (its plans are plans of the graph
     asked). The program ranks by its own model, so more options can push a plan the simulator
-    prefers out of its best few (Llama-3-70B on 1,024 GPUs: 71.9 s with both, 58.5 s without);
-    with both sets the candidates of the narrower one are still simulated."""
+    prefers out of its best few (BENCHMARKS.md, the 70B problem); with both sets the candidates
+    of the narrower one are still simulated."""
     graph, options = scorer.graph, scorer.options
     if not (graph.selective_measured or options.sp):
         return [(scorer, "per-type program")]
