@@ -82,7 +82,7 @@ def reference_step(zm, batch, m, lr, optimizer="sgd", precision="fp32"):
 
 def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=None, cuts=None, names_of=None,
                         bindings=None, ref_device="cpu", optimizer="sgd", granularity="layer", precision="fp32",
-                        shard=()):
+                        shard=(), level=1, recompute="none"):
     """Run one step pipelined (threads) and single-process (on `ref_device`); returns the largest
     weight difference, the largest weight change, the two losses, the plan and the run's results."""
     lr = 0.1
@@ -91,7 +91,8 @@ def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=Non
     names = [p.name for p in split.pieces]
     plan = chain_plan(names, replicas, m, schedule, cuts=names_of(names) if names_of else cuts)
     plan = replace(plan, precision=precision,
-                   stages=tuple(replace(s, shard=k in shard) for k, s in enumerate(plan.stages)))
+                   stages=tuple(replace(s, shard=level if k in shard else 0, recompute=recompute)
+                                for k, s in enumerate(plan.stages)))
     spec = run_spec(plan, cpus(sum(replicas), bindings), ref, RunSettings(batch_size=batch, seq_len=seq,
                     granularity=granularity, block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0,
                     optimizer=optimizer, lr=lr, out_dir="unused", no_dropout=True), weights=weights)

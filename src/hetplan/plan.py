@@ -13,7 +13,8 @@ A plan is valid for a graph and a cluster when:
   its stage shards no optimizer state nor recomputes per block (or selectively), runs under a
   schedule of one stage per device without shared devices, and its nodes split its degrees
   (`hetplan.tp.splits_in`);
-- no stage recomputes selectively under a schedule that splits the backward (zero bubble);
+- no stage recomputes selectively, nor shards its gradients (`Stage.shard` 2 or 3), under a
+  schedule that splits the backward (zero bubble);
 - there are no more micro-batches than samples in the batch.
 `validate_plan` checks all of it and names the offending node, edge, stage or device.
 """
@@ -37,6 +38,7 @@ from hetplan.tp import splits_in
 SCHEDULES = SCHEDULE_NAMES  # hetplan.schedule owns what each means
 OBJECTIVES = ("time", "cost", "mdpe", "throughput")
 RECOMPUTE_UNITS = ("none", "stage", "block", "selective")  # what a stage's recomputation rebuilds at once (`Stage`)
+SHARD_LEVELS = (0, 1, 2, 3)  # what a stage's replicas shard (`Stage.shard`): ZeRO's stages
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,12 @@ class Stage:
     does but keeps the outputs of its products too and rebuilds only the rest (norms, activation
     functions: `hetplan.pieces.selective`); "none" keeps every activation. A plan file's
     `true` and `false` read as "stage" and "none".
-    With `shard` (two replicas or more), its replicas shard its optimizer state (ZeRO-1,
-    `hetplan.runtime.sharding`): each updates a 1/r share of its parameters, summed to it by a
-    reduce-scatter, and the updated shares are all-gathered: an r-th of Adam's state each.
+    `shard` (`SHARD_LEVELS`, two replicas or more) is what its r replicas shard, ZeRO's stages:
+    1, the optimizer state (`hetplan.runtime.sharding`): each updates a 1/r share of its
+    parameters, summed to it by a reduce-scatter at the step's end, and the updated shares are
+    all-gathered: an r-th of Adam's state each; 2, the gradients too, reduce-scattered node by
+    node in each backward (`hetplan.runtime.zero`); 3, the parameters too, all-gathered node by
+    node before each forward and backward. A plan file's `true` and `false` read as 1 and 0.
     With `tp` > 1, its replicas are tensor-parallel groups of devices of one type on one host
     (`hetplan.tp`), of up to `tp` devices each (replicas of a stage may differ: four A100s of
     one device each beside four V100s as one group): `tp_devices[p]` lists replica p's devices,
@@ -66,7 +71,7 @@ class Stage:
     nodes: tuple[str, ...]
     devices: tuple[str, ...]
     recompute: Literal["none", "stage", "block", "selective", True, False] = "none"
-    shard: bool = False
+    shard: int = 0
     tp: int = 1
     tp_devices: tuple[tuple[str, ...], ...] = ()
     sequence_parallel: bool = False
@@ -77,6 +82,10 @@ class Stage:
         object.__setattr__(self, "tp_devices", tuple(tuple(g) for g in self.tp_devices))
         if isinstance(self.recompute, bool):
             object.__setattr__(self, "recompute", "stage" if self.recompute else "none")
+        if isinstance(self.shard, bool):
+            object.__setattr__(self, "shard", int(self.shard))
+        if self.shard not in SHARD_LEVELS:
+            raise PlanError(f"a stage has shard {self.shard!r}; it must be one of {', '.join(map(str, SHARD_LEVELS))}")
         if self.recompute not in RECOMPUTE_UNITS:
             raise PlanError(f"a stage has recompute {self.recompute!r}; it must be one of {', '.join(RECOMPUTE_UNITS)}")
         if not self.nodes:
@@ -249,6 +258,10 @@ def plan_problems(plan: Plan, graph: Graph, cluster: Cluster) -> list[str]:
                      "torch's selective checkpoint allows one backward per block: set recompute \"block\" or a "
                      "schedule that does not split the backward (1f1b)"
                      for i, s in enumerate(plan.stages) if s.recompute == "selective"]
+        problems += [f"stage {i} shards its gradients (shard {s.shard}) under {plan.schedule}, whose backward runs in "
+                     "two actions; hetplan reduces a node's gradients when its backward has made them all: set shard "
+                     "1 or a schedule that does not split the backward (1f1b)"
+                     for i, s in enumerate(plan.stages) if s.shard >= 2]
     if plan.precision != graph.precision:
         problems.append(f"the plan runs in {plan.precision} but graph {graph.name!r} was profiled in "
                         f"{graph.precision}; plan again from a profile in {plan.precision} "

@@ -1,7 +1,8 @@
 """Checkpoints: each stage's weights, optimizer state and random state, written atomically
 (to a temporary file, then renamed), so a crash never leaves half a checkpoint. Replicas hold
 the same weights and state, so the first writes for all; where they shard the optimizer's state
-(`hetplan.runtime.sharding`) each holds its own share, and each writes its own file."""
+(`hetplan.runtime.sharding`, `hetplan.runtime.zero`) each holds its own share, and each writes its
+own file, the whole weights and its share of the optimizer's state."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ def stage_path(directory: Path, stage: int, replica: int = 0) -> Path:
 
 
 def save_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-               step: int, replica: int = 0) -> None:
+               step: int, replica: int = 0, shard: int = 0) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     path = stage_path(directory, stage, replica)
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({"step": step, "model": module.state_dict(),
+    torch.save({"step": step, "shard": shard, "model": module.state_dict(),
                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
                 "rng": torch.get_rng_state()}, tmp)
     os.replace(tmp, path)
@@ -37,6 +38,13 @@ def load_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.
         optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
     return int(state["step"])
+
+
+def shard_level(directory: Path, stage: int) -> int:
+    """What the replicas of the stage whose checkpoint this is sharded (`Stage.shard`); a file
+    without the field: 1 where each replica wrote its own, else 0."""
+    state = torch.load(stage_path(directory, stage), weights_only=False, map_location="cpu", mmap=True)
+    return int(state.get("shard", 1 if stage_path(directory, stage, 1).exists() else 0))
 
 
 def checkpoint_step(directory: Path, stages: Sequence[int]) -> int | None:

@@ -126,6 +126,8 @@ class StageRunner:
         self.rebuilt: Callable[[], None] = _nothing
         # what its step runs inside, backward included (a tensor-parallel stage's `running`)
         self.around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        # called after each backward (a stage whose replicas shard gradients: `zero.ShardedUnits.finish`)
+        self.backward_done: Callable[[], None] = _nothing
 
     def tag(self, boundary: int, microbatch: int, kind: str) -> int:
         return _tag(len(self.role.ranks), boundary, microbatch, kind)
@@ -258,6 +260,7 @@ class StageRunner:
             saved[(BACKWARD_WEIGHT, j)] = backward_inputs(tensors, grads, inputs, params)
         elif tensors:
             torch.autograd.backward(tensors, grads)
+            self.backward_done()
         if not self.role.first and not self.role.position:
             for peer in self._peers(j, k - 1):
                 whole = self._holds_first_row(j, k - 1, peer.replica, k, p)

@@ -32,6 +32,7 @@ from hetplan.runtime.sharding import ShardedParameters
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.stages import StageModule, stage_modules
 from hetplan.runtime.tensor_parallel import parallelize
+from hetplan.runtime.zero import ShardedUnits
 from hetplan.schedule import rank_orders
 from hetplan.sync import sync_groups
 
@@ -178,6 +179,7 @@ class Prepared:
     device: torch.device
     sparse: frozenset[int] = frozenset()  # the ids of the tables with sparse gradients (`gradients`)
     shards: tuple[ShardedParameters, ...] = ()  # its stages' groups that shard the optimizer's state
+    units: tuple[ShardedUnits, ...] = ()  # those that shard gradients, or parameters too (`runtime.zero`)
     # sums over replicas of unlike tensor-parallel degrees (`tensor_parallel.mixed_sums`): the
     # replicas' first ranks, each replica's ranks, the parameters; each group's ranks, for its
     # mesh; this worker's split parameters' dimensions, by id
@@ -217,7 +219,7 @@ class Prepared:
     def my_groups(self) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
         """The groups whose gradients it sums with all-reduces (not those it shards)."""
         me = self.role.rank
-        sharded = {id(sh.params[0]) for sh in self.shards}
+        sharded = {id(p) for sh in (*self.shards, *self.units) for p in sh.params}
         return [(ranks, ps) for ranks, ps, _ in self.groups if me in ranks and id(ps[0]) not in sharded]
 
     def parameters(self) -> list[nn.Parameter]:
@@ -225,8 +227,9 @@ class Prepared:
 
     def optimized(self) -> list[nn.Parameter]:
         """What its optimizer steps: its parameters, a share of each sharded group in its stead."""
-        sharded = {id(p) for sh in self.shards for p in sh.params}
-        return [sh.shard for sh in self.shards] + [p for p in self.parameters() if id(p) not in sharded]
+        sharded = {id(p) for sh in (*self.shards, *self.units) for p in sh.params}
+        mine = [sh.shard for sh in self.shards] + [s for u in self.units for s in u.shards]
+        return mine + [p for p in self.parameters() if id(p) not in sharded]
 
 
 def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.device,
@@ -257,7 +260,9 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     for size in sorted(prepared.sizes):
         for r in roles:
             place(prepared.module_for(size, r.stage), device)
-    return replace(prepared, shards=_shards(plan, roles, groups, table[me.stage][me.replica]))
+    sharded = _shards(plan, roles, groups, table[me.stage][me.replica])
+    return replace(prepared, shards=tuple(s for s in sharded if isinstance(s, ShardedParameters)),
+                   units=_with_units(traces, tuple(s for s in sharded if isinstance(s, tuple))))
 
 
 def _parallelize(traces: Traces, model: nn.Module, stage: int, degree: int, index: int,
@@ -292,13 +297,31 @@ def tp_sums(groups, members: tuple[tuple[tuple[int, ...], ...], ...]):
     return sums, tuple(mixed)
 
 
-def _shards(plan: Plan, roles: Sequence[Role], groups, rank: int) -> tuple[ShardedParameters, ...]:
-    """The worker's sharded groups (`hetplan.runtime.sharding`): each stage of its that shards,
-    the group of the parameters only that stage uses, laid out once its parameters are in place."""
-    out = []
+def _shards(plan: Plan, roles: Sequence[Role], groups, rank: int) -> tuple:
+    """The worker's sharded groups: each stage of its that shards, the group of the parameters
+    only that stage uses, laid out once its parameters are in place: at level 1 a
+    `sharding.ShardedParameters`; at 2 and 3 (stage, params, ranks, me, level, index) for `_with_units`."""
+    out: list = []
     for index, (ranks, params, stages) in enumerate(groups):
         k = next(iter(stages))
-        if len(stages) == 1 and plan.stages[k].shard and rank in ranks and len(ranks) > 1 and params \
+        level = int(plan.stages[k].shard)
+        if len(stages) == 1 and level and rank in ranks and len(ranks) > 1 and params \
                 and any(r.stage == k for r in roles):
-            out.append(ShardedParameters(params, ranks, ranks.index(rank), index))
+            out.append(ShardedParameters(params, ranks, ranks.index(rank), index) if level == 1
+                       else (k, params, ranks, ranks.index(rank), level, index))
+    return tuple(out)
+
+
+def _with_units(traces: Traces, wanted: tuple) -> tuple[ShardedUnits, ...]:
+    """Each stage's `zero.ShardedUnits`, its units the stage's pieces (`StageModule.pieces`),
+    and every trace's module of the stage running its pieces through them."""
+    out = []
+    for stage, params, ranks, me, level, index in wanted:
+        modules = [mods[stage] for mods in traces.by_rows.values()]
+        ids = {id(p) for p in params}
+        pieces = [[p for p in piece.parameters() if id(p) in ids] for piece in modules[0].pieces]
+        units = ShardedUnits(pieces, ranks, me, level, index)
+        for module in modules:
+            module.around = units.call
+        out.append(units)
     return tuple(out)

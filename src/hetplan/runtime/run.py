@@ -134,7 +134,7 @@ def _resume_step(plan: Plan, s: RunSettings) -> int:
 def _check_shares(plan: Plan, directory) -> None:
     """A stage whose replicas shard the optimizer's state resumes from one file per replica (each
     holds its share), and one that does not, from a checkpoint without them."""
-    from hetplan.runtime.checkpoint import stage_path
+    from hetplan.runtime.checkpoint import shard_level, stage_path
 
     for held in plan.rank_stages:
         k = held[0]
@@ -148,6 +148,11 @@ def _check_shares(plan: Plan, directory) -> None:
         if not sharding and shares:
             raise HetplanError(f"{directory}: the checkpoint holds stage {k}'s optimizer state in shares (written "
                                "by a plan that shards it), but this plan does not shard it: resume with that plan")
+        level, written = plan.stages[k].shard, shard_level(directory, k)
+        if sharding and written != level:
+            raise HetplanError(f"{directory}: stage {k}'s checkpoint was written at shard level {written} and this "
+                               f"plan shards at {level}; their optimizer states are cut apart differently: resume "
+                               "with the plan that wrote it")
 
 
 def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = None,

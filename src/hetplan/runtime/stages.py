@@ -88,6 +88,9 @@ class StageModule(nn.Module):
         self._io = [(p.inputs, p.outputs) for p in pieces]
         self._changes = [frozenset(changed_in_place(p)) for p in pieces]
         self._mutated = frozenset(v for c in self._changes for v in c) & set(spec.inputs)
+        # what runs each piece where its stage shards its parameters (`hetplan.runtime.zero`):
+        # around(index, piece, inputs, call) gathers them for it, then calls as below
+        self.around: Callable[[int, nn.Module, list, Callable | None], tuple] | None = None
 
     def forward(self, *values: torch.Tensor):
         return self.run(values)
@@ -100,11 +103,14 @@ class StageModule(nn.Module):
         # first: autograd forbids changing a leaf that asks for its gradient
         env = {v: x.clone() if v in self._mutated and x.requires_grad else x
                for v, x in zip(self.spec.inputs, values, strict=True)}
-        for module, (ins, outs), changed in zip(self.pieces, self._io, self._changes, strict=True):
-            if call is None:
-                results = module(*(env[v] for v in ins))
+        for i, (module, (ins, outs), changed) in enumerate(zip(self.pieces, self._io, self._changes, strict=True)):
+            args = [env[v].clone() if v in changed and call is not None else env[v] for v in ins]
+            if self.around is not None:
+                results = self.around(i, module, args, call)
+            elif call is None:
+                results = module(*args)
             else:
-                results = call(module, [env[v].clone() if v in changed else env[v] for v in ins])
+                results = call(module, args)
             env.update(zip(outs, results, strict=True))
         # a value passed on unchanged is cloned: the pipeline's send and receive buffers must
         # not alias the stage's inputs

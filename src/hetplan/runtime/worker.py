@@ -153,11 +153,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
                                                                                       strict=True)], prepared.order,
                         memory)
     surround(runner, prepared)
-    if spec.settings.resume_step:
-        from hetplan.runtime.checkpoint import load_stage
-
-        load_stage(Path(spec.settings.checkpoint_dir), role.stage, _saved_module(prepared), opt,
-                   role.replica if prepared.shards else 0)
+    _resume(spec, runner, prepared, opt, transport)
     times, losses, trace, busy_s, comm_s = [], [], [], [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
@@ -175,7 +171,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         values = tuple(batch[k] for k in prepared.traces.input_keys) if prepared.first else ()
         transport.barrier()
         t0 = time.perf_counter()
-        for prm in params + [group.shard for group in prepared.shards]:
+        for prm in params + [group.shard for group in prepared.shards] + [s for u in prepared.units for s in u.shards]:
             prm.grad = None
         held.start()
         loss = runner.step(values, scaler.scale if scaler is not None else 1.0)
@@ -190,15 +186,9 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
             trace = step_trace(runner.spans, tail, role.stage, t0)
         if prepared.last:
             losses.append(loss)
-        every = spec.settings.checkpoint_every
-        # with a checkpoint folder, the last step is always saved (a resumed run too)
-        due = (every and (step + 1) % every == 0) or step + 1 == spec.settings.steps
-        # replicas hold the same weights and state, unless they shard it: then each its own
-        if spec.settings.checkpoint_dir is not None and due and (role.replica == 0 or prepared.shards):
-            from hetplan.runtime.checkpoint import save_stage
-
-            save_stage(spec.settings.checkpoint_dir, role.stage, _saved_module(prepared), opt, step + 1,
-                       role.replica if prepared.shards else 0)
+        _checkpoint(spec, prepared, opt, step)
+    for units in prepared.units:  # the weights whole again for whoever reads them next
+        units.gather_all()
     out = {"times_s": times, "losses": losses, "actions": runner.executed, "busy_s": busy_s, "comm_s": comm_s,
            "tensor_peak_bytes": held.peak_bytes(spec.settings.warmup),
            "library_bytes": held.library_bytes(spec.settings.warmup),
@@ -206,6 +196,50 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     if spec.settings.trace:
         out["trace"] = trace  # the last step's
     return out
+
+
+def _resume(spec: RunSpec, runner, prepared, opt, transport) -> None:
+    """The stages' sharded units on the transport, and the checkpoint read where the run resumes."""
+    for units in prepared.units:
+        units.transport = transport
+        for stage_runner in runner.runners.values():
+            stage_runner.backward_done = units.finish
+    if spec.settings.resume_step:
+        from hetplan.runtime.checkpoint import load_stage
+
+        with _whole(prepared, loaded=True):
+            load_stage(Path(spec.settings.checkpoint_dir), prepared.role.stage, _saved_module(prepared), opt,
+                       prepared.role.replica if _sharded(prepared) else 0)
+
+
+def _sharded(prepared) -> bool:
+    """Whether its replicas shard their state: then each holds, and checkpoints, its own."""
+    return bool(prepared.shards or prepared.units)
+
+
+def _checkpoint(spec: RunSpec, prepared, opt, step: int) -> None:
+    """The stage's checkpoint after `step` where one is due (with a checkpoint folder, the last
+    step is always saved, a resumed run's too); replicas hold the same weights and state, unless
+    they shard it: then each writes its own."""
+    every, role = spec.settings.checkpoint_every, prepared.role
+    due = (every and (step + 1) % every == 0) or step + 1 == spec.settings.steps
+    if spec.settings.checkpoint_dir is None or not due or (role.replica and not _sharded(prepared)):
+        return
+    from hetplan.runtime.checkpoint import save_stage
+
+    with _whole(prepared):
+        save_stage(spec.settings.checkpoint_dir, role.stage, _saved_module(prepared), opt, step + 1,
+                   role.replica if _sharded(prepared) else 0, spec.plan.stages[role.stage].shard)
+
+
+def _whole(prepared, loaded: bool = False):
+    """Its stages' parameters whole while a checkpoint is saved or loaded (`zero.ShardedUnits.whole`)."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    for units in prepared.units:
+        stack.enter_context(units.whole(loaded))
+    return stack
 
 
 def _saved_module(prepared):
@@ -238,6 +272,8 @@ def _reduce_and_update(prepared, opt, transport, scaler=None, world: int = 1) ->
         opt.step()
     for group in prepared.shards if steps else ():  # every worker skips or steps alike
         group.gather(transport)
+    for units in prepared.units if steps else ():
+        units.gather_updates()
     if prepared.device.type == "cuda":
         torch.cuda.synchronize(prepared.device)
     return t_ar, t_opt, time.perf_counter()

@@ -1,0 +1,159 @@
+"""Gradient and parameter sharding among a stage's replicas, node by node (`Stage.shard` 2 and
+3, `hetplan.runtime.zero`): each replica keeps only its share between uses and the summed
+gradients' share; pipelined runs at each level train as one process does, with recomputation
+too; a sharded run resumes from its checkpoint bit for bit; the plans it cannot run are refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from hetplan.errors import HetplanError, PlanError
+from hetplan.io.clusters import load_cluster
+from hetplan.pieces.split import split_step
+from hetplan.plan import Plan, Stage, plan_problems
+from hetplan.runtime.sharding import share_bounds
+from hetplan.runtime.transport import LocalHub
+from hetplan.runtime.zero import ShardedUnits
+from strategies import chain
+from test_executor import chain_plan, check, cpus, pipelined_vs_single
+from test_sharding import _threads
+
+
+def _pieces() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4), nn.Linear(4, 1)]
+
+
+def _forward_backward(pieces, units, x, seen):
+    """The pieces run as a stage runs them (`StageModule.run` through `units.call`), recording
+    before each piece's forward and each parameter's gradient which units hold their storage."""
+    def whole():
+        return tuple(u.flat.untyped_storage().nbytes() > 0 for u in units.units)
+
+    for i, piece in enumerate(pieces):
+        seen.append(("F", i, whole()))
+        x = units.call(i, piece, [x], None)
+        for p in piece.parameters():
+            p.register_hook(lambda g, i=i: seen.append(("B", i, whole())) or g)
+    x.sum().backward()
+    units.finish()
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_units_hold_a_share_and_sum_each_gradient_into_it(level):
+    """Three replicas, one node of parameters in each of three pieces (Tanh has none): at level 3
+    a unit is whole only while its piece runs (forward, and backward until its gradients are
+    reduced), at level 2 always; each replica ends with its share of the summed gradients."""
+    inputs = [torch.randn(2, 6) for _ in range(3)]
+    reference = _pieces()
+    for x in inputs:
+        nn.Sequential(*reference)(x).sum().backward()
+    hub = LocalHub(3, timeout_s=10)
+    made = [_pieces() for _ in range(3)]  # here: torch's random generator is the process's, not a thread's
+
+    def work(rank: int):
+        pieces = made[rank]
+        units = ShardedUnits([list(p.parameters()) for p in pieces], (0, 1, 2), rank, level)
+        units.transport = hub.transport(rank)
+        seen: list = []
+        _forward_backward(pieces, units, inputs[rank], seen)
+        return units, seen
+
+    for rank, (units, seen) in enumerate(_threads(3, work)):
+        assert len(units.units) == 3 and units.needs[1] == ()
+        for u, piece in zip(units.units, [reference[0], reference[2], reference[3]], strict=True):
+            whole = torch.cat([p.grad.reshape(-1) for p in piece.parameters()])
+            lo, hi = share_bounds(whole.numel(), 3)[rank]
+            assert torch.allclose(u.shard.grad, whole[lo:hi], atol=1e-6)
+            assert u.shard.numel() == hi - lo and all(p.grad is None for p in u.params)
+        if level == 2:
+            assert all(all(w) for _, _, w in seen)
+            continue
+        unit = {0: 0, 2: 1, 3: 2}
+        for kind, i, whole in seen:
+            if kind == "F":  # before a piece's forward: every unit freed
+                assert not any(whole)
+            else:  # a gradient of piece i's parameters: its unit whole, and none before it
+                assert whole[unit[i]] and not any(whole[:unit[i]])
+        assert not any(u.flat.untyped_storage().nbytes() for u in units.units)
+
+
+@pytest.mark.parametrize(("name", "replicas", "level", "recompute", "schedule"), [
+    ("gpt2-tiny", [2], 3, "none", "gpipe"),  # the tied embedding in one stage: two pieces read it
+    ("gpt2-tiny", [2, 1], 2, "none", "1f1b"),
+    pytest.param("gpt2-tiny", [2, 2], 2, "block", "gpipe", marks=pytest.mark.slow),
+    ("llama-tiny", [2, 1], 3, "block", "1f1b"),
+    pytest.param("llama-tiny", [1, 3], 3, "selective", "1f1b", marks=pytest.mark.slow),
+    pytest.param("llama-tiny", [2, 1], 3, "stage", "1f1b", marks=pytest.mark.slow),
+])
+def test_sharded_gradients_and_parameters_train_as_one_process(name, replicas, level, recompute, schedule):
+    """Replicas of unequal rows (weights 2 : 1 ...), three micro-batches: the weights after a
+    step and the loss equal one process's (1e-5)."""
+    weights = [[2.0 if p == 0 else 1.0 for p in range(r)] for r in replicas]
+    sharded = tuple(k for k, r in enumerate(replicas) if r > 1)
+    check(*pipelined_vs_single(name, replicas, 3, schedule, batch=9, weights=weights, shard=sharded, level=level,
+                               recompute=recompute))
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_a_run_sharding_gradients_resumes_bit_for_bit(tmp_path, level):
+    """mlp on 2 + 2 replicas at `level`, Adam: 4 steps at once, and 2 steps, a checkpoint (each
+    replica its file: the whole weights and its share of Adam's state), 2 more resumed from it,
+    end with the same weights, bit for bit."""
+    from hetplan.runtime.checkpoint import checkpoint_step
+    from hetplan.runtime.launch import run_spec
+    from hetplan.runtime.local import run_threads
+    from hetplan.runtime.run import _check_shares
+    from hetplan.runtime.settings import RunSettings
+    from hetplan.zoo import load_model
+
+    zm = load_model("mlp", batch_size=8)
+    names = [p.name for p in split_step(zm.step, zm.batch, "layer").pieces]
+    plan = chain_plan(names, [2, 2], 2, "1f1b")
+    plan = replace(plan, stages=tuple(replace(s, shard=level) for s in plan.stages))
+    ckpt = tmp_path / "ckpt"
+
+    def run(steps, **more):
+        return run_threads(run_spec(plan, cpus(4), "mlp", RunSettings(
+            batch_size=8, granularity="layer", steps=steps, warmup=0, optimizer="adam", lr=1e-3,
+            out_dir=tmp_path / "unused", **more), weights=[[3.0, 1.0], [1.0, 1.0]]))
+
+    whole = run(4)
+    run(2, checkpoint_dir=ckpt)
+    assert checkpoint_step(ckpt, [0, 1]) == 2 and len(list(ckpt.glob("*.replica1.pt"))) == 2
+    other = 3 if level == 2 else 2
+    with pytest.raises(HetplanError, match=f"written at shard level {level} and this plan shards at {other}"):
+        _check_shares(replace(plan, stages=tuple(replace(s, shard=other) for s in plan.stages)), ckpt)
+    resumed = run(4, checkpoint_dir=ckpt, resume_step=2)
+    for a, b in zip(whole, resumed, strict=True):
+        assert a["losses"][-1:] == b["losses"][-1:]
+        for name, w in a["weights"].items():
+            assert torch.equal(w, b["weights"][name]), name
+    moved = run(2)
+    assert any(not torch.equal(w, moved[0]["weights"][n]) for n, w in whole[0]["weights"].items())
+
+
+def test_plans_that_cannot_shard_gradients_are_refused(tmp_path):
+    """Zero bubble's split backward; a replica without a row of some micro-batch; a level not
+    among ZeRO's; a plan file's true and false read as levels 1 and 0."""
+    from hetplan.runtime.launch import run_spec
+    from hetplan.runtime.settings import RunSettings
+
+    g = chain(2, params=1e6)
+    v100 = load_cluster("v100x4")
+    plan = Plan((Stage(("n0",), ("v0", "v1"), shard=2), Stage(("n1",), ("v2",))), 2, "zero-bubble", "t")
+    assert any("shards its gradients (shard 2) under zero-bubble" in p for p in plan_problems(plan, g, v100))
+    assert not any("shards its gradients" in p for p in plan_problems(replace(plan, schedule="1f1b"), g, v100))
+    with pytest.raises(PlanError, match="must be one of 0, 1, 2, 3"):
+        Stage(("n0",), ("v0",), shard=4)
+    assert Stage(("n0",), ("v0", "v1"), shard=True).shard == 1 and Stage(("n0",), ("v0",), shard=False).shard == 0
+    zm_names = ["fc1", "fc2"]
+    mlp = chain_plan(zm_names, [2, 1], 4, "1f1b")
+    mlp = replace(mlp, stages=(replace(mlp.stages[0], shard=3), mlp.stages[1]))
+    with pytest.raises(HetplanError, match="has no row of micro-batch"):
+        run_spec(mlp, cpus(3), "mlp", RunSettings(batch_size=4, granularity="layer", steps=1, out_dir=tmp_path),
+                 weights=[[1.0, 1.0], [1.0]])
