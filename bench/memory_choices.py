@@ -11,7 +11,8 @@ split under 1F1B with 4 micro-batches run with no stage, the first stage, and bo
 recomputing (whole, per block: `first-block`, `both-block`, or per block keeping the products'
 outputs: `first-selective`, `both-selective`), and the model as one stage on
 both workers (data parallel, 4 micro-batches) with
-and without sharding Adam's state between them (median step after 3 warm-up steps; the median
+and without sharding Adam's state between them (`dp-shard`), and its gradients too (`dp-zero2`),
+and its weights too (`dp-zero3`) (median step after 3 warm-up steps; the median
 over rounds), against the event
 simulator on the calibrated cluster from the median profile. Peak memory per worker: the
 simulator's, against the worker's tensors as `hetplan run` measures them on a CPU (the most
@@ -38,7 +39,8 @@ from hetplan.sim import simulate
 PRECISIONS = ("fp32", "bf16")
 CHOICES = {"none": (), "first": (0,), "both": (0, 1), "first-block": ((0,), "block"), "both-block": ((0, 1), "block"),
            "first-selective": ((0,), "selective"), "both-selective": ((0, 1), "selective"),
-           "dp": "plain", "dp-shard": "shard"}
+           "dp": "plain", "dp-shard": "shard", "dp-zero2": "shard2", "dp-zero3": "shard3"}
+LEVELS = {"plain": 0, "shard": 1, "shard2": 2, "shard3": 3}  # the one-stage choices' `Stage.shard`
 # the zoo's models of bench/schedules.py, and a Llama block by block (per-block recomputation's case)
 MODELS = [*SCHEDULE_MODELS, ("llama-tiny", 8, 64, "block", None)]
 
@@ -49,7 +51,7 @@ def _choice(base, precision: str, choice) -> object:
     if isinstance(choice, str):
         nodes = tuple(n for s in base.stages for n in s.nodes)
         devices = tuple(d for s in base.stages for d in s.devices)
-        return replace(base, precision=precision, stages=(Stage(nodes, devices, shard=choice == "shard"),))
+        return replace(base, precision=precision, stages=(Stage(nodes, devices, shard=LEVELS[choice]),))
     stages, unit = choice if len(choice) == 2 and isinstance(choice[1], str) else (choice, "stage")
     return replace(base, precision=precision, stages=tuple(replace(s, recompute=unit if k in stages else "none")
                                                            for k, s in enumerate(base.stages)))

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from hetplan.cost import CostModel
 from hetplan.errors import HetplanError, PlanError
 from hetplan.io.clusters import load_cluster
 from hetplan.pieces.split import split_step
@@ -18,9 +19,12 @@ from hetplan.plan import Plan, Stage, plan_problems
 from hetplan.runtime.sharding import share_bounds
 from hetplan.runtime.transport import LocalHub
 from hetplan.runtime.zero import ShardedUnits
+from hetplan.sim import simulate
 from strategies import chain
 from test_executor import chain_plan, check, cpus, pipelined_vs_single
 from test_sharding import _threads
+
+V100X4 = load_cluster("v100x4")
 
 
 def _pieces() -> list[nn.Module]:
@@ -144,7 +148,7 @@ def test_plans_that_cannot_shard_gradients_are_refused(tmp_path):
     from hetplan.runtime.settings import RunSettings
 
     g = chain(2, params=1e6)
-    v100 = load_cluster("v100x4")
+    v100 = V100X4
     plan = Plan((Stage(("n0",), ("v0", "v1"), shard=2), Stage(("n1",), ("v2",))), 2, "zero-bubble", "t")
     assert any("shards its gradients (shard 2) under zero-bubble" in p for p in plan_problems(plan, g, v100))
     assert not any("shards its gradients" in p for p in plan_problems(replace(plan, schedule="1f1b"), g, v100))
@@ -157,3 +161,59 @@ def test_plans_that_cannot_shard_gradients_are_refused(tmp_path):
     with pytest.raises(HetplanError, match="has no row of micro-batch"):
         run_spec(mlp, cpus(3), "mlp", RunSettings(batch_size=4, granularity="layer", steps=1, out_dir=tmp_path),
                  weights=[[1.0, 1.0], [1.0]])
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_memory_of_each_shard_level(level):
+    """Two nodes of 1 GB on 4 replicas, 8 GB of activations for the batch, GPipe at one
+    micro-batch: of the weights (1), gradients (2) and Adam's two moments a quarter each as the
+    level says, and the largest node whole two (gradients and their buffer) or three times (and
+    its weights) while it is reduced."""
+    g = chain(2, params=1e9, acts=4e9, batch=8)
+    plan = Plan((Stage(("n0", "n1"), ("v0", "v1", "v2", "v3"), shard=level),), 1, "gpipe", "test")
+    need = CostModel(g, V100X4).stage_replicas_memory_bytes(plan, 0)
+    quartered = {1: 2, 2: 3, 3: 4}[level] * 2e9
+    whole = {1: 2, 2: 1, 3: 0}[level] * 2e9
+    assert need == {d: int(whole + quartered / 4 + {1: 0, 2: 2, 3: 3}[level] * 1e9 + 8e9 / 4)
+                    for d in ("v0", "v1", "v2", "v3")}
+    assert simulate(g, V100X4, plan).estimate.peak_mem_bytes == need
+
+
+def test_deeper_levels_move_their_rings_into_the_passes():
+    """Two replicas of an eight-node stage, 1F1B over 4 micro-batches: ZeRO-1 sums once after the
+    step; ZeRO-2 reduce-scatters in each of the 4 backwards (half a sum each) and gathers after
+    the step; ZeRO-3 gathers in each forward and backward too, nothing after it. Each is slower
+    by what its rings add (the passes are the same), and holds less; with two nodes, ZeRO-2
+    holds more than ZeRO-1 (a node's gradients whole twice outweigh half the gradients)."""
+    g = chain(8, fwd=0.05, bwd=0.1, params=5e7, acts=1e8, batch=8)
+    cm = CostModel(g, V100X4)
+    nodes = tuple(f"n{i}" for i in range(8))
+    plans = {lv: Plan((Stage(nodes, ("v0", "v1"), shard=lv),), 4, "1f1b", "t") for lv in (1, 2, 3)}
+    ring = cm._gradient_sync_s(cm.sharded_bytes(plans[1], 0), 0, ("v0", "v1"))
+    assert ring > 0
+    assert cm.shard_passes_s(plans[1], 0) == (0.0, 0.0)
+    assert cm.shard_passes_s(plans[2], 0) == pytest.approx((0.0, ring / 2))
+    assert cm.shard_passes_s(plans[3], 0) == pytest.approx((ring / 2, ring))
+    est = {lv: simulate(g, V100X4, p).estimate for lv, p in plans.items()}
+    assert est[1].step_s < est[2].step_s < est[3].step_s
+    assert est[1].peak_mem_bytes["v0"] > est[2].peak_mem_bytes["v0"] > est[3].peak_mem_bytes["v0"]
+    two = chain(2, params=2e8, acts=1e8, batch=8)
+    held = [simulate(two, V100X4, Plan((Stage(("n0", "n1"), ("v0", "v1"), shard=lv),), 4, "1f1b", "t"))
+            .estimate.peak_mem_bytes["v0"] for lv in (1, 2)]
+    assert held[1] - held[0] == int(2 * 2e8 - 4e8 / 2)
+
+
+@pytest.mark.parametrize(("nodes", "level"), [(6, 1), (8, 2), (10, 3)])
+def test_where_needed_shards_as_deep_as_a_stage_needs_to_fit(nodes, level):
+    """Nodes of 1 GB as one stage on four 16 GB V100s: 6 GB fit with Adam's state sharded, 8
+    need the gradients sharded too, 10 the weights too; `replicated` stops at ZeRO-1 and zero
+    bubble's split backward too."""
+    from hetplan.planners.refine import with_shard
+
+    g = chain(nodes, params=1e9, acts=1e6, batch=8)
+    cm = CostModel(g, V100X4)
+    plan = Plan((Stage(tuple(f"n{i}" for i in range(nodes)), ("v0", "v1", "v2", "v3")),), 4, "1f1b", "t")
+    assert with_shard(cm, plan, "where-needed").stages[0].shard == level
+    assert with_shard(cm, plan, "replicated").stages[0].shard == 1
+    assert with_shard(cm, replace(plan, schedule="zero-bubble"), "where-needed").stages[0].shard == 1
+    assert with_shard(cm, plan, "never") == plan

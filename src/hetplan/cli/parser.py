@@ -129,7 +129,9 @@ def _add_plan_shape_options(planning: argparse.ArgumentParser) -> None:
     planning.add_argument("--shard", default=PLAN.shard, choices=SHARD_CHOICES,
                           help="replicated: the replicas of every stage of two or more shard its optimizer state "
                                "(ZeRO-1: an r-th of Adam's state each, a reduce-scatter and an all-gather instead "
-                               f"of the all-reduce) {_default('shard')}")
+                               "of the all-reduce); where-needed: the same, and a stage that does not fit so shards "
+                               "its gradients (ZeRO-2) or its weights too (ZeRO-3), node by node, the first that fits; "
+                               f"never {_default('shard')}")
     planning.add_argument("--precision", choices=PRECISIONS,
                           help="the arithmetic the plan runs in: fp32, or bf16/fp16 mixed precision; the graph "
                                "must be profiled in it (default: the graph's)")

@@ -374,7 +374,8 @@ class CostModel:
     def stage_replicas_memory_bytes(self, plan: Plan, stage_index: int) -> dict[str, int]:
         """`stage_memory_bytes` of every replica of a stage, by device id."""
         stage = plan.stages[stage_index]
-        sharding = {"shards": len(stage.devices), "sharded_bytes": self.sharded_bytes(plan, stage_index)}
+        sharding = {"shards": len(stage.devices), "sharded_bytes": self.sharded_bytes(plan, stage_index),
+                    "level": stage.shard or 1, "unit_bytes": self.shard_unit_bytes(plan, stage_index)}
         # each device of a tensor-parallel group holds its share of the weights (`cost.tensor`)
         held_w = {t: tp_bytes(self.graph, stage.nodes, t) for t in set(stage.degrees)}
         held_a = {t: self.held_bytes(plan, stage_index, t) for t in set(stage.degrees)}
@@ -404,6 +405,25 @@ class CostModel:
         if not stage.shard or len(set(stage.devices)) < 2:
             return 0
         return own_bytes(self, plan, k)[0]
+
+    def shard_unit_bytes(self, plan: Plan, k: int) -> int:
+        """The parameters of stage k's largest node, which its replicas hold whole while they gather
+        or reduce them where they shard gradients (`Stage.shard` 2 or 3); else 0."""
+        stage = plan.stages[k]
+        if stage.shard < 2 or not self.sharded_bytes(plan, k):
+            return 0
+        return max(self.graph.param_bytes_of((n,)) for n in stage.nodes)
+
+    def shard_passes_s(self, plan: Plan, k: int) -> tuple[float, float]:
+        """What each forward and each backward of a replica of stage k adds for its replicas'
+        collectives where they shard gradients or parameters (`formulas.SHARD_RINGS`: all-gathers
+        and reduce-scatters of the sharded bytes, rings as the step's gradient sum)."""
+        sharded = self.sharded_bytes(plan, k)
+        if plan.stages[k].shard < 2 or not sharded:
+            return 0.0, 0.0
+        ring = float(self._gradient_sync_s(sharded, 0, tuple(dict.fromkeys(plan.stages[k].devices))))
+        fwd, bwd, _ = formulas.SHARD_RINGS[plan.stages[k].shard]
+        return fwd * ring, bwd * ring
 
     def replica_optimizer_s(self, plan: Plan, k: int, device_id: str) -> float:
         """The optimizer step of one replica of stage k: `stage_optimizer_s`, of an r-th of the

@@ -44,6 +44,16 @@ import numpy as np
 
 OPTIMIZER_STATE_COPIES = 2  # Adam: first and second moments, fp32, each the size of the weights
 WEIGHT_COPIES = 1 + 1 + OPTIMIZER_STATE_COPIES  # weights + gradients + optimizer state
+# ZeRO's levels (`Stage.shard` 0-3), by level: of how many of those copies a replica keeps an r-th
+# (1: Adam's moments; 2: the gradients too; 3: the weights too: `hetplan.runtime.zero`); how many
+# copies of its largest node's parameters it holds whole while it gathers or reduces them (2: the
+# node's gradients and the buffer they are reduce-scattered from; 3: the gathered weights too);
+# and how many ring all-reduces' worth of the sharded bytes it moves per forward, per backward
+# and after the step (2: a reduce-scatter per backward, the all-gather of the updated shares
+# after the step; 3: an all-gather per forward, one and a reduce-scatter per backward, none after)
+SHARDED_COPIES = (0, OPTIMIZER_STATE_COPIES, OPTIMIZER_STATE_COPIES + 1, OPTIMIZER_STATE_COPIES + 2)
+UNIT_COPIES = (0, 0, 2, 3)
+SHARD_RINGS = ((0.0, 0.0, 1.0), (0.0, 0.0, 1.0), (0.0, 0.5, 0.5), (0.5, 1.0, 0.0))
 # An Adam step reads weights, gradients and both moments and writes weights and both moments:
 # seven passes over the weights' bytes, bound by memory bandwidth.
 OPTIMIZER_PASSES = 7
@@ -121,14 +131,16 @@ def allreduce_s_array(nbytes, replicas, bandwidth_Bps, latency_s) -> np.ndarray:
 
 
 # -- memory ----------------------------------------------------------------------------------
-def weight_bytes(param_bytes, cast_bytes=0, shards=1, sharded_bytes=None):
+def weight_bytes(param_bytes, cast_bytes=0, shards=1, sharded_bytes=None, level=1, unit_bytes=0):
     """What a replica holds for its weights whatever the batch (numbers or arrays): the weights,
-    gradients and optimizer state of `param_bytes` of fp32 parameters, the state of
-    `sharded_bytes` of them (default: all) an r-th where `shards` replicas shard it (ZeRO-1), and
-    in mixed precision the 16-bit copies of the weights its products use, kept for the step
+    gradients and optimizer state of `param_bytes` of fp32 parameters, of `sharded_bytes` of them
+    (default: all) an r-th of what ZeRO's `level` shards where `shards` replicas shard them
+    (`SHARDED_COPIES`), plus the node of `unit_bytes` held whole meanwhile (`UNIT_COPIES`), and in
+    mixed precision the 16-bit copies of the weights its products use, kept for the step
     (`cast_bytes`, `hetplan.precision`)."""
     sharded = param_bytes if sharded_bytes is None else sharded_bytes
-    return WEIGHT_COPIES * param_bytes - OPTIMIZER_STATE_COPIES * sharded * (1 - 1 / shards) + cast_bytes
+    return (WEIGHT_COPIES * param_bytes - SHARDED_COPIES[level] * sharded * (1 - 1 / shards)
+            + UNIT_COPIES[level] * unit_bytes + cast_bytes)
 
 
 def held_memory_bytes(weights_bytes: float, activation_bytes: float) -> int:
@@ -138,10 +150,12 @@ def held_memory_bytes(weights_bytes: float, activation_bytes: float) -> int:
 
 
 def stage_memory_bytes(param_bytes: float, act_bytes: float, in_flight_share: float, cast_bytes: float = 0,
-                       shards: int = 1, sharded_bytes: float | None = None) -> int:
+                       shards: int = 1, sharded_bytes: float | None = None, level: int = 1,
+                       unit_bytes: float = 0) -> int:
     """Peak memory of a stage replica: what it holds for its weights (`weight_bytes`) plus its
     activations for the whole batch times the share of the batch it holds in flight at its peak."""
-    return held_memory_bytes(weight_bytes(param_bytes, cast_bytes, shards, sharded_bytes), act_bytes * in_flight_share)
+    return held_memory_bytes(weight_bytes(param_bytes, cast_bytes, shards, sharded_bytes, level, unit_bytes),
+                             act_bytes * in_flight_share)
 
 
 def stage_memory_bytes_array(param_bytes, act_bytes, in_flight_share, cast_bytes=0, shards=1) -> np.ndarray:
@@ -152,11 +166,11 @@ def stage_memory_bytes_array(param_bytes, act_bytes, in_flight_share, cast_bytes
 
 def recompute_memory_bytes(param_bytes: float, input_bytes: float, act_bytes: float, in_flight_share: float,
                            largest_share: float, cast_bytes: float = 0, shards: int = 1,
-                           sharded_bytes: float | None = None) -> int:
+                           sharded_bytes: float | None = None, level: int = 1, unit_bytes: float = 0) -> int:
     """Peak memory of a stage replica that recomputes its forward in its backward: what it holds
     for its weights, its inputs for the share of the batch in flight, and the activations of one
     micro-batch (the largest share), rebuilt while its backward runs."""
-    return int(weight_bytes(param_bytes, cast_bytes, shards, sharded_bytes)
+    return int(weight_bytes(param_bytes, cast_bytes, shards, sharded_bytes, level, unit_bytes)
                + math.ceil(input_bytes * in_flight_share + act_bytes * largest_share))
 
 

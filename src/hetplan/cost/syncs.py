@@ -3,7 +3,10 @@
 every rank runs them, each timed by `CostModel._gradient_sync_s` over its members' devices. A
 stage whose replicas shard their optimizer state (`Stage.shard`) sums its own gradients by a
 reduce-scatter and gathers the updated weights after its step: the same bytes in the same
-number of ring steps as the all-reduce, so the same time.
+number of ring steps as the all-reduce, so the same time. One that shards its gradients too
+reduce-scatters them in each backward and only gathers after the step (half the time here); one
+that shards its weights too, nothing after the step (`formulas.SHARD_RINGS`,
+`CostModel.shard_passes_s`).
 
 A tied parameter used by one stage only is summed with that stage's own parameters; used by
 several, it leaves their own groups and is summed over all their replicas (a dense all-reduce
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetplan.cost.formulas import SHARD_RINGS
 from hetplan.plan import Plan
 from hetplan.sync import rank_numbers, sync_groups
 
@@ -58,9 +62,15 @@ def plan_syncs(cm, plan: Plan) -> tuple[SyncCost, ...]:
         workers = tuple(dict.fromkeys(devices))  # a worker holding several stages sums once
         if len(workers) < 2:
             continue
-        dense, index = (sum(sizes[key][j] for key in group.params) for j in (0, 1))
+        dense = sum(sizes[key][0] * _after_step(plan, key) for key in group.params)
+        index = sum(sizes[key][1] for key in group.params)
         out.append(SyncCost(group.members, devices, float(cm._gradient_sync_s(dense, index, workers))))
     return tuple(out)
+
+
+def _after_step(plan: Plan, key: tuple) -> float:
+    """The share of a group's sum its members run after the step (`formulas.SHARD_RINGS`)."""
+    return SHARD_RINGS[plan.stages[key[1]].shard][2] if key[0] == "stage" else 1.0
 
 
 def own_bytes(cm, plan: Plan, k: int) -> tuple[int, int]:

@@ -110,12 +110,15 @@ class StageWork:
     param_bytes: int  # its parameters, on each replica
     allreduce_s: float  # the replicas' sum of the gradients only this stage has (`hetplan.cost.syncs`; 0 for one)
     cast_bytes: int = 0  # the 16-bit copies of its weights kept for the step (mixed precision)
-    sharded_bytes: int = 0  # the parameters whose optimizer state its replicas shard (ZeRO-1)
+    sharded_bytes: int = 0  # the parameters its replicas shard (`Stage.shard`)
+    shard_level: int = 1  # what they shard of them (ZeRO's level: `formulas.SHARDED_COPIES`)
+    unit_bytes: int = 0  # its largest node's parameters, held whole meanwhile (levels 2 and 3)
 
     @property
     def weight_bytes(self) -> int:
         """Parameters, gradients and optimizer state, and any 16-bit copies, on each replica."""
-        return int(weight_bytes(self.param_bytes, self.cast_bytes, len(self.replicas), self.sharded_bytes))
+        return int(weight_bytes(self.param_bytes, self.cast_bytes, len(self.replicas), self.sharded_bytes,
+                                self.shard_level, self.unit_bytes))
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,8 @@ def _replica_passes(cm: CostModel, plan: Plan, k: int, p: int, split: bool, shar
     slow = cm._corun_factor(d, plan.devices)  # other CPU workers of the plan on its host (calibrated clusters)
     passes = replica_passes_s(*tp_times_s(cm, stage.nodes, dev.type, stage.groups[p], plan.microbatches, share),
                               slow, dev.action_overhead_s)
+    gather_s, reduce_s = cm.shard_passes_s(plan, k)  # the rings of sharded gradients or weights, per pass
+    passes = (passes[0], passes[1], passes[2] + gather_s, passes[3] + reduce_s)
     if stage.recompute in ("block", "selective"):  # what its backward adds: as measured per node
         again, again_fix = cm.rebuilt_forward_s(stage.nodes, dev.type, stage.recompute)
         rebuilt = rerun_passes_s(again, again_fix, slow, dev.action_overhead_s)
@@ -256,7 +261,8 @@ def _stage_works(cm: CostModel, plan: Plan, rows: StepRows, syncs: tuple[SyncCos
         replicas = tuple(_replica(cm, plan, rows, k, p, kept[len(stage.groups[p])], split, k in firsts, alike, per_mb)
                          for p in range(len(stage.devices)))
         stages.append(StageWork(k, replicas, cm.graph.param_bytes_of(stage.nodes), own.get(k, 0.0),
-                                cm.graph.cast_bytes_of(stage.nodes), cm.sharded_bytes(plan, k)))
+                                cm.graph.cast_bytes_of(stage.nodes), cm.sharded_bytes(plan, k), stage.shard or 1,
+                                cm.shard_unit_bytes(plan, k)))
     return tuple(stages)
 
 

@@ -135,7 +135,7 @@ def shape(plan: Plan, scorer: Scorer) -> str:
         types = Counter(scorer.cluster.device(d).type for d in st.devices)
         what = " + ".join(f"{t} x{n}" for t, n in sorted(types.items(), key=lambda x: (-x[1], x[0])))
         what += (f" tp{st.tp}{' sp' if st.sequence_parallel else ''}" if st.tp > 1 else "") \
-            + (f" rc-{st.recompute}" if st.recomputes else "") + (" zero1" if st.shard else "")
+            + (f" rc-{st.recompute}" if st.recomputes else "") + (f" zero{st.shard}" if st.shard else "")
         if parts and parts[-1][0] == what:
             parts[-1][1] += 1
         else:

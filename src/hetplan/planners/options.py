@@ -16,7 +16,7 @@ RECOMPUTE_UNITS = {"never": ("none",), "where-needed": ("none", "stage", "block"
                    "always": ("stage", "block", "selective"), "stage": ("none", "stage"), "block": ("none", "block"),
                    "selective": ("none", "selective")}
 RECOMPUTE_CHOICES = tuple(RECOMPUTE_UNITS)
-SHARD_CHOICES = ("never", "replicated")  # which stages shard their optimizer state (`Stage.shard`)
+SHARD_CHOICES = ("never", "replicated", "where-needed")  # which stages shard, and how deep (`Stage.shard`)
 # which tensor-parallel stages split their values along the tokens too (`Stage.sequence_parallel`)
 SEQUENCE_PARALLEL_CHOICES = ("tensor-parallel", "never")
 
@@ -56,13 +56,17 @@ class PlanOptions:
     dp and the per-type program weigh each stage every way); `stage`, `block` or `selective`, the
     same at that unit only; `never`; `always`, every stage at one of the units. Selective
     recomputation is weighed only on graphs that carry its figures (`Graph.selective_measured`).
-    shard: which stages' replicas shard their optimizer state (ZeRO-1, `Stage.shard`): `never`,
-    or `replicated` (the default): every stage of two replicas or more whose gradients are dense
-    and that is not tensor-parallel. Measured on this VM's CPU workers the step is the same or
-    shorter sharded (BENCHMARKS.md, "Memory and precision choices"). In the cost
-    model it costs no time (the reduce-scatter and all-gather move what the all-reduce moves) and
-    saves memory and optimizer time, so every such stage takes it (`refine.with_shard`); dp and
-    the per-type program count its memory while they choose the stages' widths.
+    shard: which stages' replicas shard their optimizer state (ZeRO-1, `Stage.shard`): `never`;
+    `replicated` (the default): every stage of two replicas or more whose gradients are dense and
+    that is not tensor-parallel; `where-needed`: the same, and a stage whose replicas do not fit
+    their devices so shards its gradients (ZeRO-2) or its weights too (ZeRO-3), the first level
+    that fits (their collectives cost time, `CostModel.shard_passes_s`). ZeRO-1, measured on this
+    VM's CPU workers, makes the step the same or shorter (BENCHMARKS.md, "Memory and precision
+    choices"); in the cost model it costs no time (the reduce-scatter and all-gather move what
+    the all-reduce moves) and saves memory and optimizer time, so every such stage takes it
+    (`refine.with_shard`); dp and the per-type program count its memory while they choose the
+    stages' widths, but not the deeper levels': those reach only the plans they return, so they
+    are not the default (the brute-force optima the programs are checked against would differ).
     max_tp: the most devices a tensor-parallel replica may have (`Stage.tp`; 1: none), or None
     (the default, "auto"): dp and its per-type program weigh groups of up to a host's GPUs of one
     type where the graph says how its nodes split (`tensor_groups.type_degrees`). With a number

@@ -67,12 +67,15 @@ def with_sequence_parallel(plan: Plan, on: bool) -> Plan:
 
 
 def _runnable_under(plan: Plan) -> Plan:
-    """The plan with its selective recomputation made per block where its schedule splits the
-    backward (`plan.plan_problems`: torch's selective checkpoint allows one backward per block)."""
-    if not get_schedule(plan.schedule).split_backward or all(s.recompute != "selective" for s in plan.stages):
+    """The plan with its selective recomputation made per block, and its gradients' sharding
+    made ZeRO-1's, where its schedule splits the backward (`plan.plan_problems`: torch's selective
+    checkpoint allows one backward per block; sharded gradients are reduced when a backward has
+    made them all)."""
+    if not get_schedule(plan.schedule).split_backward or all(s.recompute != "selective" and s.shard < 2
+                                                             for s in plan.stages):
         return plan
-    return replace(plan, stages=tuple(replace(s, recompute="block") if s.recompute == "selective" else s
-                                      for s in plan.stages))
+    return replace(plan, stages=tuple(replace(s, recompute="block" if s.recompute == "selective" else s.recompute,
+                                              shard=min(s.shard, 1)) for s in plan.stages))
 
 
 def with_recompute(cost: CostModel, plan: Plan, mode: str) -> Plan:
@@ -123,12 +126,31 @@ def shardable(cost: CostModel, stage) -> bool:
 
 
 def with_shard(cost: CostModel, plan: Plan, mode: str) -> Plan:
-    """The plan with `shard` set on every stage that can shard (`shardable`) under `replicated`;
-    with `never`, the plan as it is."""
-    if mode == "never" or all(st.shard or not shardable(cost, st) for st in plan.stages):
+    """The plan with ZeRO-1 (`shard` 1) on every stage that can shard (`shardable`) under
+    `replicated`; under `where-needed` too, and on a stage whose replicas do not fit their devices
+    so, the first deeper level at which they fit (2, the gradients; 3, the weights too: their
+    collectives cost time, `CostModel.shard_passes_s`), or 3 where none does, unless the schedule
+    splits the backward; with `never`, the plan as it is."""
+    if mode == "never":
         return plan
-    stages = tuple(replace(s, shard=True) if shardable(cost, s) else s for s in plan.stages)
-    return replace(plan, stages=stages, predicted=None)
+    stages = list(plan.stages)
+    for k, s in enumerate(stages):
+        if not shardable(cost, s):
+            continue
+        stages[k] = replace(s, shard=max(s.shard, 1))
+        deeper = mode == "where-needed" and not get_schedule(plan.schedule).split_backward
+        for level in (2, 3) if deeper else ():
+            if _fits(cost, replace(plan, stages=tuple(stages)), k):
+                break
+            stages[k] = replace(stages[k], shard=max(s.shard, level))
+    stages_t = tuple(stages)
+    return plan if stages_t == plan.stages else replace(plan, stages=stages_t, predicted=None)
+
+
+def _fits(cost: CostModel, plan: Plan, k: int) -> bool:
+    """Whether every replica of stage k fits its device (`CostModel.stage_replicas_memory_bytes`)."""
+    need = cost.stage_replicas_memory_bytes(plan, k)
+    return all(need[d] <= cost.cluster.device(d).mem_bytes for d in need)
 
 
 def boundary_moves(plan: Plan) -> list[Plan]:

@@ -181,7 +181,7 @@ def ungrouped(plan: Plan, grouping: Grouping) -> Plan:
         groups = tuple(group_of.get(d, (d,)) for d in st.devices)
         t = max(map(len, groups))
         recompute = "stage" if t > 1 and st.recompute in ("block", "selective") else st.recompute
-        stages.append(replace(st, tp=t, tp_devices=groups if t > 1 else (), shard=st.shard and t == 1,
+        stages.append(replace(st, tp=t, tp_devices=groups if t > 1 else (), shard=st.shard if t == 1 else 0,
                               recompute=recompute))
     return replace(plan, stages=tuple(stages), predicted=None)
 

@@ -334,9 +334,9 @@ def facts_of(plan: Plan, measured_step_s: float | None = None) -> tuple[tuple[st
     out = [("planner", plan.planner), ("stages", str(len(plan.stages))), ("devices", str(len(plan.devices))),
            ("micro-batches", f"{plan.microbatches} ({plan.schedule})"), ("precision", plan.precision)]
     for label, chosen in (("stages recomputing", [s.recomputes for s in plan.stages]),
-                          ("stages sharding optimizer state", [s.shard for s in plan.stages])):
+                          ("stages sharding (ZeRO level)", [s.shard for s in plan.stages])):
         if any(chosen):
-            out.append((label, ", ".join(str(k) for k, c in enumerate(chosen) if c)))
+            out.append((label, ", ".join(str(k) if c is True else f"{k} ({c})" for k, c in enumerate(chosen) if c)))
     if est is not None:
         out += [("predicted step", fmt_seconds(est.step_s)), ("predicted samples/s", f"{est.samples_per_s:,.1f}"),
                 ("$ per 1,000 samples", f"{est.usd_per_1k_samples:.4g}"), ("bubble", f"{est.bubble_fraction:.0%}"),

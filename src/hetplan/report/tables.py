@@ -102,7 +102,7 @@ def show_plan(console: Console, plan: Plan, graph: Graph | None = None, cluster:
         table.add_column("memory", justify="right")
     for i, stage in enumerate(plan.stages):
         marks = [word for word, on in ((tp_mark(stage), stage.tp > 1), (_recompute_mark(stage), stage.recomputes),
-                                       ("shard", stage.shard)) if on]
+                                       (f"zero-{stage.shard}", stage.shard)) if on]
         row = [f"{i} ({', '.join(marks)})" if marks else str(i), _devices_cell(stage.all_devices, cluster),
                str(len(stage.nodes)),
                f"{stage.nodes[0]} .. {stage.nodes[-1]}"]
