@@ -74,6 +74,8 @@ def test_units_hold_a_share_and_sum_each_gradient_into_it(level):
             lo, hi = share_bounds(whole.numel(), 3)[rank]
             assert torch.allclose(u.shard.grad, whole[lo:hi], atol=1e-6)
             assert u.shard.numel() == hi - lo and all(p.grad is None for p in u.params)
+            # its own storage: a view of the reduced buffer would keep every share alive
+            assert u.shard.grad.untyped_storage().nbytes() == u.shard.grad.numel() * 4
         if level == 2:
             assert all(all(w) for _, _, w in seen)
             continue
@@ -189,8 +191,8 @@ def test_deeper_levels_move_their_rings_into_the_passes():
     cm = CostModel(g, V100X4)
     nodes = tuple(f"n{i}" for i in range(8))
     plans = {lv: Plan((Stage(nodes, ("v0", "v1"), shard=lv),), 4, "1f1b", "t") for lv in (1, 2, 3)}
-    ring = cm._gradient_sync_s(cm.sharded_bytes(plans[1], 0), 0, ("v0", "v1"))
-    assert ring > 0
+    ring = 8 * cm._gradient_sync_s(5e7, 0, ("v0", "v1"))  # one ring per node
+    assert ring > cm._gradient_sync_s(4e8, 0, ("v0", "v1"))  # eight latencies
     assert cm.shard_passes_s(plans[1], 0) == (0.0, 0.0)
     assert cm.shard_passes_s(plans[2], 0) == pytest.approx((0.0, ring / 2))
     assert cm.shard_passes_s(plans[3], 0) == pytest.approx((ring / 2, ring))

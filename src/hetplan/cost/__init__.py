@@ -417,12 +417,14 @@ class CostModel:
     def shard_passes_s(self, plan: Plan, k: int) -> tuple[float, float]:
         """What each forward and each backward of a replica of stage k adds for its replicas'
         collectives where they shard gradients or parameters (`formulas.SHARD_RINGS`: all-gathers
-        and reduce-scatters of the sharded bytes, rings as the step's gradient sum)."""
-        sharded = self.sharded_bytes(plan, k)
-        if plan.stages[k].shard < 2 or not sharded:
+        and reduce-scatters of each node's parameters, rings as the step's gradient sum)."""
+        stage = plan.stages[k]
+        if stage.shard < 2 or not self.sharded_bytes(plan, k):
             return 0.0, 0.0
-        ring = float(self._gradient_sync_s(sharded, 0, tuple(dict.fromkeys(plan.stages[k].devices))))
-        fwd, bwd, _ = formulas.SHARD_RINGS[plan.stages[k].shard]
+        # a ring per node (`runtime.zero`'s units): each pays the ring's latency
+        workers = tuple(dict.fromkeys(stage.devices))
+        ring = sum(float(self._gradient_sync_s(self.graph.param_bytes_of((n,)), 0, workers)) for n in stage.nodes)
+        fwd, bwd, _ = formulas.SHARD_RINGS[stage.shard]
         return fwd * ring, bwd * ring
 
     def replica_optimizer_s(self, plan: Plan, k: int, device_id: str) -> float:

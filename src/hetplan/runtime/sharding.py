@@ -48,6 +48,21 @@ def share_bounds(numel: int, shares: int) -> list[tuple[int, int]]:
     return out
 
 
+def lay_flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    """One buffer holding `params` end to end, each parameter made a view of its part of it."""
+    if len({p.dtype for p in params}) != 1 or len({p.device for p in params}) != 1:
+        raise HetplanError("a stage shards over parameters of one dtype and device; give its replicas unsharded "
+                           "stages (shard: 0)")
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    at = 0
+    with torch.no_grad():
+        for p in params:
+            flat[at:at + p.numel()].copy_(p.reshape(-1))
+            p.data = flat[at:at + p.numel()].view_as(p)
+            at += p.numel()
+    return flat
+
+
 def ring_reduce_scatter(flat: torch.Tensor, bounds: Sequence[tuple[int, int]], ranks: Sequence[int], me: int,
                         transport: Transport, tag: int) -> None:
     """Sum `flat` (a CPU tensor, laid out in shares `bounds`) over `ranks` in a ring: afterwards
@@ -85,20 +100,10 @@ class ShardedParameters:
     around it; `index` numbers the group among the worker's, for message tags."""
 
     def __init__(self, params: Sequence[nn.Parameter], ranks: Sequence[int], me: int, index: int = 0) -> None:
-        if len({p.dtype for p in params}) != 1 or len({p.device for p in params}) != 1:
-            raise HetplanError("a stage shards its optimizer state over parameters of one dtype and device; give its "
-                               "replicas unsharded stages (shard: false)")
         self.params, self.ranks, self.me = list(params), tuple(ranks), me
         self.tag = RING_TAG + index * GROUP_TAGS
-        numel = sum(p.numel() for p in self.params)
-        self.flat = torch.empty(numel, dtype=self.params[0].dtype, device=self.params[0].device)
-        at = 0
-        with torch.no_grad():
-            for p in self.params:
-                self.flat[at:at + p.numel()].copy_(p.reshape(-1))
-                p.data = self.flat[at:at + p.numel()].view_as(p)
-                at += p.numel()
-        self.bounds = share_bounds(numel, len(self.ranks))
+        self.flat = lay_flat(self.params)
+        self.bounds = share_bounds(self.flat.numel(), len(self.ranks))
         lo, hi = self.bounds[me]
         self.shard = nn.Parameter(self.flat[lo:hi])  # shares the buffer's storage
 

@@ -157,7 +157,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     times, losses, trace, busy_s, comm_s = [], [], [], [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
-    held = _StageMemory(memory, params, opt.state_bytes if opt is not None else lambda: 0) \
+    held = _StageMemory(memory, _resident(prepared), opt.state_bytes if opt is not None else lambda: 0) \
         if memory is not None else _NoMemory()
     scaler = LossScaler() if scales_loss(spec.plan.precision) else None
     for step in range(spec.settings.resume_step, spec.settings.steps):
@@ -210,6 +210,14 @@ def _resume(spec: RunSpec, runner, prepared, opt, transport) -> None:
         with _whole(prepared, loaded=True):
             load_stage(Path(spec.settings.checkpoint_dir), prepared.role.stage, _saved_module(prepared), opt,
                        prepared.role.replica if _sharded(prepared) else 0)
+
+
+def _resident(prepared) -> list:
+    """The parameters a worker holds between steps: where its replicas shard the weights
+    (`Stage.shard` 3), its shares in their stead."""
+    freed = {id(p) for units in prepared.units if units.level == 3 for p in units.params}
+    return [p for p in prepared.parameters() if id(p) not in freed] + [
+        s for units in prepared.units if units.level == 3 for s in units.shards]
 
 
 def _sharded(prepared) -> bool:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from hetplan.runtime.sharding import GROUP_TAGS, RING_TAG, ring_all_gather, ring_reduce_scatter, share_bounds
+from hetplan.runtime.sharding import GROUP_TAGS, RING_TAG, lay_flat, ring_all_gather, ring_reduce_scatter, share_bounds
 from hetplan.runtime.transport import Transport
 
 UNIT_TAGS = 1 << 20  # above ZeRO-1's groups' tags: ZeRO-1 and these never shard the same stage
@@ -46,15 +46,8 @@ class _Unit:
 
     def __init__(self, params: Sequence[nn.Parameter], ranks: Sequence[int], me: int, level: int) -> None:
         self.params, self.level = list(params), level
-        numel = sum(p.numel() for p in self.params)
-        self.flat = torch.empty(numel, dtype=self.params[0].dtype, device=self.params[0].device)
-        at = 0
-        with torch.no_grad():
-            for p in self.params:
-                self.flat[at:at + p.numel()].copy_(p.reshape(-1))
-                p.data = self.flat[at:at + p.numel()].view_as(p)
-                at += p.numel()
-        self.bounds = share_bounds(numel, len(ranks))
+        self.flat = lay_flat(self.params)
+        self.bounds = share_bounds(self.flat.numel(), len(ranks))
         lo, hi = self.bounds[me]
         # level 2: a view of the buffer (its updates are the weights); level 3: the share alone
         self.shard = nn.Parameter(self.flat[lo:hi] if level == 2 else self.flat[lo:hi].clone())
@@ -164,7 +157,7 @@ class ShardedUnits:
             p.grad = None
         ring_reduce_scatter(grads, u.bounds, self.ranks, self.me, self._transport(), self.tag)
         lo, hi = u.bounds[self.me]
-        mine = grads[lo:hi].to(u.flat.device)
+        mine = grads[lo:hi].to(u.flat.device, copy=True)  # a copy: a view would keep every share alive
         u.shard.grad = mine if u.shard.grad is None else u.shard.grad.add_(mine)
         u.waiting = 0
         self._held.discard(id(u))
