@@ -219,3 +219,23 @@ def test_where_needed_shards_as_deep_as_a_stage_needs_to_fit(nodes, level):
     assert with_shard(cm, plan, "replicated").stages[0].shard == 1
     assert with_shard(cm, replace(plan, schedule="zero-bubble"), "where-needed").stages[0].shard == 1
     assert with_shard(cm, plan, "never") == plan
+
+
+@pytest.mark.parametrize(("params", "level"), [(1e9, 2), (1.5e9, 3)])
+def test_dp_shards_deeper_where_it_pays(params, level):
+    """Eight nodes of 1 or 1.5 GB, 3 s of compute each per batch of 4, on four 16 GB V100s: the
+    model as one stage on all four wastes no time in a pipeline's bubble, but fits only with its
+    gradients sharded (8 GB: 14 GB and a node's 2 GB twice), or its weights too (12 GB: 12 GB and
+    4.5); its rings cost less than the bubble. dp takes it under `--shard where-needed` (a
+    shorter step, the simulator's, that fits); with ZeRO-1 only it pipelines."""
+    from hetplan.planners import PlanOptions, make_plan
+
+    g = chain(8, fwd=1.0, bwd=2.0, params=params, acts=1e8, batch=4)
+    deep = make_plan(g, V100X4, "dp", PlanOptions(shard="where-needed"))
+    plain = make_plan(g, V100X4, "dp", PlanOptions(shard="replicated"))
+    assert [(len(s.devices), s.shard) for s in deep.stages] == [(4, level)] and len(plain.stages) > 1
+    assert plan_problems(deep, g, V100X4) == []
+    est = simulate(g, V100X4, deep).estimate
+    assert est.step_s == pytest.approx(deep.predicted.step_s, rel=1e-9)
+    assert est.step_s < simulate(g, V100X4, plain).estimate.step_s
+    assert all(est.peak_mem_bytes[d] <= V100X4.device(d).mem_bytes for d in deep.devices)

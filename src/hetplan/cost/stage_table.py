@@ -130,7 +130,7 @@ class StageTable:
         kept, self._selective_again = np.array([by_id[v].selective_bytes() for v in self.order], dtype=float).T
         self.selective_kept = self._sum(kept)
         self._tp_acts: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
-        self._largest: dict[tuple[int, bool, str], np.ndarray] = {}
+        self._largest: dict[tuple | str, np.ndarray] = {}  # per-range figures, asked once
         self.cut = self._cut_bytes()
         # per tied parameter (`Graph.tied`), how many of its nodes each state holds, and its bytes
         index = {v: k for k, v in enumerate(self.order)}
@@ -327,11 +327,31 @@ class StageTable:
         state; a table with sparse gradients updates fewer bytes than it holds)."""
         return _diff(self.updated, i, j) >= _diff(self.params, i, j) - 0.5
 
-    def weights_bytes(self, kind: Kind, i, j, shards=1) -> np.ndarray:
+    def weights_bytes(self, kind: Kind, i, j, shards=1, level: int = 1) -> np.ndarray:
         """What each device of a replica holds for the stage's weights whatever the batch
-        (`formulas.weight_bytes`): `shards` replicas shard the optimizer state (1: none)."""
+        (`formulas.weight_bytes`): `shards` replicas shard what ZeRO's `level` says (1: none),
+        its largest node whole meanwhile at levels 2 and 3 (`CostModel.shard_unit_bytes`)."""
         params, casts = (_diff(a, i, j) for a in self._held(kind.degree))
-        return formulas.weight_bytes(params - self.tied_excess_bytes(i, j), casts, shards)
+        unit = self.largest_params(i, j) if level >= 2 else 0.0
+        return formulas.weight_bytes(params - self.tied_excess_bytes(i, j), casts, shards, None, level,
+                                     np.where(np.asarray(shards) > 1, unit, 0.0))
+
+    def largest_params(self, i, j) -> np.ndarray:
+        """The parameters of the largest node of stages i -> j (0 where j does not hold i)."""
+        if "params" not in self._largest:
+            per = np.array([self.graph.by_id[v].param_bytes for v in self.order], dtype=float)
+            self._largest["params"] = _largest_between(self._mat > 0, per)
+        return self._largest["params"][i, j]
+
+    def shard_rings_s(self, devices: Sequence[str], i, j) -> np.ndarray:
+        """A ring all-reduce of each node's parameters of stages i -> j over replicas `devices`,
+        summed (`CostModel.shard_passes_s`: ZeRO-2 and 3 run such rings per pass, one per node)."""
+        key = ("rings", tuple(devices))
+        if key not in self._largest:
+            per = [float(self.cost._gradient_sync_s(self.graph.by_id[v].param_bytes, 0, tuple(devices)))
+                   for v in self.order]
+            self._largest[key] = self._sum(per)
+        return _diff(self._largest[key], i, j)
 
     def held_bytes(self, i, j, recompute: str = "none", degree: int = 1,
                    sequence_parallel: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -374,12 +394,13 @@ class StageTable:
             self._largest[key] = _largest_between(self._mat > 0, per)
         return self._largest[key][i, j]
 
-    def memory_terms(self, kind: Kind, i, j, recompute: str = "none", shards=1) -> tuple[np.ndarray, ...]:
+    def memory_terms(self, kind: Kind, i, j, recompute: str = "none", shards=1,
+                     level: int = 1) -> tuple[np.ndarray, ...]:
         """A replica's memory as three terms: (room: its device's memory less what it holds for the
         weights; per_batch: what it holds per share of the batch in flight; rebuilt: what it
         holds per share of one micro-batch while its backward runs). It fits when
         per_batch * in_flight_share + rebuilt * largest_share <= room."""
-        room = kind.mem_bytes - self.weights_bytes(kind, i, j, shards)
+        room = kind.mem_bytes - self.weights_bytes(kind, i, j, shards, level)
         return (room, *self.held_bytes(i, j, recompute, kind.degree, kind.sequence_parallel))
 
     def memory_bytes(self, kind: Kind, i, j, in_flight_share, largest_share=0.0, recompute: str = "none",
@@ -396,7 +417,7 @@ class StageTable:
             self._opt[type_name] = None if measured is None else self._sum([measured[v] for v in self.order])
         return self._opt[type_name]
 
-    def tail_s(self, devices: Sequence[str], i, j, shards=1, degree: int = 1) -> np.ndarray:
+    def tail_s(self, devices: Sequence[str], i, j, shards=1, degree: int = 1, level: int = 1) -> np.ndarray:
         """After a stage's last action on its replicas `devices` (one entry per replica): their
         gradient sum (`CostModel._gradient_sync_s`), then the slowest replica's optimizer step
         (of an r-th of the bytes where they shard it, of its share of the weights in a
@@ -422,7 +443,8 @@ class StageTable:
             # an r-th of the step's time where r replicas shard it (`CostModel.replica_optimizer_s`)
             opt = part * self.cost._optimizer_step_s(upd, d, None if measured is None else _diff(measured, i, j))
             steps.append(formulas.replica_tail_s(opt, corun, per_step_s))
-        return self.cost._gradient_sync_s(upd, idx, key) + np.max(steps, axis=0)
+        after = formulas.SHARD_RINGS[level][2]  # ZeRO-2 gathers after the step, ZeRO-3 nothing (`cost.syncs`)
+        return after * self.cost._gradient_sync_s(upd, idx, key) + np.max(steps, axis=0)
 
     def optimizer_s(self, device: str, i, j) -> np.ndarray:
         """One device's optimizer step over stages i -> j (`CostModel._optimizer_step_s`), a tied

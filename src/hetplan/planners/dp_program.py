@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hetplan.cost.formulas import SHARD_RINGS
 from hetplan.plan import Plan, Stage
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.objectives import objective
@@ -56,7 +57,7 @@ class Label(NamedTuple):
     lat_s: float  # latencies along its cuts
     fix_sum_s: float  # sum over its stages of what a micro-batch pays whatever its rows
     fix_max_s: float  # the largest of those
-    stages: tuple[tuple[int, int, int, int, int, bool], ...]  # (state i, state j, position d, devices, tp, recompute)
+    stages: tuple[tuple[int, int, int, int, int, str, int], ...]  # (i, j, position d, devices, tp, recompute, shard)
 
 
 def rows_for_replicas(batch_size: int, m: int, k_max: int, choices: tuple[int, ...]) -> bool:
@@ -90,12 +91,14 @@ def model_step_s(lab, m):
 @dataclass(frozen=True)
 class _Option:
     """A stage option along an order: the `span` devices from position `d` as replicas of `tp`
-    devices each, recomputing at a unit or not (`Stage.recompute`)."""
+    devices each, recomputing at a unit or not (`Stage.recompute`), its replicas sharding at
+    ZeRO's `shard` level where they shard (`Stage.shard`: deeper than 1 under `--shard where-needed`)."""
 
     d: int
     span: int
     tp: int
     recompute: str
+    shard: int = 1
 
     @property
     def replicas(self) -> int:
@@ -116,6 +119,8 @@ class _Order:
         self.dev = [cluster.device(x) for x in order]
         self.choices = options.recompute_units(scorer.graph)
         self.shard = options.shard != "never"  # stages of several replicas shard their optimizer state
+        # and where they do not fit so, their gradients, or their weights too (`refine.with_shard`)
+        self.deep = options.shard == "where-needed" and not get_schedule(options.schedule).split_backward
         self.sp = options.sp  # tensor-parallel groups are sequence-parallel too
         self.bounded = get_schedule(options.schedule).bounded  # in flight bounded by the stages after
         self.track_price = objective(options).track == "price"
@@ -131,13 +136,16 @@ class _Order:
         for d in range(self.D):
             for span in range(1, min(self.max_span, self.D - d) + 1):
                 for tp in self._degrees(d, span, degrees):
-                    plain_fits = False  # recomputing only adds time where every stage fits as it is
-                    for rc in self.choices if tp == 1 else ("none",):
-                        if plain_fits:
-                            continue
-                        self.options.append(_Option(d, span, tp, rc))
-                        self._figures(table, d, span, tp, rc, pairs)
-                        plain_fits = rc == "none" and self._fits_whole_batch()
+                    for level in (1, 2, 3) if self.deep and tp == 1 and span > 1 else (1,):
+                        plain_fits = False  # recomputing only adds time where every stage fits as it is
+                        for rc in self.choices if tp == 1 else ("none",):
+                            if plain_fits:
+                                continue
+                            self.options.append(_Option(d, span, tp, rc, level))
+                            self._figures(table, d, span, tp, rc, pairs, level)
+                            plain_fits = rc == "none" and self._fits_whole_batch()
+                        if self._all_fit(level):  # sharding deeper only adds time where every stage fits
+                            break
         self.option_d = np.array([o.d for o in self.options])
         self.option_e = np.array([o.d + o.span for o in self.options])
         self.option_span = np.array([o.span for o in self.options])
@@ -162,6 +170,11 @@ class _Order:
         fits, ratio = self.fig["fits"][-1], self.fig["ratio"][-1]
         return bool(np.all(~(fits & self.valid) | (ratio <= 1.0)))
 
+    def _all_fit(self, level: int) -> bool:
+        """Whether every stage of the last `level` options added fits its devices' memory."""
+        fits = self.fig["fits"][-1]
+        return bool(np.all(fits[self.valid])) if level < 3 else True
+
     def _degrees(self, d: int, span: int, degrees: dict[str, tuple[int, ...]]) -> list[int]:
         """1, and the tensor-parallel degrees a span of devices of one host and type can take."""
         devs = self.dev[d:d + span]
@@ -169,19 +182,20 @@ class _Order:
             return [1]
         return [1, *(t for t in degrees.get(devs[0].type, ()) if t > 1 and span % t == 0)]
 
-    def _figures(self, table, d: int, span: int, tp: int, rc: str, pairs: tuple[np.ndarray, np.ndarray]) -> None:
+    def _figures(self, table, d: int, span: int, tp: int, rc: str, pairs: tuple[np.ndarray, np.ndarray],
+                 level: int = 1) -> None:
         """The figures of every stage i -> j on the devices d .. d+span-1 as replicas of tp devices
         (kept in `cache` for the other orders: devices alike in type, host, memory and price cost
         alike)."""
         ids = self.order[d:d + span]
-        key = (tuple((x.type, x.host, x.mem_bytes, x.usd_per_hour) for x in self.dev[d:d + span]), tp, rc)
+        key = (tuple((x.type, x.host, x.mem_bytes, x.usd_per_hour) for x in self.dev[d:d + span]), tp, rc, level)
         if key not in self.cache:
-            self.cache[key] = self._group_figures(table, ids, tp, rc, pairs)
+            self.cache[key] = self._group_figures(table, ids, tp, rc, pairs, level)
         for name, value in self.cache[key].items():
             self.fig.setdefault(name, []).append(value)
 
     def _group_figures(self, table, ids: tuple[str, ...], tp: int, rc: str,
-                       pairs: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
+                       pairs: tuple[np.ndarray, np.ndarray], level: int = 1) -> dict[str, np.ndarray]:
         i, j = pairs
         span = len(ids)
         groups = [ids[x:x + tp] for x in range(0, span, tp)]
@@ -194,22 +208,25 @@ class _Order:
         replicas = len(groups)
         valid = table.tp_valid(tp, i, j)
         shards = np.where(table.dense(i, j), replicas, 1) if self.shard and tp == 1 and replicas > 1 else 1
+        if level >= 2:  # only dense gradients shard; each pass runs its rings (`CostModel.shard_passes_s`)
+            valid = valid & table.dense(i, j)
+        entries = tuple(grp[0] for grp in groups)
+        rings = (sum(SHARD_RINGS[level][:2]) * table.shard_rings_s(entries, i, j)) if level >= 2 else 0.0
         share = table.shares(kind_list, counts, i, j)
         scaled, fixed, ratio, rebuilt, fits = [], [], [], [], valid.copy()
         for kind, sh in zip(kind_list, share, strict=True):
             s, f = table.compute_s(kind, i, j, rc)
             scaled.append(sh * s)
-            fixed.append(f)
-            room, per_batch, again = table.memory_terms(kind, i, j, rc, shards)
+            fixed.append(f + rings)
+            room, per_batch, again = table.memory_terms(kind, i, j, rc, shards, level)
             fits &= room > 0
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio.append(np.where(room > 0, per_batch * sh / np.maximum(room, 1.0), np.inf))
                 rebuilt.append(np.where(room > 0, again * sh / np.maximum(room, 1.0), np.inf))
-        entries = tuple(grp[0] for grp in groups)
         together = np.max(scaled, axis=0)
         figures = {"t": together, "fixed": np.max(fixed, axis=0), "ratio": np.max(ratio, axis=0),
                    "rebuilt": np.max(rebuilt, axis=0), "fits": fits,
-                   "ar": table.tail_s(entries, i, j, shards, degree=tp),
+                   "ar": table.tail_s(entries, i, j, shards, degree=tp, level=level),
                    "steady": table.steady_s(together, entries, i, j) if self.track_thr else together}
         shape = np.broadcast(i, j).shape
         return {name: np.broadcast_to(value, shape).astype(bool if name == "fits" else np.float32)
@@ -448,7 +465,7 @@ class _Program:
             while f["option"][sd, si, ss] >= 0:
                 o = self.setup.options[int(f["option"][sd, si, ss])]
                 j = int(f["next_state"][sd, si, ss])
-                stages.append((si, j, sd, o.span, o.tp, o.recompute))
+                stages.append((si, j, sd, o.span, o.tp, o.recompute, o.shard))
                 si, sd, ss = j, sd + o.span, int(f["next_slot"][sd, si, ss])
             v = {name: float(f[name][d, i, slot]) for name in FIELDS}
             out.append(Label(v["sum_s"], v["max_s"], v["ar_s"], int(v["m_req"]), v["usd_per_hour"], int(v["k_max"]),
@@ -486,11 +503,11 @@ def order_setup(prob: StateSums, scorer: Scorer, order: tuple[str, ...], options
 
 def label_plan(prob: StateSums, order: tuple[str, ...], lab: Label, m: int, options: PlanOptions) -> Plan:
     stages = []
-    for i, j, d, span, tp, recompute in lab.stages:
+    for i, j, d, span, tp, recompute, level in lab.stages:
         devices = order[d:d + span]
         groups = tuple(devices[x:x + tp] for x in range(0, span, tp))
         dense = bool(prob.table.dense(i, j))
-        stages.append(Stage(prob.nodes(i, j), tuple(g[0] for g in groups), recompute,
-                            shard=options.shard != "never" and tp == 1 and len(groups) > 1 and dense,
+        shards = options.shard != "never" and tp == 1 and len(groups) > 1 and dense
+        stages.append(Stage(prob.nodes(i, j), tuple(g[0] for g in groups), recompute, shard=level if shards else 0,
                             tp=tp, tp_devices=groups if tp > 1 else (), sequence_parallel=options.sp and tp > 1))
     return Plan(tuple(stages), m, options.schedule, "dp", options.objective)

@@ -340,7 +340,7 @@ class RankRunner:
         self.memory, self.peak_bytes = memory, 0
         if memory is not None:
             for runner in runners:
-                runner.rebuilt = self._read_memory
+                runner.rebuilt = self.read_memory
 
     def step(self, batch: Sequence[torch.Tensor] = (), loss_scale: float = 1.0) -> float:
         """Run the step's actions; returns this worker's share of the batch's mean loss (the last
@@ -371,10 +371,11 @@ class RankRunner:
             began = time.perf_counter()
             loss += runner.act(action, batch, saved[action.stage], pending)
             runner.spans.append((action.kind, action.stage, action.microbatch, began, time.perf_counter(), -1))
-            self._read_memory()
+            self.read_memory()
         return loss
 
-    def _read_memory(self) -> None:
+    def read_memory(self) -> None:
+        """The memory in use now, kept where it is the step's most so far."""
         now = self.memory() if self.memory is not None else None
         if now is not None and now > self.peak_bytes:
             self.peak_bytes = now

@@ -202,6 +202,7 @@ def _resume(spec: RunSpec, runner, prepared, opt, transport) -> None:
     """The stages' sharded units on the transport, and the checkpoint read where the run resumes."""
     for units in prepared.units:
         units.transport = transport
+        units.reduced = runner.read_memory
         for stage_runner in runner.runners.values():
             stage_runner.backward_done = units.finish
     if spec.settings.resume_step:

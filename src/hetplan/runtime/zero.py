@@ -87,6 +87,9 @@ class ShardedUnits:
         self.needs = [tuple(dict.fromkeys(made[first[id(p)]] for p in params)) for params in pieces]
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self._held: set[int] = set()  # units gathered for a backward (kept until their gradients are reduced)
+        # called when a unit's gradients are reduced, its whole gradients and buffer still held
+        # (with its gathered weights at level 3): the moment the worker's memory peaks inside a backward
+        self.reduced: Callable[[], None] = lambda: None
         for u in self.units:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._accumulated)
@@ -156,6 +159,7 @@ class ShardedUnits:
         for p in u.params:
             p.grad = None
         ring_reduce_scatter(grads, u.bounds, self.ranks, self.me, self._transport(), self.tag)
+        self.reduced()
         lo, hi = u.bounds[self.me]
         mine = grads[lo:hi].to(u.flat.device, copy=True)  # a copy: a view would keep every share alive
         u.shard.grad = mine if u.shard.grad is None else u.shard.grad.add_(mine)
