@@ -1,7 +1,8 @@
 """Plans for models that fit nowhere whole: dp's plan for each problem against a lower bound on its step.
 
     .venv/bin/python bench/llm_deep.py [--only NAME ...] [--timeout-s 900] [--markdown]
-        [--recompute MODE ...] [--tp-activations split|whole ...] [-o bench/results/llm_deep.json]
+        [--recompute MODE ...] [--tp-activations split|whole ...] [--sequence-parallel MODE ...]
+        [--shard MODE ...] [-o bench/results/llm_deep.json]
 
 Problems (`PROBLEMS`, a global batch of 2,048 sequences for the Llamas, 1,024 for the others):
 Llama-3-8B at 8,192 tokens a sequence on 8 A100-40GB + 8 V100-16GB and on 32 A100 + 96 V100
@@ -54,7 +55,7 @@ from hetplan.graph import Graph
 from hetplan.io import serde
 from hetplan.io.clusters import cluster_from_spec, hosts_spec
 from hetplan.plan import Plan
-from hetplan.planners.options import RECOMPUTE_CHOICES, SEQUENCE_PARALLEL_CHOICES
+from hetplan.planners.options import RECOMPUTE_CHOICES, SEQUENCE_PARALLEL_CHOICES, SHARD_CHOICES
 from hetplan.zoo.llm import transformer_chain
 
 HERE = Path(__file__).resolve().parent
@@ -182,7 +183,7 @@ def busy_share(plan: Plan, cluster: Cluster) -> dict[str, float]:
 
 
 def one_problem(name: str, timeout_s: float, tmp: Path, recompute: str | None = None,
-                tp_activations: str = "split", sequence_parallel: str | None = None) -> dict:
+                tp_activations: str = "split", sequence_parallel: str | None = None, shard: str | None = None) -> dict:
     problem = PROBLEMS[name]
     graph, cluster = problem.graph(), problem.cluster(name)
     if tp_activations == "whole":  # a group's devices each counted with every activation (an upper bound)
@@ -194,9 +195,10 @@ def one_problem(name: str, timeout_s: float, tmp: Path, recompute: str | None = 
     row = {"problem": name, "model": problem.model, "batch": problem.batch, "seq_len": problem.seq_len,
            "precision": problem.precision, "gpus": devices_per_type, "inter_host": problem.inter_host,
            "bound_any_s": bound_any, "recompute_option": recompute or "default", "tp_activations": tp_activations,
-           "sequence_parallel_option": sequence_parallel or "default"}
+           "sequence_parallel_option": sequence_parallel or "default", "shard_option": shard or "default"}
     options = {**({"recompute": recompute} if recompute else {}),
-               **({"sequence_parallel": sequence_parallel} if sequence_parallel else {})}
+               **({"sequence_parallel": sequence_parallel} if sequence_parallel else {}),
+               **({"shard": shard} if shard else {})}
     graph_file = tmp / f"graph-{slug(name)}.json"  # run_dp writes the cluster to {name}.json
     serde.dump(graph, graph_file)
     began = time.perf_counter()
@@ -219,10 +221,15 @@ def short(device_type: str) -> str:
     return device_type.split("-")[0].upper()
 
 
+def _zero(level) -> str:
+    """A stage's sharding: ZeRO's level (`Stage.shard`; an older plan's true reads as 1), or no."""
+    return f"zero-{int(level)}" if level else "no"
+
+
 def stages_text(stages: list[dict]) -> str:
     """Runs of equal stages as `k x [TYPE x replicas (tp, recompute, shard)]`."""
     texts = [f"{'+'.join(map(short, s['type'].split('+')))} x {s['replicas']} "
-             f"({s['tp']}{' sp' if s.get('sp') else ''}, {unit_text(s['recompute'])}, {'yes' if s['shard'] else 'no'})"
+             f"({s['tp']}{' sp' if s.get('sp') else ''}, {unit_text(s['recompute'])}, {_zero(s['shard'])})"
              for s in stages]
     runs = [(t, len(list(same))) for t, same in itertools.groupby(texts)]
     return ", ".join(t if k == 1 else f"{k} x [{t}]" for t, k in runs)
@@ -286,14 +293,17 @@ def main() -> None:
                              "each device, as before (repeatable: a row each)")
     parser.add_argument("--sequence-parallel", action="append", choices=SEQUENCE_PARALLEL_CHOICES,
                         help="plan with this --sequence-parallel instead of the default (repeatable: a row each)")
+    parser.add_argument("--shard", action="append", choices=SHARD_CHOICES,
+                        help="plan with this --shard instead of the default (repeatable: a row each)")
     parser.add_argument("-o", "--output", type=Path, default=HERE / "results" / "llm_deep.json")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only or PROBLEMS:
-            for recompute, acts, sp in itertools.product(args.recompute or [None], args.tp_activations or ["split"],
-                                                         args.sequence_parallel or [None]):
-                rows.append(one_problem(name, args.timeout_s, Path(tmp), recompute, acts, sp))
+            for recompute, acts, sp, shard in itertools.product(args.recompute or [None], args.tp_activations or
+                                                                ["split"], args.sequence_parallel or [None],
+                                                                args.shard or [None]):
+                rows.append(one_problem(name, args.timeout_s, Path(tmp), recompute, acts, sp, shard))
                 print(json.dumps(rows[-1], default=str), flush=True)
     statuses = [r["status"] for r in rows]
     summary = {"problems": len(rows), "planned": statuses.count("planned"),

@@ -277,7 +277,7 @@ def test_zero_bubble_on_ctr_tables_with_sparse_gradients_and_adam():
                                optimizer="adam"))
 
 
-def interleaved_plan(names, groups, per_rank, m, schedule="interleaved-1f1b"):
+def interleaved_plan(names, groups, per_rank, m, schedule="interleaved-1f1b", shard=0):
     """`groups[g]` replicas for rank g; the pieces cut evenly into len(groups) x per_rank stages,
     stage s on the devices of the group the schedule's map gives it."""
     n = len(groups)
@@ -285,29 +285,32 @@ def interleaved_plan(names, groups, per_rank, m, schedule="interleaved-1f1b"):
     stages = n * per_rank
     bounds = [len(names) * i // stages for i in range(stages + 1)]
     holder = stage_ranks(schedule, stages, n)
-    return Plan(tuple(Stage(tuple(names[bounds[s]:bounds[s + 1]]), first.stages[holder[s]].devices)
+    return Plan(tuple(Stage(tuple(names[bounds[s]:bounds[s + 1]]), first.stages[holder[s]].devices,
+                            shard=shard if groups[holder[s]] > 1 else 0)
                       for s in range(stages)), m, schedule, "test")
 
 
-@pytest.mark.parametrize("name,groups,per_rank,m,weights,schedule", [
-    ("gpt2-tiny", [1, 1], 2, 4, None, "interleaved-1f1b"),  # tied embedding: stages 0 and 3 on different workers
-    ("gpt2-tiny", [1, 1, 1], 2, 3, None, "interleaved-1f1b"),  # fewer micro-batches than ranks
-    ("gpt2-tiny", [1, 2], 2, 2, [[1.0], [1.0, 2.0], [1.0], [1.0, 2.0]], "interleaved-1f1b"),  # replicated, uneven
-    ("inception-tiny", [1, 1], 2, 4, None, "interleaved-1f1b"),  # branches, batch norm
+@pytest.mark.parametrize("name,groups,per_rank,m,weights,schedule,shard", [
+    ("gpt2-tiny", [1, 1], 2, 4, None, "interleaved-1f1b", 0),  # tied embedding: stages 0 and 3 on different workers
+    ("gpt2-tiny", [1, 1, 1], 2, 3, None, "interleaved-1f1b", 0),  # fewer micro-batches than ranks
+    ("gpt2-tiny", [1, 2], 2, 2, [[1.0], [1.0, 2.0], [1.0], [1.0, 2.0]], "interleaved-1f1b", 0),  # replicated, uneven
+    ("inception-tiny", [1, 1], 2, 4, None, "interleaved-1f1b", 0),  # branches, batch norm
     # ZB-V: the first and the last stage on worker 0 (the tied embedding's two ends on one
     # worker), the backward split in I and W
-    ("gpt2-tiny", [1, 1], 2, 4, None, "zb-v"),
-    ("gpt2-tiny", [1, 1, 1], 2, 2, None, "zb-v"),  # fewer micro-batches than a full V needs
-    ("gpt2-tiny", [1, 2], 2, 3, [[1.0], [1.0, 2.0], [1.0, 2.0], [1.0]], "zb-v"),  # replicated, uneven
+    ("gpt2-tiny", [1, 1], 2, 4, None, "zb-v", 0),
+    ("gpt2-tiny", [1, 1, 1], 2, 2, None, "zb-v", 0),  # fewer micro-batches than a full V needs
+    ("gpt2-tiny", [1, 2], 2, 3, [[1.0], [1.0, 2.0], [1.0, 2.0], [1.0]], "zb-v", 0),  # replicated, uneven
+    # two sharded stages on each replicated worker, their weights gathered node by node
+    ("gpt2-tiny", [1, 2], 2, 2, [[1.0], [1.0, 2.0], [1.0], [1.0, 2.0]], "interleaved-1f1b", 3),
 ])
 def test_interleaved_schedules_hold_several_stages_per_worker_and_equal_single_process(name, groups, per_rank, m,
-                                                                                      weights, schedule):
+                                                                                      weights, schedule, shard):
     """Each worker runs its stages in its rank's order (torch's ScheduleInterleaved1F1B, or
     ScheduleZBVZeroBubble on its V-shaped map); the weights after one step equal one process's."""
     batch, lr = 8, 0.1
     zm = no_dropout(load_model(name, batch_size=batch, seq_len=16, seed=0))
     split = split_step(zm.step, zm.batch, "layer", zm.block_classes)
-    plan = interleaved_plan([p.name for p in split.pieces], groups, per_rank, m, schedule)
+    plan = interleaved_plan([p.name for p in split.pieces], groups, per_rank, m, schedule, shard)
     spec = run_spec(plan, cpus(sum(groups)), name, RunSettings(batch_size=batch, seq_len=16, granularity="layer",
                     block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0, optimizer="sgd", lr=lr,
                     out_dir="unused", no_dropout=True), weights=weights)

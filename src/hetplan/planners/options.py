@@ -56,17 +56,17 @@ class PlanOptions:
     dp and the per-type program weigh each stage every way); `stage`, `block` or `selective`, the
     same at that unit only; `never`; `always`, every stage at one of the units. Selective
     recomputation is weighed only on graphs that carry its figures (`Graph.selective_measured`).
-    shard: which stages' replicas shard their optimizer state (ZeRO-1, `Stage.shard`): `never`;
-    `replicated` (the default): every stage of two replicas or more whose gradients are dense and
-    that is not tensor-parallel; `where-needed`: the same, and a stage whose replicas do not fit
-    their devices so shards its gradients (ZeRO-2) or its weights too (ZeRO-3), the first level
-    that fits (their collectives cost time, `CostModel.shard_passes_s`). ZeRO-1, measured on this
-    VM's CPU workers, makes the step the same or shorter (BENCHMARKS.md, "Memory and precision
-    choices"); in the cost model it costs no time (the reduce-scatter and all-gather move what
-    the all-reduce moves) and saves memory and optimizer time, so every such stage takes it
-    (`refine.with_shard`); dp and the per-type program count its memory while they choose the
-    stages' widths, but not the deeper levels': those reach only the plans they return, so they
-    are not the default (the brute-force optima the programs are checked against would differ).
+    shard: which stages' replicas shard (`Stage.shard`): `never`; `replicated`: every stage of
+    two replicas or more whose gradients are dense and that is not tensor-parallel shards its
+    optimizer state (ZeRO-1); `where-needed` (the default): the same, and where a stage would not
+    fit so, its gradients (ZeRO-2) or its weights too (ZeRO-3), node by node. ZeRO-1, measured on
+    this VM's CPU workers, makes the step the same or shorter (BENCHMARKS.md, "Memory and
+    precision choices"); in the cost model it costs no time (the reduce-scatter and all-gather
+    move what the all-reduce moves) and saves memory and optimizer time, so every such stage
+    takes it (`refine.with_shard`). The deeper levels cost their rings in every pass
+    (`CostModel.shard_passes_s`; measured 1.4-8x ZeRO-1's step here): dp weighs them as stage
+    options where the level before leaves a stage unfit (`dp_program._Order`), and `refine`
+    raises a stage of a given plan that does not fit. exact and the MILP weigh ZeRO-1 only.
     max_tp: the most devices a tensor-parallel replica may have (`Stage.tp`; 1: none), or None
     (the default, "auto"): dp and its per-type program weigh groups of up to a host's GPUs of one
     type where the graph says how its nodes split (`tensor_groups.type_degrees`). With a number
@@ -94,7 +94,7 @@ class PlanOptions:
     max_replicas: int | None = None
     faithful: bool = False
     recompute: str = "where-needed"
-    shard: str = "replicated"
+    shard: str = "where-needed"
     max_tp: int | None = None
     sequence_parallel: str = "tensor-parallel"
 

@@ -320,7 +320,7 @@ def _with_units(traces: Traces, wanted: tuple) -> tuple[ShardedUnits, ...]:
         modules = [mods[stage] for mods in traces.by_rows.values()]
         ids = {id(p) for p in params}
         pieces = [[p for p in piece.parameters() if id(p) in ids] for piece in modules[0].pieces]
-        units = ShardedUnits(pieces, ranks, me, level, index)
+        units = ShardedUnits(pieces, ranks, me, level, index, stage)
         for module in modules:
             module.around = units.call
         out.append(units)

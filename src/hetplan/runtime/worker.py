@@ -203,8 +203,7 @@ def _resume(spec: RunSpec, runner, prepared, opt, transport) -> None:
     for units in prepared.units:
         units.transport = transport
         units.reduced = runner.read_memory
-        for stage_runner in runner.runners.values():
-            stage_runner.backward_done = units.finish
+        runner.runners[units.stage].backward_done = units.finish
     if spec.settings.resume_step:
         from hetplan.runtime.checkpoint import load_stage
 

@@ -66,13 +66,13 @@ class _Unit:
 
 
 class ShardedUnits:
-    """A stage's units (see the module) on replica `me` of `ranks`, at `level` 2 or 3; `index`
-    numbers the stage among the worker's, for message tags. `call` runs a piece as the stage's
+    """Stage `stage`'s units (see the module) on replica `me` of `ranks`, at `level` 2 or 3;
+    `index` numbers the stage among the worker's, for message tags. `call` runs a piece as the stage's
     forward does (`StageModule.run`), `finish` ends a backward, `gather_updates` ends a step."""
 
     def __init__(self, pieces: Sequence[Sequence[nn.Parameter]], ranks: Sequence[int], me: int, level: int,
-                 index: int = 0) -> None:
-        self.ranks, self.me, self.level = tuple(ranks), me, level
+                 index: int = 0, stage: int = 0) -> None:
+        self.ranks, self.me, self.level, self.stage = tuple(ranks), me, level, stage
         self.tag = RING_TAG + UNIT_TAGS + index * GROUP_TAGS
         self.transport: Transport | None = None
         first: dict[int, int] = {}  # parameter id -> the piece that reads it first
