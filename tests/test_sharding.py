@@ -192,24 +192,10 @@ def test_a_sharded_run_resumes_where_it_stopped(tmp_path):
     The same plan unsharded is refused that checkpoint in one line, and the sharded plan a
     checkpoint without the shares."""
     from hetplan.runtime.checkpoint import checkpoint_step
-    from hetplan.runtime.launch import run_spec
-    from hetplan.runtime.local import run_threads
     from hetplan.runtime.run import _check_shares
-    from hetplan.runtime.settings import RunSettings
-    from hetplan.zoo import load_model
-    from test_executor import chain_plan
 
-    zm = load_model("mlp", batch_size=8)
-    names = [p.name for p in split_step(zm.step, zm.batch, "layer").pieces]
-    plan = chain_plan(names, [2, 2], 2, "1f1b")
-    plan = replace(plan, stages=tuple(replace(s, shard=True) for s in plan.stages))
+    plan, run = sharded_mlp(tmp_path, 1)
     ckpt = tmp_path / "ckpt"
-
-    def run(steps, **more):
-        return run_threads(run_spec(plan, cpus(4), "mlp", RunSettings(
-            batch_size=8, granularity="layer", steps=steps, warmup=0, optimizer="adam", lr=1e-3,
-            out_dir=tmp_path / "unused", **more)))
-
     whole = run(4)
     run(2, checkpoint_dir=ckpt)
     assert checkpoint_step(ckpt, [0, 1]) == 2 and sorted(p.name for p in ckpt.glob("*.pt")) == [
@@ -226,3 +212,25 @@ def test_a_sharded_run_resumes_where_it_stopped(tmp_path):
         share.unlink()
     with pytest.raises(HetplanError, match="has no share for each of its replicas"):
         _check_shares(plan, ckpt)
+
+
+def sharded_mlp(tmp_path, level: int, weights=None):
+    """mlp as two stages of two replicas sharding at `level`, and `run(steps, **settings)`,
+    which runs it in threads with Adam (each rank's results)."""
+    from hetplan.runtime.launch import run_spec
+    from hetplan.runtime.local import run_threads
+    from hetplan.runtime.settings import RunSettings
+    from hetplan.zoo import load_model
+    from test_executor import chain_plan
+
+    zm = load_model("mlp", batch_size=8)
+    names = [p.name for p in split_step(zm.step, zm.batch, "layer").pieces]
+    plan = chain_plan(names, [2, 2], 2, "1f1b")
+    plan = replace(plan, stages=tuple(replace(s, shard=level) for s in plan.stages))
+
+    def run(steps, **more):
+        return run_threads(run_spec(plan, cpus(4), "mlp", RunSettings(
+            batch_size=8, granularity="layer", steps=steps, warmup=0, optimizer="adam", lr=1e-3,
+            out_dir=tmp_path / "unused", **more), weights=weights))
+
+    return plan, run

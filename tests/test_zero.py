@@ -14,7 +14,6 @@ from torch import nn
 from hetplan.cost import CostModel
 from hetplan.errors import HetplanError, PlanError
 from hetplan.io.clusters import load_cluster
-from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage, plan_problems
 from hetplan.runtime.sharding import share_bounds
 from hetplan.runtime.transport import LocalHub
@@ -22,7 +21,7 @@ from hetplan.runtime.zero import ShardedUnits
 from hetplan.sim import simulate
 from strategies import chain
 from test_executor import chain_plan, check, cpus, pipelined_vs_single
-from test_sharding import _threads
+from test_sharding import _threads, sharded_mlp
 
 V100X4 = load_cluster("v100x4")
 
@@ -111,23 +110,10 @@ def test_a_run_sharding_gradients_resumes_bit_for_bit(tmp_path, level):
     replica its file: the whole weights and its share of Adam's state), 2 more resumed from it,
     end with the same weights, bit for bit."""
     from hetplan.runtime.checkpoint import checkpoint_step
-    from hetplan.runtime.launch import run_spec
-    from hetplan.runtime.local import run_threads
     from hetplan.runtime.run import _check_shares
-    from hetplan.runtime.settings import RunSettings
-    from hetplan.zoo import load_model
 
-    zm = load_model("mlp", batch_size=8)
-    names = [p.name for p in split_step(zm.step, zm.batch, "layer").pieces]
-    plan = chain_plan(names, [2, 2], 2, "1f1b")
-    plan = replace(plan, stages=tuple(replace(s, shard=level) for s in plan.stages))
+    plan, run = sharded_mlp(tmp_path, level, weights=[[3.0, 1.0], [1.0, 1.0]])
     ckpt = tmp_path / "ckpt"
-
-    def run(steps, **more):
-        return run_threads(run_spec(plan, cpus(4), "mlp", RunSettings(
-            batch_size=8, granularity="layer", steps=steps, warmup=0, optimizer="adam", lr=1e-3,
-            out_dir=tmp_path / "unused", **more), weights=[[3.0, 1.0], [1.0, 1.0]]))
-
     whole = run(4)
     run(2, checkpoint_dir=ckpt)
     assert checkpoint_step(ckpt, [0, 1]) == 2 and len(list(ckpt.glob("*.replica1.pt"))) == 2
