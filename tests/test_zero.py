@@ -225,3 +225,14 @@ def test_dp_shards_deeper_where_it_pays(params, level):
     assert est.step_s == pytest.approx(deep.predicted.step_s, rel=1e-9)
     assert est.step_s < simulate(g, V100X4, plain).estimate.step_s
     assert all(est.peak_mem_bytes[d] <= V100X4.device(d).mem_bytes for d in deep.devices)
+
+
+def test_sharded_weights_train_in_bf16_as_one_process():
+    """ZeRO-3 under bf16 autocast (the weights' 16-bit copies made from the gathered weights,
+    once a step): one step equals one process's in bf16, to bf16's tolerance."""
+    from test_precision import SIXTEEN_BIT_TOL
+
+    worst, moved, loss, ref_loss, *_ = pipelined_vs_single("llama-tiny", [2, 1], 2, "1f1b", batch=6,
+                                                           weights=[[1.0, 2.0], [1.0]], shard=(0,), level=3,
+                                                           precision="bf16")
+    assert moved > 1e-4 and worst <= SIXTEEN_BIT_TOL * moved and loss == pytest.approx(ref_loss, rel=1e-5)
