@@ -94,7 +94,9 @@ class Node:
     `act_sequence_share`: of `act_bytes`, the share a group splits too when it is
     sequence-parallel (`Stage.sequence_parallel`: norms' inputs and dropout's masks, Korthikanti
     et al.'s 6 of 34; the runtime keeps the all-gathered inputs of the column-split products, 4 of
-    the 34, whole for their weights' gradients, where Megatron-LM gathers them again).
+    the 34, whole for their weights' gradients, where Megatron-LM gathers them again). The
+    profiler measures both on each node that holds a pair of split projections
+    (`hetplan.pieces.split_acts`); the counted chains count them (`hetplan.zoo.llm`).
 
     `selective_keep_bytes`, `selective_rebuilt_bytes`: under selective recomputation
     (`hetplan.pieces.selective`: a checkpoint that keeps the outputs of the node's products and

@@ -31,10 +31,19 @@ from hetplan.pieces.hostmem import keep_freed_memory
 from hetplan.pieces.mixed import Mixed
 from hetplan.pieces.selective import Figures
 from hetplan.pieces.split import GRANULARITIES, Piece, SplitStep, split_step, tensor_bytes
+from hetplan.pieces.split_acts import Shares
 from hetplan.precision import FP32
 from hetplan.precision import checked as checked_precision
 from hetplan.profile.devices import ProfileDevice, parse_device
-from hetplan.profile.timing import Timing, optimizer_times, rerun_forwards, selective_pass, time_in_sequence, warm_pass
+from hetplan.profile.timing import (
+    Timing,
+    optimizer_times,
+    rerun_forwards,
+    selective_pass,
+    split_acts_pass,
+    time_in_sequence,
+    warm_pass,
+)
 
 __all__ = ["GRANULARITIES", "ProfileReport", "profile", "profile_step"]
 
@@ -100,6 +109,8 @@ class _Measured:
     # per node that keeps activations, what selective recomputation keeps and builds again, and
     # what recomputing it adds per unit (`Node.rerun_forwards`)
     selective: dict[str, tuple[Figures, dict[str, float]]] = field(default_factory=dict)
+    # per node that keeps activations, what a tensor-parallel group splits of them (`pieces.split_acts`)
+    split_acts: dict[str, Shares] = field(default_factory=dict)
 
 
 def _selective_fields(measured: tuple[Figures, dict[str, float]] | None) -> dict[str, object]:
@@ -112,6 +123,12 @@ def _selective_fields(measured: tuple[Figures, dict[str, float]] | None) -> dict
     figures, rerun = measured
     return {"selective_keep_bytes": figures.keep_bytes, "selective_rebuilt_bytes": figures.rebuilt_bytes,
             "rerun_forwards": rerun}
+
+
+def _split_fields(shares: Shares | None) -> dict[str, float]:
+    """A node's `act_split_share` and `act_sequence_share` (0 where not measured)."""
+    return {} if shares is None else {"act_split_share": shares.split_share,
+                                      "act_sequence_share": shares.sequence_share}
 
 
 def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
@@ -160,7 +177,8 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
     opt = optimizer_times(split, device.torch_device, repeats)
     return _Measured(split, values, timed.times, {n: w.flops for n, w in warm.items()},
                      {n: w.act_bytes for n, w in warm.items()}, timed.totals_s, timed.whole_s, repeats, parts, opt,
-                     updated, {n: w.cast_bytes for n, w in warm.items()}, _tp_units(work, split), kept)
+                     updated, {n: w.cast_bytes for n, w in warm.items()}, _tp_units(work, split), kept,
+                     _split_acts(work, split, values, mixed, [p.name for p in split.pieces if p.name in kept]))
 
 
 def profile_step(
@@ -304,6 +322,29 @@ def _tp_units(model: nn.Module, split: SplitStep) -> dict[str, int]:
             for piece in split.pieces}
 
 
+def _split_acts(model: nn.Module, split: SplitStep, values: Mapping[str, Any], mixed: Mixed,
+                wanted: Sequence[str]) -> dict[str, Shares]:
+    """The `wanted` pieces' shares of their activations a tensor-parallel group splits
+    (`Node.act_split_share`, `act_sequence_share`), for those that hold a whole pair of split
+    projections (`pieces.split_acts`); none for a piece with a projection that cannot split (it
+    never runs tensor-parallel)."""
+    from hetplan.pieces.tensor_split import ROW_KIND, tensor_splits
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for piece in (p for p in split.pieces if p.name in wanted):
+        params = [p for p in piece.module.parameters() if id(p) in names]
+        try:
+            splits = tensor_splits(model, 2, {names[id(p)] for p in params})
+        except HetplanError:
+            continue
+        kinds = {p.untyped_storage().data_ptr(): splits[names[id(p)]].kind for p in params}
+        if ROW_KIND not in kinds.values():
+            continue
+        out[piece.name] = split_acts_pass(piece, [values[n] for n in piece.inputs], kinds, split.input_names, mixed)
+    return out
+
+
 def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence[ProfileDevice],
                  batch: Mapping[str, Any], batch_size: int, granularity: str,
                  fixed_parts: Mapping[str, Mapping[str, tuple[float, float]]] | None = None,
@@ -341,6 +382,7 @@ def _build_graph(name: str, measured: Mapping[str, _Measured], devices: Sequence
             cast_bytes=first.casts.get(piece.name, 0),
             tp_units=first.tp_units.get(piece.name, 0),
             **_selective_fields(first.selective.get(piece.name)),
+            **_split_fields(first.split_acts.get(piece.name)),
             module=piece.modules,
             runs_on_host=any(m == h or m.startswith(h + ".") for m in piece.modules for h in host),
             updated_bytes=first.updated[piece.name][0],

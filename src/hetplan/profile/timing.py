@@ -35,7 +35,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from hetplan.pieces import selective
+from hetplan.pieces import selective, split_acts
 from hetplan.pieces.mixed import Mixed, WeightCasts
 from hetplan.pieces.split import Piece, SplitStep, changed_in_place
 from hetplan.precision import FP32
@@ -118,6 +118,21 @@ def selective_pass(piece: Piece, inputs: Sequence[Any], data: Collection[str] = 
             piece.module(*leaves)
 
     return selective.measure(run, lambda ptr: ptr in params or ptr in casts.storages)
+
+
+def split_acts_pass(piece: Piece, inputs: Sequence[Any], kinds: Mapping[int, str], data: Collection[str] = (),
+                    mixed: Mixed | None = None) -> split_acts.Shares:
+    """What a tensor-parallel group splits of the piece's saved activations
+    (`hetplan.pieces.split_acts.measure`), from a forward in `mixed`'s precision as `warm_pass`
+    runs it; `kinds`: each parameter's split kind by its storage's address."""
+    mixed = mixed or Mixed(FP32, "cpu")
+    leaves = _leaves(inputs, [n in data for n in piece.inputs])
+
+    def run() -> None:
+        with mixed.step(), mixed.forward():
+            piece.module(*leaves)
+
+    return split_acts.measure(run, kinds)
 
 
 def rerun_forwards(piece: Piece, inputs: Sequence[Any], data: Collection[str] = (), mixed: Mixed | None = None,
