@@ -343,9 +343,15 @@ class StageTable:
             self._largest["params"] = _largest_between(self._mat > 0, per)
         return self._largest["params"][i, j]
 
-    def shard_rings_s(self, devices: Sequence[str], i, j) -> np.ndarray:
-        """A ring all-reduce of each node's parameters of stages i -> j over replicas `devices`,
-        summed (`CostModel.shard_passes_s`: ZeRO-2 and 3 run such rings per pass, one per node)."""
+    def shard_passes_s(self, devices: Sequence[str], i, j, level: int) -> np.ndarray:
+        """What a forward and a backward of a micro-batch add on replicas `devices` of stages i -> j
+        sharding at ZeRO's `level` (`CostModel.shard_passes_s`): their rings, one per node."""
+        if level < 2:
+            return np.zeros(np.broadcast(i, j).shape)
+        return sum(formulas.SHARD_RINGS[level][:2]) * self._rings_s(devices, i, j)
+
+    def _rings_s(self, devices: Sequence[str], i, j) -> np.ndarray:
+        """A ring all-reduce of each node's parameters of stages i -> j over replicas `devices`, summed."""
         key = ("rings", tuple(devices))
         if key not in self._largest:
             per = [float(self.cost._gradient_sync_s(self.graph.by_id[v].param_bytes, 0, tuple(devices)))

@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hetplan.cost.formulas import SHARD_RINGS
 from hetplan.plan import Plan, Stage
 from hetplan.planners.kit import microbatch_choices
 from hetplan.planners.objectives import objective
@@ -211,7 +210,7 @@ class _Order:
         if level >= 2:  # only dense gradients shard; each pass runs its rings (`CostModel.shard_passes_s`)
             valid = valid & table.dense(i, j)
         entries = tuple(grp[0] for grp in groups)
-        rings = (sum(SHARD_RINGS[level][:2]) * table.shard_rings_s(entries, i, j)) if level >= 2 else 0.0
+        rings = table.shard_passes_s(entries, i, j, level)
         share = table.shares(kind_list, counts, i, j)
         scaled, fixed, ratio, rebuilt, fits = [], [], [], [], valid.copy()
         for kind, sh in zip(kind_list, share, strict=True):
