@@ -236,3 +236,21 @@ def test_sharded_weights_train_in_bf16_as_one_process():
                                                            weights=[[1.0, 2.0], [1.0]], shard=(0,), level=3,
                                                            precision="bf16")
     assert moved > 1e-4 and worst <= SIXTEEN_BIT_TOL * moved and loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_planners_never_return_a_sharded_stage_with_an_idle_replica():
+    """Eight micro-batches of one row on two replicas: each replica idles in every other one. At
+    ZeRO-1 that runs (each has rows of some micro-batch); sharding gradients it cannot (the rings
+    run in every micro-batch), so the planners score it infinite, as `hetplan run` refuses it."""
+    import math
+
+    from hetplan.planners import PlanOptions
+    from hetplan.planners.scoring import Scorer
+    from hetplan.rows import idle_replicas, step_rows
+
+    g = chain(2, params=1e6, batch=8)
+    scorer = Scorer(g, V100X4, PlanOptions())
+    plans = {lv: Plan((Stage(("n0", "n1"), ("v0", "v1"), shard=lv),), 8, "1f1b", "t") for lv in (1, 2)}
+    assert math.isfinite(scorer.value(plans[1])) and scorer.value(plans[2]) == math.inf
+    rows = step_rows(8, 8, [[1.0, 1.0]])
+    assert idle_replicas(rows, [False]) == [] and idle_replicas(rows, [True]) == [(0, 0), (0, 1)]

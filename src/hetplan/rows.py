@@ -108,6 +108,19 @@ def stage_slices(micro: Sequence[int], weights: Sequence[float]) -> tuple[tuple[
     return tuple(per_mb)
 
 
+def idle_replicas(rows: StepRows, every: Sequence[bool]) -> list[tuple[int, int]]:
+    """(stage, replica) of each replica of a stage of several that gets no row of any
+    micro-batch, or, where `every[stage]` (its replicas run collectives in each micro-batch's
+    actions: `Stage.shard` 2 or 3, `hetplan.runtime.zero`), no row of some micro-batch."""
+    out = []
+    for k, per_mb in enumerate(rows.slices):
+        for p in range(len(per_mb[0]) if per_mb else 0):
+            got = [hi > lo for lo, hi in (mb[p] for mb in per_mb)]
+            if len(per_mb[0]) > 1 and not (all(got) if every[k] else any(got)):
+                out.append((k, p))
+    return out
+
+
 def step_rows(batch_size: int, microbatches: int, weights: Sequence[Sequence[float]],
               slices=stage_slices) -> StepRows:
     """The split of a step: `weights[k]` are the replicas' weights of stage k (`slices`: how a

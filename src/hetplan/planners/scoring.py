@@ -16,6 +16,7 @@ from hetplan.graph import Graph
 from hetplan.plan import Estimate, Plan
 from hetplan.planners import objectives
 from hetplan.planners.options import PlanOptions
+from hetplan.rows import idle_replicas as rows_idle
 from hetplan.schedule import get_schedule
 from hetplan.sim import simulate
 from hetplan.sim.fast import fast_step_s
@@ -144,12 +145,12 @@ class Scorer:
 
 def idle_replicas(cost: CostModel, plan: Plan) -> list[tuple[int, str]]:
     """(stage, device) of every replica that gets no row of any micro-batch (`hetplan.rows`): it
-    would hold the stage's weights and join its gradient sum for nothing."""
+    would hold the stage's weights and join its gradient sum for nothing; or, sharding its
+    gradients, no row of some micro-batch (the runtime cannot run it: `rows.idle_replicas`)."""
     if all(len(s.devices) == 1 for s in plan.stages):
         return []
-    rows = cost.plan_rows(plan)
-    return [(k, dev) for k, st in enumerate(plan.stages) for p, dev in enumerate(st.devices)
-            if len(st.devices) > 1 and not any(rows.rows(k, j, p) for j in range(plan.microbatches))]
+    idle = rows_idle(cost.plan_rows(plan), [s.shard >= 2 for s in plan.stages])
+    return [(k, plan.stages[k].devices[p]) for k, p in idle]
 
 
 def memory_infeasible(graph: Graph, cluster: Cluster, options: PlanOptions,

@@ -34,7 +34,7 @@ from hetplan.graph import Graph
 from hetplan.io.serde import atomic_write_text
 from hetplan.machine import core_ids
 from hetplan.plan import Plan
-from hetplan.rows import StepRows, step_rows
+from hetplan.rows import StepRows, idle_replicas, step_rows
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.spec import RankSpec, RunSpec
 from hetplan.runtime.supervise import LAUNCHER_PID, run_folder_lock, stop_on_terminate
@@ -140,15 +140,12 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, settings: RunSettings, *,
 def _check_every_replica_has_rows(plan: Plan, rows: StepRows) -> None:
     """A stage whose replicas shard gradients runs collectives in every micro-batch's actions
     (`hetplan.runtime.zero`), so each of its replicas needs rows of every micro-batch."""
-    for k, stage in enumerate(plan.stages):
-        if stage.shard < 2:
-            continue
-        for j, slices in enumerate(rows.slices[k]):
-            idle = [p for p, (lo, hi) in enumerate(slices) if hi == lo]
-            if idle:
-                raise HetplanError(f"stage {k} shards its gradients (shard {stage.shard}) but its replica {idle[0]} "
-                                   f"has no row of micro-batch {j}: use fewer micro-batches or a larger batch, or "
-                                   "shard 1")
+    for k, p in idle_replicas(rows, [s.shard >= 2 for s in plan.stages]):
+        if plan.stages[k].shard >= 2:
+            j = next(j for j, mb in enumerate(rows.slices[k]) if mb[p][1] == mb[p][0])
+            raise HetplanError(f"stage {k} shards its gradients (shard {plan.stages[k].shard}) but its replica {p} "
+                               f"has no row of micro-batch {j}: use fewer micro-batches or a larger batch, or "
+                               "shard 1")
 
 
 def write_spec(spec: RunSpec) -> Path:
