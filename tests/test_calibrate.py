@@ -193,3 +193,13 @@ def test_a_smaller_all_reduce_measured_slower_than_a_larger_one_takes_the_larger
         (4096.0, 0.9e-3), (1048576.0, 0.9e-3), (8388608.0, 6.9e-3))
     steady = ((4096.0, 0.3e-3), (65536.0, 0.4e-3), (1048576.0, 0.9e-3))
     assert monotone(steady) == steady
+
+
+def test_the_calibration_summary_reads_the_curves_as_the_cost_model_does():
+    """What `hetplan calibrate` prints: the measured all-reduce curve read at 32 MiB per group size,
+    the optimizer's at 64 MB per device, both by `formulas.measured_s` (linear between points)."""
+    from hetplan.cost import calibrated_figures
+
+    report = {"allreduce": {2: {1e6: 0.001, 1e8: 0.1}}, "optimizer_points": {"c0": [(1e6, 0.002), (1e8, 0.2)]}}
+    allreduce, optimizer = calibrated_figures(report, 5e7, 64e6)
+    assert allreduce == {2: pytest.approx(0.05)} and optimizer == {"c0": pytest.approx(0.128)}

@@ -458,8 +458,9 @@ def test_run_refuses_text_data_for_a_model_that_is_not_a_language_model(cli, tmp
 
 
 def test_outputs_never_replace_devices_fifos_directories_links_or_inputs(cli, tmp_path, profiles):
-    """Issue 13: run as root, `-o /dev/null` replaced the device with a regular file; FIFOs and
-    symbolic links were replaced too, and `-o` equal to the input graph overwrote it with exit 0."""
+    """Writing an output must never destroy what is there: run as root, an atomic write over
+    `-o /dev/null` would replace the device with a regular file, and so FIFOs and symbolic links;
+    `-o` equal to the input graph must be refused, not overwrite it and exit 0."""
     import os
     import stat
 

@@ -127,7 +127,7 @@ def test_two_stages_of_every_zoo_model_equal_single_process(name):
 
 @pytest.mark.parametrize("replicas", [[1, 1], [2, 1]])
 def test_ctr_tables_and_mlp_on_different_workers_equal_single_process_with_adam(replicas):
-    """Issue 17: ctr-dnn's parser and 26 tables (sparse gradients) on one stage, replicated or
+    """HeterPS's CTR workload: ctr-dnn's parser and 26 tables (sparse gradients) on one stage, replicated or
     not (replicas sum their sparse gradients), its MLP on another; one step of Adam, SparseAdam
     on the tables, equals torch's own Adam and SparseAdam in one process."""
     def at_the_mlp(names):

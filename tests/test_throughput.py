@@ -229,8 +229,9 @@ def test_milp_refuses_other_objectives():
 
 
 def test_dp_never_gets_worse_when_hosts_are_added():
-    """Issue 16: dp gave 40.5 ms on 8 V100s and 88.6 ms on 16 devices containing them. A stage
-    on the big cluster takes at most 4 replicas; dp now also plans on the first hosts."""
+    """Adding devices must never make dp's plan slower: on a big cluster a stage takes at most 4
+    replicas, which could leave dp at 88.6 ms on 16 devices where 8 of them give 40.5 ms; so dp
+    also plans on the first hosts, whose plans run on the big cluster too."""
     from hetplan.planners.dp import host_prefixes
     from hetplan.sim import simulate
 

@@ -131,30 +131,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json({"kind": "calibration", **report, "output": str(args.output)})
         return 0
+    from hetplan.cost import calibrated_figures
+
     console = _console()
+    allreduce, optimizer = calibrated_figures(report, 32 << 20, 64e6)
     console.print(f"gloo between local workers: {report['link_bandwidth_Bps'] / 1e9:.2f} GB/s, "
                   f"{report['link_latency_s'] * 1e6:.0f} us latency; all-reduce of 32 MiB: " + ", ".join(
-                      f"{t * 1e3:.1f} ms among {r}" for r, t in _allreduce_at(report, 32 << 20)))
+                      f"{t * 1e3:.1f} ms among {r}" for r, t in allreduce.items()))
     console.print("optimizer step per 64 MB of weights: " + ", ".join(
-        f"{d} {_per_64mb(points) * 1e3:.1f} ms" for d, points in report["optimizer_points"].items()))
+        f"{d} {t * 1e3:.1f} ms" for d, t in optimizer.items()))
     console.print("CPU workers side by side: " + ", ".join(
         f"{k} x{f:.2f}" for k, f in report["corun_slowdown"].items()))
     console.print(f"runtime overhead on {cluster.name}'s workers: {report['action_overhead_s'] * 1e3:.2f} "
                   f"ms per pipeline action, {report['step_overhead_s'] * 1e3:.1f} ms per step; wrote {args.output} "
                   "(use it as --cluster)")
     return 0
-
-
-def _allreduce_at(report: dict, nbytes: int) -> list[tuple[int, float]]:
-    from hetplan.cost.formulas import measured_s
-
-    return [(r, measured_s(nbytes, list(points.items()))) for r, points in report["allreduce"].items()]
-
-
-def _per_64mb(points) -> float:
-    from hetplan.cost.formulas import measured_s
-
-    return measured_s(64e6, points)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

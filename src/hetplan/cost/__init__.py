@@ -527,6 +527,17 @@ class CostModel:
         return usd_per_step(self.cluster, devices, step_s)
 
 
+def calibrated_figures(report: Mapping, allreduce_bytes: float, optimizer_bytes: float) -> tuple[dict, dict]:
+    """What a calibration's measured curves (`hetplan calibrate`'s report) charge: an all-reduce
+    of `allreduce_bytes` by group size, and an optimizer step over `optimizer_bytes` by device
+    (`formulas.measured_s`, as the cost model reads them)."""
+    allreduce = {r: float(formulas.measured_s(allreduce_bytes, list(points.items())))
+                 for r, points in report["allreduce"].items()}
+    optimizer = {d: float(formulas.measured_s(optimizer_bytes, points))
+                 for d, points in report["optimizer_points"].items()}
+    return allreduce, optimizer
+
+
 def usd_per_step(cluster: Cluster, devices: Sequence[str], step_s: float) -> float:
     """The price of a step of `step_s` on `devices` (a measured step needs no graph)."""
     return formulas.usd_per_step(math.fsum(cluster.device(d).usd_per_hour for d in devices), step_s)

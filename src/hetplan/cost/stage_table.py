@@ -130,7 +130,8 @@ class StageTable:
         kept, self._selective_again = np.array([by_id[v].selective_bytes() for v in self.order], dtype=float).T
         self.selective_kept = self._sum(kept)
         self._tp_acts: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
-        self._largest: dict[tuple | str, np.ndarray] = {}  # per-range figures, asked once
+        self._largest: dict[tuple | str, np.ndarray] = {}  # the largest node's figures per range, asked once
+        self._rings: dict[tuple[str, ...], np.ndarray] = {}  # per state, ZeRO's rings per node summed, by replicas
         self.cut = self._cut_bytes()
         # per tied parameter (`Graph.tied`), how many of its nodes each state holds, and its bytes
         index = {v: k for k, v in enumerate(self.order)}
@@ -352,12 +353,11 @@ class StageTable:
 
     def _rings_s(self, devices: Sequence[str], i, j) -> np.ndarray:
         """A ring all-reduce of each node's parameters of stages i -> j over replicas `devices`, summed."""
-        key = ("rings", tuple(devices))
-        if key not in self._largest:
-            per = [float(self.cost._gradient_sync_s(self.graph.by_id[v].param_bytes, 0, tuple(devices)))
-                   for v in self.order]
-            self._largest[key] = self._sum(per)
-        return _diff(self._largest[key], i, j)
+        key = tuple(devices)
+        if key not in self._rings:
+            per = [float(self.cost._gradient_sync_s(self.graph.by_id[v].param_bytes, 0, key)) for v in self.order]
+            self._rings[key] = self._sum(per)
+        return _diff(self._rings[key], i, j)
 
     def held_bytes(self, i, j, recompute: str = "none", degree: int = 1,
                    sequence_parallel: bool = False) -> tuple[np.ndarray, np.ndarray]:

@@ -143,7 +143,7 @@ class _Order:
                             self.options.append(_Option(d, span, tp, rc, level))
                             self._figures(table, d, span, tp, rc, pairs, level)
                             plain_fits = rc == "none" and self._fits_whole_batch()
-                        if self._all_fit(level):  # sharding deeper only adds time where every stage fits
+                        if self._all_fit():  # sharding deeper only adds time where every stage fits
                             break
         self.option_d = np.array([o.d for o in self.options])
         self.option_e = np.array([o.d + o.span for o in self.options])
@@ -169,10 +169,9 @@ class _Order:
         fits, ratio = self.fig["fits"][-1], self.fig["ratio"][-1]
         return bool(np.all(~(fits & self.valid) | (ratio <= 1.0)))
 
-    def _all_fit(self, level: int) -> bool:
-        """Whether every stage of the last `level` options added fits its devices' memory."""
-        fits = self.fig["fits"][-1]
-        return bool(np.all(fits[self.valid])) if level < 3 else True
+    def _all_fit(self) -> bool:
+        """Whether every stage of the last option added fits its devices' memory."""
+        return bool(np.all(self.fig["fits"][-1][self.valid]))
 
     def _degrees(self, d: int, span: int, degrees: dict[str, tuple[int, ...]]) -> list[int]:
         """1, and the tensor-parallel degrees a span of devices of one host and type can take."""

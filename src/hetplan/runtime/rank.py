@@ -260,9 +260,10 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     for size in sorted(prepared.sizes):
         for r in roles:
             place(prepared.module_for(size, r.stage), device)
-    sharded = _shards(plan, roles, groups, table[me.stage][me.replica])
-    return replace(prepared, shards=tuple(s for s in sharded if isinstance(s, ShardedParameters)),
-                   units=_with_units(traces, tuple(s for s in sharded if isinstance(s, tuple))))
+    sharded = _sharded_groups(plan, roles, groups, table[me.stage][me.replica])
+    return replace(prepared, shards=tuple(ShardedParameters(params, ranks, me, index)
+                                          for _, params, ranks, me, level, index in sharded if level == 1),
+                   units=_with_units(traces, tuple(g for g in sharded if g[4] >= 2)))
 
 
 def _parallelize(traces: Traces, model: nn.Module, stage: int, degree: int, index: int,
@@ -297,19 +298,17 @@ def tp_sums(groups, members: tuple[tuple[tuple[int, ...], ...], ...]):
     return sums, tuple(mixed)
 
 
-def _shards(plan: Plan, roles: Sequence[Role], groups, rank: int) -> tuple:
-    """The worker's sharded groups: each stage of its that shards, the group of the parameters
-    only that stage uses, laid out once its parameters are in place: at level 1 a
-    `sharding.ShardedParameters`; at 2 and 3 (stage, params, ranks, me, level, index) for `_with_units`."""
-    out: list = []
+def _sharded_groups(plan: Plan, roles: Sequence[Role], groups, rank: int) -> list[tuple]:
+    """The worker's groups its replicas shard: of each stage of its that shards, the group of
+    the parameters only that stage uses, as (stage, params, ranks, this rank's place, level, index)."""
+    out = []
     for index, (ranks, params, stages) in enumerate(groups):
         k = next(iter(stages))
-        level = int(plan.stages[k].shard)
+        level = plan.stages[k].shard
         if len(stages) == 1 and level and rank in ranks and len(ranks) > 1 and params \
                 and any(r.stage == k for r in roles):
-            out.append(ShardedParameters(params, ranks, ranks.index(rank), index) if level == 1
-                       else (k, params, ranks, ranks.index(rank), level, index))
-    return tuple(out)
+            out.append((k, params, ranks, ranks.index(rank), level, index))
+    return out
 
 
 def _with_units(traces: Traces, wanted: tuple) -> tuple[ShardedUnits, ...]:
