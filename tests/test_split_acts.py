@@ -54,10 +54,62 @@ def test_a_share_cut_into_parts_is_gathered_whole():
     assert kept.split_share == pytest.approx(512 / 640) and kept.sequence_share == 0.0
 
 
+def test_a_vocabulary_parallel_loss_splits_the_log_probabilities():
+    """x [4, 8] -> a head Linear(8, 16) split by columns (its words) -> cross-entropy with 4
+    targets. Autograd saves x (128 B: all-gathered, whole), the log-probabilities (256 B: each
+    device its words' under a vocabulary-parallel loss), the targets (32 B: int64, given whole to
+    every device, also under sequence parallelism) and the loss's count of targets (4 B)."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 16, bias=False)
+    kinds = {head.weight.untyped_storage().data_ptr(): COLUMN_KIND}
+    x, y = torch.randn(4, 8, requires_grad=True), torch.tensor([1, 5, 9, 15])
+    shares = measure(lambda: nn.functional.cross_entropy(head(x), y), kinds)
+    assert shares.split_share == pytest.approx(260 / 420) and shares.sequence_share == 0.0
+
+
+def test_only_a_plain_cross_entropy_on_a_column_split_head_is_vocabulary_parallel():
+    """`class_split_loss` reads a piece's graph: the head's logits, cast and reshaped, into an
+    unweighted cross-entropy are; a head kept whole, a smoothed loss, or log-probabilities read
+    by anything else are not."""
+    from torch import fx
+
+    from hetplan.pieces.tensor_split import class_split_loss
+
+    def graph(loss):
+        g = fx.Graph()
+        root = nn.Module()
+        root.w = nn.Parameter(torch.zeros(16, 8))
+        x, y, w = g.placeholder("x"), g.placeholder("y"), g.get_attr("w")
+        logits = g.call_function(torch.ops.aten.linear.default, (x, w))
+        flat = g.call_function(torch.ops.aten.reshape.default,
+                               (g.call_function(torch.ops.aten.to.dtype, (logits, torch.float32)), [-1, 16]))
+        g.output(loss(g, flat, y))
+        return fx.GraphModule(root, g), root.w
+
+    def plain(g, flat, y):
+        return g.call_function(torch.ops.aten.cross_entropy_loss.default, (flat, y, None, 1, -100, 0.0))
+
+    def smoothed(g, flat, y):
+        return g.call_function(torch.ops.aten.cross_entropy_loss.default, (flat, y, None, 1, -100, 0.1))
+
+    def by_hand(g, flat, y):
+        logp = g.call_function(torch.ops.aten.log_softmax.int, (flat, 1))
+        return g.call_function(torch.ops.aten.nll_loss_nd.default, (logp, y))
+
+    gm, w = graph(plain)
+    assert class_split_loss(gm, {id(w): COLUMN_KIND})
+    assert not class_split_loss(gm, {id(w): ""})
+    for other in (smoothed, by_hand):
+        gm, w = graph(other)
+        assert not class_split_loss(gm, {id(w): COLUMN_KIND}), other.__name__
+
+
 def test_the_profiler_records_the_shares_of_each_block():
     """llama-tiny by blocks: each block splits most of what it keeps under tensor parallelism
     and, under sequence parallelism, all but the inputs of its column-split products; the
-    vocabulary's head (its logits gathered for the loss) and the norms are left counted whole."""
+    vocabulary's head, its loss vocabulary-parallel, splits its log-probabilities (256 words of 4
+    bytes a token; its input, 4 bytes a feature, and the targets, 8 bytes a token, whole); the
+    norms are left counted whole."""
     from hetplan.profile import profile_step
     from hetplan.zoo import load_model
 
@@ -69,4 +121,9 @@ def test_the_profiler_records_the_shares_of_each_block():
     for n in blocks:
         assert 0.5 < n.act_split_share < 0.9 and 0.05 < n.act_sequence_share < 0.3
         assert n.act_split_share + n.act_sequence_share < 1.0
-    assert graph.by_id["lm_head"].act_split_share == 0.0 and graph.by_id["model.norm"].act_sequence_share == 0.0
+    head = graph.by_id["lm_head"]
+    tokens, width = 4 * 32, zm.step.model.config.hidden_size
+    split = tokens * 256 * 4 + 4  # and the loss's count of targets
+    assert head.act_split_share == pytest.approx(split / (split + tokens * (width * 4 + 8)))
+    assert head.act_sequence_share == 0.0
+    assert graph.by_id["model.norm"].act_split_share == 0.0 and graph.by_id["model.norm"].act_sequence_share == 0.0

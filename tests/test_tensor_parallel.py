@@ -69,10 +69,13 @@ def _group_worker(rank: int, world: int, store: str, out: str) -> None:
             zm, stage = _stage(model)
             tp = parallelize([stage], zm.step, degree, rank % degree, sp)[0][0]
             tp.attach(DeviceMesh.from_group(group, "cpu"))
-            with running("cpu"):
+            with running("cpu", tp.vocab_parallel):
                 loss, saved = _saved_bytes(tp, [zm.batch[k] for k in zm.batch])
                 grads = _grads(zm, loss)
-            torch.save({"loss": loss.detach(), "grads": grads, "saved": saved}, f"{out}.{model}.{degree}.{sp}.{rank}")
+            with running("cpu"):  # the logits gathered for the loss
+                gathered = _saved_bytes(tp, [zm.batch[k] for k in zm.batch])[1]
+            torch.save({"loss": loss.detach(), "grads": grads, "saved": saved, "gathered": gathered,
+                        "vocab": tp.vocab_parallel}, f"{out}.{model}.{degree}.{sp}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -91,12 +94,20 @@ def test_two_and_four_way_stages_of_gpt2_tiny_and_llama_tiny_equal_one_process(t
     """Four worker processes over gloo: each model's whole step as one stage on 2-way groups
     (two side by side) and on one 4-way group, with sequence parallelism or without; the loss and
     every gradient, the shards joined, equal one process's to 1e-5. Sequence-parallel, a worker
-    saves less for its backward than without (its norms' and residuals' share of the tokens)."""
+    saves less for its backward than without (its norms' and residuals' share of the tokens).
+    llama-tiny's loss is vocabulary-parallel: a worker saves its share of the log-probabilities,
+    not the whole (GPT-2's head, tied to its embedding, is whole: its loss too)."""
     mp.spawn(_group_worker, args=(4, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=4)
     for model, degree, sp in CASES:
         zm, stage = _stage(model)
         loss = stage(*(zm.batch[k] for k in zm.batch))
         want = _grads(zm, loss)
+        first = torch.load(tmp_path / f"out.{model}.{degree}.{sp}.0")
+        assert first["vocab"] == (model == "llama-tiny")
+        if first["vocab"]:  # the log-probabilities: 4 x 16 tokens x 256 words x 4 bytes, of which 1/degree kept
+            assert first["gathered"] - first["saved"] >= 0.9 * BATCH * SEQ * 256 * 4 * (1 - 1 / degree), first
+        else:
+            assert first["gathered"] == first["saved"]
         if sp:
             saved = [torch.load(tmp_path / f"out.{model}.{degree}.{flag}.0")["saved"] for flag in (False, True)]
             assert saved[1] < 0.9 * saved[0], saved

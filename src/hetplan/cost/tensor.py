@@ -7,10 +7,13 @@ Shoeybi et al., 2019, section 3; the split is `hetplan.pieces.tensor_split`).
   part of each pass (calling the operators) does not shrink: it grows by DTENSOR_FIXED_FACTOR,
   what DTensor's dispatch adds to each operator.
 - Communication: each node that splits sums its partial outputs with two all-reduces of its
-  output in the forward (after the attention and after the MLP) and two in the backward (the
-  inputs' gradients), on the group's links (one host: `CostModel._allreduce_s`), each of a
-  micro-batch's bytes, paid per action. DTensor's gathering of the vocabulary's logits for the loss, and
-  GPT-2's joined q, k, v (gathered before they are split) are left out.
+  output in the forward (after the attention and after the MLP) and two of its input in the
+  backward (the gradients of the column-split products' inputs), on the group's links (one host:
+  `CostModel._allreduce_s`), each of a micro-batch's bytes, paid per action. A head split by words
+  computes its loss vocabulary-parallel (`hetplan.pieces.tensor_split.class_split_loss`): its
+  forward's all-reduces are of one number per token, which its output (the loss) stands for, and
+  its backward runs one of its input where two are charged. GPT-2's joined q, k, v (gathered
+  before they are split) are left out.
 - Memory: a node's parameters (their gradients and optimizer state, their 16-bit copies) are
   1/t on each device; of its activations, the share the node says splits (`Node.act_split_share`:
   a counted transformer block's 24 of 34 s b h bytes, Korthikanti et al. 2022, the heads' and the
@@ -52,19 +55,27 @@ def node_tp_times_s(cm, node: str, device_type: str, group: Sequence[str],
     if t == 1:
         return (*whole, *fixed)
     split = bool(cm.graph.by_id[node].tp_units)
-    out_bytes = cm.graph.by_id[node].out_bytes
-    if not split:
-        per_action, per_batch = 0.0, 0.0
-    elif microbatches:
-        per_action, per_batch = cm._allreduce_s(out_bytes * share / microbatches, group), 0.0
-    else:  # an all-reduce as a + b * bytes: a per action, b * bytes over the batch
-        per_action = cm._allreduce_s(1.0, group)
-        per_batch = cm._allreduce_s(out_bytes, group) - per_action
     out = []
-    for w, f in zip(whole, fixed, strict=True):
+    for w, f, nbytes in zip(whole, fixed, _summed_bytes(cm.graph, node), strict=True):
+        if not split:
+            per_action, per_batch = 0.0, 0.0
+        elif microbatches:
+            per_action, per_batch = cm._allreduce_s(nbytes * share / microbatches, group), 0.0
+        else:  # an all-reduce as a + b * bytes: a per action, b * bytes over the batch
+            per_action = cm._allreduce_s(1.0, group)
+            per_batch = cm._allreduce_s(nbytes, group) - per_action
         f_tp = f * (1 + DTENSOR_FIXED_FACTOR) + ALLREDUCES_PER_PASS * per_action
         out.append((f_tp + (w - f) / (t if split else 1) + ALLREDUCES_PER_PASS * per_batch, f_tp))
     return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def _summed_bytes(graph: Graph, node: str) -> tuple[float, float]:
+    """The bytes of each all-reduce a split node runs in its forward (its output) and in its
+    backward (the gradient of its input: the largest value it reads; its output where no edge
+    says)."""
+    out_bytes = float(graph.by_id[node].out_bytes)
+    read = [graph.edge_bytes[(p, node)] for p in graph.predecessors(node)]
+    return out_bytes, float(max(read, default=0) or out_bytes)
 
 
 def tp_times_s(cm, nodes: Sequence[str], device_type: str, group: Sequence[str],

@@ -13,11 +13,14 @@ tensors autograd saves for the backward (each storage once, the weights and thei
   group splits along the tokens too (norms' inputs, dropout's masks outside the pairs); the
   inputs of the column-split products stay whole, as DTensor's autograd saves them all-gathered
   (`hetplan.runtime.tensor_parallel.gathered`), and so does what is made from a share cut into
-  parts (GPT-2's joined q, k and v: DTensor gathers the share first, `_SPLITS`).
+  parts (GPT-2's joined q, k and v: DTensor gathers the share first, `_SPLITS`) and the integers
+  the piece is given (a loss's targets).
 
-The profiler measures pieces that hold a whole pair (a row-split weight among theirs: a block);
-a piece that only opens one (the vocabulary's head, whose logits DTensor gathers for the loss)
-or only carries a share (a layer between the two projections) it leaves counted whole.
+The profiler measures pieces that hold a whole pair (a row-split weight among theirs: a block),
+and the head split by words whose loss is vocabulary-parallel (`tensor_split.class_split_loss`:
+its share of the log-probabilities); a piece that only opens a pair (a head whose logits DTensor
+gathers for another loss) or only carries a share (a layer between the two projections) it
+leaves counted whole.
 
 These are the shares the cost model reads (`Node.act_split_share`, `Node.act_sequence_share`,
 `hetplan.cost.tensor`); the counted chains (`hetplan.zoo.llm`) count them from Megatron's table.
@@ -68,12 +71,14 @@ class _Regions(TorchDispatchMode):
         self.gathered: set[int] = set()
         self.joined: set[int] = set()  # made from a share DTensor gathered (by id): whole either way
         self.held: list[torch.Tensor] = []  # every output, so that no address nor id is reused in the run
+        self.made: set[int] = set()  # storages an operator of the run wrote
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         ins = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         self.held += outs
+        self.made.update(_ptr(t) for t in outs)
         kinds = {self.weights[_ptr(t)] for t in ins if _ptr(t) in self.weights}
         if kinds and keeps(func):  # a product with a weight: a column split starts a share, a row split ends it
             if COLUMN_KIND in kinds:
@@ -96,6 +101,7 @@ def measure(run: Callable[[], Any], weights: Mapping[int, str]) -> Shares:
     saved: dict[int, int] = {}
     whole: set[int] = set()  # storages some tensor saved from is not a share of
     joined: set[int] = set()  # storages some tensor saved from was gathered from a share
+    labels: set[int] = set()  # integers the piece was given (a loss's targets): whole on every device
     with _Regions(weights) as regions:
         def pack(t: torch.Tensor) -> torch.Tensor:
             if _ptr(t) not in regions.weights:
@@ -104,6 +110,8 @@ def measure(run: Callable[[], Any], weights: Mapping[int, str]) -> Shares:
                     whole.add(_ptr(t))
                 if id(t) in regions.joined:
                     joined.add(_ptr(t))
+                if not (t.is_floating_point() or _ptr(t) in regions.made):
+                    labels.add(_ptr(t))
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -112,5 +120,6 @@ def measure(run: Callable[[], Any], weights: Mapping[int, str]) -> Shares:
     if not total:
         return Shares(0.0, 0.0)
     split = sum(n for ptr, n in saved.items() if ptr not in whole)
-    kept = sum(n for ptr, n in saved.items() if ptr in whole and (ptr in regions.gathered or ptr in joined))
+    kept = sum(n for ptr, n in saved.items()
+               if ptr in whole and (ptr in regions.gathered or ptr in joined or ptr in labels))
     return Shares(split / total, max(0.0, (total - split - kept) / total))

@@ -17,6 +17,10 @@ The language-model head is split by columns too (each device its rows of the voc
   value projections when the degree does not divide the key-value heads (grouped-query attention
   with fewer groups than devices: each device computes them all, as Megatron-LM does then).
 
+The loss on the head's logits is vocabulary-parallel (Megatron-LM's cross-entropy, section 3:
+each device its share of the words' log-probabilities, three all-reduces of one number per
+token instead of gathering the logits) where `class_split_loss` says the piece's graph allows it.
+
 A degree must divide the heads, the MLP's hidden units and the vocabulary of every module split;
 `units` is the largest such number (their greatest common divisor). A projection under another
 name (a `Linear` or GPT-2's `Conv1D` that is neither of the above) cannot be split:
@@ -28,9 +32,11 @@ Nothing here runs on a device: `hetplan.runtime.tensor_parallel` puts these spli
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from torch import nn
+import torch
+from torch import fx, nn
 
 from hetplan.errors import HetplanError
 
@@ -53,6 +59,18 @@ class Split:
 
 
 WHOLE = Split(None)
+
+
+PRODUCTS = {torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default,
+             torch.ops.aten.matmul.default}
+# what passes the head's logits to the loss unchanged but for their layout or type
+_CARRIERS = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, torch.ops.aten.reshape.default,
+             torch.ops.aten.view.default, torch.ops.aten.alias.default, torch.ops.aten.contiguous.default,
+             torch.ops.aten.clone.default, torch.ops.aten.to.dtype_layout}
+_LOSS = torch.ops.aten.cross_entropy_loss.default
+# what else reads log-probabilities: a graph with one of these keeps its logits whole
+_LOG_PROBS = {torch.ops.aten.log_softmax.int, torch.ops.aten._log_softmax.default, torch.ops.aten.nll_loss.default,
+              torch.ops.aten.nll_loss_nd.default, torch.ops.aten.nll_loss_forward.default}
 
 
 def _is_projection(module: nn.Module) -> bool:
@@ -130,3 +148,43 @@ def split_units(model: nn.Module, names: set[str]) -> int:
     units = [s.units for name, s in splits.items()
              if s.dim is not None and name.rsplit(".", 2)[-2] not in KEY_VALUE]
     return math.gcd(*units) if units else 0
+
+
+def products_weights(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
+    """The parameters a product node of `gm` reads (its `get_attr` arguments)."""
+    return [getattr(gm, a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+
+
+def class_split_loss(module: nn.Module, kinds: Mapping[int, str]) -> bool:
+    """Whether `module`'s graphs compute a cross-entropy on logits that a column-split product
+    made (the head's: `kinds` by parameter id), unweighted and unsmoothed, with nothing else
+    reading log-probabilities: then a group keeps the logits split by words and computes the loss
+    vocabulary-parallel (torch's `loss_parallel`, `hetplan.runtime.tensor_parallel.running`)."""
+    found = False
+    for gm in (m for m in module.modules() if isinstance(m, fx.GraphModule)):
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in _LOG_PROBS:
+                return False
+            if node.target is _LOSS:
+                if not _plain_loss(node) or not _from_column_product(gm, node.args[0], kinds):
+                    return False
+                found = True
+    return found
+
+
+def _plain_loss(node: fx.Node) -> bool:
+    """cross_entropy_loss(input, target, weight=None, reduction, ignore_index, label_smoothing=0)."""
+    args = list(node.args) + [None] * (6 - len(node.args))
+    weight = node.kwargs.get("weight", args[2])
+    smoothing = node.kwargs.get("label_smoothing", args[5]) or 0.0
+    return weight is None and smoothing == 0.0
+
+
+def _from_column_product(gm: fx.GraphModule, value, kinds: Mapping[int, str]) -> bool:
+    while isinstance(value, fx.Node) and value.op == "call_function" and value.target in _CARRIERS:
+        value = value.args[0]
+    if not isinstance(value, fx.Node) or value.op != "call_function" or value.target not in PRODUCTS:
+        return False
+    return any(kinds.get(id(p)) == COLUMN_KIND for p in products_weights(gm, value))

@@ -326,9 +326,9 @@ def _split_acts(model: nn.Module, split: SplitStep, values: Mapping[str, Any], m
                 wanted: Sequence[str]) -> dict[str, Shares]:
     """The `wanted` pieces' shares of their activations a tensor-parallel group splits
     (`Node.act_split_share`, `act_sequence_share`), for those that hold a whole pair of split
-    projections (`pieces.split_acts`); none for a piece with a projection that cannot split (it
-    never runs tensor-parallel)."""
-    from hetplan.pieces.tensor_split import ROW_KIND, tensor_splits
+    projections, or a head split by words whose loss is vocabulary-parallel (`pieces.split_acts`);
+    none for a piece with a projection that cannot split (it never runs tensor-parallel)."""
+    from hetplan.pieces.tensor_split import ROW_KIND, class_split_loss, tensor_splits
 
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
@@ -339,7 +339,8 @@ def _split_acts(model: nn.Module, split: SplitStep, values: Mapping[str, Any], m
         except HetplanError:
             continue
         kinds = {p.untyped_storage().data_ptr(): splits[names[id(p)]].kind for p in params}
-        if ROW_KIND not in kinds.values():
+        if ROW_KIND not in kinds.values() and not class_split_loss(
+                piece.module, {id(p): splits[names[id(p)]].kind for p in params}):
             continue
         out[piece.name] = split_acts_pass(piece, [values[n] for n in piece.inputs], kinds, split.input_names, mixed)
     return out

@@ -6,10 +6,10 @@ whole of the others), so that its optimizer, its gradient sums and its checkpoin
 tensors. In the forward, `TensorParallelStage` views them as DTensors on the group's mesh, the
 stage's inputs as replicated DTensors, and runs the stage's pieces unchanged: a piece keeps the
 global shapes `torch.export` recorded, and DTensor's sharding propagation turns each operator
-into its local part and the collectives it needs (gathering the vocabulary's logits for the
-loss, say). Autograd runs the mirror image in the backward; the gradient of a replicated input
-or parameter comes out whole on every worker. The outputs leave whole, so that the group's first
-worker sends them on as a stage without tensor parallelism would.
+into its local part and the collectives it needs. Autograd runs the mirror image in the
+backward; the gradient of a replicated input or parameter comes out whole on every worker. The
+outputs leave whole, so that the group's first worker sends them on as a stage without tensor
+parallelism would.
 
 Three things of the pieces' code change on a tensor-parallel stage (`parallelize`):
 - the input of a column-split product and the output of a row-split one are made whole
@@ -19,6 +19,9 @@ Three things of the pieces' code change on a tensor-parallel stage (`parallelize
   `reshape` of a contiguous copy (DTensor's view of it would fail);
 - on a CPU, attention runs torch's math kernel (`running`): the CPU's flash kernel has no
   sharding rule for its backward.
+And where the stage ends in the loss of a head split by words (`tensor_split.class_split_loss`),
+the loss is computed vocabulary-parallel (`running`); elsewhere (GPT-2's head, tied to its
+embedding, is whole on every device) DTensor computes it as it would whole.
 """
 
 from __future__ import annotations
@@ -31,12 +34,19 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import fx, nn
 
-from hetplan.pieces.tensor_split import COLUMN_KIND, ROW_KIND, Split, hidden_size, tensor_splits
+from hetplan.pieces.tensor_split import (
+    COLUMN_KIND,
+    PRODUCTS,
+    ROW_KIND,
+    Split,
+    class_split_loss,
+    hidden_size,
+    products_weights,
+    tensor_splits,
+)
 
 _RESHAPE = torch.ops.aten.reshape.default
 _EMBEDDING = torch.ops.aten.embedding.default
-_PRODUCTS = {torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default,
-             torch.ops.aten.matmul.default}
 
 
 def local_shards(named: Mapping[str, nn.Parameter], splits: Mapping[str, Split], degree: int,
@@ -84,6 +94,7 @@ def parallelize(traced: list[nn.Module], model: nn.Module, degree: int, index: i
     held = {names[id(p)]: p for mod in traced for p in mod.parameters() if id(p) in names}
     splits = tensor_splits(model, degree, set(held))
     by_id = {id(p): splits[name] for name, p in held.items()}
+    vocab = [class_split_loss(mod, {pid: split.kind for pid, split in by_id.items()}) for mod in traced]
     for mod in traced:
         megatron_boundaries(mod, by_id, sequence_parallel)
         contiguous_reshapes(mod)
@@ -93,8 +104,8 @@ def parallelize(traced: list[nn.Module], model: nn.Module, degree: int, index: i
     swap_parameters([model, *traced], shards)
     dims = {id(shards[pid]): split.dim for pid, split in by_id.items() if pid in shards}
     stream = hidden_size(model) if sequence_parallel else 0
-    return [TensorParallelStage(mod, placements, stream) for mod, placements in zip(traced, per_module, strict=True)], \
-        dims
+    return [TensorParallelStage(mod, placements, stream, v) for mod, placements, v in zip(traced, per_module, vocab,
+                                                                                           strict=True)], dims
 
 
 def replicated(x):
@@ -157,9 +168,9 @@ def megatron_boundaries(module: nn.Module, splits: Mapping[int, Split], sequence
         for node in list(gm.graph.nodes):
             if sequence_parallel and node.op == "call_function" and node.target is _EMBEDDING:
                 _after(gm, node, to_tokens)
-            if node.op != "call_function" or node.target not in _PRODUCTS:
+            if node.op != "call_function" or node.target not in PRODUCTS:
                 continue
-            kinds = {splits[id(p)].kind for p in _weights(gm, node) if id(p) in splits} - {""}
+            kinds = {splits[id(p)].kind for p in products_weights(gm, node) if id(p) in splits} - {""}
             if COLUMN_KIND in kinds:
                 for arg in [a for a in node.args if isinstance(a, fx.Node) and a.op != "get_attr"]:
                     if arg not in made:  # before its first product, which comes before the others
@@ -178,16 +189,13 @@ def _after(gm: fx.GraphModule, node: fx.Node, fn) -> None:
     node.replace_all_uses_with(out, delete_user_cb=lambda user, out=out: user is not out)
 
 
-def _weights(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
-    return [getattr(gm, a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
-
-
 class TensorParallelStage(nn.Module):
     """`inner` (a stage's module, holding this worker's shards) run on a group's mesh; the mesh is
     given once the group's processes are connected (`attach`). Its forward and backward run
     inside `running` (the executor's step does: `StageRunner.around`)."""
 
-    def __init__(self, inner: nn.Module, placements: Mapping[str, int | None], stream: int = 0) -> None:
+    def __init__(self, inner: nn.Module, placements: Mapping[str, int | None], stream: int = 0,
+                 vocab_parallel: bool = False) -> None:
         super().__init__()
         self.inner = inner
         self.spec = getattr(inner, "spec", None)
@@ -195,6 +203,9 @@ class TensorParallelStage(nn.Module):
         # sequence-parallel: the residual stream's width; a received value of that many features
         # enters split along its tokens (`to_tokens`), as the stage before held it
         self.stream = stream
+        # its loss is computed on the logits split by words (`class_split_loss`): run inside
+        # `running(..., vocab_parallel=True)`
+        self.vocab_parallel = vocab_parallel
         self.mesh = None
 
     def attach(self, mesh) -> None:
@@ -231,13 +242,19 @@ def _whole(value):
 
 
 @contextlib.contextmanager
-def running(device_type: str):
+def running(device_type: str, vocab_parallel: bool = False):
     """What a tensor-parallel stage's forward and backward run inside: tensors the pieces make
-    (position ids, masks) and buffers count as replicated; a CPU's attention is torch's math kernel.
-    Not to be nested: torch's `implicit_replication` switches itself off on leaving."""
+    (position ids, masks) and buffers count as replicated; a CPU's attention is torch's math kernel;
+    with `vocab_parallel`, the cross-entropy of logits split by words computed on the split
+    (torch's `loss_parallel`: log-softmax and the loss with all-reduces of one number per token,
+    the logits' gradient made in place, never gathering the logits; Megatron-LM's vocabulary-parallel
+    cross-entropy). Not to be nested: torch's `implicit_replication` switches itself off on leaving."""
     from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor.parallel import loss_parallel
 
     with implicit_replication(), contextlib.ExitStack() as stack:
+        if vocab_parallel:
+            stack.enter_context(loss_parallel())
         if device_type == "cpu":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -306,5 +323,6 @@ def surround(runner, prepared) -> None:
     """A tensor-parallel worker's stages run their steps inside `running` (`StageRunner.around`)."""
     role = prepared.role
     if len(role.members(role.stage, role.replica)) > 1:
+        vocab = any(getattr(m, "vocab_parallel", False) for ms in prepared.traces.by_rows.values() for m in ms)
         for stage_runner in runner.runners.values():
-            stage_runner.around = functools.partial(running, prepared.device.type)
+            stage_runner.around = functools.partial(running, prepared.device.type, vocab)

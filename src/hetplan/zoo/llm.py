@@ -202,11 +202,15 @@ def transformer_chain(model: TransformerShape | str, batch_size: int, seq_len: i
                          selective=(SELECTIVE_KEEP * stash, SELECTIVE_REBUILT * stash))
               for i in range(m.layers)]
     # the loss's softmax is fp32 in every precision (autocast runs it so), after 16-bit logits;
-    # the runtime gathers a group's logits for the loss (no vocabulary-parallel loss): kept whole
+    # a group splits the logits by words and computes the loss on the split (vocabulary-parallel,
+    # `hetplan.runtime.tensor_parallel.running`), the input whole (gathered under sequence
+    # parallelism); a head tied to the embedding is whole, its loss too
     logits = (4 + (count.value_bytes if is_mixed(precision) else 0)) * tokens * m.vocab
+    split = 0.0 if m.tied_embeddings else logits / (hidden_bytes + logits)
     # selectively: the product's logits kept, the input and the softmax's fp32 output built again
     head = count.node("head", "LMHead", 2.0 * tokens * h * m.vocab, h * m.vocab + 2 * h, 4 * batch_size,
                       hidden_bytes + logits, BLOCK_FIXED_S, tp_units=0 if m.tied_embeddings else m.vocab,
+                      act_split_share=(split, 0.0),
                       selective=(count.value_bytes * tokens * m.vocab, hidden_bytes + 4 * tokens * m.vocab))
     nodes = (embed, *blocks, head)
     edges = tuple(Edge(a.id, b.id, hidden_bytes) for a, b in itertools.pairwise(nodes))
