@@ -73,8 +73,8 @@ def percentile(values, q):
 
 def median_graph(graphs):
     """The per-node median over profiles of one model (same nodes, same device types) of each
-    time the simulator reads: forward, backward, their fixed parts (no more than the pass) and
-    the optimizer step."""
+    time the simulator reads: forward, backward, their fixed parts (no more than the pass), the
+    optimizer step, and the same on tensor-parallel groups where profiled."""
     first = graphs[0]
     ids = [tuple(n.id for n in g.nodes) for g in graphs]
     assert all(i == ids[0] for i in ids), "the profiles of one model differ in their nodes"
@@ -84,11 +84,18 @@ def median_graph(graphs):
         out = {k: statistics.median(m[k] for m in maps) for k in maps[0]}
         return {k: min(v, limit[k]) for k, v in out.items()} if limit else out
 
+    def med_tp(node_id):  # each of a group's four times, per type and degree
+        maps = [g.node(node_id).tp_s for g in graphs]
+        out = {t: {k: tuple(statistics.median(m[t][k][i] for m in maps) for i in range(4)) for k in per}
+               for t, per in maps[0].items()}
+        return {t: {k: (w, b, min(f, w), min(g, b)) for k, (w, b, f, g) in per.items()} for t, per in out.items()}
+
     nodes = []
     for node in first.nodes:
         fwd, bwd = med("fwd_s", node.id), med("bwd_s", node.id)
         nodes.append(replace(node, fwd_s=fwd, bwd_s=bwd, fwd_fixed_s=med("fwd_fixed_s", node.id, fwd),
-                             bwd_fixed_s=med("bwd_fixed_s", node.id, bwd), opt_s=med("opt_s", node.id)))
+                             bwd_fixed_s=med("bwd_fixed_s", node.id, bwd), opt_s=med("opt_s", node.id),
+                             tp_s=med_tp(node.id)))
     return replace(first, nodes=tuple(nodes))
 
 
@@ -98,11 +105,11 @@ def predict(graph, clusters, plan):
             for name, c in (("uncalibrated", plain), ("calibrated", calibrated)) if c is not None}
 
 
-def profile_model(model, batch, seq, granularity, blocks, repeats, precision="fp32"):
+def profile_model(model, batch, seq, granularity, blocks, repeats, precision="fp32", tp_degrees=()):
     zm = load_model(model, batch_size=batch, seq_len=seq)
     return profile_step(zm.step, zm.batch, name=model, devices=["cpu:1"], granularity=granularity,
                         block_classes=blocks or zm.block_classes or None, repeats=repeats,
-                        precision=precision).graph
+                        precision=precision, tp_degrees=tp_degrees).graph
 
 
 def run_round(entry, clusters, args, tmp, rounds):

@@ -53,12 +53,13 @@ def measured_bubble(result) -> float:
     return max(0.0, 1.0 - sum(busy) / (len(busy) * result.measured_step_s)) if busy else float("nan")
 
 
-def rounds(entry, cluster, args, graphs: list, precision: str = "fp32"):
+def rounds(entry, cluster, args, graphs: list, precision: str = "fp32", tp_degrees=()):
     """Per round: its index and the uniform two-stage plan, under 1F1B with 4 micro-batches, of
-    the first profile; each round adds a profile in `precision` to `graphs`."""
+    the first profile; each round adds a profile in `precision` to `graphs` (with nodes timed on
+    groups of `tp_degrees` workers)."""
     model, batch, seq, granularity, blocks = entry
     for r in range(args.rounds):
-        graphs.append(profile_model(model, batch, seq, granularity, blocks, args.repeats, precision))
+        graphs.append(profile_model(model, batch, seq, granularity, blocks, args.repeats, precision, tp_degrees))
         yield r, make_plan(graphs[0], cluster, "uniform", PlanOptions(microbatches=4, schedule="1f1b"))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -98,6 +98,11 @@ class Node:
     profiler measures both on each node that holds a pair of split projections
     (`hetplan.pieces.split_acts`); the counted chains count them (`hetplan.zoo.llm`).
 
+    `tp_s`: per device type and degree t, the node's forward and backward for the batch on a
+    tensor-parallel group of t devices of that type on one host, and the fixed part of each, as
+    the profiler measured them (`hetplan profile --tp-degrees`, `hetplan.profile.tensor_times`);
+    the cost model takes them over its projection (`hetplan.cost.tensor`).
+
     `selective_keep_bytes`, `selective_rebuilt_bytes`: under selective recomputation
     (`hetplan.pieces.selective`: a checkpoint that keeps the outputs of the node's products and
     rebuilds the rest), what the node keeps per batch besides its inputs and what its backward
@@ -132,6 +137,7 @@ class Node:
     selective_keep_bytes: int | None = None
     selective_rebuilt_bytes: int | None = None
     rerun_forwards: Mapping[str, float] = field(default_factory=FrozenMap)
+    tp_s: Mapping[str, Mapping[int, tuple[float, float, float, float]]] = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -160,6 +166,7 @@ class Node:
                              "0 to 1 together")
         self._check_updated(who)
         self._check_selective(who)
+        self._check_tp(who)
         for name, whole in (("fwd_fixed_s", self.fwd_s), ("bwd_fixed_s", self.bwd_s)):
             fixed = getattr(self, name)
             for dtype, t in fixed.items():
@@ -182,6 +189,25 @@ class Node:
                                  "and selective")
             _check_number(forwards, f"{who}: rerun_forwards[{unit!r}]")
         object.__setattr__(self, "rerun_forwards", FrozenMap({k: float(v) for k, v in self.rerun_forwards.items()}))
+
+    def _check_tp(self, who: str) -> None:
+        if not isinstance(self.tp_s, Mapping):
+            raise GraphError(f"{who}: tp_s must map device types to degrees to times, got {shown(self.tp_s)}")
+        out = {}
+        for dtype, per in self.tp_s.items():
+            out[dtype] = {}
+            for degree, times in (per.items() if isinstance(per, Mapping) else [(None, per)]):
+                if not isinstance(degree, int) or degree < 2 or not isinstance(times, Sequence) or len(times) != 4:
+                    raise GraphError(f"{who}: tp_s[{dtype!r}] must map degrees of 2 or more to [forward, backward, "
+                                     f"forward's fixed part, backward's fixed part] seconds, got {shown(per)}")
+                for t in times:
+                    _check_number(t, f"{who}: tp_s[{dtype!r}][{degree}]")
+                fwd, bwd, fwd_fixed, bwd_fixed = map(float, times)
+                if fwd_fixed > fwd * (1 + 1e-9) + 1e-12 or bwd_fixed > bwd * (1 + 1e-9) + 1e-12:
+                    raise GraphError(f"{who}: tp_s[{dtype!r}][{degree}] has a fixed part more than its pass; the "
+                                     "fixed part is a part of it")
+                out[dtype][degree] = (fwd, bwd, fwd_fixed, bwd_fixed)
+        object.__setattr__(self, "tp_s", FrozenMap({k: FrozenMap(v) for k, v in out.items()}))
 
     def selective_bytes(self) -> tuple[float, float]:
         """What selective recomputation keeps of the node per batch besides its inputs, and what
@@ -552,7 +578,9 @@ def at_batch(graph: Graph, batch_size: int) -> Graph:
             round(n.sparse_rows * (updated or 0) / n.updated_bytes)
         selective = {k: None if getattr(n, k) is None else round(getattr(n, k) * ratio)
                      for k in ("selective_keep_bytes", "selective_rebuilt_bytes")}
-        return replace(n, fwd_s=scaled(n.fwd_s, n.fwd_fixed_s), bwd_s=scaled(n.bwd_s, n.bwd_fixed_s),
+        tp = {t: {k: (f + (w - f) * ratio, g + (b - g) * ratio, f, g) for k, (w, b, f, g) in per.items()}
+              for t, per in n.tp_s.items()}
+        return replace(n, fwd_s=scaled(n.fwd_s, n.fwd_fixed_s), bwd_s=scaled(n.bwd_s, n.bwd_fixed_s), tp_s=tp,
                        flops=n.flops * ratio, out_bytes=round(n.out_bytes * ratio),
                        act_bytes=round(n.act_bytes * ratio), updated_bytes=updated, sparse_rows=rows, **selective)
 

@@ -353,6 +353,9 @@ def _add_profile(sub: Subparsers, common: argparse.ArgumentParser) -> None:
                         "activations, fp32 weights and optimizer state) (default: fp32)")
     p.add_argument("--check", action="store_true",
                    help="also time the unsplit step and print the ratio of the sum of node times to it")
+    p.add_argument("--tp-degrees", type=int, nargs="+", metavar="T", default=(),
+                   help="also time each node on a tensor-parallel group of T CPU workers (as many threads each as "
+                        "the --device's), for plans to use over the projection: e.g. --tp-degrees 2")
     p.add_argument("--roofline", action="append", metavar="TYPE",
                    help="count a model too big to run here instead of timing it: MODEL is a transformer shape "
                         f"({', '.join(LLM_SHAPES)}) or a transformers config.json, times from the roofline model "

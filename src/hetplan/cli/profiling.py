@@ -28,6 +28,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             granularity=args.granularity,
             block_classes=args.block_class or zoo_model.block_classes or None,
             repeats=args.repeats, seed=args.seed, check=args.check, precision=args.precision,
+            tp_degrees=tuple(args.tp_degrees or ()),
             progress=(lambda done, what: bar.update(task, completed=done, description=what)) if bar else None,
         )
     graph = report.graph
@@ -56,7 +57,7 @@ def _count_model(args: argparse.Namespace) -> int:
     """`profile --roofline`: a transformer counted from its shape, no torch, no device."""
     from hetplan.zoo.llm import shape, transformer_chain
 
-    for flag in ("device", "check", "block_class"):
+    for flag in ("device", "check", "block_class", "tp_degrees"):
         if getattr(args, flag):
             raise HetplanError(f"--{flag.replace('_', '-')} measures a model on a device; --roofline counts it: "
                                "give one or the other")

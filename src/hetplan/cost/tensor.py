@@ -14,6 +14,10 @@ Shoeybi et al., 2019, section 3; the split is `hetplan.pieces.tensor_split`).
   forward's all-reduces are of one number per token, which its output (the loss) stands for, and
   its backward runs one of its input where two are charged. GPT-2's joined q, k, v (gathered
   before they are split) are left out.
+- Measured: where the profiler timed the node on a group of the type and size on one host
+  (`Node.tp_s`, `hetplan profile --tp-degrees`), its times replace all of the above for a group
+  on one host (their fixed parts paid per action as any node's): they hold what the projection
+  leaves out or guesses (DTensor's dispatch, the collectives' real cost on those links).
 - Memory: a node's parameters (their gradients and optimizer state, their 16-bit copies) are
   1/t on each device; of its activations, the share the node says splits (`Node.act_split_share`:
   a counted transformer block's 24 of 34 s b h bytes, Korthikanti et al. 2022, the heads' and the
@@ -54,6 +58,9 @@ def node_tp_times_s(cm, node: str, device_type: str, group: Sequence[str],
     t = len(group)
     if t == 1:
         return (*whole, *fixed)
+    measured = measured_tp_s(cm, node, device_type, group)
+    if measured is not None:
+        return measured
     split = bool(cm.graph.by_id[node].tp_units)
     out = []
     for w, f, nbytes in zip(whole, fixed, _summed_bytes(cm.graph, node), strict=True):
@@ -67,6 +74,19 @@ def node_tp_times_s(cm, node: str, device_type: str, group: Sequence[str],
         f_tp = f * (1 + DTENSOR_FIXED_FACTOR) + ALLREDUCES_PER_PASS * per_action
         out.append((f_tp + (w - f) / (t if split else 1) + ALLREDUCES_PER_PASS * per_batch, f_tp))
     return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def measured_tp_s(cm, node: str, device_type: str, group: Sequence[str]) -> tuple[float, float, float, float] | None:
+    """The node's times on a group as the profiler measured them on a group of that type and
+    size on one host (`Node.tp_s`), where the group is on one host too; else None. The group's
+    own workers slowed each other while measured: that slowdown (`CostModel._corun_factor` of
+    the group alone) is taken out, as the stage's replica puts in the plan's."""
+    own = cm.measured_name(device_type)
+    measured = cm.graph.by_id[node].tp_s.get(own, {}).get(len(group)) if own is not None else None
+    if measured is None or len({cm.cluster.device(d).host for d in group}) > 1:
+        return None
+    alone = cm._corun_factor(group[0], group)
+    return tuple(t / alone for t in measured)
 
 
 def _summed_bytes(graph: Graph, node: str) -> tuple[float, float]:

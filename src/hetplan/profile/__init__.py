@@ -37,6 +37,7 @@ from hetplan.precision import checked as checked_precision
 from hetplan.profile.devices import ProfileDevice, parse_device
 from hetplan.profile.timing import (
     Timing,
+    fixed_parts,
     optimizer_times,
     rerun_forwards,
     selective_pass,
@@ -137,16 +138,25 @@ def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevic
     the two sizes covers the micro-batches plans use rather than extrapolates to them; two
     samples at least: batch norm needs them), on a copy of its own; None when the batch is too
     small to shrink or the model runs only at its size."""
-    small = max(2, batch_size // 8)
-    if small >= batch_size:
+    cut = small_part(batch, device, batch_size)
+    if cut is None:
         return None
-    part = _to({k: (v[:small] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()},
-               device.torch_device)
+    small, part = cut
     try:
         return small, split_step(copy.deepcopy(step).to(device.torch_device).train(), part, granularity,
                                  block_classes), part
     except HetplanError:  # a model that only runs at its own batch size: no fixed parts
         return None
+
+
+def small_part(batch: Mapping[str, Any], device: ProfileDevice, batch_size: int) -> tuple[int, dict] | None:
+    """The batch's first eighth (at least two samples), on the device, and its size; None when
+    the batch is too small to shrink."""
+    small = max(2, batch_size // 8)
+    if small >= batch_size:
+        return None
+    return small, _to({k: (v[:small] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                       for k, v in batch.items()}, device.torch_device)
 
 
 def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,
@@ -172,7 +182,7 @@ def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, g
     repeats = max(repeats, 5) if check else repeats
     timed = time_in_sequence(split, data, device.torch_device, repeats, whole=work if check else None,
                              progress=progress, also=[small[1:]] if small else [], precision=precision)
-    parts = _fixed_parts(timed.times, timed.also[0], batch_size, small[0]) if small else None
+    parts = fixed_parts(timed.times, timed.also[0], batch_size, small[0]) if small else None
     updated = {p.name: _updated_bytes(p.module.parameters()) for p in split.pieces}  # before the steps below
     opt = optimizer_times(split, device.torch_device, repeats)
     return _Measured(split, values, timed.times, {n: w.flops for n, w in warm.items()},
@@ -195,6 +205,7 @@ def profile_step(
     fixed: bool = True,
     progress: Callable[[float, str], None] | None = None,
     precision: str = FP32,
+    tp_degrees: Sequence[int] = (),
 ) -> ProfileReport:
     """Profile `step(**batch)`, a module whose forward returns the training loss.
 
@@ -208,7 +219,8 @@ def profile_step(
     reuse, as the runtime's workers do (`hetplan.pieces.hostmem`), so both measure one allocator.
     `progress(share of the whole profile done, what it is doing)` is told as it goes. Every pass
     runs in `precision` (`hetplan.precision`: torch's autocast for bf16 and fp16), and the graph
-    says so (`Graph.precision`)."""
+    says so (`Graph.precision`). With `tp_degrees`, each node is timed too on tensor-parallel
+    groups of that many workers of each CPU device (`Node.tp_s`, `hetplan.profile.tensor_times`)."""
     parsed, batch_size = _checked(granularity, repeats, devices, batch)
     checked_precision(precision)
     keep_freed_memory()
@@ -237,6 +249,13 @@ def profile_step(
                 raise
     graph = _build_graph(name, measured, parsed, batch, batch_size, granularity, fixed_parts, host_modules(step),
                          precision)
+    if tp_degrees:
+        from hetplan.profile.tensor_times import with_group_times
+
+        if progress:
+            progress(1.0, f"timing tensor-parallel groups of {', '.join(map(str, tp_degrees))}")
+        graph = with_group_times(graph, step, batch, parsed, tp_degrees, granularity, block_classes, repeats,
+                                 precision, fixed)
     if granularity == "block" and block_classes:  # so that `hetplan run` cuts the model the same way
         graph = replace(graph, meta={**graph.meta, "block_classes": ",".join(block_classes)})
     return _report(graph, start, measured)
@@ -270,24 +289,6 @@ def _report(graph: Graph, start: float, measured: Mapping[str, _Measured]) -> Pr
         check_ratio_median={t: (graph.fwd_s_total(t) + graph.bwd_s_total(t)) / statistics.median(m.whole_s)
                             for t, m in whole.items() if statistics.median(m.whole_s) > 0},
     )
-
-
-def _fixed_parts(full: Mapping[str, Any], part: Mapping[str, Any], big: int,
-                 small: int) -> dict[str, tuple[float, float]]:
-    """Per node, the intercept of the line through (small, t_small) and (big, t_big) for the
-    forward and the backward pass, kept between 0 and the smaller of the two times (timing noise
-    can put it outside)."""
-    out = {}
-    for node, t_big in full.items():
-        t_small = part.get(node)
-        if t_small is None:
-            continue
-        pair = []
-        for a, b in ((t_small.fwd_s, t_big.fwd_s), (t_small.bwd_s, t_big.bwd_s)):
-            intercept = (a * big - b * small) / (big - small)
-            pair.append(min(max(intercept, 0.0), a, b))
-        out[node] = (pair[0], pair[1])
-    return out
 
 
 def host_modules(step: nn.Module) -> tuple[str, ...]:

@@ -393,6 +393,24 @@ def time_in_sequence(split: SplitStep, batch: Mapping[str, Any], device: str, re
     return InSequence(samples[0].timings(), totals, wholes, tuple(x.timings() for x in samples[1:]))
 
 
+def fixed_parts(full: Mapping[str, Any], part: Mapping[str, Any], big: int,
+                 small: int) -> dict[str, tuple[float, float]]:
+    """Per node, the intercept of the line through (small, t_small) and (big, t_big) for the
+    forward and the backward pass, kept between 0 and the smaller of the two times (timing noise
+    can put it outside)."""
+    out = {}
+    for node, t_big in full.items():
+        t_small = part.get(node)
+        if t_small is None:
+            continue
+        pair = []
+        for a, b in ((t_small.fwd_s, t_big.fwd_s), (t_small.bwd_s, t_big.bwd_s)):
+            intercept = (a * big - b * small) / (big - small)
+            pair.append(min(max(intercept, 0.0), a, b))
+        out[node] = (pair[0], pair[1])
+    return out
+
+
 def optimizer_times(split: SplitStep, device: str, repeats: int) -> dict[str, float]:
     """Per piece with parameters, the median time of the runtime's Adam step over them
     (`hetplan.pieces.optim.StageOptimizer`: SparseAdam for the sparse gradients), from the

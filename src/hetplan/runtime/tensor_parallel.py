@@ -211,6 +211,11 @@ class TensorParallelStage(nn.Module):
     def attach(self, mesh) -> None:
         self.mesh = mesh
 
+    @property
+    def graph(self) -> fx.Graph:
+        """The inner piece's graph (what reads a piece's code, `split.changed_in_place`, reads)."""
+        return self.inner.graph
+
     def forward(self, *values: torch.Tensor):
         from torch.distributed.tensor import DTensor, Replicate, Shard
         from torch.func import functional_call
