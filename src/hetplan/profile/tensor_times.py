@@ -87,7 +87,15 @@ def group_times(step: torch.nn.Module, batch: Mapping[str, Any], small: tuple[in
         out = os.path.join(tmp, "times.pt")
         job = _Job(step, dict(batch), small, degree, threads, granularity, tuple(block_classes or ()), repeats,
                    precision, os.path.join(tmp, "store"), out)
-        mp.spawn(_worker, args=(job,), nprocs=degree)
+        try:
+            mp.spawn(_worker, args=(job,), nprocs=degree)
+        except mp.ProcessRaisedException as exc:  # a worker's error: its last line says what
+            raise HetplanError(f"timing a group of {degree} workers failed in a worker: "
+                               f"{str(exc).strip().splitlines()[-1]}") from None
+        except mp.ProcessExitedException as exc:
+            raise HetplanError(f"a worker of the group of {degree} exited ({exc}); a script that profiles with "
+                               "tp_degrees must call it under `if __name__ == '__main__':` (the workers import "
+                               "it again)") from None
         full, small_times = torch.load(out)
     return ({n: Timing(*t) for n, t in full.items()},
             None if small_times is None else {n: Timing(*t) for n, t in small_times.items()})
