@@ -54,9 +54,10 @@ def test_the_bound_is_the_chain_over_every_devices_speed_when_shares_agree():
 
 def test_dp_also_runs_its_per_type_program_without_the_newer_options():
     """The per-type program ranks by its own model, so more options can push out a plan the
-    simulator prefers: where the graph carries selective recomputation's figures or groups may
-    be sequence-parallel, dp runs it on the problem without both as well (a graph without the
-    figures, `--sequence-parallel never`), and only once where there is neither."""
+    simulator prefers: where the graph carries selective recomputation's figures or split shares
+    of a group's activations, or groups may be sequence-parallel, dp runs it on the problem
+    without all three as well (a graph without the figures, each group's activations whole,
+    `--sequence-parallel never`), and only once where there is none."""
     from dataclasses import replace
 
     from hetplan.io.clusters import load_cluster
@@ -71,6 +72,27 @@ def test_dp_also_runs_its_per_type_program_without_the_newer_options():
     assert len(both) == 2 and both[0][0].graph is graph
     narrow = both[1][0]
     assert not narrow.graph.selective_measured and not narrow.options.sp
+    assert not any(n.act_split_share or n.act_sequence_share for n in narrow.graph.nodes)
     assert [n.act_bytes for n in narrow.graph.nodes] == [n.act_bytes for n in graph.nodes]
+    never = PlanOptions(sequence_parallel="never")
     plain = replace(graph, nodes=tuple(replace(n, selective_keep_bytes=None) for n in graph.nodes))
-    assert len(_per_type_scorers(Scorer(plain, cluster, PlanOptions(sequence_parallel="never")))) == 1
+    assert len(_per_type_scorers(Scorer(plain, cluster, never))) == 2  # its blocks' activations split
+    whole = replace(plain, nodes=tuple(replace(n, act_split_share=0.0, act_sequence_share=0.0) for n in plain.nodes))
+    assert len(_per_type_scorers(Scorer(whole, cluster, never))) == 1
+
+
+def test_dp_keeps_a_plan_the_simulator_prefers_when_the_heads_logits_split():
+    """Llama-3-8B at 8,192 tokens in bf16 on 32 A100 + 96 V100 (bench/llm_deep.py): with the
+    head's logits split under tensor parallelism, the per-type program's best few by its model
+    were all deep-group layouts the simulator puts at 606-660 s; with the problem without split
+    activations planned too, dp keeps a plan near the 311.7 s it found before the split."""
+    from llm_deep import PROBLEMS
+
+    from hetplan.planners import PlanOptions, make_plan
+    from hetplan.sim import simulate
+
+    name = "llama-3-8b/s8192/32+96/bf16"
+    graph, cluster = PROBLEMS[name].graph(), PROBLEMS[name].cluster(name)
+    assert graph.by_id["head"].act_split_share > 0.9
+    plan = make_plan(graph, cluster, "dp", PlanOptions())
+    assert simulate(graph, cluster, plan, timeline=False).estimate.step_s < 1.1 * 311.71

@@ -100,8 +100,9 @@ smaller clusters also tighten the bigger ones' first bound (`bench/dp_scale.py`)
 devices the per-type program of `hetplan.planners.scale` adds its candidates: wide stages of
 one device type, any number of replicas, every micro-batch size; that is where plans for tens
 to a thousand GPUs come from (`bench/llm_plans.py`). It ranks by its own model, so an option more
-can push out of its best few a plan the simulator prefers: where selective recomputation or
-sequence parallelism is allowed, it runs on the problem without them too (`_per_type_scorers`).
+can push out of its best few a plan the simulator prefers: where selective recomputation,
+sequence parallelism or split activations of groups are allowed, it runs on the problem without
+them too (`_per_type_scorers`).
 
 Finally the best 256 (label, m) pairs by T(m) (or price, for `cost`) over all orders are turned
 into plans and re-ranked by the fast path (`hetplan.sim.fast`, the schedule's exact recurrence for
@@ -380,19 +381,23 @@ def _programs(graph: Graph, cluster: Cluster, options: PlanOptions, scorer: Scor
 
 
 def _per_type_scorers(scorer: Scorer) -> list[tuple[Scorer, str]]:
-    """The per-type program's problems: the one asked, and where it may recompute selectively or
-    make groups sequence-parallel, the same without those two (its plans are plans of the graph
-    asked). The program ranks by its own model, so more options can push a plan the simulator
-    prefers out of its best few (BENCHMARKS.md, the 70B problem); with both sets the candidates
-    of the narrower one are still simulated."""
+    """The per-type program's problems: the one asked, and where it may recompute selectively,
+    make groups sequence-parallel or split a group's activations, the same without those, each
+    group's activations counted whole on every device (its plans are plans of the graph asked).
+    The program ranks by its own model, which puts deep tensor-parallel layouts ahead of what the
+    simulator finds, so what lets more of them fit can push a plan the simulator prefers out of
+    its best few (BENCHMARKS.md: the 70B problem; Llama-3-8B bf16 on 32 + 96 once the head's
+    logits split); with both sets the candidates of the narrower one are still simulated."""
     graph, options = scorer.graph, scorer.options
-    if not (graph.selective_measured or options.sp):
+    split = any(n.act_split_share or n.act_sequence_share for n in graph.nodes)
+    if not (graph.selective_measured or options.sp or split):
         return [(scorer, "per-type program")]
-    plain = replace(graph, nodes=tuple(replace(n, selective_keep_bytes=None, selective_rebuilt_bytes=None)
-                                       for n in graph.nodes))
+    plain = replace(graph, nodes=tuple(replace(n, selective_keep_bytes=None, selective_rebuilt_bytes=None,
+                                               act_split_share=0.0, act_sequence_share=0.0) for n in graph.nodes))
     narrow = Scorer(plain, scorer.cluster, replace(options, sequence_parallel="never"))
     return [(scorer, "per-type program"),
-            (narrow, "per-type program, without selective recomputation nor sequence parallelism")]
+            (narrow, "per-type program, without selective recomputation, sequence parallelism nor split "
+                     "activations")]
 
 
 def _baselines_as_dp(graph: Graph, cluster: Cluster, options: PlanOptions) -> list[tuple[str, Plan]]:
