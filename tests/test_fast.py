@@ -48,6 +48,32 @@ def test_fast_path_equals_the_event_simulator_on_chains(case):
     assert fast_step_s(graph, CLUSTER, [plan])[0] == pytest.approx(event, rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.parametrize("degrees", [(2, 2), (1, 2), (2, 1)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_fast_path_equals_the_event_simulator_on_chains_of_tensor_parallel_groups(degrees, schedule):
+    """A group's first device sends a stage's values to every device of the next stage's group
+    (as `hetplan run` does): the activations as many times as the receiving group has devices,
+    the gradients back as many as the sending group has; two stages on two hosts, 1, 2 and 4
+    micro-batches."""
+    from hetplan.graph import Graph, Node
+    from hetplan.io.clusters import cluster_from_spec
+
+    nodes = tuple(Node(f"n{i}", "Block", {"cpu-1t": 0.01 * (i + 1)}, {"cpu-1t": 0.02 * (i + 1)}, out_bytes=8_000_000,
+                       param_bytes=1000, act_bytes=1000, tp_units=4) for i in range(4))
+    graph = Graph("g", nodes, tuple(Edge(f"n{i}", f"n{i + 1}", 8_000_000) for i in range(3)), 8, "cpu-1t")
+    cluster = cluster_from_spec({"name": "c", "devices": [
+        {"id": f"c{i}", "type": "cpu-1t", "host": f"h{i // 2}"} for i in range(4)], "network": {
+        "intra_host": {"bandwidth": "1GB/s"}, "inter_host": {"bandwidth": "100MB/s", "latency": "10us"}}}, "c")
+    stages = []
+    for k, t in enumerate(degrees):
+        group = tuple(cluster.ids[2 * k:2 * k + t])
+        stages.append(Stage((f"n{2 * k}", f"n{2 * k + 1}"), (group[0],), tp=t, tp_devices=(group,) if t > 1 else ()))
+    for m in (1, 2, 4):
+        plan = Plan(tuple(stages), m, schedule, "t")
+        event = simulate(graph, cluster, plan, routing="relay", timeline=False).estimate.step_s
+        assert fast_step_s(graph, cluster, [plan])[0] == pytest.approx(event, rel=1e-9)
+
+
 @settings(max_examples=60, deadline=None)
 @given(chain_plans())
 def test_the_tables_array_form_equals_its_scalar_form(case):

@@ -300,22 +300,28 @@ def step_costs(graph: Graph, cluster: Cluster, plan: Plan, routing: str = "direc
 def fold_plan(cm: CostModel, plan: Plan) -> dict[str, np.ndarray]:
     """`lower_chain`'s inputs for any plan as a chain (the fast path, `hetplan.sim.fast`):
     replicated stages folded into one stage (the slowest replica; a cut's transfers as long as
-    its busiest interface is busy, `CostModel._busiest_interface_s`) and skipping tensors relayed
-    (an approximation where the plan has either; exact otherwise). The stages are the event
+    its busiest interface is busy, `CostModel._busiest_interface_s`, each way) and skipping
+    tensors relayed (an approximation where the plan has either; exact otherwise). The stages are the event
     simulator's (`step_costs`); the messages are summed per pair of devices, never listed."""
     graph, cluster = cm.graph, cm.cluster
     rows = cm.plan_rows(plan)
     syncs = plan_syncs(cm, plan)
     stages = _stage_works(cm, plan, rows, syncs, per_mb=False)
     n = len(stages)
-    pairs: list[dict[tuple[str, str], float]] = [{} for _ in range(n - 1)]
+    pairs: list[dict[tuple[str, str], float]] = [{} for _ in range(n - 1)]  # the activations
+    backs: list[dict[tuple[str, str], float]] = [{} for _ in range(n - 1)]  # their gradients
     lat = np.zeros(n - 1)
     for (a, b), nbytes in stage_pair_bytes(graph, plan, "relay").items():
         totals = _shared_rows(rows, a, b).sum(axis=0) * (nbytes / graph.batch_size)
         for p, q in zip(*(x.tolist() for x in np.nonzero(totals)), strict=True):
             src, dst, total = plan.stages[a].devices[p], plan.stages[b].devices[q], float(totals[p, q])
             if src != dst and total > 0:
-                pairs[a][(src, dst)] = pairs[a].get((src, dst), 0.0) + total
+                # a group's first device sends to every device of the other's group (`step_costs`):
+                # the activations as many times as the receiving group has devices, the gradients
+                # back as many as the sending one
+                for way, pair, copies in ((pairs, (src, dst), len(plan.stages[b].groups[q])),
+                                          (backs, (dst, src), len(plan.stages[a].groups[p]))):
+                    way[a][pair] = way[a].get(pair, 0.0) + total * copies
                 lat[a] = max(lat[a], cluster.link(src, dst).latency_s)
 
     def slowest(field: str) -> np.ndarray:
@@ -331,7 +337,8 @@ def fold_plan(cm: CostModel, plan: Plan) -> dict[str, np.ndarray]:
                  "action_overhead_s": np.array([cluster.device(st.replicas[0].device).action_overhead_s
                                                 for st in stages])}
     return {"fwd_s": slowest("fwd_s"), "bwd_s": slowest("bwd_s"),
-            "send_s": np.array([cm._busiest_interface_s(p) for p in pairs]), "latency_s": lat,
+            "send_s": np.array([cm._busiest_interface_s(p) for p in pairs]),
+            "back_send_s": np.array([cm._busiest_interface_s(p) for p in backs]), "latency_s": lat,
             "fwd_fixed_s": slowest("fwd_fixed_s"), "bwd_fixed_s": slowest("bwd_fixed_s"),
             "allreduce_s": np.array([st.allreduce_s for st in stages]),
             "optimizer_s": slowest("optimizer_s"), "tied_members": members,
@@ -347,8 +354,10 @@ class ChainCosts:
     """P chain plans' steps: every action and transfer per micro-batch, the tail of each stage.
 
     actions_s: per block of the schedule's action kinds (F, then B, or I and W), (stages, m, P).
-    transfer_s: (stages - 1, m, P): a micro-batch's activations across boundary r (its gradients
-    take as long back); sent: (stages - 1, P), False where nothing crosses. After a stage's last
+    transfer_s: (stages - 1, m, P): a micro-batch's activations across boundary r; back_s: its
+    gradients back (None: as long; a tensor-parallel group's first device sends to each device of
+    the other's group, so they differ where the two stages' groups do); sent: (stages - 1, P),
+    False where nothing crosses. After a stage's last
     action: allreduce_s (stages, P), the tied sums (tied_members (G, stages, P) over tied_s
     (G, P), one after the other), then optimizer_s (stages, P)."""
 
@@ -359,6 +368,7 @@ class ChainCosts:
     allreduce_s: np.ndarray | None = None
     tied_members: np.ndarray | None = None
     tied_s: np.ndarray | None = None
+    back_s: np.ndarray | None = None
 
     @property
     def stages(self) -> int:
@@ -371,12 +381,13 @@ def _plans_last(x, p: int, n: int) -> np.ndarray | None:
 
 def lower_chain(schedule: str, fractions: Sequence[float], fwd_s, bwd_s, send_s, latency_s, *, fwd_fixed_s=None,
                 bwd_fixed_s=None, allreduce_s=None, optimizer_s=None, tied_members=None, tied_s=None,
-                weight_share=None, action_overhead_s=None) -> ChainCosts:
+                weight_share=None, action_overhead_s=None, back_send_s=None) -> ChainCosts:
     """P chains' whole-batch figures, (P, stages) each, lowered to every micro-batch's action
     and transfer: fwd_s, bwd_s the parts that scale with the samples (fixed parts apart, None for
-    0); send_s (P, stages - 1) the batch's bytes over each boundary's bandwidth, latency_s 0
-    where nothing is sent; weight_share and action_overhead_s for a schedule that splits the
-    backward (`formulas.split_backward_s`; bwd_fixed_s then includes the overhead)."""
+    0); send_s (P, stages - 1) the batch's bytes over each boundary's bandwidth (back_send_s the
+    gradients', where they differ), latency_s 0 where nothing is sent; weight_share and
+    action_overhead_s for a schedule that splits the backward (`formulas.split_backward_s`;
+    bwd_fixed_s then includes the overhead)."""
     f = np.asarray(fractions, dtype=float)[None, :, None]
     fwd = np.atleast_2d(np.asarray(fwd_s, dtype=float))
     p, n = fwd.shape
@@ -388,10 +399,12 @@ def lower_chain(schedule: str, fractions: Sequence[float], fwd_s, bwd_s, send_s,
     send = np.asarray(send_s, dtype=float).reshape(p, n - 1).T
     lat = np.broadcast_to(np.asarray(latency_s, dtype=float), (p, n - 1)).T
     members = None if tied_members is None else np.asarray(tied_members, dtype=bool).reshape(p, -1, n)
+    back = None if back_send_s is None else np.asarray(back_send_s, dtype=float).reshape(p, n - 1).T
     return ChainCosts(tuple(actions), action_s(lat[:, None, :], send[:, None, :], f), send > 0,
                       _plans_last(optimizer_s, p, n), _plans_last(allreduce_s, p, n),
                       None if members is None else members.transpose(1, 2, 0),
-                      None if tied_s is None else np.asarray(tied_s, dtype=float).reshape(p, -1).T)
+                      None if tied_s is None else np.asarray(tied_s, dtype=float).reshape(p, -1).T,
+                      None if back is None else action_s(lat[:, None, :], back[:, None, :], f))
 
 
 def _pass_blocks(schedule: str, fwd, fwd_fixed, bwd, bwd_fixed, weight_share, overhead) -> list[tuple]:

@@ -132,7 +132,8 @@ class ChainProgram:
                                f"and {len(costs.actions_s)} kinds of action, the program is for {(n, m)} and "
                                f"{self.schedule}; lower them with its schedule and micro-batches")
         p = costs.actions_s[0].shape[2]
-        parts = [*costs.actions_s, costs.transfer_s, costs.transfer_s] if n > 1 else list(costs.actions_s)
+        back = costs.transfer_s if costs.back_s is None else costs.back_s
+        parts = [*costs.actions_s, costs.transfer_s, back] if n > 1 else list(costs.actions_s)
         dur = np.concatenate([x.reshape(-1, p) for x in parts])
         t = self._times(dur, None if n == 1 else np.tile(np.repeat(costs.sent, m, axis=0), (2, 1)))
         ends = t[list(self.last)]
