@@ -23,7 +23,10 @@ position) finds the least
 
 with tau_k a stage's forward and backward of one micro-batch (its fixed part plus its share of
 rows, ceil(b / replicas), as the runtime splits them: a stage never has more replicas than a
-micro-batch has rows), c_k the transfer of the cut after it (routed between its devices and the
+micro-batch has rows), or, for a stage of tensor-parallel groups where it is longer, what its
+groups receive (every value once per device of a group, in from the stage before and back from
+the one after, at the speed into its first devices from those before it in the order:
+`_received_s`), c_k the transfer of the cut after it (routed between its devices and the
 next ones), AR_k its gradient sum and optimizer step and memory as if n micro-batches were in
 flight (1F1B: at most min(m, n); GPipe: m), every figure read from the table of stage options
 (`hetplan.cost.stage_table`). A plan deeper than n is kept only where its stages fit as they
@@ -161,6 +164,7 @@ class _Tables:
         self.room = np.stack([self._room(o) for o in self.options])  # (options, i, j)
         self.ar = np.stack([self._tail(o) for o in self.options])
         self.bw = np.array([self._bandwidth(o) for o in self.options])
+        self.bw_in = np.array([self._in_bandwidth(o) for o in self.options])
         self.scaled, self.fixed = np.stack(self.scaled), np.stack(self.fixed)
         self.per_batch, self.rebuilt = np.stack(self.per_batch), np.stack(self.rebuilt)
         self.valid = np.stack(self.valid) & prob.inside[None]
@@ -241,12 +245,33 @@ class _Tables:
             self._bws[(o.d, o.r)] = self._span_bandwidth(o)
         return self._bws[(o.d, o.r)]
 
+    def _in_bandwidth(self, o: _Option) -> float:
+        """A byte's speed into the option's replicas (each group's first device, which the rows
+        are routed to) from the devices a stage before it most likely takes (the as many before
+        them in the order); the speed out where it is the first."""
+        before = self.units.span(0, o.d)[-len(self.units.span(o.d, o.r)):]
+        per_byte = self.table.cut_per_byte_s(before, o.devices) if before else 0.0
+        return 1.0 / per_byte if per_byte > 0 else self._bandwidth(o)
+
     def _span_bandwidth(self, o: _Option) -> float:
         e = o.d + o.r
         devs = self.units.span(o.d, o.r)
         nxt = self.units.span(e, self.U - e)[:len(devs)] if e < self.U else ()
         per_byte = self.table.cut_per_byte_s(devs, nxt) if nxt else 0.0
         return 1.0 / per_byte if per_byte > 0 else math.inf
+
+
+def _received_s(tab: _Tables, share: float) -> np.ndarray:
+    """(options, i, j): how long a micro-batch (`share` of the batch) keeps busy what a stage's
+    groups receive through: a group's values arrive once per device of it (the stage before
+    sends its activations to each, the stage after its gradients: `hetplan.cost.table.step_costs`),
+    both ways in through the group's host, at the speed into the option's devices
+    (`_in_bandwidth`). Where it is longer than the stage's compute it is the stage's period. 0 for
+    a stage without groups."""
+    cut = np.asarray(tab.prob.cut, dtype=float) * share
+    both = cut[:, None] + cut[None, :]  # (i, j): the values in before the stage and back after it
+    degree = np.array([o.tp if o.tp > 1 else 0 for o in tab.options], dtype=float)
+    return degree[:, None, None] * both[None] / tab.bw_in[:, None, None]
 
 
 def _terms(tab: _Tables, m: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -257,7 +282,7 @@ def _terms(tab: _Tables, m: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
     rows = math.ceil(batch / m)
     frac = (np.ceil(rows / tab.opt_replicas) / batch)[:, None, None]  # the slowest replica's share
     k = tab.opt_key
-    tau = tab.fixed[k] + tab.scaled[k] * frac
+    tau = np.maximum(tab.fixed[k] + tab.scaled[k] * frac, _received_s(tab, rows / batch))
     with np.errstate(divide="ignore", invalid="ignore"):
         held = np.where(tab.per_batch[k] > 0, (tab.room - tab.rebuilt[k] * frac) / (tab.per_batch[k] * frac), np.inf)
     ok = tab.valid[k] & (tab.opt_replicas <= rows)[:, None, None] & (held >= 1.0)
