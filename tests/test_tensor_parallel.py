@@ -509,3 +509,48 @@ def test_max_tp_on_a_graph_that_cannot_split_is_refused_in_one_line():
         make_plan(odd, cluster, "uniform", PlanOptions(max_tp=2))
     assert make_plan(silent, cluster, "dp").predicted.feasible
     assert all(s.tp == 1 for s in make_plan(odd, cluster, "dp").stages)
+
+
+def test_heads_given_per_stage_split_each_attention_by_its_own():
+    """Swin's configuration gives its heads per stage (a list), which the profiler's split rules
+    read as one number and failed on (a TypeError in every profile of it). Each attention now
+    splits by the heads its own module says: the first stage's block (1 head) cannot split, the
+    second's (2) splits 2 ways; a projection whose heads nothing says is refused by name."""
+    from types import SimpleNamespace
+
+    import transformers as tf
+    from torch import nn
+
+    from hetplan.errors import HetplanError
+    from hetplan.pieces.tensor_split import Split, split_units, tensor_splits
+    from hetplan.profile import profile_step
+
+    cfg = tf.SwinConfig(image_size=32, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[1, 2],
+                        window_size=2, num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        drop_path_rate=0.0)
+    swin = tf.SwinForImageClassification(cfg)
+
+    class Step(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = swin
+
+        def forward(self, pixel_values, labels):
+            return self.model(pixel_values=pixel_values, labels=labels).loss
+
+    batch = {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.tensor([0, 1, 2, 3])}
+    graph = profile_step(Step(), batch, name="swin", devices=("cpu:1",), repeats=1, granularity="block",
+                         block_classes=("SwinLayer",)).graph
+    units = {n.id.removeprefix("model."): n.tp_units for n in graph.nodes}
+    assert units["swin.encoder.layers.0.blocks.0"] == 1 and units["swin.encoder.layers.1.blocks.0"] == 2
+    second = {n for n, _ in swin.named_parameters() if n.startswith("swin.encoder.layers.1.blocks.0.")}
+    assert tensor_splits(swin, 2, second)["swin.encoder.layers.1.blocks.0.attention.q_proj.weight"] == \
+        Split(0, 2, "column")
+
+    unknown = nn.Module()
+    unknown.attn = nn.Module()
+    unknown.attn.q_proj = nn.Linear(4, 4)
+    unknown.config = SimpleNamespace(num_attention_heads=[1, 2])
+    with pytest.raises(HetplanError, match=r"^module 'attn.q_proj' is an attention projection whose heads are not"):
+        tensor_splits(unknown, 2)
+    assert split_units(unknown, {"attn.q_proj.weight"}) == 1

@@ -82,22 +82,56 @@ def _out_dim(module: nn.Module) -> int:
     return 1 if type(module).__name__ == "Conv1D" else 0
 
 
+def _count(holder, *names: str) -> int:
+    """The first of `names` on `holder` that is a whole number (0: none is; a list, one per stage
+    of a model as Swin's heads are, is not one)."""
+    for name in names:
+        value = getattr(holder, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+_HEADS = ("num_attention_heads", "num_heads", "n_head", "n_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+
+
 def _config(model: nn.Module) -> tuple[int, int]:
-    """The model's attention heads and key-value heads (0, 0 where it has no configuration)."""
+    """The model's attention heads and key-value heads from its configuration (0 where it has
+    none, or gives them per stage)."""
     cfg = next((m.config for m in model.modules() if hasattr(m, "config")), None)
-    heads = int(getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_head", 0) or 0)
-    return heads, int(getattr(cfg, "num_key_value_heads", 0) or heads)
+    heads = _count(cfg, *_HEADS)
+    return heads, _count(cfg, *_KV_HEADS) or heads
+
+
+def _heads_of(model: nn.Module, name: str, heads: int, kv_heads: int) -> tuple[int, int]:
+    """The heads of the attention a projection `name` sits in: its enclosing modules' own counts
+    (a model whose stages differ in heads keeps them there), else the configuration's."""
+    parts = name.split(".")
+    for depth in (len(parts) - 1, len(parts) - 2):
+        if depth > 0:
+            holder = model.get_submodule(".".join(parts[:depth]))
+            own = _count(holder, *_HEADS)
+            if own:
+                return own, _count(holder, *_KV_HEADS) or own
+    return heads, kv_heads
 
 
 def hidden_size(model: nn.Module) -> int:
     """The width of the model's residual stream, from its configuration (0 where it has none)."""
     cfg = next((m.config for m in model.modules() if hasattr(m, "config")), None)
-    return int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "n_embd", 0) or getattr(cfg, "d_model", 0) or 0)
+    return _count(cfg, "hidden_size", "n_embd", "d_model")
 
 
 def _projection_split(name: str, module: nn.Module, degree: int, heads: int, kv_heads: int) -> dict[str, Split]:
     leaf = name.rsplit(".", 1)[-1]
     out, weight = _out_dim(module), module.weight
+    attention = "attn" in name or "attention" in name
+    by_heads = leaf in KEY_VALUE + ("q_proj", "query", "c_attn") or (attention and leaf not in COLUMN)
+    if by_heads and not heads:
+        raise HetplanError(f"module {name!r} is an attention projection whose heads are not known (no whole number "
+                           "of heads on its attention nor in the configuration): it cannot be split tensor-parallel; "
+                           "plan its stage with --max-tp 1")
     if leaf in COLUMN:
         if leaf in KEY_VALUE and kv_heads % degree:
             return {"weight": WHOLE, "bias": WHOLE}
@@ -109,7 +143,7 @@ def _projection_split(name: str, module: nn.Module, degree: int, heads: int, kv_
             units = weight.shape[out]
         return {"weight": Split(out, units, COLUMN_KIND), "bias": Split(0, units)}
     if leaf in ROW or (leaf == "dense" and "attention" in name):
-        units = heads if "attn" in name or "attention" in name else weight.shape[1 - out]
+        units = heads if attention else weight.shape[1 - out]
         return {"weight": Split(1 - out, units, ROW_KIND), "bias": WHOLE}
     raise HetplanError(f"module {name!r} ({type(module).__name__}) cannot be split tensor-parallel: hetplan splits "
                        f"attention and MLP projections named {', '.join(COLUMN + ROW)}; plan its stage with --max-tp 1")
@@ -129,8 +163,8 @@ def tensor_splits(model: nn.Module, degree: int, names: set[str] | None = None) 
         wanted = [k for k in own if names is None or f"{name}.{k}" in names]
         if not wanted:
             continue
-        rule = _projection_split(name, module, degree, heads, kv_heads) if _is_projection(module) and degree > 1 \
-            else {}
+        rule = _projection_split(name, module, degree, *_heads_of(model, name, heads, kv_heads)) \
+            if _is_projection(module) and degree > 1 else {}
         for k in wanted:
             split = rule.get(k, WHOLE)
             out[f"{name}.{k}"] = WHOLE if holders[id(own[k])] > 1 else split
