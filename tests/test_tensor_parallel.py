@@ -1,6 +1,6 @@
-"""Tensor-parallel stages (`hetplan.pieces.tensor_split`, `hetplan.runtime.tensor_parallel`):
-a 2- and 4-way group of worker processes over gloo trains gpt2-tiny and llama-tiny to the same
-loss and gradients as one process."""
+"""Tensor-parallel stages (`hetplan.pieces.tensor_split`, `hetplan.pieces.tensor_stage`,
+`hetplan.runtime.tensor_parallel`): a 2- and 4-way group of worker processes over gloo trains
+gpt2-tiny and llama-tiny to the same loss and gradients as one process."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _group_worker(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hetplan.runtime.tensor_parallel import parallelize, running
+    from hetplan.pieces.tensor_stage import parallelize, running
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group, in order
@@ -432,7 +432,7 @@ def test_each_projection_pair_is_bounded_as_megatron_bounds_it():
     for gate and up, the outputs of o and down summed (g); 4 ways over 2 key-value heads, k and v
     stay whole and read the plain input, not the f."""
     from hetplan.pieces.tensor_split import tensor_splits
-    from hetplan.runtime.tensor_parallel import megatron_boundaries, replicated
+    from hetplan.pieces.tensor_stage import megatron_boundaries, replicated
 
     for degree, whole_entries in ((2, 3), (4, 1)):
         zm, stage = _stage("llama-tiny")

@@ -66,7 +66,7 @@ class Stage:
     projection pairs along their tokens too (Korthikanti et al. 2022: norms and dropout on a
     share of the tokens; an all-gather and a reduce-scatter in place of each all-reduce), so a
     device keeps less of its blocks' activations (`Node.act_sequence_share`;
-    `hetplan.runtime.tensor_parallel.gathered`)."""
+    `hetplan.pieces.tensor_stage.gathered`)."""
 
     nodes: tuple[str, ...]
     devices: tuple[str, ...]

@@ -12,7 +12,7 @@ tensors autograd saves for the backward (each storage once, the weights and thei
 - `sequence_share`: the rest, less the inputs of column-split products: what a sequence-parallel
   group splits along the tokens too (norms' inputs, dropout's masks outside the pairs); the
   inputs of the column-split products stay whole, as DTensor's autograd saves them all-gathered
-  (`hetplan.runtime.tensor_parallel.gathered`), and so does what is made from a share cut into
+  (`hetplan.pieces.tensor_stage.gathered`), and so does what is made from a share cut into
   parts (GPT-2's joined q, k and v: DTensor gathers the share first, `_SPLITS`) and the integers
   the piece is given (a loss's targets).
 

@@ -26,7 +26,7 @@ A degree must divide the heads, the MLP's hidden units and the vocabulary of eve
 name (a `Linear` or GPT-2's `Conv1D` that is neither of the above) cannot be split:
 `tensor_splits` names it.
 
-Nothing here runs on a device: `hetplan.runtime.tensor_parallel` puts these splits on a mesh.
+Nothing here runs on a device: `hetplan.pieces.tensor_stage` puts these splits on a mesh.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def class_split_loss(module: nn.Module, kinds: Mapping[int, str]) -> bool:
     """Whether `module`'s graphs compute a cross-entropy on logits that a column-split product
     made (the head's: `kinds` by parameter id), unweighted and unsmoothed, with nothing else
     reading log-probabilities: then a group keeps the logits split by words and computes the loss
-    vocabulary-parallel (torch's `loss_parallel`, `hetplan.runtime.tensor_parallel.running`)."""
+    vocabulary-parallel (torch's `loss_parallel`, `hetplan.pieces.tensor_stage.running`)."""
     found = False
     for gm in (m for m in module.modules() if isinstance(m, fx.GraphModule)):
         for node in gm.graph.nodes:

@@ -41,6 +41,7 @@ from hetplan.profile.timing import (
     optimizer_times,
     rerun_forwards,
     selective_pass,
+    small_part,
     split_acts_pass,
     time_in_sequence,
     warm_pass,
@@ -138,7 +139,7 @@ def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevic
     the two sizes covers the micro-batches plans use rather than extrapolates to them; two
     samples at least: batch norm needs them), on a copy of its own; None when the batch is too
     small to shrink or the model runs only at its size."""
-    cut = small_part(batch, device, batch_size)
+    cut = small_part(batch, device.torch_device, batch_size)
     if cut is None:
         return None
     small, part = cut
@@ -147,16 +148,6 @@ def _small_batch(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevic
                                  block_classes), part
     except HetplanError:  # a model that only runs at its own batch size: no fixed parts
         return None
-
-
-def small_part(batch: Mapping[str, Any], device: ProfileDevice, batch_size: int) -> tuple[int, dict] | None:
-    """The batch's first eighth (at least two samples), on the device, and its size; None when
-    the batch is too small to shrink."""
-    small = max(2, batch_size // 8)
-    if small >= batch_size:
-        return None
-    return small, _to({k: (v[:small] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-                       for k, v in batch.items()}, device.torch_device)
 
 
 def _measure(step: nn.Module, batch: Mapping[str, Any], device: ProfileDevice, granularity: str,

@@ -1,5 +1,5 @@
 """Each node's forward and backward measured on a tensor-parallel group of t CPU workers (Megatron-LM's
-split, Shoeybi et al. 2019, as `hetplan.runtime.tensor_parallel` runs it), for `Node.tp_s`.
+split, Shoeybi et al. 2019, as `hetplan.pieces.tensor_stage` runs it), for `Node.tp_s`.
 
 t processes on this host join a gloo group; each cuts the step into its pieces, makes every
 piece tensor-parallel as a stage's worker does (its shards, DTensor's dispatch, Megatron's two
@@ -29,7 +29,7 @@ from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.pieces.split import SplitStep, split_step
 from hetplan.profile.devices import ProfileDevice, cores_short_of
-from hetplan.profile.timing import Timing, fixed_parts, time_in_sequence
+from hetplan.profile.timing import Timing, fixed_parts, small_part, time_in_sequence
 from hetplan.tp import splits_in
 
 
@@ -42,15 +42,13 @@ def with_group_times(graph: Graph, step: torch.nn.Module, batch: Mapping[str, An
     if not cpus:
         raise HetplanError("--tp-degrees times groups of CPU workers; add --device cpu:N (GPU groups are not "
                            "timed yet)")
-    from hetplan.profile import small_part
-
     nodes = [n.id for n in graph.nodes if not n.is_input]
     tp: dict[str, dict[str, dict[int, tuple]]] = {n: {} for n in nodes}
     for device in cpus:
         threads = device.threads or torch.get_num_threads()
         for degree in degrees:
             _check_group(graph, nodes, degree, threads, device.spec)
-            small = small_part(batch, device, graph.batch_size) if fixed else None
+            small = small_part(batch, device.torch_device, graph.batch_size) if fixed else None
             full, part = group_times(step, batch, small, degree, threads, granularity, block_classes, repeats,
                                      precision)
             parts = fixed_parts(full, part, graph.batch_size, small[0]) if small and part else {}
@@ -134,7 +132,7 @@ def _worker(rank: int, job: _Job) -> None:
 def _timed(job: _Job, rank: int) -> tuple[dict[str, tuple], dict[str, tuple] | None]:
     import copy
 
-    from hetplan.runtime.tensor_parallel import running
+    from hetplan.pieces.tensor_stage import running
 
     also = []
     if job.small is not None:  # a copy of the whole model: parallelizing one puts shards in it
@@ -156,7 +154,7 @@ def _parallel(step: torch.nn.Module, batch: Mapping[str, Any], job: _Job, rank: 
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hetplan.runtime.tensor_parallel import parallelize
+    from hetplan.pieces.tensor_stage import parallelize
 
     step = step.train()
     split = split_step(step, batch, job.granularity, job.block_classes or None)

@@ -411,6 +411,16 @@ def fixed_parts(full: Mapping[str, Any], part: Mapping[str, Any], big: int,
     return out
 
 
+def small_part(batch: Mapping[str, Any], device: str, batch_size: int) -> tuple[int, dict] | None:
+    """The batch's first eighth (at least two samples), on `device`, and its size; None when
+    the batch is too small to shrink."""
+    small = max(2, batch_size // 8)
+    if small >= batch_size:
+        return None
+    return small, {k: (v[:small].to(device) if isinstance(v, torch.Tensor) and v.dim() > 0 else
+                       v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
 def optimizer_times(split: SplitStep, device: str, repeats: int) -> dict[str, float]:
     """Per piece with parameters, the median time of the runtime's Adam step over them
     (`hetplan.pieces.optim.StageOptimizer`: SparseAdam for the sparse gradients), from the

@@ -23,6 +23,7 @@ from hetplan.errors import HetplanError
 from hetplan.pieces.mixed import Mixed
 from hetplan.pieces.portable import place
 from hetplan.pieces.split import split_step
+from hetplan.pieces.tensor_stage import parallelize
 from hetplan.plan import Plan
 from hetplan.rows import StepRows, step_rows
 from hetplan.runtime.boundary import ValueLayout, layouts
@@ -31,7 +32,6 @@ from hetplan.runtime.gradients import sparse_parameter_ids
 from hetplan.runtime.sharding import ShardedParameters
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.stages import StageModule, stage_modules
-from hetplan.runtime.tensor_parallel import parallelize
 from hetplan.runtime.zero import ShardedUnits
 from hetplan.schedule import rank_orders
 from hetplan.sync import sync_groups

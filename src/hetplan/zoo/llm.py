@@ -203,7 +203,7 @@ def transformer_chain(model: TransformerShape | str, batch_size: int, seq_len: i
               for i in range(m.layers)]
     # the loss's softmax is fp32 in every precision (autocast runs it so), after 16-bit logits;
     # a group splits the logits by words and computes the loss on the split (vocabulary-parallel,
-    # `hetplan.runtime.tensor_parallel.running`), the input whole (gathered under sequence
+    # `hetplan.pieces.tensor_stage.running`), the input whole (gathered under sequence
     # parallelism); a head tied to the embedding is whole, its loss too
     logits = (4 + (count.value_bytes if is_mixed(precision) else 0)) * tokens * m.vocab
     split = 0.0 if m.tied_embeddings else logits / (hidden_bytes + logits)
