@@ -512,10 +512,10 @@ def test_max_tp_on_a_graph_that_cannot_split_is_refused_in_one_line():
 
 
 def test_heads_given_per_stage_split_each_attention_by_its_own():
-    """Swin's configuration gives its heads per stage (a list), which the profiler's split rules
-    read as one number and failed on (a TypeError in every profile of it). Each attention now
-    splits by the heads its own module says: the first stage's block (1 head) cannot split, the
-    second's (2) splits 2 ways; a projection whose heads nothing says is refused by name."""
+    """Swin's configuration gives its heads per stage (a list), so a model's one number of heads
+    cannot be read off it: each attention splits by the heads its own module says (the first
+    stage's block, 1 head, cannot split; the second's, 2, splits 2 ways), the profile records so,
+    and a projection whose heads nothing says is refused by name."""
     from types import SimpleNamespace
 
     import transformers as tf
