@@ -8,9 +8,12 @@ each granularity (layer, block), it records:
   and the number of nodes of its graph, or the error's first line;
 - 2, 3, 4 stages: one SGD step (lr 0.1, 2 micro-batches, 1F1B) of a chain of that many stages,
   one replica each, the pieces cut evenly between them, the ranks as threads
-  (`tests/test_executor.py`'s `pipelined_vs_single`), against the same step in one process:
-  the largest weight difference after the step, `=` when it is at most 1e-5; "too few blocks"
-  where the model splits into fewer pieces than stages.
+  (`tests/test_executor.py`'s `pipelined_vs_single`, with `hetplan run --no-dropout`'s switch),
+  against one process's step on the whole batch: the largest weight difference after the step,
+  `=` when it is at most 1e-5; "warned" where it is more and `hetplan run` says why before the
+  run (`hetplan.zoo.faithful.pipeline_warnings` for this split: batch norm, a loss that is not a
+  mean); "differs" where it is more and nothing was said, a silent difference (a defect); "too
+  few blocks" where the model splits into fewer pieces than stages.
 
 Every cell catches its own exceptions (recorded as `type: first line`) and carries its wall
 time. Run from the repository root:
@@ -37,7 +40,9 @@ import torch  # noqa: E402
 
 from hetplan.pieces.split import split_step  # noqa: E402
 from hetplan.profile import profile_step  # noqa: E402
+from hetplan.rows import step_rows  # noqa: E402
 from hetplan.zoo import ZOO, load_model  # noqa: E402
+from hetplan.zoo.faithful import loss_parts, pipeline_warnings, switch_off_dropout  # noqa: E402
 from hf_families import FAMILIES  # noqa: E402
 from test_executor import pipelined_vs_single  # noqa: E402
 
@@ -76,9 +81,17 @@ def count_pieces(ref: str, granularity: str) -> dict:
 
 def stage_cell(ref: str, granularity: str, n: int) -> dict:
     worst, moved, loss, ref_loss, *_ = pipelined_vs_single(ref, [1] * n, MICRO_BATCHES, SCHEDULE, batch=BATCH,
-                                                           seq=SEQ, granularity=granularity)
-    return {"status": "equal" if worst <= TOL else "differs", "worst": worst, "moved": moved, "loss": loss,
-            "ref_loss": ref_loss}
+                                                           seq=SEQ, granularity=granularity, ref_m=1)
+    said = warned(ref, n)
+    status = "equal" if worst <= TOL else "warned" if said else "differs"
+    return {"status": status, "worst": worst, "moved": moved, "loss": loss, "ref_loss": ref_loss, "warnings": said}
+
+
+def warned(ref: str, n: int) -> list[str]:
+    """What `hetplan run --no-dropout` says before a run of this split."""
+    zm = load_model(ref, batch_size=BATCH, seq_len=SEQ, seed=0)
+    switch_off_dropout(zm.step)
+    return pipeline_warnings(zm.step, zm.batch, loss_parts(step_rows(BATCH, MICRO_BATCHES, [[1.0]] * n)))
 
 
 def stage_cells(ref: str, granularity: str, pieces: dict) -> dict:
@@ -122,7 +135,9 @@ def stage_text(cell: dict) -> str:
     unmoved = "" if cell["moved"] > 1e-4 else ", weights unmoved"
     if status == "equal":
         return f"= ({number(cell['worst'])}{unmoved})"
-    return f"differs {number(cell['worst'])}{unmoved}"
+    if status == "warned":
+        return f"warned: {number(cell['worst'])} ({short(cell['warnings'][0], 40)})"
+    return f"differs {number(cell['worst'])}{unmoved}, silently"
 
 
 def profile_text(cell: dict) -> str:
@@ -142,7 +157,8 @@ def table(rows: list[dict]) -> str:
 
 
 def notes(total_s: float) -> str:
-    return (f"`=`: the largest weight difference after one step (in parentheses) is at most {TOL:g}; "
+    return (f"`=`: the largest weight difference after one step (in parentheses) from one process's step on the "
+            f"whole batch is at most {TOL:g}; `warned`: more, and `hetplan run` says so (and why) before the run; "
             f"SGD lr 0.1, batch {BATCH}, sequence {SEQ}, {MICRO_BATCHES} micro-batches, {SCHEDULE}, one replica "
             f"per stage, ranks as threads. Total {total_s:.0f} s on {os.cpu_count()} CPUs, torch "
             f"{torch.__version__}, {platform.platform()}.")
@@ -151,9 +167,11 @@ def notes(total_s: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/model_families.json"))
+    parser.add_argument("--models", help="a comma-separated subset (default: all)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    rows = [row(ref, g) for ref in models() for g in GRANULARITIES]
+    chosen = [m for m in models() if not args.models or m in args.models.split(",")]
+    rows = [row(ref, g) for ref in chosen for g in GRANULARITIES]
     total_s = time.perf_counter() - start
     md = table(rows) + "\n\n" + notes(total_s) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)

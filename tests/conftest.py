@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 
 from hetplan.cli import main
 
-# CI runs the same examples every time (a fresh random seed once failed CI on a case nobody had
+# CI runs the same examples every time (a fresh random seed could fail CI on a case nobody has
 # run); HETPLAN_HYPOTHESIS=explore draws new ones, five times as many, to look for such cases.
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -54,6 +54,12 @@ def mixtral(batch_size=4, seq_len=16, **config):
     return tf.MixtralForCausalLM(cfg), _lm_batch(batch_size, seq_len or 16, 128, torch.Generator().manual_seed(0))
 
 
+def mixtral_router(batch_size=4, seq_len=16):
+    """Mixtral as it trains: its router's load-balancing loss added (at transformers' weight),
+    computed over the tokens of the batch it sees, so not a mean over samples."""
+    return mixtral(batch_size, seq_len, output_router_logits=True)
+
+
 def qwen2_moe(batch_size=4, seq_len=16):
     tf = _tf()
     torch.manual_seed(0)
@@ -103,4 +109,82 @@ def convnext(batch_size=4, seq_len=None):
     return tf.ConvNextForImageClassification(cfg), batch
 
 
-FAMILIES = ("qwen2", "mistral", "t5", "distilbert", "convnext", "mixtral", "qwen2_moe", "mamba")
+def _images(batch_size, labels, side=32):
+    gen = torch.Generator().manual_seed(0)
+    return {"pixel_values": torch.randn(batch_size, 3, side, side, generator=gen),
+            "labels": torch.randint(0, labels, (batch_size,), generator=gen)}
+
+
+def swin(batch_size=4, seq_len=None):
+    """Shifted-window attention; its heads are a list, one count per stage of the model."""
+    tf = _tf()
+    torch.manual_seed(0)
+    cfg = tf.SwinConfig(image_size=32, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[1, 2],
+                        window_size=2, num_labels=5)
+    return tf.SwinForImageClassification(cfg), _images(batch_size, 5)
+
+
+def segformer(batch_size=4, seq_len=None):
+    """A hierarchical vision transformer with per-stage heads, sizes and reduction ratios."""
+    tf = _tf()
+    torch.manual_seed(0)
+    cfg = tf.SegformerConfig(num_channels=3, num_encoder_blocks=2, depths=[2, 2], sr_ratios=[2, 1],
+                             hidden_sizes=[8, 16], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+                             mlp_ratios=[2, 2], num_labels=5, decoder_hidden_size=16)
+    return tf.SegformerForImageClassification(cfg), _images(batch_size, 5)
+
+
+def wav2vec2(batch_size=4, seq_len=None):
+    """Speech: a convolutional feature encoder, transformer layers, and the CTC loss over
+    characters (label sequences padded with -100), with dropout; LayerDrop and SpecAugment off,
+    as a pipeline needs them (they choose in Python at random what runs, which no trace follows)."""
+    tf = _tf()
+    torch.manual_seed(0)
+    cfg = tf.Wav2Vec2Config(vocab_size=32, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                            intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, ctc_loss_reduction="mean",
+                            layerdrop=0.0, mask_time_prob=0.0)
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.randint(1, 32, (batch_size, 6), generator=gen)
+    labels[::2, 4:] = -100  # shorter transcripts, padded
+    return tf.Wav2Vec2ForCTC(cfg), {"input_values": torch.randn(batch_size, 800, generator=gen), "labels": labels}
+
+
+def opt(batch_size=4, seq_len=16):
+    """A decoder LM whose dropout is functional: `nn.functional.dropout(x, p=self.dropout)`."""
+    tf = _tf()
+    torch.manual_seed(0)
+    cfg = tf.OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=4, num_attention_heads=4,
+                       max_position_embeddings=256, word_embed_proj_dim=64)
+    return tf.OPTForCausalLM(cfg), _lm_batch(batch_size, seq_len or 16, 128, torch.Generator().manual_seed(0))
+
+
+def gpt_neox(batch_size=4, seq_len=16):
+    """Parallel attention and MLP in one block, partial rotary embeddings."""
+    tf = _tf()
+    torch.manual_seed(0)
+    cfg = tf.GPTNeoXConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, max_position_embeddings=256, rotary_pct=0.5)
+    return tf.GPTNeoXForCausalLM(cfg), _lm_batch(batch_size, seq_len or 16, 128, torch.Generator().manual_seed(0))
+
+
+def roberta(batch_size=4, seq_len=16):
+    tf = _tf()
+    torch.manual_seed(0)
+    cfg = tf.RobertaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, max_position_embeddings=256)
+    batch = _lm_batch(batch_size, seq_len or 16, 128, torch.Generator().manual_seed(0))
+    batch["input_ids"] = batch["input_ids"].clamp(min=3)  # 1 is RoBERTa's padding id
+    return tf.RobertaForMaskedLM(cfg), batch
+
+
+def phi(batch_size=4, seq_len=16):
+    tf = _tf()
+    torch.manual_seed(0)
+    cfg = tf.PhiConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, max_position_embeddings=256)
+    return tf.PhiForCausalLM(cfg), _lm_batch(batch_size, seq_len or 16, 128, torch.Generator().manual_seed(0))
+
+
+FAMILIES = ("qwen2", "mistral", "t5", "distilbert", "convnext", "mixtral", "qwen2_moe", "mamba", "swin", "segformer",
+            "wav2vec2", "opt", "gpt_neox", "roberta", "phi", "mixtral_router")

@@ -7,9 +7,9 @@ to point and all-reduces among 2 and 4 processes, Adam's step by thread count, a
 of 4-thread workers side by side. `hetplan calibrate` could not run on the box (torch 2.11
 refused its probe), so the runtime's cost per action and per step is fitted as calibrate fits
 it (`fit_overheads`: few and many micro-batches of one pipeline) on two of the recorded runs,
-the micro-batch sweep's GPipe m=1 and m=32, and the other runs are the check. (The box ran the
-runtime of 384b8f7, torch's pipelining, with its own cost per action; the data-parallel runs
-there split the batch equally, which the runtime no longer does: left out.)
+the micro-batch sweep's GPipe m=1 and m=32, and the other runs are the check. (The box ran
+torch's pipelining, with its own cost per action; its data-parallel runs split the batch
+equally, where hetplan's runtime splits by speed: left out.)
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def test_text_fits_a_vocabulary_smaller_than_a_byte():
     assert input_vocab(model.step) == 128
     assert int(corpus().max()) >= 128
     step = next(s for s in range(20_000) if text_batch(example, s)["input_ids"].max() >= 128)
-    assert text_batch(example, step)["input_ids"].max() >= 128  # what the model used to get
+    assert text_batch(example, step)["input_ids"].max() >= 128  # what the model's embedding could not take
     ids = text_batch(example, step, vocab=128)["input_ids"]
     assert ids.max() < 128
     model.step(**{**model.batch, "input_ids": ids, "labels": ids})  # no index error

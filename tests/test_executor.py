@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch import nn
 
 from hetplan.errors import HetplanError
 from hetplan.io.clusters import cluster_from_spec
@@ -23,6 +22,7 @@ from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
 from hetplan.schedule import ONE_STAGE_PER_RANK, rank_orders, schedule_order, stage_ranks
 from hetplan.zoo import ZOO, load_model
+from hetplan.zoo.faithful import switch_off_dropout
 from hf_families import FAMILIES
 
 
@@ -36,9 +36,7 @@ def cpus(n, bindings=None):
 
 
 def no_dropout(zm):
-    for mod in zm.step.modules():
-        if isinstance(mod, nn.Dropout):
-            mod.p = 0.0
+    switch_off_dropout(zm.step)  # as the workers do with RunSettings.no_dropout
     return zm
 
 
@@ -82,9 +80,10 @@ def reference_step(zm, batch, m, lr, optimizer="sgd", precision="fp32"):
 
 def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=None, cuts=None, names_of=None,
                         bindings=None, ref_device="cpu", optimizer="sgd", granularity="layer", precision="fp32",
-                        shard=(), level=1, recompute="none"):
-    """Run one step pipelined (threads) and single-process (on `ref_device`); returns the largest
-    weight difference, the largest weight change, the two losses, the plan and the run's results."""
+                        shard=(), level=1, recompute="none", ref_m=None):
+    """Run one step pipelined (threads) and single-process (on `ref_device`, in `ref_m` micro-batches,
+    by default the plan's `m`; 1: the whole batch at once); returns the largest weight difference,
+    the largest weight change, the two losses, the plan and the run's results."""
     lr = 0.1
     zm = no_dropout(load_model(ref, batch_size=batch, seq_len=seq, seed=0))
     split = split_step(zm.step, zm.batch, granularity, zm.block_classes)
@@ -99,8 +98,8 @@ def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=Non
     results = run_threads(spec)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     zm.step.to(ref_device)  # in place: the stage modules below share these parameters
-    ref_loss = reference_step(zm, {k: v.to(ref_device) for k, v in _batches(spec, zm, 0).items()}, m, lr, optimizer,
-                              precision)
+    ref_loss = reference_step(zm, {k: v.to(ref_device) for k, v in _batches(spec, zm, 0).items()}, ref_m or m, lr,
+                              optimizer, precision)
     modules = stage_modules(split, plan)
     worst = moved = 0.0
     for rank, res in enumerate(results):
@@ -140,13 +139,19 @@ def test_ctr_tables_and_mlp_on_different_workers_equal_single_process_with_adam(
     check(worst, moved, loss, ref_loss)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# the families whose code differs from the zoo's in what the pipeline must carry or cut (the others
+# of `FAMILIES`, decoder LMs like these, are in bench/model_families.py's table)
+DISTINCT = tuple(f for f in FAMILIES if f not in ("opt", "gpt_neox", "roberta", "phi", "mixtral_router"))
+
+
+@pytest.mark.parametrize("family", DISTINCT)
 def test_transformers_families_run_in_four_stages(family):
     """Model families (grouped-query attention and rotary tables, an encoder-decoder,
-    masks that cross boundaries as views, a CNN), as 4-stage pipelines: a first stage, two that
-    receive and send, a last one (the zoo's models run in 2 stages, under every schedule); every
-    other family under zero bubble, whose split backward walks each family's autograd graph."""
-    schedule = ("1f1b", "zero-bubble")[FAMILIES.index(family) % 2]
+    masks that cross boundaries as views, a CNN, per-stage attention heads, a CTC loss), as
+    4-stage pipelines: a first stage, two that receive and send, a last one (the zoo's models run
+    in 2 stages, under every schedule); every other family under zero bubble, whose split
+    backward walks each family's autograd graph."""
+    schedule = ("1f1b", "zero-bubble")[DISTINCT.index(family) % 2]
     check(*pipelined_vs_single(f"hf_families:{family}", [1] * 4, 2, schedule))
 
 

@@ -27,9 +27,9 @@ from slowness import limit_s
 NAN, INF = math.nan, math.inf
 HUGE = 10**400  # more than a float holds
 NOT_TEXT = [1.5, [], {}, None, True]
-NOT_NUMBER = ["x", [], {}, None]
+NOT_NUMBER = ["x", "4", "0.5", [], {}, None]  # a number written as text is not one
 BAD_SECONDS = [-1, -1e-9, NAN, INF, -INF, HUGE, *NOT_NUMBER]
-BAD_WHOLE = [0, -1, 1.5, NAN, *NOT_NUMBER]
+BAD_WHOLE = [0, -1, 1.5, NAN, True, *NOT_NUMBER]
 BAD_BYTES = [-1, 1.5, NAN, INF, HUGE, *NOT_NUMBER]
 
 
@@ -82,7 +82,7 @@ GRAPH_FIELDS = [
         (("nodes", i, "out_bytes"), BAD_BYTES, False),
         (("nodes", i, "act_bytes"), BAD_BYTES, False),
         (("nodes", i, "module"), ["x", [1], {}, 1], False),
-        (("nodes", i, "is_input"), ["x", [], {}, 2], False),
+        (("nodes", i, "is_input"), ["x", "true", "yes", [], {}, 2], False),
     ]],
     *[p for j in range(2) for p in [
         (("edges", j), ["x", 1, [], None], False),
@@ -98,6 +98,9 @@ GRAPH_BREAKS = [  # (name, change): structural mistakes
     ("self loop", lambda g: g["edges"].append({"src": "b", "dst": "b"})),
     ("duplicate edge", lambda g: g["edges"].append(dict(g["edges"][0]))),
     ("duplicate node", lambda g: g["nodes"].append(copy.deepcopy(g["nodes"][2]))),
+    ("unknown field", lambda g: g.update(nodez=[])),
+    ("unknown node field", lambda g: g["nodes"][1].update(fwd_time=1.0)),
+    ("unknown edge field", lambda g: g["edges"][0].update(size=8)),
 ]
 
 CLUSTER_FIELDS = [
@@ -115,7 +118,8 @@ CLUSTER_FIELDS = [
     (("devices", 0, "count"), [0, -1, 1.5, "x", [], MAX_DEVICES + 1, 10**12], False),
     (("devices", 0, "host"), [[], {}, None, 1.5], False),
     (("devices", 0, "binding"), ["tpu", 3, [], {}], False),
-    (("devices", 0, "memory"), ["-4GiB", "four", "5 parsecs", -1, 0, "0GiB", NAN, INF, HUGE, [], None], False),
+    (("devices", 0, "memory"), ["-4GiB", "four", "5 parsecs", -1, 0, "0GiB", NAN, INF, HUGE, [], None,
+                                "99999999999999999999999PiB", "2PiB", 2**51], False),
     (("devices", 1, "usd_per_hour"), [-1, NAN, INF, HUGE, *NOT_NUMBER, True], False),
     (("devices", 1, "action_overhead"), ["-1ms", "soon", -1, NAN, INF, HUGE, [], None], False),
     (("network",), ["x", 1, [1]], False),
@@ -191,6 +195,9 @@ SAVED_BREAKS = [
     ("duplicate link", lambda c: c["links"].append({**c["links"][0], "between": ["b0", "c0"]})),
     ("more devices than allowed", lambda c: c["devices"].extend(
         {**c["devices"][0], "id": f"x{k}"} for k in range(MAX_DEVICES))),
+    ("unknown field", lambda c: c.update(hosts=[])),
+    ("unknown device field", lambda c: c["devices"][0].update(gpus=8)),
+    ("a pebibyte and more", lambda c: c["devices"][0].update(mem_bytes=2**51)),
 ]
 
 ESTIMATE_NUMBERS = ("step_s", "samples_per_s", "bubble_fraction", "usd_per_step")
@@ -204,7 +211,7 @@ PLAN_FIELDS = [
     (("objective",), ["nosuch", *NOT_TEXT], False),
     (("graph",), NOT_TEXT, False),
     (("cluster",), NOT_TEXT, False),
-    (("shared_devices",), ["x", [], {}, 2], False),
+    (("shared_devices",), ["x", "true", [], {}, 2], False),
     (("predicted",), ["x", 1, []], False),
     (("meta",), ["x", 1, []], False),
     *[(("predicted", name), BAD_SECONDS, True) for name in ESTIMATE_NUMBERS],
@@ -214,6 +221,7 @@ PLAN_FIELDS = [
         (("stages", i), ["x", 1, [], None], False),
         (("stages", i, "nodes"), [[], "a", [1], None, ["ghost"], [[]]], True),
         (("stages", i, "devices"), [[], "c0", [1], None, ["ghost"], ["c0", "c0"]], True),
+        (("stages", i, "recompute"), ["yes", "true", 1, 2.0, [], None], False),
     ]],
 ]
 
@@ -226,6 +234,9 @@ PLAN_BREAKS = [
                                                     {"nodes": ["b"], "devices": ["c1"]}])),
     ("device in two stages", lambda p: p["stages"][1].update(devices=["c0"])),
     ("missing device", lambda p: p["stages"][1]["devices"].append("z9")),
+    ("unknown field", lambda p: p.update(micro_batches=4)),
+    ("unknown stage field", lambda p: p["stages"][0].update(colour="red")),
+    ("unknown estimate field", lambda p: p["predicted"].update(step_ms=1.0)),
 ]
 
 
@@ -446,3 +457,77 @@ def test_outputs_that_cannot_be_written_are_one_line(cli, workdir, monkeypatch, 
         assert r.code == 2 and len(lines) == 1 and lines[0].startswith("hetplan: error: "), (args[0], r.err[-2000:])
         assert str(folder) in lines[0] and "Traceback" not in r.err, lines[0]
         assert _outputs(workdir) == before
+
+
+SHARED = Path(__file__).parent.parent.parent / "shared" / "data" / "pipedream-profiles"
+
+
+def _bad_lines(w: Path) -> list[tuple]:
+    """Command lines that are wrong in one way each, with what the one line must say."""
+    g, c, p, run = w / "g.json", w / "c.yaml", w / "p.json", ("--out", w / "out" / "run")
+    mlp_plan = w / "mlp.json"
+    return [
+        (("plan", g, "--cluster", c, "--planner", "nonsense"), "invalid choice: 'nonsense'"),
+        (("run", p, "--model", "mlp", "--steps", "ten", *run), "invalid int value: 'ten'"),
+        (("nosuch",), "invalid choice: 'nosuch'"),
+        (("plan", g, "--cluster", c, "--global-batch", "1000000000000000"), "must be at most"),
+        (("simulate", p, "--graph", g, "--cluster", c, "--global-batch", "0"), "--global-batch: 0 must be"),
+        (("compare", g, "--cluster", c, "--planners", ""), "names no planner"),
+        (("compare", g, "--cluster", c, "--planners", " , "), "names no planner"),
+        (("profile", "mlp", "--batch-size", "1000000000000", "-o", w / "out" / "g.json"), "must be at most"),
+        (("profile", "badsyntax:f", "-o", w / "out" / "g.json"), "is not valid Python: invalid syntax"),
+        (("calibrate", "--cluster", "local", "--steps", "0", "-o", w / "out" / "cal.json"), "--steps 0"),
+        (("calibrate", "--cluster", "local", "--steps", "-3", "-o", w / "out" / "cal.json"), "--steps -3"),
+        (("calibrate", "--cluster", "local", "-o", "/proc/hetplan-nope/cal.json"), "cannot write cal.json there"),
+        (("run", p, "--model", "mlp", "--cluster", c, *run), "is not a module of the model"),
+        (("run", mlp_plan, "--model", "mlp", "--timeout-s", "0", *run), "--timeout-s 0.0: must be a number above 0"),
+        (("run", mlp_plan, "--model", "mlp", "--timeout-s", "nan", *run), "--timeout-s nan"),
+        (("run", mlp_plan, "--model", "mlp", "--lr", "nan", *run), "--lr nan"),
+        (("run", mlp_plan, "--model", "mlp", "--lr", "-1", *run), "--lr -1.0"),
+        (("import", "pipedream", SHARED / "resnet18" / "graph.txt", "--device-type", "tpu-v9",
+          "-o", w / "out" / "r.json"), "--device-type 'tpu-v9': not a device type"),
+        (("import", "pipedream", w / "half" / "graph.txt", "--batch-size", "32", "-o", w / "out" / "r.json"),
+         "the file looks cut short"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_lines(Path("w")))))
+def test_bad_command_lines_are_one_line_found_before_any_work(cli, workdir, monkeypatch, case):
+    """Flags out of range, a factory that is not Python, a plan of another model, a PipeDream
+    profile cut short: exit 2, one line that says what, nothing written, and found before any
+    worker or probe starts (calibrate's probes take a minute; the check takes none)."""
+    (workdir / "badsyntax.py").write_text("def f(:\n    pass\n")
+    monkeypatch.syspath_prepend(str(workdir))
+    (workdir / "half").mkdir()
+    lines = (SHARED / "resnet18" / "graph.txt").read_text().splitlines()
+    (workdir / "half" / "graph.txt").write_text("\n".join(lines[:110]) + "\n")
+    profile = cli("profile", "mlp", "-o", workdir / "mlp-graph.json")
+    assert profile.code == 0, profile.err
+    assert cli("plan", workdir / "mlp-graph.json", "--cluster", "local", "--planner", "single",
+               "-o", workdir / "mlp.json").code == 0
+    args, said = _bad_lines(workdir)[case]
+    before = _outputs(workdir)
+    start = time.perf_counter()
+    r = cli(*args)
+    lines = r.err.splitlines()
+    assert r.code == 2 and len(lines) == 1 and lines[0].startswith("hetplan: error: "), (args, r.err[-2000:])
+    assert said in lines[0] and "Traceback" not in r.err, lines[0]
+    assert _outputs(workdir) == before and not (workdir / "out" / "run").exists()
+    assert time.perf_counter() - start < limit_s(20)
+
+
+def test_a_learning_curve_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """`plan --curve` writes a table and a picture; when the picture cannot be written (a full
+    disk), the table it wrote first goes again and the error is hetplan's one line."""
+    from hetplan.errors import HetplanError
+    from hetplan.report.curve import write_curve
+
+    plan = serde.from_dict({**PLAN, "planner": "ppo", "meta": {"ppo": {"curve": [[0, 4, 0.1, 2.0, None],
+                                                                              [1, 8, 0.2, 1.5, 1.5]]}}})
+    assert [Path(f).name for f in write_curve(plan, tmp_path / "ok")][:2] == ["ok.csv", "ok.png"]
+    import matplotlib.figure
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, path, **kw: _full_disk())
+    with pytest.raises(HetplanError, match="cannot write the learning curve"):
+        write_curve(plan, tmp_path / "sub")
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("sub", ".sub"))]

@@ -125,9 +125,9 @@ def both_ways(edges) -> list[str]:
 
 
 def test_no_two_packages_import_each_other():
-    """Within a layer too: `report <-> runtime` (the Gantt chart and the stage times) and
-    `profile <-> runtime` (the cut, the optimizer) went both ways; each shared part now lives below
-    both (`hetplan.timeline`, `hetplan.pieces`)."""
+    """Within a layer too: what two packages share (the Gantt chart and the stage times, the cut
+    and the optimizer) lives below both (`hetplan.timeline`, `hetplan.pieces`), so neither
+    imports the other."""
     assert both_ways(import_graph().edges) == []
 
 

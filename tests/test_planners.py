@@ -92,8 +92,8 @@ def test_options_are_checked():
 
 
 def test_dp_orders_sixteen_identical_cpus_at_once():
-    """16 identical devices have one distinct order; dp used to list all 16! permutations to find
-    it (over 100 s before planning a 2-node graph, found by the size checks)."""
+    """16 identical devices have one distinct order; listing all 16! permutations to find it would
+    take far longer than planning the 2-node graph itself."""
     import itertools
     import time
 

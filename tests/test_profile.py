@@ -177,7 +177,7 @@ def test_device_specs():
     assert parse_device(f"cpu:{n}").device_type == f"cpu-{n}t"
     with pytest.raises(HetplanError, match=f"999 threads, but this process may use {n} cores; profile with at most "
                                            f"cpu:{n}"):
-        parse_device("cpu:999")  # used to be accepted, and timed 999 threads on this machine's cores
+        parse_device("cpu:999")  # more threads than cores: the times would be of a machine that is not there
     assert parse_device("cpu").device_type == f"cpu-{torch.get_num_threads()}t"
     with pytest.raises(HetplanError, match="write cpu, cpu:N"):
         parse_device("tpu")

@@ -1,7 +1,7 @@
 """The commands of the README and the guide (docs/guide.md), walked in that order: each parses,
-none reads a file that no earlier command wrote or a plan made for another cluster (the Planners
-section used to overwrite plan.json with a plan for a100+v100-8, so the Simulating section's
-command failed), and the README's first block runs. The whole walk is `bench/readme_walk.py`
+none reads a file that no earlier command wrote or a plan made for another cluster (a section
+that overwrites plan.json with a plan for another cluster breaks every later command that reads
+it), and the README's first block runs. The whole walk is `bench/readme_walk.py`
 (minutes). The README stays a page a newcomer reads: at most 200 lines."""
 
 import json

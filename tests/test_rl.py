@@ -252,10 +252,11 @@ def test_curve_goes_to_tensorboard_when_it_is_installed(tmp_path, monkeypatch):
                        ("objective/best", 1.5, 2), ("closed",)]
 
 
-def test_ppo_on_resnet50_no_longer_crashes_with_a_nan_probability(profiles):
-    """The README's PPO command on resnet50 / hetero-4 ended in `probability tensor contains
-    either inf, nan or element < 0` (--max-iters 299 makes it the same run every time):
-    the PPO ratio overflowed. Now it runs, and no update had to be skipped."""
+def test_ppo_on_resnet50_keeps_its_probabilities_finite(profiles):
+    """The README's PPO command on resnet50 / hetero-4 (--max-iters 299 makes it the same run
+    every time) meets PPO ratios large enough to overflow `exp` unless their log is clamped
+    (`LOG_RATIO_LIMIT`): it runs without a `probability tensor contains either inf, nan or
+    element < 0`, and no update had to be skipped."""
     from hetplan.io.pipedream import import_pipedream
 
     graph = import_pipedream(profiles / "resnet50" / "graph.txt")

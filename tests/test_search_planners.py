@@ -79,7 +79,7 @@ def test_data_parallel_uses_every_device_that_fits():
     plan = make_plan(chain(4, params=GiB), cluster, "data-parallel")
     assert len(plan.stages) == 1 and set(plan.stages[0].devices) == {"a0", "v0", "t0", "t1"}
     # 12 GiB of weights with gradients and Adam, and 32 GiB of activations split by speed: the
-    # T4s' share of the activations no longer fits beside the weights, so they are dropped
+    # T4s' share of the activations does not fit beside the weights, so they are dropped
     g = chain(4, params=3 * GiB // 4, acts=8 * GiB)
     plan = make_plan(g, cluster, "data-parallel")
     assert set(plan.stages[0].devices) == {"a0", "v0"} and plan.predicted.feasible

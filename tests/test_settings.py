@@ -50,3 +50,20 @@ def test_the_spec_and_the_launcher_hold_settings_only_in_run_settings():
                           checkpoint_dir="c", resume_step=2)
     assert RunSettings.from_dict(changed.to_dict()) == changed
     assert RunSettings.from_dict({"steps": None, "unknown": 1}) == DEFAULTS
+
+
+def test_settings_out_of_range_are_refused_when_made_not_when_a_worker_reads_them():
+    """The library's callers and the CLI alike: a run whose settings cannot train is refused
+    when the settings are made, before any worker starts (each value once; the defaults pass)."""
+    import math
+
+    import pytest
+
+    from hetplan.errors import HetplanError
+
+    for bad in ({"steps": 0}, {"steps": -3}, {"warmup": -1}, {"lr": math.nan}, {"lr": -1.0}, {"lr": 0},
+                {"lr": math.inf}, {"timeout_s": 0.0}, {"timeout_s": math.nan}, {"checkpoint_every": -1},
+                {"steps": 2.5}, {"seed": 1.5}, {"lr": True}):
+        with pytest.raises(HetplanError, match="--"):
+            RunSettings(**bad)
+    assert RunSettings(steps=1, warmup=0, lr=1e-9, timeout_s=1e-3).problem() is None

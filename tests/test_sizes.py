@@ -91,8 +91,8 @@ def test_info_on_a_cluster_at_the_limit_is_quick(cli, tmp_path):
 
 
 def test_a_cluster_file_far_bigger_than_any_cluster_is_refused_before_parsing(cli, tmp_path):
-    """A 50 MB YAML of 795,703 devices kept `info` parsing for over 300 s before the device limit
-    was checked: PyYAML reads ~0.2 MB/s. Size alone refuses it now (here 5 MB of comments)."""
+    """PyYAML reads ~0.2 MB/s, so a 50 MB YAML of 795,703 devices would take over 300 s to parse
+    before the device limit could be checked: size alone refuses it first (here 5 MB of comments)."""
     big = tmp_path / "big.yaml"
     big.write_text(("#" * 99 + "\n") * 50_000 + "name: x\ndevices: [{id: c0, type: cpu, threads: 1}]\n")
     start = time.perf_counter()

@@ -1,7 +1,7 @@
-"""Supervision both ways: workers end when their launcher ends, however it
-ends, and a run folder serves one run at a time. Before, `kill -9` or SIGTERM on `hetplan run`
-left its workers training to the last step, and a second run in the same folder deleted the
-first one's files."""
+"""Supervision both ways: workers end when their launcher ends, however it ends (`kill -9` or
+SIGTERM on `hetplan run` must not leave them training to the last step), and a run folder, or a
+checkpoint folder, serves one run at a time (two runs in one folder would delete each other's
+files); a run that fails, a full disk included, says so in one line and leaves nothing half-made."""
 
 import json
 import os
@@ -80,3 +80,72 @@ def test_a_run_folder_is_free_again_after_its_run(tmp_path):
         pass
     with run_folder_lock(tmp_path):  # released
         assert (tmp_path / ".lock").read_text() == str(os.getpid())
+
+
+def _small_disk(folder: Path, kib: int, command: str) -> subprocess.CompletedProcess:
+    """`command` in a mount namespace of its own where `folder` is a tmpfs of `kib` KiB: a full
+    disk, real, without root (an unprivileged user namespace maps this user to root in it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                           f"mount -t tmpfs -o size={kib}k tmpfs {folder} && {command}"],
+                          capture_output=True, text=True, timeout=limit_s(240))
+
+
+def _can_mount(tmp_path: Path) -> bool:
+    try:
+        return _small_disk(tmp_path / "probe", 8, "true").returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@pytest.fixture
+def mlp_plan(tmp_path, cli):
+    g, p = tmp_path / "g.json", tmp_path / "p.json"
+    assert cli("profile", "mlp", "--batch-size", "8", "-o", g).code == 0
+    assert cli("plan", g, "--cluster", "local", "--planner", "uniform", "-o", p).code == 0
+    return g, p
+
+
+@pytest.mark.parametrize("where", ["--out", "--checkpoint-dir"])
+def test_a_run_on_a_full_disk_is_one_line_that_says_so_and_leaves_nothing(tmp_path, mlp_plan, where):
+    """Workers that cannot write their heartbeats, errors or checkpoints: the launcher names the
+    full disk with its free space (the workers' error files are empty there: no first line to
+    read), and what the run made there goes again (the temporary files of an atomic write
+    included)."""
+    if not _can_mount(tmp_path):
+        pytest.skip("no unprivileged mount namespace here (unshare --user --mount)")
+    g, p = mlp_plan
+    disk = tmp_path / "disk"
+    out = disk / "run" if where == "--out" else tmp_path / "run"
+    flags = f"--out {out}" + (f" --checkpoint-dir {disk / 'ck'}" if where == "--checkpoint-dir" else "")
+    r = _small_disk(disk, 12 if where == "--out" else 100,
+                    f"{sys.executable} -m hetplan run {p} --model mlp --graph {g} --steps 2 {flags}; echo rc=$?; "
+                    f"ls -A {disk}")
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hetplan: error: ") and "Traceback" not in r.stderr, r.stderr
+    assert "rc=2" in r.stdout and "bytes free on the disk of" in err[0], (r.stdout, err)
+    if where == "--checkpoint-dir":
+        assert "cannot write the checkpoint" in err[0]
+    assert r.stdout.split("rc=2")[1].split() == [], r.stdout  # the small disk is empty again
+
+
+def test_a_checkpoint_folder_serves_one_run_and_a_dry_run_waits_for_none(tmp_path, mlp_plan, cli):
+    """Two runs with different --out folders but one --checkpoint-dir would write the same files;
+    a dry run into the folder of a run still going would replace its run.json mid-run."""
+    g, p = mlp_plan
+    ck, out = tmp_path / "ck", tmp_path / "busy"
+    with run_folder_lock(ck, "--checkpoint-dir"):
+        r = cli("run", p, "--model", "mlp", "--graph", g, "--steps", "2", "--out", tmp_path / "other",
+                "--checkpoint-dir", ck)
+        assert r.code == 2 and "in use by another hetplan run" in r.err and "another --checkpoint-dir" in r.err
+        assert not (tmp_path / "other").exists()
+    with run_folder_lock(out):
+        (out / "run.json").write_text("the running run's\n")
+        (out / "heartbeat.0").write_text("{}")
+        r = cli("run", p, "--model", "mlp", "--graph", g, "--steps", "2", "--out", out)
+        assert r.code == 2 and "in use by another hetplan run" in r.err
+        assert (out / "heartbeat.0").exists(), "a refused run cleared the running run's folder"
+        r = cli("run", p, "--model", "mlp", "--graph", g, "--dry-run", "--out", out)
+        assert r.code == 2 and "in use by another hetplan run" in r.err
+        assert (out / "run.json").read_text() == "the running run's\n"
+    assert cli("run", p, "--model", "mlp", "--graph", g, "--dry-run", "--out", out).code == 0

@@ -488,8 +488,8 @@ def test_the_groupings_planned_on():
 
 def test_max_tp_on_a_graph_that_cannot_split_is_refused_in_one_line():
     """Asked for groups of 2 on a graph whose nodes say nothing of how they split (a PipeDream
-    import), or split only 3 ways: one line that says why and what to do (it used to plan as if
-    --max-tp were 1, silently). By default (auto) nothing is asked, so nothing is refused."""
+    import), or split only 3 ways: one line that says why and what to do, not a plan made as if
+    --max-tp were 1. By default (auto) nothing is asked, so nothing is refused."""
     from hetplan.errors import HetplanError
     from hetplan.graph import Edge, Graph, Node
     from hetplan.io.clusters import cluster_from_spec

@@ -256,9 +256,9 @@ def test_dp_never_gets_worse_when_hosts_are_added():
 
 
 def test_dp_is_never_worse_than_the_baselines(profiles):
-    """resnet18 on 8 V100s at 10 GB/s: dp returned a 2-stage pipeline at 108.7 ms while the
-    whole model on 8 replicas takes 100.2 ms (bench/dp_no_miss.py); its model ranked the
-    pipelines first. The baselines' plans now compete at the end."""
+    """resnet18 on 8 V100s at 10 GB/s: the whole model on 8 replicas (100.2 ms) beats dp's best
+    2-stage pipeline (108.7 ms, bench/dp_no_miss.py), which dp's own model ranks first; the
+    baselines' plans compete at the end, so dp returns the better."""
     from hetplan.planners.dp import baseline_plans
 
     graph = import_pipedream(profiles / "resnet18" / "graph.txt")
@@ -311,10 +311,10 @@ def test_known_plans_tighten_dp_s_first_bound():
 
 
 def test_zeroing_the_input_never_gives_dp_a_worse_plan(profiles):
-    """resnet50 on 4 V100s at 1 GB/s (bench/dp_no_miss.py): with the Input node's time zeroed, dp
-    returned [2, 1, 1] replicas at 247.2 ms, while its plan for the kept graph, re-scored on the
-    zeroed one, takes 220.1 ms. Its model misjudged every 3-stage label and a full front dropped
-    the [3, 1] ones; fronts now keep the best label of each first-stage width."""
+    """resnet50 on 4 V100s at 1 GB/s (bench/dp_no_miss.py): with the Input node's time zeroed, dp's
+    plan is no worse than its plan for the kept graph re-scored on the zeroed one (220.1 ms),
+    where a full front that dropped the [3, 1] labels would leave [2, 1, 1] at 247.2 ms: fronts
+    keep the best label of each first-stage width."""
     kept = import_pipedream(profiles / "resnet50" / "graph.txt")
     zeroed = import_pipedream(profiles / "resnet50" / "graph.txt", input_time="zero")
     cluster = cluster_from_spec({"devices": [{"id": "gpu", "type": V, "host": "box", "count": 4}],

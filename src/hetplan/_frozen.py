@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
+# What a file's fields may be, for the dataclasses written to JSON (`hetplan.io.serde`): a field
+# the class does not have is a mistake to name, not to drop (pydantic reads this attribute).
+FILE_SCHEMA = {"extra": "forbid"}
+
 K = TypeVar("K")
 V = TypeVar("V")
 

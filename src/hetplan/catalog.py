@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from hetplan._frozen import FILE_SCHEMA
 from hetplan.errors import ClusterError
 from hetplan.precision import BF16, FP32, checked
 
@@ -29,6 +30,8 @@ class DeviceType:
     a T4 runs bf16 products at about its fp32 rate). `threads` is set for CPU types only.
     `driver_names`: the model numbers, in lower case, by which the CUDA driver's name of a GPU
     (`torch.cuda.get_device_properties(i).name`) says it is of this type (`by_driver_name`)."""
+
+    __pydantic_config__ = FILE_SCHEMA
 
     name: str
     kind: str
@@ -52,6 +55,8 @@ class DeviceType:
             value = getattr(self, field)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ClusterError(f"{who}: {field} is {value!r}; it must be finite and > 0")
+        if self.mem_bytes > MAX_MEM_BYTES:
+            raise ClusterError(f"{who}: {memory_problem(self.mem_bytes)}")
         if not math.isfinite(self.usd_per_hour) or self.usd_per_hour < 0:
             raise ClusterError(f"{who}: usd_per_hour is {self.usd_per_hour!r}; it must be >= 0")
         if self.threads is not None and (self.kind != "cpu" or self.threads < 1):
@@ -67,6 +72,15 @@ class DeviceType:
         return self.peak_flops_fp16
 
 GiB = 2**30
+
+# No one device holds a pebibyte (the largest hosts have tens of TiB): more is a typo in a unit, and
+# would pass every memory check of the planners, so every plan would look like it fits.
+MAX_MEM_BYTES = 2**50
+
+
+def memory_problem(mem_bytes: float) -> str:
+    return (f"memory is {mem_bytes:.3g} bytes, more than the {MAX_MEM_BYTES >> 50} PiB any one device has; check "
+            "the number and its unit (GiB, TiB)")
 
 CATALOG: MappingProxyType[str, DeviceType] = MappingProxyType(
     {

@@ -37,8 +37,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from hetplan._frozen import FrozenMap
-from hetplan.catalog import DeviceType
+from hetplan._frozen import FILE_SCHEMA, FrozenMap
+from hetplan.catalog import MAX_MEM_BYTES, DeviceType, memory_problem
 from hetplan.errors import ClusterError, listing, shown
 
 __all__ = ["MAX_DEVICES", "AllreduceCurve", "Calibration", "Cluster", "Device", "DeviceType", "Link", "LinkOverride"]
@@ -74,6 +74,8 @@ def too_many_devices(count: int, where: str = "") -> str:
 class Link:
     """A point-to-point link (what a transfer over it costs: `hetplan.cost.formulas.transfer_s`)."""
 
+    __pydantic_config__ = FILE_SCHEMA
+
     bandwidth_Bps: float
     latency_s: float
 
@@ -90,6 +92,8 @@ LOCAL_LINK = Link(math.inf, 0.0)  # a device to itself: no transfer
 @dataclass(frozen=True)
 class LinkOverride:
     """The link between two named devices, used in both directions."""
+
+    __pydantic_config__ = FILE_SCHEMA
 
     between: tuple[str, str]
     bandwidth_Bps: float
@@ -117,6 +121,8 @@ def _points(points, what: str) -> tuple[tuple[float, float], ...]:
 class AllreduceCurve:
     """All-reduce times measured between `replicas` local workers: (bytes, seconds) points."""
 
+    __pydantic_config__ = FILE_SCHEMA
+
     replicas: int
     points: tuple[tuple[float, float], ...]
 
@@ -135,6 +141,8 @@ class Calibration:
     (gloo between local processes), and how much CPU workers on one host slow each other down
     (`corun_slowdown`: (busy CPU workers, factor on each one's compute)). `source` says where and
     when it was measured."""
+
+    __pydantic_config__ = FILE_SCHEMA
 
     source: str
     allreduce: tuple[AllreduceCurve, ...] = ()
@@ -162,6 +170,8 @@ class Device:
     `optimizer_points` are `(parameter bytes, seconds)` of the optimizer step as measured on this
     device (`hetplan calibrate`); empty, the cost model's memory-bound formula is used."""
 
+    __pydantic_config__ = FILE_SCHEMA
+
     id: str
     type: str
     host: str
@@ -181,6 +191,8 @@ class Device:
             raise ClusterError(f"device {self.id!r} needs a host")
         if not is_finite(self.mem_bytes) or self.mem_bytes <= 0:
             raise ClusterError(f"device {self.id!r}: mem_bytes is {shown(self.mem_bytes)}; it must be finite and > 0")
+        if self.mem_bytes > MAX_MEM_BYTES:
+            raise ClusterError(f"device {self.id!r}: {memory_problem(self.mem_bytes)}")
         if self.threads is not None and (isinstance(self.threads, bool) or not 1 <= self.threads <= MAX_THREADS):
             raise ClusterError(f"device {self.id!r}: threads is {shown(self.threads)}; it must be from 1 to "
                                f"{MAX_THREADS}")
@@ -199,6 +211,8 @@ class Device:
 @dataclass(frozen=True)
 class Cluster:
     """Devices, their types (self-contained, so a saved cluster needs no catalog) and links."""
+
+    __pydantic_config__ = FILE_SCHEMA
 
     name: str
     devices: tuple[Device, ...]

@@ -17,7 +17,7 @@ from functools import cached_property
 
 import networkx as nx
 
-from hetplan._frozen import FrozenMap
+from hetplan._frozen import FILE_SCHEMA, FrozenMap
 from hetplan.errors import GraphError, shown
 from hetplan.precision import FP32, PRECISIONS
 
@@ -113,6 +113,8 @@ class Node:
     forward run again, or the part selective recomputation runs, and the checkpoint's own cost);
     a unit missing counts one forward.
     """
+
+    __pydantic_config__ = FILE_SCHEMA
 
     id: str
     op: str
@@ -249,6 +251,8 @@ class Node:
 class Edge:
     """The output of `src` is an input of `dst`; `bytes` is its size for the whole batch."""
 
+    __pydantic_config__ = FILE_SCHEMA
+
     src: str
     dst: str
     bytes: int = 0
@@ -262,6 +266,8 @@ class Tied:
     """A parameter several nodes use, counted in the `param_bytes` of each of them (GPT-2's
     token embedding, which is also its output layer). Stages that hold some of `nodes` each
     keep a copy and sum its gradient after the step (`hetplan.sync`)."""
+
+    __pydantic_config__ = FILE_SCHEMA
 
     nodes: tuple[str, ...]
     bytes: int
@@ -277,6 +283,8 @@ class Graph:
     `profiled_on` is the device type whose times every node carries; `precision` the arithmetic
     they were taken in (`hetplan.precision`): times, activations and message bytes are that
     precision's."""
+
+    __pydantic_config__ = FILE_SCHEMA
 
     name: str
     nodes: tuple[Node, ...]

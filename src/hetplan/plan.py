@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from hetplan._frozen import FrozenMap, freeze
+from hetplan._frozen import FILE_SCHEMA, FrozenMap, freeze
 from hetplan.cluster import Cluster
 from hetplan.errors import PlanError, listing
 from hetplan.graph import Graph
@@ -68,9 +68,11 @@ class Stage:
     device keeps less of its blocks' activations (`Node.act_sequence_share`;
     `hetplan.pieces.tensor_stage.gathered`)."""
 
+    __pydantic_config__ = FILE_SCHEMA
+
     nodes: tuple[str, ...]
     devices: tuple[str, ...]
-    recompute: Literal["none", "stage", "block", "selective", True, False] = "none"
+    recompute: Literal["none", "stage", "block", "selective"] | bool = "none"
     shard: int = 0
     tp: int = 1
     tp_devices: tuple[tuple[str, ...], ...] = ()
@@ -144,6 +146,8 @@ class Estimate:
     time the link spent sending them. `method` says where the numbers come from (`event`: the
     event-driven simulator; `fast`: the batched evaluator; `measured`: a real run)."""
 
+    __pydantic_config__ = FILE_SCHEMA
+
     step_s: float
     samples_per_s: float
     busy_s: Mapping[str, float]
@@ -187,6 +191,8 @@ class Plan:
     `planner` and `objective` say how the plan was made; `graph` and `cluster` name what it was
     made for; `precision` the arithmetic it runs in (`hetplan.precision`: the graph's, which was
     profiled in it); `meta` holds the planner's settings (seed, planning time, ...) as JSON values."""
+
+    __pydantic_config__ = FILE_SCHEMA
 
     stages: tuple[Stage, ...]
     microbatches: int

@@ -35,6 +35,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     for out in outputs:
         if out:
             serde.check_output(out, inputs)
+            serde.check_output_dir(Path(out).parent, f"{Path(out).name}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

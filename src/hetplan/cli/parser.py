@@ -53,11 +53,20 @@ Every command takes --json and then prints one JSON object."""
 Subparsers = argparse._SubParsersAction  # what `add_subparsers` returns
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line, like every other error of hetplan's (the
+    usage block argparse prints first is `--help`'s to show); its subcommands' parsers are of this
+    class too (`add_subparsers` makes its own type)."""
+
+    def error(self, message: str):
+        self.exit(2, f"hetplan: error: {self.prog}: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _common_options()
     planning = _planning_options()
-    parser = argparse.ArgumentParser(prog="hetplan", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="hetplan", description=DESCRIPTION,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hetplan {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_info(sub, common)

@@ -15,6 +15,7 @@ from hetplan.cli._shared import (
     graph_at_batch,
     in_precision,
 )
+from hetplan.errors import HetplanError
 from hetplan.io import serde
 from hetplan.io.clusters import load_cluster
 from hetplan.io.graphs import load_graph
@@ -68,8 +69,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     _note_estimates(args, graph, cluster)
     options = _options(args)
-    names = ([n.strip() for n in args.planners.split(",") if n.strip()] if args.planners
+    names = ([n.strip() for n in args.planners.split(",") if n.strip()] if args.planners is not None
              else [n for n in PLANNERS if n not in RL_PLANNERS and (n != "milp" or args.objective == "throughput")])
+    if not names:
+        raise HetplanError(f"--planners {args.planners!r}: names no planner; give a comma-separated list of "
+                           f"{', '.join(PLANNERS)}, or leave the flag out for the usual set")
     for name in names:
         get_planner(name)
     bar = _progress_bar(args)
@@ -96,7 +100,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     plan = serde.load(args.plan, expect="plan")
     graph = graph_at_batch(in_precision(load_graph(args.graph), args.precision or plan.precision),
-                           args.global_batch or plan.meta.get("batch_size"))
+                           plan.meta.get("batch_size") if args.global_batch is None else args.global_batch)
     cluster = load_cluster(args.cluster)
     _note_estimates(args, graph, cluster)
     validate_plan(plan, graph, cluster, source=str(args.plan))

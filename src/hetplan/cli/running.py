@@ -53,11 +53,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise HetplanError(f"--checkpoint-every {args.checkpoint_every}: K must be >= 1 and needs --checkpoint-dir "
                            "DIR (without --checkpoint-every, the last step is saved there)")
     settings = RunSettings.from_args(args)
-    spec = prepare_run(plan, cluster, args.model, graph, settings, source=str(args.plan))[0]
-    args.warnings.extend(faithful_warnings(spec))
     serde.check_output_dir(args.out, "the run folder")  # probes only: a refused run leaves no folder behind
     if args.checkpoint_dir:
         serde.check_output_dir(args.checkpoint_dir, "checkpoints")
+    spec = prepare_run(plan, cluster, args.model, graph, settings, source=str(args.plan))[0]
+    args.warnings.extend(faithful_warnings(spec))  # loads the model: after the cheap checks
     if args.dry_run:
         return _dry_run(args, spec, graph, cluster)
     bar = _progress_bar(args)

@@ -29,6 +29,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from hetplan.catalog import catalog_names, find
 from hetplan.errors import GraphError, InputError
 from hetplan.graph import Edge, Graph, Node
 
@@ -90,6 +91,9 @@ def parse_pipedream(
     `zero` drops the Input nodes' loading time, as PipeDream's optimizer does."""
     if input_time not in INPUT_TIMES:
         raise InputError(f"--input-time: {input_time!r} is unknown (allowed: {', '.join(INPUT_TIMES)})")
+    if find(device_type) is None:  # the cost model projects from the profiled type's catalog figures
+        raise InputError(f"--device-type {device_type!r}: not a device type hetplan knows; give the one the profile "
+                         f"was taken on, of {', '.join(catalog_names())} (cpu-Nt for N threads)")
     nodes, edges = _read_lines(text, source, device_type)
     if input_time == "zero":
         # as PipeDream's optimizer: no time and nothing stashed; its output still travels if a
@@ -99,6 +103,7 @@ def parse_pipedream(
     if not nodes:
         raise InputError(f"{source}: no node lines; is this a PipeDream graph.txt?")
     graph_edges = _graph_edges(edges, nodes, source)
+    _check_whole(nodes, graph_edges, source)
     if batch_size is None:
         batch_size = _batch_size(nodes, source)
     try:
@@ -179,6 +184,19 @@ def _graph_edges(edges: list[tuple[int, str, str]], nodes: list[Node], source: s
         seen[(src, dst)] = lineno
         graph_edges.append(Edge(src, dst, out_bytes[src]))
     return graph_edges
+
+
+def _check_whole(nodes: list[Node], edges: list[Edge], source: str) -> None:
+    """Refuse a file cut short (a copy that stopped early drops its last edge lines, and what is
+    left still parses): in a whole profile one node that does work has no edge out, the last
+    (the loss's input); others without one are outputs nothing reads, which cost nothing
+    (GNMT's unused LSTM states)."""
+    has_out = {e.src for e in edges}
+    ends = [n.id for n in nodes if n.id not in has_out and sum(n.fwd_s.values()) + sum(n.bwd_s.values()) > 0]
+    if len(ends) > 1:
+        raise InputError(f"{source}: {len(ends)} nodes that compute ({', '.join(ends[:3])}"
+                         f"{', ...' if len(ends) > 3 else ''}) have no edge out, where a whole profile has one, the "
+                         "last; the file looks cut short or edited: copy the whole graph.txt the profiler wrote")
 
 
 def _batch_size(nodes: list[Node], source: str) -> int:

@@ -155,6 +155,16 @@ def _loc(loc: tuple) -> str:
     return out
 
 
+def _said(err: Mapping[str, Any], kind: str) -> str:
+    """pydantic's message about a field, in the words of a hetplan file."""
+    if err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        return f"not a field of a hetplan {kind} file; remove it, or check its spelling"
+    given = err.get("input")
+    if isinstance(given, str) and err["type"] in ("int_type", "float_type", "bool_type"):
+        return f"{err['msg']}, got the text {shown(given)}: write it without quotes"
+    return err["msg"]
+
+
 def from_dict(data: Any, *, source: str = "<json>", expect: str | None = None) -> Any:
     """Rebuild a typed object from `to_dict`'s output; `expect` names the kind wanted."""
     if not isinstance(data, Mapping):
@@ -176,11 +186,13 @@ def from_dict(data: Any, *, source: str = "<json>", expect: str | None = None) -
         raise InputError(f"{source}: schema_version {version} is not a valid version")
     fields = {k: v for k, v in data.items() if k not in ("kind", "schema_version")}
     try:
-        obj = _adapter(KINDS[kind]).validate_python(fields)
+        # strict, from the JSON text: a number must be a number and a switch a switch ("4" and
+        # "yes" are mistakes to name, not to read as 4 and True), and a list stands for a tuple
+        obj = _adapter(KINDS[kind]).validate_json(json.dumps(fields), strict=True)
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         cause = err.get("ctx", {}).get("error")
-        msg = str(cause) if isinstance(cause, HetplanError) else err["msg"]
+        msg = str(cause) if isinstance(cause, HetplanError) else _said(err, kind)
         loc = _loc(err["loc"])
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise InputError(f"{source}: {loc + ': ' if loc else ''}{msg}{more}") from None

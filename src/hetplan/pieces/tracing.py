@@ -19,6 +19,7 @@ import torch
 from torch import fx, nn
 
 from hetplan.errors import HetplanError
+from hetplan.pieces.random_settings import CHOOSES_PATH, random_settings
 
 
 def trace_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: str, block_classes: Iterable[str],
@@ -74,7 +75,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def export_step(step: nn.Module, batch: Mapping[str, torch.Tensor]) -> fx.GraphModule:
-    """`torch.export` the step in training mode; a failure names the module where it happened."""
+    """`torch.export` the step in training mode; a failure names the module where it happened.
+    A model that chooses in Python at random what runs is refused first: a trace would keep the
+    one choice made while tracing (numpy's SpecAugment masks become constants, silently)."""
+    if step.training and random_settings(step, CHOOSES_PATH):
+        raise HetplanError(f"cannot trace the model: {_what_to_do(step)}")
     try:
         with _quiet_torch_logs():
             ep = torch.export.export(step, (), dict(batch), strict=False)
@@ -82,10 +87,18 @@ def export_step(step: nn.Module, batch: Mapping[str, torch.Tensor]) -> fx.GraphM
         where = _failing_module(exc, step)
         _runs_as_it_is(step, batch)
         raise HetplanError(
-            f"cannot trace the model{where}: {type(exc).__name__}: {_first_line(exc)}; make that module "
-            "traceable by torch.export"
+            f"cannot trace the model{where}: {type(exc).__name__}: {_first_line(exc)}; {_what_to_do(step)}"
         ) from None
     return ep.module()
+
+
+def _what_to_do(step: nn.Module) -> str:
+    chooses = random_settings(step, CHOOSES_PATH)
+    if chooses:  # the usual cause where they are set: a random choice in Python of what runs
+        said = ", ".join(f"{k}={v:g}" for k, v in chooses.items())
+        return (f"the model chooses at random in Python which layers run or which frames it masks ({said}), which "
+                "no trace can follow: build it with those at 0 (hetplan run --no-dropout sets them to 0)")
+    return "make that module traceable by torch.export"
 
 
 class DoesNotRun(HetplanError):

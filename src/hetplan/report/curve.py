@@ -26,17 +26,41 @@ def curve_rows(plan: Plan) -> list[list[float]]:
 
 
 def write_curve(plan: Plan, prefix: str | Path) -> list[str]:
-    """Write PREFIX.csv and PREFIX.png (and PREFIX-tb/ if tensorboard is installed); the paths."""
+    """Write PREFIX.csv and PREFIX.png (and PREFIX-tb/ if tensorboard is installed); the paths.
+    Both or neither: when the picture cannot be written (a full disk), the table goes again."""
     rows = curve_rows(plan)
     prefix = Path(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    out = []
     csv_path = prefix.with_name(prefix.name + ".csv")
-    with open(csv_path, "w", newline="") as f:
+    atomic_write(csv_path, lambda tmp: _write_csv(tmp, rows), "the learning curve's table")
+    try:
+        png = _write_png(plan, rows, prefix)
+    except BaseException:
+        csv_path.unlink(missing_ok=True)
+        raise
+    out = [str(csv_path), str(png)]
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return out
+    tb = prefix.with_name(prefix.name + "-tb")
+    writer = SummaryWriter(str(tb))
+    for r in rows:
+        writer.add_scalar("objective/mean", r[3], int(r[0]))
+        if r[4] is not None:
+            writer.add_scalar("objective/best", r[4], int(r[0]))
+    writer.close()
+    out.append(str(tb))
+    return out
+
+
+def _write_csv(path: Path, rows: list[list[float]]) -> None:
+    with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(COLUMNS)
         w.writerows(rows)
-    out.append(str(csv_path))
+
+
+def _write_png(plan: Plan, rows: list[list[float]], prefix: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,19 +77,8 @@ def write_curve(plan: Plan, prefix: str | Path) -> list[str]:
     ax.legend()
     fig.tight_layout()
     png = prefix.with_name(prefix.name + ".png")
-    atomic_write(png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "the learning curve")
-    plt.close(fig)
-    out.append(str(png))
     try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional
-        return out
-    tb = prefix.with_name(prefix.name + "-tb")
-    writer = SummaryWriter(str(tb))
-    for r in rows:
-        writer.add_scalar("objective/mean", r[3], int(r[0]))
-        if r[4] is not None:
-            writer.add_scalar("objective/best", r[4], int(r[0]))
-    writer.close()
-    out.append(str(tb))
-    return out
+        atomic_write(png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "the learning curve")
+    finally:
+        plt.close(fig)
+    return png

@@ -81,6 +81,9 @@ def calibrate_action_overhead(cluster: Cluster, steps: int = 15, microbatches: S
     from hetplan.sim import simulate
     from hetplan.zoo import load_model
 
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise HetplanError(f"--steps {steps}: the probe pipeline runs at least 1 step (a median needs one); give "
+                           "--steps 1 or more (default 15)")
     workers = [d for d in cluster.devices if d.binding is not None]
     if not workers:
         raise HetplanError(f"cluster {cluster.name!r} has no worker to calibrate: give its devices a binding "
@@ -233,6 +236,9 @@ def calibrate_cluster(cluster: Cluster, steps: int = 15, say=lambda msg: None) -
     link between local workers and all-reduces by group size (gloo), each worker's optimizer
     step, the co-running slowdown of its CPU workers, and then the runtime's cost per action
     and per step on top of all that (`calibrate_action_overhead`). Returns it and the figures."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise HetplanError(f"--steps {steps}: the probe pipeline runs at least 1 step (a median needs one); give "
+                           "--steps 1 or more (default 15)")
     workers = [d for d in cluster.devices if d.binding is not None]
     if not workers:
         raise HetplanError(f"cluster {cluster.name!r} has no worker to calibrate: give its devices a binding "

@@ -13,6 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hetplan.errors import HetplanError
+from hetplan.runtime.supervise import space_left
+
 
 def stage_path(directory: Path, stage: int, replica: int = 0) -> Path:
     """The file of a stage, or of replica `replica` of a stage whose replicas shard their state."""
@@ -24,10 +27,19 @@ def save_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.
     directory.mkdir(parents=True, exist_ok=True)
     path = stage_path(directory, stage, replica)
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({"step": step, "shard": shard, "model": module.state_dict(),
-                "optimizer": optimizer.state_dict() if optimizer is not None else None,
-                "rng": torch.get_rng_state()}, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save({"step": step, "shard": shard, "model": module.state_dict(),
+                    "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                    "rng": torch.get_rng_state()}, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:  # torch says a full disk as "unexpected pos N vs M"
+        tmp.unlink(missing_ok=True)
+        raise HetplanError(f"{path}: cannot write the checkpoint ({_first_line(exc)}): "
+                           f"{space_left(directory)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def load_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,

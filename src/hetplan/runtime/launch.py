@@ -14,6 +14,7 @@ Several machines: run the same worker under torchrun on each, with RUN.json copi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,7 +38,13 @@ from hetplan.plan import Plan
 from hetplan.rows import StepRows, idle_replicas, step_rows
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.spec import RankSpec, RunSpec
-from hetplan.runtime.supervise import LAUNCHER_PID, run_folder_lock, stop_on_terminate
+from hetplan.runtime.supervise import (
+    LAUNCHER_PID,
+    clear_failed_run,
+    run_folder_lock,
+    space_left,
+    stop_on_terminate,
+)
 from hetplan.runtime.support import runtime_refusal
 from hetplan.sync import rank_numbers
 
@@ -188,14 +195,21 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _why(out_dir: Path, rank: int, spec: RunSpec) -> str:
-    err = out_dir / f"error.{rank}"
-    if err.exists():
-        return err.read_text().splitlines()[0]
-    log = out_dir / f"worker.{rank}.log"
-    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+def _why(out_dir: Path, rank: int, spec: RunSpec, code: int | None = None) -> str:
+    """The first line of what the worker said about its failure (its error file, else its log's
+    last line); a worker that could write neither (a full disk) is said with its disk's space."""
+    for name, line in ((f"error.{rank}", 0), (f"worker.{rank}.log", -1)):
+        with contextlib.suppress(OSError):
+            said = (out_dir / name).read_text(errors="replace").strip().splitlines()
+            if said:
+                return said[line] if line == 0 else f"{_who(spec, rank)} exited: {said[line]}"
+    return (f"{_who(spec, rank)} exited{f' with status {code}' if code is not None else ''} and could not say why "
+            f"in {out_dir}: {space_left(out_dir)}")
+
+
+def _who(spec: RunSpec, rank: int) -> str:
     me = spec.ranks[rank]
-    return f"worker {rank} (stage {me.stage}, device {me.device}) exited: {tail[0] if tail else 'no output'}"
+    return f"worker {rank} (stage {me.stage}, device {me.device})"
 
 
 def pin_cores(threads: list[int]) -> list[list[int]]:
@@ -257,7 +271,7 @@ def _wait(procs: list[subprocess.Popen], spec: RunSpec, progress) -> None:
         codes = [p.poll() for p in procs]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            raise WorkerFailure(_why(out_dir, failed[0], spec) + "; every worker was stopped")
+            raise WorkerFailure(_why(out_dir, failed[0], spec, codes[failed[0]]) + "; every worker was stopped")
         if all(c == 0 for c in codes):
             return
         beats = _heartbeats(out_dir, world)
@@ -284,16 +298,35 @@ def launch(spec: RunSpec, progress=None) -> RunResult:
     for me in spec.ranks:  # every worker runs here: its GPU must be here
         if me.on_cuda:
             _check_cuda(me.device, me.binding)
-    with run_folder_lock(out_dir), stop_on_terminate():
-        spec_path = write_spec(spec)
-        for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json")]:
-            old.unlink()
-        procs = _start_workers(spec, spec_path)
-        try:
-            _wait(procs, spec, progress)
-        finally:
-            _stop(procs)  # nothing to stop after a clean end; everything after a failure or a signal
-        return read_result(out_dir, spec)
+    folders = {out_dir: "--out"}  # each locked, like a run's folder, and cleared if the run fails
+    if spec.settings.checkpoint_dir is not None:
+        folders.setdefault(spec.settings.checkpoint_dir, "--checkpoint-dir")
+    made = {folder: not folder.exists() for folder in folders}
+    mine: list[Path] = []  # the folders this run holds: only those are its to clear
+    try:
+        with contextlib.ExitStack() as held:
+            for folder, flag in folders.items():
+                held.enter_context(run_folder_lock(folder, flag))
+                mine.append(folder)
+            held.enter_context(stop_on_terminate())
+            return _launch_locked(spec, progress)
+    except BaseException:
+        for folder in mine:  # after the locks are let go, so that a folder this run made may go
+            clear_failed_run(folder, made[folder])
+        raise
+
+
+def _launch_locked(spec: RunSpec, progress) -> RunResult:
+    out_dir = spec.settings.out_dir
+    spec_path = write_spec(spec)
+    for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json")]:
+        old.unlink()
+    procs = _start_workers(spec, spec_path)
+    try:
+        _wait(procs, spec, progress)
+    finally:
+        _stop(procs)  # nothing to stop after a clean end; everything after a failure or a signal
+    return read_result(out_dir, spec)
 
 
 def read_result(out_dir: Path, spec: RunSpec) -> RunResult:

@@ -160,9 +160,6 @@ def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = 
     """The workers' spec (RUN.json) and the step the run starts at; checks everything first
     (`source`: the plan's file, named in an invalid plan's message)."""
     s = settings
-    if s.steps < 1 or s.warmup < 0:
-        raise HetplanError(f"--steps {s.steps} --warmup {s.warmup}: run at least 1 step, with 0 or more "
-                           "warm-up steps")
     batch_size, seq_len, granularity = _sizes(graph, model, s, plan)
     if graph is not None:
         validate_plan(plan, at_batch(graph, batch_size), cluster, source=source)
@@ -195,16 +192,19 @@ def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = Non
 def faithful_warnings(spec: RunSpec) -> list[str]:
     """Why this run's step differs from one process's on the whole batch (`hetplan.zoo.faithful`);
     a model that does not run on its example batch is said here, before any worker starts."""
+    from hetplan.rows import step_rows
+    from hetplan.runtime.stages import check_names_modules
     from hetplan.zoo import load_model
-    from hetplan.zoo.faithful import pipeline_warnings, switch_off_dropout
+    from hetplan.zoo.faithful import loss_parts, pipeline_warnings, switch_off_dropout
 
     s = spec.settings
     zm = load_model(spec.model, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed)
+    check_names_modules(zm.step, spec.plan)
     if spec.settings.no_dropout:
         switch_off_dropout(zm.step)
-    splits = spec.plan.microbatches > 1 or any(len(st.devices) > 1 for st in spec.plan.stages)
+    parts = loss_parts(step_rows(s.batch_size, spec.plan.microbatches, spec.replica_weights))
     try:
-        return pipeline_warnings(zm.step, zm.batch, splits)
+        return pipeline_warnings(zm.step, zm.batch, parts)
     except HetplanError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's model, failing on its own batch
@@ -230,12 +230,15 @@ def _report(spec: RunSpec, first: int, result: RunResult, graph: Graph | None, c
 def write_for_elsewhere(spec: RunSpec, graph: Graph | None, cluster: Cluster) -> Path:
     """`hetplan run --dry-run`: the run folder for workers started by torchrun: run.json, and the
     cluster and graph (at the run's batch) that rank 0 predicts with at the end (`finish_elsewhere`)."""
-    path = write_spec(spec)
-    serde.dump(cluster, spec.settings.out_dir / "cluster.json")
-    if graph is not None:
-        serde.dump(at_batch(graph, spec.settings.batch_size), spec.settings.out_dir / "graph.json")
-    for name in (["graph.json"] if graph is None else []) + ["summary.json", *TRACE_FILES]:  # an earlier run's
-        (spec.settings.out_dir / name).unlink(missing_ok=True)
+    from hetplan.runtime.supervise import run_folder_lock
+
+    with run_folder_lock(spec.settings.out_dir):  # never into the folder of a run still going
+        path = write_spec(spec)
+        serde.dump(cluster, spec.settings.out_dir / "cluster.json")
+        if graph is not None:
+            serde.dump(at_batch(graph, spec.settings.batch_size), spec.settings.out_dir / "graph.json")
+        for name in (["graph.json"] if graph is None else []) + ["summary.json", *TRACE_FILES]:  # an earlier run's
+            (spec.settings.out_dir / name).unlink(missing_ok=True)
     return path
 
 

@@ -10,10 +10,13 @@ size, sequence length, granularity) is worked out from the graph before the work
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from hetplan.errors import HetplanError
 
 # `hetplan run`'s flags whose destination differs from the field they set
 FLAG_FIELDS = {"out": "out_dir", "block_class": "block_classes"}
@@ -49,6 +52,24 @@ class RunSettings:
         if self.checkpoint_dir is not None:
             object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
         object.__setattr__(self, "block_classes", tuple(self.block_classes))
+        problem = self.problem()
+        if problem:
+            raise HetplanError(problem)
+
+    def problem(self) -> str | None:
+        """What is wrong with these settings, in the words of `hetplan run`'s flags (None: nothing),
+        found before any worker starts."""
+        if not (_whole(self.steps) and self.steps >= 1 and _whole(self.warmup) and self.warmup >= 0):
+            return (f"--steps {self.steps} --warmup {self.warmup}: run at least 1 step, with 0 or more warm-up "
+                    "steps")
+        for flag, value in (("--lr", self.lr), ("--timeout-s", self.timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                return f"{flag} {value}: must be a number above 0 (and finite)"
+        if not _whole(self.checkpoint_every) or self.checkpoint_every < 0:
+            return f"--checkpoint-every {self.checkpoint_every}: K must be >= 1 and needs --checkpoint-dir DIR"
+        if not _whole(self.seed):
+            return f"--seed {self.seed}: must be a whole number"
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON values (paths as text)."""
@@ -69,6 +90,10 @@ class RunSettings:
         """The settings `hetplan run`'s flags give; a flag not given (None) takes the default."""
         given = {FLAG_FIELDS.get(k, k): v for k, v in vars(args).items()}
         return cls.from_dict({f.name: given[f.name] for f in fields(cls) if f.name in given})
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 DEFAULTS = RunSettings()

@@ -36,6 +36,19 @@ class StageSpec:
 BATCH_NODES = ("input", "batch")  # the node the profiler adds for the batch: no code, not a piece
 
 
+def check_names_modules(step: nn.Module, plan: Plan, strip_prefix: str = "model.") -> None:
+    """Refuse a plan made for another model, before any worker traces the step: every piece the
+    profiler cuts is named after a module of the step (`split_step`: the module's path less
+    `strip_prefix`, "#k" for its k-th call), so a node that names none cannot be in the model.
+    The workers' full check (`stage_specs`) still follows."""
+    names = {n for name, _ in step.named_modules() for n in (name, name.removeprefix(strip_prefix))}
+    stray = [v for v in plan.stage_of() if v not in BATCH_NODES and v.split("#")[0] not in names]
+    if stray:
+        raise HetplanError(f"the model does not split like the plan's graph: the plan names node {stray[0]!r}, "
+                           f"which is not a module of the model ({len(stray)} such nodes); plan a graph profiled "
+                           "from this model, or pass the model the plan was made for")
+
+
 def stage_specs(split: SplitStep, plan: Plan) -> list[StageSpec]:
     """The values crossing each boundary of the plan's chain of stages."""
     names = {p.name for p in split.pieces}

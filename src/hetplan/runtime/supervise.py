@@ -81,8 +81,9 @@ def stop_on_terminate() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def run_folder_lock(out_dir: Path) -> Iterator[None]:
-    """Hold `out_dir` for one run; another run asking for it is refused in one line."""
+def run_folder_lock(out_dir: Path, flag: str = "--out") -> Iterator[None]:
+    """Hold `out_dir` for one run; another run asking for it is refused in one line (`flag`: the
+    option that named the folder, `--out` or `--checkpoint-dir`, said in that line)."""
     import fcntl
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -93,9 +94,40 @@ def run_folder_lock(out_dir: Path) -> Iterator[None]:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             raise HetplanError(f"{out_dir} is in use by another hetplan run (pid {holder}); wait for it to end or "
-                               "give this run another --out folder") from None
+                               f"give this run another {flag} folder") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def space_left(folder: Path) -> str:
+    """What a failed write into `folder` most often means, said with the figure: the free space
+    of its disk."""
+    import shutil
+
+    try:
+        free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
+    except OSError:
+        return f"check that {folder} can be written"
+    return f"{free:,} bytes free on the disk of {folder}" + ("; free some space or write elsewhere"
+                                                            if free < 64 << 20 else "")
+
+
+def clear_failed_run(out_dir: Path, made: bool) -> None:
+    """After a run failed: what only a running run needs goes (temporary files, heartbeats, empty
+    error files and logs); an error or log with something in it stays, to read. A folder this run
+    made that is left with nothing to read goes entirely, lock and run.json too."""
+    for f in [*out_dir.glob(".*.tmp"), *out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"),
+              *out_dir.glob("worker.*.log")]:
+        with contextlib.suppress(OSError):
+            if f.name.startswith((".", "heartbeat.")) or f.stat().st_size == 0:
+                f.unlink()
+    left = {f.name for f in out_dir.iterdir()} if out_dir.is_dir() else set()
+    if made and left <= {".lock", "run.json", "cluster.json", "graph.json"}:
+        for name in left:
+            with contextlib.suppress(OSError):
+                (out_dir / name).unlink()
+        with contextlib.suppress(OSError):
+            out_dir.rmdir()

@@ -44,8 +44,12 @@ if TYPE_CHECKING:
 
 def _write(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, path)
+    except OSError:  # a full disk: no half file stays behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _batches(spec: RunSpec, zoo_model, step: int):
@@ -374,9 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the launcher reports it, naming the worker
         me = spec.ranks[rank] if rank < spec.world else None
         stage, device = (me.stage, me.device) if me is not None else (None, None)
-        (spec.settings.out_dir / f"error.{rank}").write_text(
-            f"worker {rank} (stage {stage}, device {device}): {type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n{traceback.format_exc()}")
+        said = (f"worker {rank} (stage {stage}, device {device}): {type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n{traceback.format_exc()}")
+        error = spec.settings.out_dir / f"error.{rank}"
+        try:
+            error.write_text(said)
+        except OSError:  # the folder cannot take it (a full disk): the launcher says so instead
+            error.unlink(missing_ok=True)
         return 1
     if rank == 0 and LAUNCHER_PID not in os.environ:  # started by torchrun: nobody else sums it up
         print(_summed_up(spec), flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch import fx, nn
 
 from hetplan.errors import HetplanError
+from hetplan.zoo.losses import traceable_loss
 from hetplan.zoo.model import ZooModel
 
 
@@ -278,7 +280,7 @@ def user_model(ref: str, batch_size: int | None, seq_len: int | None) -> ZooMode
         return ZooModel(made.name or ref, made.step, made.batch, made.block_classes, made.batches)
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and isinstance(made[1], Mapping):
         model, batch = made
-        return ZooModel(ref, TrainStep(model, _output_loss), dict(batch), ())
+        return ZooModel(ref, TrainStep(model, traceable_loss(model, batch) or _output_loss), dict(batch), ())
     raise HetplanError(f"{ref}: the factory must return a hetplan.zoo.ZooModel or a (model, batch dict) pair")
 
 
@@ -286,7 +288,6 @@ def _call_factory(ref: str, factory, kwargs: dict) -> Any:
     """The user's factory called with the sizes given, or one line that says what went wrong: a
     size it takes no parameter for, or what it raised and where."""
     import inspect
-    import traceback
 
     try:
         params = inspect.signature(factory).parameters
@@ -330,6 +331,13 @@ def _import_user_module(ref: str, module_name: str):
         raise HetplanError(f"{ref}: importing {module_name!r} failed: {exc}") from None
     except ImportError as exc:
         raise HetplanError(f"{ref}: importing {module_name!r} failed: {exc}") from None
+    except SyntaxError as exc:  # the module's text is not Python: where, in one line
+        raise HetplanError(f"{ref}: {module_name!r} is not valid Python: {exc.msg} "
+                           f"(at {os.path.basename(exc.filename or '?')}:{exc.lineno}); fix the file") from None
+    except Exception as exc:  # noqa: BLE001 - the module's own code failed while it was imported
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raise HetplanError(f"{ref}: importing {module_name!r} raised {type(exc).__name__}: {exc} "
+                           f"(at {os.path.basename(frame.filename)}:{frame.lineno})") from None
 
 
 def output_loss(out: Any) -> torch.Tensor:
