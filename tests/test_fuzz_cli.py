@@ -531,3 +531,34 @@ def test_a_learning_curve_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(HetplanError, match="cannot write the learning curve"):
         write_curve(plan, tmp_path / "sub")
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("sub", ".sub"))]
+
+
+def _with(base, path, value):
+    data = copy.deepcopy(base)
+    _set(data, path, value)
+    return data
+
+
+# Each mistake a user made that a file once passed through silently, named (the fuzzers above
+# draw them among many; these run every time).
+NAMED_FILES = [
+    ("graph", ".json", _with(GRAPH, ("edges", 0, "bytes"), "4096")),
+    ("graph", ".json", _with(GRAPH, ("nodes", 0, "fwd_s", "cpu-1t"), "0.01")),
+    ("graph", ".json", {**GRAPH, "nodez": []}),
+    ("graph", ".json", _with(GRAPH, ("nodes", 1, "fwd_time"), 1.0)),
+    ("plan", ".json", _with(PLAN, ("microbatches",), "4")),
+    ("plan", ".json", _with(PLAN, ("stages", 0, "recompute"), "yes")),
+    ("plan", ".json", _with(PLAN, ("stages", 0, "recompute"), 1)),
+    ("plan", ".json", _with(PLAN, ("stages", 0, "colour"), "red")),
+    ("plan", ".json", {**PLAN, "micro_batches": 4}),
+    ("cluster", ".yaml", _with(CLUSTER, ("devices", 0, "memory"), "99999999999999999999999PiB")),
+    ("cluster", ".saved.json", _with(SAVED, ("devices", 0, "mem_bytes"), 2**51)),
+    ("cluster", ".saved.json", _with(SAVED, ("devices", 0, "gpus"), 8)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(NAMED_FILES)))
+def test_named_mistakes_in_files_are_refused_in_one_line(cli, workdir, case):
+    kind, suffix, data = NAMED_FILES[case]
+    dumps = one_line_yaml if suffix == ".yaml" else one_line_json
+    _refused(cli, workdir, kind, suffix, ("field", dumps(data).encode()))

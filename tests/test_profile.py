@@ -361,3 +361,20 @@ def test_profiles_say_how_nodes_were_timed_and_check_pairs_the_repeats():
     assert 0.2 < report.check_ratio[dtype] < 5 and 0.2 < report.check_ratio_median[dtype] < 5
     low, high = report.whole_step_range_s[dtype]
     assert low <= report.whole_step_s[dtype] <= high
+
+
+def test_tensor_parallel_rules_that_cannot_read_a_model_leave_its_profile_whole(monkeypatch):
+    """The split rules run on every profile, for plans that may ask for tensor parallelism later;
+    a model they cannot read (heads given per stage once made them raise a TypeError) is profiled
+    all the same, every node unsplittable (tp_units 1), instead of ending in a traceback."""
+    import hetplan.pieces.tensor_split as rules
+
+    def unreadable(*args, **kwargs):
+        raise TypeError("int() argument must be a string, a bytes-like object or a real number, not 'list'")
+
+    monkeypatch.setattr(rules, "split_units", unreadable)
+    monkeypatch.setattr(rules, "tensor_splits", unreadable)
+    zm = load_model("llama-tiny", batch_size=2, seq_len=8, seed=0)
+    graph = profile_step(zm.step, zm.batch, name="llama-tiny", repeats=1).graph
+    assert all(n.tp_units == 1 for n in graph.nodes if not n.is_input)
+    assert not any(n.act_split_share for n in graph.nodes)

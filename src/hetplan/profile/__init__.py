@@ -310,8 +310,18 @@ def _tp_units(model: nn.Module, split: SplitStep) -> dict[str, int]:
     from hetplan.pieces.tensor_split import split_units
 
     names = {id(p): n for n, p in model.named_parameters()}
-    return {piece.name: split_units(model, {names[id(p)] for p in piece.module.parameters() if id(p) in names})
-            for piece in split.pieces}
+    return {piece.name: _or_whole(lambda piece=piece: split_units(
+        model, {names[id(p)] for p in piece.module.parameters() if id(p) in names}), 1) for piece in split.pieces}
+
+
+def _or_whole(rule, whole):
+    """A tensor-parallel split rule's answer, or `whole` (the node never splits) where the rule
+    cannot read the model: a profile asked of a model those rules do not know (a configuration
+    laid out another way) still profiles it, for plans without tensor parallelism."""
+    try:
+        return rule()
+    except Exception:  # noqa: BLE001 - any failure of the rules only takes tensor parallelism off the table
+        return whole
 
 
 def _split_acts(model: nn.Module, split: SplitStep, values: Mapping[str, Any], mixed: Mixed,
@@ -326,13 +336,12 @@ def _split_acts(model: nn.Module, split: SplitStep, values: Mapping[str, Any], m
     out = {}
     for piece in (p for p in split.pieces if p.name in wanted):
         params = [p for p in piece.module.parameters() if id(p) in names]
-        try:
-            splits = tensor_splits(model, 2, {names[id(p)] for p in params})
-        except HetplanError:
+        splits = _or_whole(lambda params=params: tensor_splits(model, 2, {names[id(p)] for p in params}), None)
+        if splits is None:
             continue
         kinds = {p.untyped_storage().data_ptr(): splits[names[id(p)]].kind for p in params}
-        if ROW_KIND not in kinds.values() and not class_split_loss(
-                piece.module, {id(p): splits[names[id(p)]].kind for p in params}):
+        if ROW_KIND not in kinds.values() and not _or_whole(lambda piece=piece, params=params: class_split_loss(
+                piece.module, {id(p): splits[names[id(p)]].kind for p in params}), False):
             continue
         out[piece.name] = split_acts_pass(piece, [values[n] for n in piece.inputs], kinds, split.input_names, mixed)
     return out
