@@ -340,8 +340,9 @@ def _split_acts(model: nn.Module, split: SplitStep, values: Mapping[str, Any], m
         if splits is None:
             continue
         kinds = {p.untyped_storage().data_ptr(): splits[names[id(p)]].kind for p in params}
-        if ROW_KIND not in kinds.values() and not _or_whole(lambda piece=piece, params=params: class_split_loss(
-                piece.module, {id(p): splits[names[id(p)]].kind for p in params}), False):
+        by_param = {id(p): splits[names[id(p)]].kind for p in params}
+        if ROW_KIND not in kinds.values() and not _or_whole(
+                lambda piece=piece, by_param=by_param: class_split_loss(piece.module, by_param), False):
             continue
         out[piece.name] = split_acts_pass(piece, [values[n] for n in piece.inputs], kinds, split.input_names, mixed)
     return out
