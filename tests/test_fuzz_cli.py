@@ -459,10 +459,7 @@ def test_outputs_that_cannot_be_written_are_one_line(cli, workdir, monkeypatch, 
         assert _outputs(workdir) == before
 
 
-SHARED = Path(__file__).parent.parent.parent / "shared" / "data" / "pipedream-profiles"
-
-
-def _bad_lines(w: Path) -> list[tuple]:
+def _bad_lines(w: Path, shared: Path = Path("profiles")) -> list[tuple]:
     """Command lines that are wrong in one way each, with what the one line must say."""
     g, c, p, run = w / "g.json", w / "c.yaml", w / "p.json", ("--out", w / "out" / "run")
     mlp_plan = w / "mlp.json"
@@ -484,28 +481,39 @@ def _bad_lines(w: Path) -> list[tuple]:
         (("run", mlp_plan, "--model", "mlp", "--timeout-s", "nan", *run), "--timeout-s nan"),
         (("run", mlp_plan, "--model", "mlp", "--lr", "nan", *run), "--lr nan"),
         (("run", mlp_plan, "--model", "mlp", "--lr", "-1", *run), "--lr -1.0"),
-        (("import", "pipedream", SHARED / "resnet18" / "graph.txt", "--device-type", "tpu-v9",
+        (("import", "pipedream", shared / "resnet18" / "graph.txt", "--device-type", "tpu-v9",
           "-o", w / "out" / "r.json"), "--device-type 'tpu-v9': not a device type"),
         (("import", "pipedream", w / "half" / "graph.txt", "--batch-size", "32", "-o", w / "out" / "r.json"),
          "the file looks cut short"),
     ]
 
 
+@pytest.fixture(scope="module")
+def made(tmp_path_factory, profiles):
+    """What the bad command lines need, made once: an mlp graph and a plan for it, a factory that
+    is not Python, a PipeDream profile cut short."""
+    from hetplan.cli import main
+
+    folder = tmp_path_factory.mktemp("made")
+    (folder / "badsyntax.py").write_text("def f(:\n    pass\n")
+    (folder / "half").mkdir()
+    lines = (profiles / "resnet18" / "graph.txt").read_text().splitlines()
+    (folder / "half" / "graph.txt").write_text("\n".join(lines[:110]) + "\n")
+    assert main(["profile", "mlp", "-o", str(folder / "mlp-graph.json")]) == 0
+    assert main(["plan", str(folder / "mlp-graph.json"), "--cluster", "local", "--planner", "single",
+                 "-o", str(folder / "mlp.json")]) == 0
+    return folder
+
+
 @pytest.mark.parametrize("case", range(len(_bad_lines(Path("w")))))
-def test_bad_command_lines_are_one_line_found_before_any_work(cli, workdir, monkeypatch, case):
+def test_bad_command_lines_are_one_line_found_before_any_work(cli, workdir, monkeypatch, profiles, made, case):
     """Flags out of range, a factory that is not Python, a plan of another model, a PipeDream
     profile cut short: exit 2, one line that says what, nothing written, and found before any
     worker or probe starts (calibrate's probes take a minute; the check takes none)."""
-    (workdir / "badsyntax.py").write_text("def f(:\n    pass\n")
+    for name in ("badsyntax.py", "half", "mlp-graph.json", "mlp.json"):
+        (workdir / name).symlink_to(made / name)
     monkeypatch.syspath_prepend(str(workdir))
-    (workdir / "half").mkdir()
-    lines = (SHARED / "resnet18" / "graph.txt").read_text().splitlines()
-    (workdir / "half" / "graph.txt").write_text("\n".join(lines[:110]) + "\n")
-    profile = cli("profile", "mlp", "-o", workdir / "mlp-graph.json")
-    assert profile.code == 0, profile.err
-    assert cli("plan", workdir / "mlp-graph.json", "--cluster", "local", "--planner", "single",
-               "-o", workdir / "mlp.json").code == 0
-    args, said = _bad_lines(workdir)[case]
+    args, said = _bad_lines(workdir, profiles)[case]
     before = _outputs(workdir)
     start = time.perf_counter()
     r = cli(*args)

@@ -1,8 +1,10 @@
 """Clusters of many devices: loading is linear, and past `MAX_DEVICES` a
-cluster is refused at once, in one line that names the file and the limit."""
+cluster is refused at once, in one line that names the file and the limit; files far bigger than
+any hetplan file are refused before they are read."""
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +101,15 @@ def test_a_cluster_file_far_bigger_than_any_cluster_is_refused_before_parsing(cl
     bad = cli("info", big)
     assert bad.code == 2 and "5.0 MB of YAML, more than a cluster of 1024 devices needs" in bad.err
     assert time.perf_counter() - start < limit_s(2)
+
+
+def test_a_json_file_bigger_than_any_hetplan_file_is_refused_before_it_is_read(cli, tmp_path, monkeypatch):
+    """A file is read whole into memory before it is parsed: its size is checked first (a sparse
+    file of 300 MB here: nothing is written to disk)."""
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(300 << 20)
+    monkeypatch.setattr(Path, "read_text", lambda *a, **k: pytest.fail("read before the size was checked"))
+    bad = cli("info", big)
+    assert bad.code == 2 and "300 MiB, more than any hetplan file holds" in bad.err
+    assert serde.MAX_JSON_BYTES < 300 << 20

@@ -248,10 +248,19 @@ def is_hetplan_file(data: Any) -> bool:
     return isinstance(data, Mapping) and "schema_version" in data
 
 
+# The largest hetplan file read: a graph of a 100,000-node model profiled on ten device types is
+# some 100 MB; a bigger file is the wrong file, refused before it is read into memory.
+MAX_JSON_BYTES = 256 << 20
+
+
 def read_json(path: str | os.PathLike) -> Any:
-    """The parsed JSON of a file; a missing, unreadable or broken file is an `InputError`."""
+    """The parsed JSON of a file; a missing, unreadable, too big or broken file is an `InputError`."""
     path = Path(path)
     try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise InputError(f"{path}: {size / 2**20:.0f} MiB, more than any hetplan file holds "
+                             f"({MAX_JSON_BYTES >> 20} MiB at most); is it the right file?")
         text = path.read_text()
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
