@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
 from hetplan.cost import CostModel
 from hetplan.io import serde
@@ -207,6 +208,7 @@ def run_weights(name, replicas, m, schedule, recompute, batch=8, unit="stage", g
     ("gpt2-tiny", [1, 2], 3, "1f1b", [0, 1], "block", "block"),
     ("llama-tiny", [1, 1], 4, "zero-bubble", [0, 1], "block", "block"),
     ("inception-tiny", [1, 1], 2, "1f1b", [0, 1], "block", "layer"),
+    ("resnet50", [1, 1], 2, "1f1b", [1], "block", "layer"),  # an add_ on a piece's input, inside its checkpoint
     # per block keeping the products' outputs (torch's selective checkpoint)
     ("gpt2-tiny", [1, 2], 3, "1f1b", [0, 1], "selective", "block"),
     ("llama-tiny", [1, 1], 4, "1f1b", [0, 1], "selective", "block"),
@@ -394,3 +396,40 @@ def test_selective_figures_of_a_small_piece_in_closed_form():
     figures = measure(lambda: piece(x.clone()), weights.__contains__)
     assert figures.keep_bytes == 4 * 16 * (8 + 4)
     assert figures.rebuilt_bytes == 4 * 16 * (4 + 8)
+
+
+class _Shortcut(torch.nn.Module):
+    """ResNet's end of a block: the branch's output gets the shortcut added in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.branch, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.act = torch.nn.ReLU()
+
+    def forward(self, x, y):
+        a = self.branch(x)
+        a += x  # an add_ on a value another piece made
+        return torch.nn.functional.mse_loss(self.head(self.act(a)), y)
+
+
+def test_recomputation_is_timed_for_a_piece_that_changes_its_input_in_place():
+    """The profiler times each piece under a checkpoint (`rerun_forwards`): torch keeps the
+    checkpoint's inputs to run the forward again, so a piece that adds to an input in place
+    (every ResNet block's shortcut) must be given a copy made inside the checkpoint, as the
+    runtime gives it (`checkpointable`); `hetplan profile resnet50` ended in autograd's error."""
+    from hetplan.pieces.split import changed_in_place
+    from hetplan.profile.timing import rerun_forwards
+
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 8), "y": torch.randn(4, 8)}
+    split = split_step(_Shortcut(), batch)
+    values = dict(batch)
+    with torch.no_grad():
+        for piece in split.pieces:
+            outs = piece.module(*[values[n] for n in piece.inputs])
+            values.update(zip(piece.outputs, outs if isinstance(outs, tuple) else (outs,), strict=True))
+    changing = [p for p in split.pieces if changed_in_place(p) - set(split.input_names)]
+    assert changing, [p.name for p in split.pieces]
+    for piece in changing:
+        rerun = rerun_forwards(piece, [values[n] for n in piece.inputs], split.input_names, repeats=1)
+        assert set(rerun) == {"block", "selective"} and all(v >= 0 for v in rerun.values())

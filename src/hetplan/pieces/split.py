@@ -311,3 +311,27 @@ def changed_in_place(piece: Piece) -> set[str]:
                 if value is ph and arg.alias_info is not None and arg.alias_info.is_write:
                     out.add(name)
     return out
+
+
+class CopiesItsInputs(nn.Module):
+    """A piece that writes to some of its inputs (ResNet's `add_` of the shortcut, a ReLU in
+    place), run on copies of them made inside the call. Under a checkpoint that matters: torch
+    keeps the call's inputs to run the forward again in the backward, and refuses one that was
+    changed since; copied inside, the kept inputs stay as they were, and the copy is made again
+    when the forward is."""
+
+    def __init__(self, module: nn.Module, positions: Iterable[int]):
+        super().__init__()
+        self.module = module
+        self.positions = frozenset(positions)
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.module(*[x.clone() if i in self.positions else x for i, x in enumerate(inputs)])
+
+
+def checkpointable(piece: Piece) -> nn.Module:
+    """The piece's module, as a checkpoint around it must call it (`CopiesItsInputs` where it
+    changes an input in place)."""
+    changed = changed_in_place(piece)
+    positions = [i for i, name in enumerate(piece.inputs) if name in changed]
+    return CopiesItsInputs(piece.module, positions) if positions else piece.module

@@ -37,7 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hetplan.pieces import selective, split_acts
 from hetplan.pieces.mixed import Mixed, WeightCasts
-from hetplan.pieces.split import Piece, SplitStep, changed_in_place
+from hetplan.pieces.split import Piece, SplitStep, changed_in_place, checkpointable
 from hetplan.precision import FP32
 
 
@@ -143,9 +143,10 @@ def rerun_forwards(piece: Piece, inputs: Sequence[Any], data: Collection[str] = 
     mixed = mixed or Mixed(FP32, "cpu")
     clock = Clock(device)
     leaves = _leaves(inputs, [n in data for n in piece.inputs])
+    safe = checkpointable(piece)  # as the runtime checkpoints it (`StageModule.run`)
     ways = {"none": piece.module,
-            "block": lambda *xs: checkpoint(piece.module, *xs, use_reentrant=False),
-            "selective": lambda *xs: checkpoint(piece.module, *xs, use_reentrant=False, context_fn=selective.contexts)}
+            "block": lambda *xs: checkpoint(safe, *xs, use_reentrant=False),
+            "selective": lambda *xs: checkpoint(safe, *xs, use_reentrant=False, context_fn=selective.contexts)}
 
     def timed(run: Callable[..., Any], backward: bool) -> float:
         best = math.inf

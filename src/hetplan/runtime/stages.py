@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
-from hetplan.pieces.split import Piece, SplitStep, changed_in_place
+from hetplan.pieces.split import Piece, SplitStep, changed_in_place, checkpointable
 from hetplan.plan import Plan
 
 
@@ -99,8 +99,8 @@ class StageModule(nn.Module):
         self.spec = spec
         self.pieces = nn.ModuleList([p.module for p in pieces])
         self._io = [(p.inputs, p.outputs) for p in pieces]
-        self._changes = [frozenset(changed_in_place(p)) for p in pieces]
-        self._mutated = frozenset(v for c in self._changes for v in c) & set(spec.inputs)
+        self._mutated = frozenset(v for p in pieces for v in changed_in_place(p)) & set(spec.inputs)
+        self._checkpointable = [checkpointable(p) for p in pieces]  # a plain list: the same parameters
         # what runs each piece where its stage shards its parameters (`hetplan.runtime.zero`):
         # around(index, piece, inputs, call) gathers them for it, then calls as below
         self.around: Callable[[int, nn.Module, list, Callable | None], tuple] | None = None
@@ -110,14 +110,17 @@ class StageModule(nn.Module):
 
     def run(self, values: Sequence[torch.Tensor], call: Callable[[nn.Module, list], tuple] | None = None):
         """The forward, each piece run by `call(piece, inputs)` where given (a checkpoint per piece:
-        `Stage.recompute` "block"); such a call's inputs that the piece changes in place are copies,
-        so that running it again in the backward reads what the forward read."""
+        `Stage.recompute` "block"); such a call runs a piece that changes its inputs in place on
+        copies made inside it (`checkpointable`), so that running it again in the backward reads
+        what the forward read."""
         # a received value that a piece changes in place (ResNet's ReLU(inplace=True)) is copied
         # first: autograd forbids changing a leaf that asks for its gradient
         env = {v: x.clone() if v in self._mutated and x.requires_grad else x
                for v, x in zip(self.spec.inputs, values, strict=True)}
-        for i, (module, (ins, outs), changed) in enumerate(zip(self.pieces, self._io, self._changes, strict=True)):
-            args = [env[v].clone() if v in changed and call is not None else env[v] for v in ins]
+        for i, (module, (ins, outs)) in enumerate(zip(self.pieces, self._io, strict=True)):
+            args = [env[v] for v in ins]
+            if call is not None:
+                module = self._checkpointable[i]
             if self.around is not None:
                 results = self.around(i, module, args, call)
             elif call is None:
