@@ -168,11 +168,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/model_families.json"))
     parser.add_argument("--models", help="a comma-separated subset (default: all)")
+    parser.add_argument("--update", action="store_true",
+                        help="run only --models again, keeping the other rows of --out (total_s adds up)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     chosen = [m for m in models() if not args.models or m in args.models.split(",")]
-    rows = [row(ref, g) for ref in chosen for g in GRANULARITIES]
+    fresh = {(r["model"], r["granularity"]): r for r in (row(ref, g) for ref in chosen for g in GRANULARITIES)}
     total_s = time.perf_counter() - start
+    rows = list(fresh.values())
+    if args.update:
+        old = json.loads(args.out.read_text())
+        total_s += old["summary"]["total_s"]
+        rows = [fresh.pop((r["model"], r["granularity"]), r) for r in old["rows"]] + list(fresh.values())
     md = table(rows) + "\n\n" + notes(total_s) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     summary = {"tolerance": TOL, "micro_batches": MICRO_BATCHES, "schedule": SCHEDULE, "batch": BATCH, "seq": SEQ,

@@ -86,7 +86,8 @@ def _loss_and_grad(step: nn.Module, parts: Sequence[tuple[int, int]], batch: Map
         loss = step(**_rows(batch, lo, hi)) * ((hi - lo) / n)
         loss.backward()
         total += float(loss.detach())
-    grads = [p.grad.flatten() for p in step.parameters() if p.grad is not None]
+    grads = [(p.grad.to_dense() if p.grad.is_sparse else p.grad).flatten()  # an embedding's rows (ctr-dnn)
+             for p in step.parameters() if p.grad is not None]
     return total, torch.cat(grads) if grads else torch.zeros(0)
 
 
