@@ -144,6 +144,10 @@ def rerun_forwards(piece: Piece, inputs: Sequence[Any], data: Collection[str] = 
     clock = Clock(device)
     leaves = _leaves(inputs, [n in data for n in piece.inputs])
     safe = checkpointable(piece)  # as the runtime checkpoints it (`StageModule.run`)
+    # an input the piece changes in place is given afresh to every call (in every way alike): a
+    # change made in place on the same tensor would chain each call's graph to the last's
+    changed = changed_in_place(piece)
+    fresh = [n in changed and isinstance(x, torch.Tensor) for n, x in zip(piece.inputs, leaves, strict=True)]
     ways = {"none": piece.module,
             "block": lambda *xs: checkpoint(safe, *xs, use_reentrant=False),
             "selective": lambda *xs: checkpoint(safe, *xs, use_reentrant=False, context_fn=selective.contexts)}
@@ -155,7 +159,7 @@ def rerun_forwards(piece: Piece, inputs: Sequence[Any], data: Collection[str] = 
             with mixed.step():
                 start = clock.stamp()
                 with mixed.forward():
-                    outs = run(*leaves)
+                    outs = run(*[x.clone() if copy else x for x, copy in zip(leaves, fresh, strict=True)])
                 diff = _differentiable(outs if isinstance(outs, tuple) else (outs,))
                 if backward and diff:
                     torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
