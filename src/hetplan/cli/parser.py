@@ -291,7 +291,8 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, help=f"(default: {RUN.lr:g})")
     p.add_argument("--seed", type=int, help=f"(default: {RUN.seed})")
     p.add_argument("--no-dropout", action="store_true",
-                   help="set every dropout layer to p=0, so that the run can equal one process's training")
+                   help="no dropout however the model draws it (dropout layers, functional dropout's "
+                        "probabilities, LayerDrop, SpecAugment), so that the run can equal one process's training")
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR")
     p.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="save every K steps, K >= 1 (with --checkpoint-dir; default: the last step only)")

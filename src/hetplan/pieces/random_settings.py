@@ -30,22 +30,26 @@ def _holders(step: nn.Module) -> list[Any]:
     return out
 
 
-def random_settings(step: nn.Module, names: re.Pattern = RANDOM_SETTING) -> dict[str, float]:
-    """The probabilities above 0 the model keeps under such names: attribute name -> value
-    (SpecAugment's only where it is on: `apply_spec_augment`)."""
-    found: dict[str, float] = {}
+def _probabilities(step: nn.Module, names: re.Pattern):
+    """(holder, name, value) of every probability above 0 kept under such a name (SpecAugment's
+    only where it is on: `apply_spec_augment`)."""
     for holder in _holders(step):
         masks = getattr(holder, "apply_spec_augment", True) is not False
-        for name, value in vars(holder).items():
+        for name, value in list(vars(holder).items()):
             if (names.search(name) and isinstance(value, float) and 0.0 < value < 1.0
                     and (masks or not name.startswith("mask_"))):
-                found.setdefault(name, value)
+                yield holder, name, value
+
+
+def random_settings(step: nn.Module, names: re.Pattern = RANDOM_SETTING) -> dict[str, float]:
+    """The probabilities above 0 the model keeps under such names: attribute name -> value."""
+    found: dict[str, float] = {}
+    for _, name, value in _probabilities(step, names):
+        found.setdefault(name, value)
     return found
 
 
 def zero_random_settings(step: nn.Module) -> None:
     """Every such probability at 0."""
-    for holder in _holders(step):
-        for name, value in list(vars(holder).items()):
-            if RANDOM_SETTING.search(name) and isinstance(value, float) and 0.0 < value < 1.0:
-                setattr(holder, name, 0.0)
+    for holder, name, _ in list(_probabilities(step, RANDOM_SETTING)):
+        setattr(holder, name, 0.0)
