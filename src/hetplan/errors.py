@@ -60,3 +60,9 @@ def listing(names: Iterable[object], limit: int = 8) -> str:
     if len(names) <= limit:
         return ", ".join(names)
     return f"{', '.join(names[:limit])}, ... ({len(names)} in all)"
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line, at most 200 characters (its type's name when it says nothing):
+    what a one-line error quotes of a failure in code hetplan does not own."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

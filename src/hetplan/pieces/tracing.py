@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from hetplan.errors import HetplanError
+from hetplan.errors import HetplanError, first_line
 from hetplan.pieces.random_settings import CHOOSES_PATH, random_settings
 
 
@@ -65,13 +65,10 @@ def _fx_trace(root: nn.Module, opaque: set[str], export_error: HetplanError) -> 
         hint = f"; make it a block with --block-class {where.split('(')[-1].rstrip(')')}" if where else ""
         raise HetplanError(
             f"{export_error}; with blocks ({', '.join(sorted(opaque)) or 'none found'}) as opaque units, "
-            f"torch.fx fails too{where}: {type(exc).__name__}: {_first_line(exc)}{hint}"
+            f"torch.fx fails too{where}: {type(exc).__name__}: {first_line(exc)}{hint}"
         ) from None
     return fx.GraphModule(root, graph)
 
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def export_step(step: nn.Module, batch: Mapping[str, torch.Tensor]) -> fx.GraphModule:
@@ -87,7 +84,7 @@ def export_step(step: nn.Module, batch: Mapping[str, torch.Tensor]) -> fx.GraphM
         where = _failing_module(exc, step)
         _runs_as_it_is(step, batch)
         raise HetplanError(
-            f"cannot trace the model{where}: {type(exc).__name__}: {_first_line(exc)}; {_what_to_do(step)}"
+            f"cannot trace the model{where}: {type(exc).__name__}: {first_line(exc)}; {_what_to_do(step)}"
         ) from None
     return ep.module()
 
@@ -115,7 +112,7 @@ def _runs_as_it_is(step: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
     except Exception as exc:  # noqa: BLE001 - the user's model, failing as it is
         where = _failing_module(exc, twin)
         raise DoesNotRun(f"the model does not run on its example batch{where}: {type(exc).__name__}: "
-                           f"{_first_line(exc)}; check the batch the factory returns against the model") from None
+                           f"{first_line(exc)}; check the batch the factory returns against the model") from None
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hetplan.errors import HetplanError
+from hetplan.errors import HetplanError, first_line
 from hetplan.runtime.supervise import space_left
 
 
@@ -34,12 +34,9 @@ def save_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.
         os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:  # torch says a full disk as "unexpected pos N vs M"
         tmp.unlink(missing_ok=True)
-        raise HetplanError(f"{path}: cannot write the checkpoint ({_first_line(exc)}): "
+        raise HetplanError(f"{path}: cannot write the checkpoint ({first_line(exc)}): "
                            f"{space_left(directory)}") from None
 
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def load_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,

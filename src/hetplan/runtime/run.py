@@ -192,7 +192,7 @@ def run_plan(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = Non
 def faithful_warnings(spec: RunSpec) -> list[str]:
     """Why this run's step differs from one process's on the whole batch (`hetplan.zoo.faithful`);
     a model that does not run on its example batch is said here, before any worker starts."""
-    from hetplan.rows import step_rows
+    from hetplan.runtime.rank import spec_rows
     from hetplan.runtime.stages import check_names_modules
     from hetplan.zoo import load_model
     from hetplan.zoo.faithful import loss_parts, pipeline_warnings, switch_off_dropout
@@ -202,7 +202,7 @@ def faithful_warnings(spec: RunSpec) -> list[str]:
     check_names_modules(zm.step, spec.plan)
     if spec.settings.no_dropout:
         switch_off_dropout(zm.step)
-    parts = loss_parts(step_rows(s.batch_size, spec.plan.microbatches, spec.replica_weights))
+    parts = loss_parts(spec_rows(spec, spec.plan))
     try:
         return pipeline_warnings(zm.step, zm.batch, parts)
     except HetplanError:
