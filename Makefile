@@ -38,12 +38,14 @@ demo: $(STAMP)
 	$(HETPLAN) demo --cluster $(OUT)/local-calibrated.json --out $(OUT)/report
 	@echo "demo: files written to $(OUT)/"
 
+# two pytest workers (pytest-xdist): the tests that run in one process take both cores of a
+# 2-core VM; those that start worker processes already did
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
-# the quick part of the suite (about 8 minutes on a 2-core VM), for while you work; CI runs `make test`
+# the quick part of the suite, for while you work; CI runs `make test`
 check: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/python -m pytest -n 2 -m "not slow" -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

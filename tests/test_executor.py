@@ -16,7 +16,7 @@ from hetplan.plan import Plan, Stage
 from hetplan.rows import step_rows
 from hetplan.runtime.launch import run_spec
 from hetplan.runtime.local import run_threads
-from hetplan.runtime.rank import Traces, boundary_layouts
+from hetplan.runtime.rank import SharedTraces, Traces, boundary_layouts, layout_rows
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
@@ -78,6 +78,22 @@ def reference_step(zm, batch, m, lr, optimizer="sgd", precision="fp32"):
     return total
 
 
+def traced(zm, granularity="layer", shared=None, replicas=None, m=None, weights=None):
+    """The step cut into traces (`shared`, or new ones) that the ranks of `run_threads` then take
+    theirs from, and that cut: at the first number of rows at which the ranks read the boundaries'
+    layouts (`rank.layout_rows`) where the plan's `replicas`, `m` and `weights` are given (equal
+    weights unless given; another guess costs a trace, nothing else), else at 2 rows."""
+    shared = SharedTraces() if shared is None else shared
+    rows = next(iter(zm.batch.values())).shape[0]
+    if replicas is not None:
+        shares = weights or [[1.0] * r for r in replicas]
+        rows = layout_rows(step_rows(rows, m, shares), rows)[0]
+    else:
+        rows = min(2, rows)
+    return shared, shared.split(zm.step, {k: v[:rows] for k, v in zm.batch.items()}, granularity,
+                                tuple(zm.block_classes or ()) or None)
+
+
 def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=None, cuts=None, names_of=None,
                         bindings=None, ref_device="cpu", optimizer="sgd", granularity="layer", precision="fp32",
                         shard=(), level=1, recompute="none", ref_m=None):
@@ -86,7 +102,7 @@ def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=Non
     the largest weight change, the two losses, the plan and the run's results."""
     lr = 0.1
     zm = no_dropout(load_model(ref, batch_size=batch, seq_len=seq, seed=0))
-    split = split_step(zm.step, zm.batch, granularity, zm.block_classes)
+    shared, split = traced(zm, granularity, replicas=replicas, m=m, weights=weights)
     names = [p.name for p in split.pieces]
     plan = chain_plan(names, replicas, m, schedule, cuts=names_of(names) if names_of else cuts)
     plan = replace(plan, precision=precision,
@@ -95,7 +111,7 @@ def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=Non
     spec = run_spec(plan, cpus(sum(replicas), bindings), ref, RunSettings(batch_size=batch, seq_len=seq,
                     granularity=granularity, block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0,
                     optimizer=optimizer, lr=lr, out_dir="unused", no_dropout=True), weights=weights)
-    results = run_threads(spec)
+    results = run_threads(spec, shared=shared)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     zm.step.to(ref_device)  # in place: the stage modules below share these parameters
     ref_loss = reference_step(zm, {k: v.to(ref_device) for k, v in _batches(spec, zm, 0).items()}, ref_m or m, lr,
@@ -231,20 +247,29 @@ def test_a_stage_without_parameters_and_integers_across_two_boundaries():
         assert ints == [(0, 16, False), (None, 0, False)]
 
 
+def test_every_rank_reads_the_layouts_at_the_steps_smallest_slice_and_one_more():
+    assert layout_rows(step_rows(8, 2, [[1.0], [1.0]]), 8) == (4, 5)  # its one slice size, and one more
+    assert layout_rows(step_rows(8, 1, [[1.0]]), 8) == (8, 7)  # the whole batch: one fewer
+    assert layout_rows(step_rows(8, 2, [[1.0], [3.0, 1.0]]), 8) == (3, 4)  # slices of 4, 3 and 1 rows
+    assert layout_rows(step_rows(4, 4, [[1.0]]), 4) == (2, 3)  # slices of 1 row only
+    assert layout_rows(None, 2) == (1, 2)
+
+
 def test_two_stages_on_one_device_run_as_two_workers():
     """A plan with `shared_devices`: stages 0 and 2 on the same device (one worker each)."""
     zm = no_dropout(load_model("gpt2-tiny", batch_size=4, seq_len=16, seed=0))
-    names = [p.name for p in split_step(zm.step, zm.batch).pieces]
+    shared, split = traced(zm)
+    names = [p.name for p in split.pieces]
     a, b = len(names) // 3, 2 * len(names) // 3
     plan = Plan((Stage(tuple(names[:a]), ("c0",)), Stage(tuple(names[a:b]), ("c1",)), Stage(tuple(names[b:]), ("c0",))),
                 2, "1f1b", "test", shared_devices=True)
     spec = run_spec(plan, cpus(2), "gpt2-tiny", RunSettings(batch_size=4, seq_len=16, granularity="layer", steps=1,
                     warmup=0, optimizer="sgd", lr=0.1, out_dir="unused", no_dropout=True))
     assert [(r.stage, r.device) for r in spec.ranks] == [(0, "c0"), (1, "c1"), (2, "c0")]
-    results = run_threads(spec)
+    results = run_threads(spec, shared=shared)
     ref_loss = reference_step(zm, _batches(spec, zm, 0), 2, 0.1)
     assert results[2]["losses"][0] == pytest.approx(ref_loss, rel=1e-5)
-    for rank, module in enumerate(stage_modules(split_step(zm.step, zm.batch), plan)):
+    for rank, module in enumerate(stage_modules(split, plan)):
         for name, p in module.named_parameters():
             assert (results[rank]["weights"][name] - p.detach()).abs().max().item() <= 1e-5
 
@@ -314,13 +339,13 @@ def test_interleaved_schedules_hold_several_stages_per_worker_and_equal_single_p
     ScheduleZBVZeroBubble on its V-shaped map); the weights after one step equal one process's."""
     batch, lr = 8, 0.1
     zm = no_dropout(load_model(name, batch_size=batch, seq_len=16, seed=0))
-    split = split_step(zm.step, zm.batch, "layer", zm.block_classes)
+    shared, split = traced(zm)
     plan = interleaved_plan([p.name for p in split.pieces], groups, per_rank, m, schedule, shard)
     spec = run_spec(plan, cpus(sum(groups)), name, RunSettings(batch_size=batch, seq_len=16, granularity="layer",
                     block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0, optimizer="sgd", lr=lr,
                     out_dir="unused", no_dropout=True), weights=weights)
     assert spec.world == sum(groups)
-    results = run_threads(spec)
+    results = run_threads(spec, shared=shared)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     ref_loss = reference_step(zm, _batches(spec, zm, 0), m, lr)
     worst = moved = 0.0
@@ -372,7 +397,7 @@ def test_a_schedule_with_its_own_stage_to_rank_map_needs_nothing_but_its_entry(m
     monkeypatch.setitem(schedule_module.SCHEDULES, "v-gpipe", v)
     batch, lr, m = 8, 0.1, 2
     zm = no_dropout(load_model("gpt2-tiny", batch_size=batch, seq_len=16, seed=0))
-    split = split_step(zm.step, zm.batch, "layer", zm.block_classes)
+    shared, split = traced(zm)
     names = [p.name for p in split.pieces]
     bounds = [len(names) * i // 4 for i in range(5)]
     plan = Plan(tuple(Stage(tuple(names[bounds[s]:bounds[s + 1]]), (f"c{v_rank(s, 2)}",)) for s in range(4)), m,
@@ -381,7 +406,7 @@ def test_a_schedule_with_its_own_stage_to_rank_map_needs_nothing_but_its_entry(m
     spec = run_spec(plan, cpus(2), "gpt2-tiny", RunSettings(batch_size=batch, seq_len=16, granularity="layer", steps=1,
                     warmup=0, optimizer="sgd", lr=lr, out_dir="unused", no_dropout=True))
     assert [(r.stage, r.device) for r in spec.ranks] == [(0, "c0"), (1, "c1")]
-    results = run_threads(spec)
+    results = run_threads(spec, shared=shared)
     assert results[0]["actions"] == [str(a) for a in v_gpipe(2, 4, m)[0]]
     ref_loss = reference_step(zm, _batches(spec, zm, 0), m, lr)
     modules = stage_modules(split, plan)

@@ -16,13 +16,14 @@ from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
 from hetplan.runtime.launch import run_spec
 from hetplan.runtime.local import run_threads
+from hetplan.runtime.rank import SharedTraces
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
 from hetplan.sim import simulate
 from hetplan.zoo import load_model
 from strategies import chain, exact_step_dp_matches, one_per_stage
-from test_executor import chain_plan, cpus, no_dropout, reference_step
+from test_executor import chain_plan, cpus, no_dropout, reference_step, traced
 
 V100X4 = load_cluster("v100x4")
 
@@ -188,15 +189,20 @@ def test_a_plan_file_says_which_stages_recompute():
     assert serde.from_dict(old) == one_per_stage(3, 2)  # plan files from before read as before
 
 
-def run_weights(name, replicas, m, schedule, recompute, batch=8, unit="stage", granularity="layer"):
+def run_weights(name, replicas, m, schedule, recompute, batch=8, unit="stage", granularity="layer", shared=None):
+    """One step in threads, the named stages recomputing; `shared`: traces of the same model from
+    an earlier call, which the ranks take theirs from (`rank.SharedTraces`)."""
     zm = no_dropout(load_model(name, batch_size=batch, seq_len=16, seed=0))
-    split = split_step(zm.step, zm.batch, granularity, zm.block_classes)
+    shared, split = traced(zm, granularity, shared, replicas, m)
     plan = chain_plan([p.name for p in split.pieces], replicas, m, schedule)
     plan = recomputing(plan, recompute, unit)
     spec = run_spec(plan, cpus(sum(replicas)), name, RunSettings(batch_size=batch, seq_len=16, granularity=granularity,
                     block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0, optimizer="sgd", lr=0.1,
                     out_dir="unused", no_dropout=True))
-    return zm, split, plan, spec, run_threads(spec)
+    return zm, split, plan, spec, run_threads(spec, shared=shared)
+
+
+ROWS = {"resnet50": 4}  # its 224-pixel images: fewer rows, the same pieces
 
 
 @pytest.mark.parametrize("name,replicas,m,schedule,recompute,unit,granularity", [
@@ -216,9 +222,11 @@ def run_weights(name, replicas, m, schedule, recompute, batch=8, unit="stage", g
 ])
 def test_recomputing_stages_train_as_one_process_and_as_without(name, replicas, m, schedule, recompute, unit,
                                                                  granularity):
-    zm, split, plan, spec, results = run_weights(name, replicas, m, schedule, recompute, unit=unit,
-                                                 granularity=granularity)
-    _, _, _, _, plain = run_weights(name, replicas, m, schedule, [], granularity=granularity)
+    batch = ROWS.get(name, 8)
+    shared = SharedTraces()
+    zm, split, plan, spec, results = run_weights(name, replicas, m, schedule, recompute, batch, unit, granularity,
+                                                 shared)
+    _, _, _, _, plain = run_weights(name, replicas, m, schedule, [], batch, granularity=granularity, shared=shared)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     ref_loss = reference_step(zm, _batches(spec, zm, 0), m, 0.1)
     modules = stage_modules(split, plan)

@@ -81,7 +81,7 @@ def run_and_compare(tmp_path, name, replicas, threads, m, schedule, batch_size=1
     # [1, 2, 1] under 1F1B: in threads (tests/test_executor.py), with replicas of different speeds
 ])
 def test_uneven_replicas_of_different_thread_counts_equal_single_process(tmp_path, replicas, threads, schedule):
-    spec, result = run_and_compare(tmp_path, "gpt2-tiny", replicas, threads, 3, schedule)
+    spec, result = run_and_compare(tmp_path, "mlp", replicas, threads, 3, schedule)
     weights = spec.replica_weights[0 if replicas[0] > 1 else 1]
     assert weights[1] > weights[0]  # the 2-thread replica is faster: it gets more rows
     rows = step_rows(10, 3, spec.replica_weights)
@@ -140,19 +140,19 @@ def test_a_dead_worker_stops_every_worker_with_its_name(tmp_path):
     assert json.loads((tmp_path / "run.json").read_text())["model"] == "no-such-model"
 
 
-def two_stage(tmp_path, steps, **kw):
-    zm = model("gpt2-tiny")
+def two_stage(tmp_path, steps, name="gpt2-tiny", **kw):
+    zm = model(name)
     split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
     names = [p.name for p in split.pieces]
     half = len(names) // 2
     plan = Plan((Stage(tuple(names[:half]), ("c0",)), Stage(tuple(names[half:]), ("c1",))), 4, "1f1b", "test")
-    return run_spec(plan, THREE_CPUS, "gpt2-tiny", RunSettings(batch_size=8, seq_len=16, granularity="layer",
+    return run_spec(plan, THREE_CPUS, name, RunSettings(batch_size=8, seq_len=16, granularity="layer",
                     steps=steps, out_dir=tmp_path, **kw))
 
 
 @pytest.mark.parametrize("fault", ["hang", "die"])
 def test_a_hung_or_dead_worker_stops_everyone_in_time(tmp_path, monkeypatch, fault):
-    spec = two_stage(tmp_path / "run", 4, timeout_s=8, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1)
+    spec = two_stage(tmp_path / "run", 4, "mlp", timeout_s=8, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1)
     monkeypatch.setenv("HETPLAN_FAULT", f"{fault}:1:2")
     t = time.time()
     with pytest.raises(WorkerFailure, match="worker 1 \\(stage 1, device c1\\)") as err:
@@ -203,11 +203,12 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
     two_hosts = cluster_from_spec({"name": "two", "devices": [
         {"id": "a", "type": "cpu", "threads": 1, "binding": "cpu", "host": "m0"},
         {"id": "b", "type": "cpu", "threads": 1, "binding": "cpu", "host": "m1"}]}, "two")
-    zm = model("gpt2-tiny")
+    zm = model("mlp")
     split = split_step(zm.step, {k: v[:2] for k, v in zm.batch.items()})
     names = [p.name for p in split.pieces]
-    plan = Plan((Stage(tuple(names[:20]), ("a",)), Stage(tuple(names[20:]), ("b",))), 4, "gpipe", "test")
-    spec = run_spec(plan, two_hosts, "gpt2-tiny", RunSettings(batch_size=8, seq_len=16, granularity="layer", steps=2,
+    half = len(names) // 2
+    plan = Plan((Stage(tuple(names[:half]), ("a",)), Stage(tuple(names[half:]), ("b",))), 4, "gpipe", "test")
+    spec = run_spec(plan, two_hosts, "mlp", RunSettings(batch_size=8, seq_len=16, granularity="layer", steps=2,
                     warmup=0, out_dir=tmp_path))
     graph = Graph("g", tuple(Node(n, "Op", {"cpu-1t": 1e-3}, {"cpu-1t": 2e-3}) for n in names),
                   tuple(Edge(a, b, 1024) for a, b in zip(names, names[1:], strict=False)), 8, "cpu-1t")
@@ -264,11 +265,12 @@ def test_torchrun_three_hosts_with_replicas_across_hosts_equals_one_process(tmp_
     hosts = {"a": "m0", "b": "m1", "c": "m0", "d": "m2"}
     cluster = cluster_from_spec({"name": "three-hosts", "devices": [
         {"id": d, "type": "cpu", "threads": 1, "binding": "cpu", "host": h} for d, h in hosts.items()]}, "three")
-    zm = model("gpt2-tiny", batch=8)
+    zm = model("mlp", batch=8)
     split = split_step(zm.step, zm.batch)
     names = [p.name for p in split.pieces]
-    plan = Plan((Stage(tuple(names[:20]), ("a", "b")), Stage(tuple(names[20:]), ("c", "d"))), 2, "1f1b", "test")
-    spec = run_spec(plan, cluster, "gpt2-tiny", RunSettings(batch_size=8, seq_len=16, granularity="layer", steps=1,
+    half = len(names) // 2
+    plan = Plan((Stage(tuple(names[:half]), ("a", "b")), Stage(tuple(names[half:]), ("c", "d"))), 2, "1f1b", "test")
+    spec = run_spec(plan, cluster, "mlp", RunSettings(batch_size=8, seq_len=16, granularity="layer", steps=1,
                     warmup=0, optimizer="sgd", lr=0.1, out_dir=tmp_path, no_dropout=True, return_weights=True),
                     graph=graph_of(split, 8))
     assert [r.device for r in spec.ranks] == ["a", "c", "b", "d"]  # m0's two, then m1's, then m2's

@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 
 from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
+from hetplan.runtime.rank import SharedTraces
 from hetplan.runtime.stages import stage_modules
 from hetplan.zoo import load_model
 from hetplan.zoo.faithful import switch_off_dropout
@@ -17,10 +18,11 @@ from hetplan.zoo.faithful import switch_off_dropout
 BATCH, SEQ = 4, 16
 
 
-def _stage(model: str):
+def _stage(model: str, shared: dict[str, SharedTraces]):
+    """The model's whole step as one stage; `shared`: its traces by model, made once (`rank.SharedTraces`)."""
     zm = load_model(model, batch_size=BATCH, seq_len=SEQ)
     switch_off_dropout(zm.step)
-    split = split_step(zm.step, zm.batch, granularity="block", block_classes=zm.block_classes)
+    split = shared.setdefault(model, SharedTraces()).split(zm.step, zm.batch, "block", tuple(zm.block_classes))
     plan = Plan((Stage(tuple(p.name for p in split.pieces), ("cpu:0",)),), 1, "gpipe", "test")
     return zm, stage_modules(split, plan)[0]
 
@@ -64,9 +66,10 @@ def _group_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group, in order
     try:
+        shared: dict[str, SharedTraces] = {}
         for model, degree, sp in CASES:
             group = pairs[rank // 2] if degree == 2 else dist.group.WORLD
-            zm, stage = _stage(model)
+            zm, stage = _stage(model, shared)
             tp = parallelize([stage], zm.step, degree, rank % degree, sp)[0][0]
             tp.attach(DeviceMesh.from_group(group, "cpu"))
             with running("cpu", tp.vocab_parallel):
@@ -98,8 +101,9 @@ def test_two_and_four_way_stages_of_gpt2_tiny_and_llama_tiny_equal_one_process(t
     llama-tiny's loss is vocabulary-parallel: a worker saves its share of the log-probabilities,
     not the whole (GPT-2's head, tied to its embedding, is whole: its loss too)."""
     mp.spawn(_group_worker, args=(4, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=4)
+    shared: dict[str, SharedTraces] = {}
     for model, degree, sp in CASES:
-        zm, stage = _stage(model)
+        zm, stage = _stage(model, shared)
         loss = stage(*(zm.batch[k] for k in zm.batch))
         want = _grads(zm, loss)
         first = torch.load(tmp_path / f"out.{model}.{degree}.{sp}.0")
@@ -434,8 +438,9 @@ def test_each_projection_pair_is_bounded_as_megatron_bounds_it():
     from hetplan.pieces.tensor_split import tensor_splits
     from hetplan.pieces.tensor_stage import megatron_boundaries, replicated
 
+    shared: dict[str, SharedTraces] = {}
     for degree, whole_entries in ((2, 3), (4, 1)):
-        zm, stage = _stage("llama-tiny")
+        zm, stage = _stage("llama-tiny", shared)  # a copy of the first trace: the second as new
         names = {id(p): n for n, p in zm.step.named_parameters()}
         splits = tensor_splits(zm.step, degree)
         megatron_boundaries(stage, {pid: splits[n] for pid, n in names.items()})

@@ -25,14 +25,14 @@ M = 2
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    """gpt2-tiny in two stages on two CPU workers, its last step traced; the run folder and report."""
+    """The perceptron in two stages on two CPU workers, its last step traced; the run folder and report."""
     batch, out = 4, tmp_path_factory.mktemp("traced") / "run"
-    zm = load_model("gpt2-tiny", batch_size=batch, seq_len=16, seed=0)
+    zm = load_model("mlp", batch_size=batch, seq_len=16, seed=0)
     split = split_step(zm.step, zm.batch)
     plan = chain_plan([p.name for p in split.pieces], [1, 1], M, "1f1b")
     settings = RunSettings(steps=2, warmup=1, batch_size=batch, seq_len=16, granularity="layer", out_dir=out,
                            trace=True)
-    return out, run_plan(plan, TWO_CPUS, "gpt2-tiny", graph_of(split, batch), settings)
+    return out, run_plan(plan, TWO_CPUS, "mlp", graph_of(split, batch), settings)
 
 
 def test_a_traced_run_records_every_action_once_per_worker_in_the_simulators_order(traced):

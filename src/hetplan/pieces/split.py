@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import operator
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -286,6 +286,39 @@ def split_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: 
                             tuple(n.name for n in outputs)))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return SplitStep(tuple(pieces), tuple(batch), tuple(p.name for p in placeholders), out_values[0].name)
+
+
+Holdings = dict[tuple[str, str], tuple[Any, tuple]]
+
+
+def holdings(model: nn.Module) -> Holdings:
+    """What `model` holds now, by kind and name: each parameter, buffer and module, with its class
+    and, for a tensor, its shape and dtype (what `rebind` maps by)."""
+    out = {}
+    for kind in ("parameters", "buffers", "modules"):
+        for name, obj in getattr(model, f"named_{kind}")(remove_duplicate=False):
+            tensor = (tuple(obj.shape), obj.dtype) if isinstance(obj, torch.Tensor) else ()
+            out[kind, name] = (obj, (type(obj).__name__, *tensor))
+    return out
+
+
+def rebind(split: SplitStep, traced: Holdings, step: nn.Module) -> SplitStep:
+    """`split`, cut from a model that held `traced` (`holdings`) then, as the same cut of `step`,
+    another instance of that model: copies of the pieces holding `step`'s own parameters, buffers
+    and modules, found by name (the trace's constants are copied). Ranks that share a process take
+    their pieces this way instead of tracing again: `torch.export` of a model costs seconds, the
+    copy milliseconds."""
+    now = holdings(step)
+    if now.keys() != traced.keys() or any(now[k][1] != traced[k][1] for k in now):
+        raise HetplanError("cannot take over the pieces of another model: the two models hold different "
+                           "parameters, buffers or modules; trace this one (split_step)")
+    memo: dict[int, Any] = {id(traced[k][0]): now[k][0] for k in now}
+    modules = copy.deepcopy(tuple(p.module for p in split.pieces), memo)
+    mine = {id(p) for p in step.parameters()}
+    if any(id(p) not in mine for m in modules for p in m.parameters()):
+        raise HetplanError("the pieces hold a parameter that is not the model's; trace this model (split_step)")
+    pieces = tuple(replace(p, module=m) for p, m in zip(split.pieces, modules, strict=True))
+    return replace(split, pieces=pieces)
 
 
 def tensor_bytes(value: Any) -> int:

@@ -8,19 +8,26 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetplan.runtime.spec import RunSpec
 
+if TYPE_CHECKING:
+    from hetplan.runtime.rank import SharedTraces
 
-def run_threads(spec: RunSpec, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+
+def run_threads(spec: RunSpec, timeout_s: float = 120.0, shared: SharedTraces | None = None) -> list[dict[str, Any]]:
     """Run every rank of a RUN.json spec; returns per rank its result and its stage's trained
-    parameters (`weights`, by name in its stage module)."""
+    parameters (`weights`, by name in its stage module). The ranks trace the step once between
+    them, into `shared` if given (a caller that traced the same model there too)."""
+    from hetplan.runtime.rank import SharedTraces
     from hetplan.runtime.transport import LocalHub
     from hetplan.runtime.worker import build_rank, train
 
     world = spec.world
-    built = [build_rank(spec, rank) for rank in range(world)]  # one after another: tracing is not thread-safe
+    shared = SharedTraces() if shared is None else shared
+    # one after another: tracing is not thread-safe
+    built = [build_rank(spec, rank, shared=shared) for rank in range(world)]
     hub = LocalHub(world, timeout_s)
     results: list[Any] = [None] * world
 

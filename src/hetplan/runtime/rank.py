@@ -4,10 +4,10 @@ Every rank builds the whole model from the same seed (so the weights agree witho
 and cuts the training step into the profiler's pieces (`hetplan.pieces.split`). `torch.export`
 records shapes as numbers, so a piece traced for 4 rows runs on 4 rows only: a rank traces the
 step once per slice size it will run (`hetplan.rows`: its rows of each micro-batch), and all
-traces share the model's parameters. Two small extra traces (2 and 3 rows) show which dimension
-of every value crossing a boundary follows the batch (`boundary.layouts`); every rank makes the
-same two, so all agree. The rank then places its own stage on its device (`profile.portable`:
-no device of the tracing machine survives in it).
+traces share the model's parameters. Examples at two numbers of rows (`layout_rows`: the step's
+smallest slice and one more, the same on every rank, so all agree) show which dimension of every
+value crossing a boundary follows the batch (`boundary.layouts`). The rank then places its own
+stage on its device (`profile.portable`: no device of the tracing machine survives in it).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 from hetplan.errors import HetplanError
 from hetplan.pieces.mixed import Mixed
 from hetplan.pieces.portable import place
-from hetplan.pieces.split import split_step
+from hetplan.pieces.split import Holdings, SplitStep, holdings, rebind, split_step
 from hetplan.pieces.tensor_stage import parallelize
 from hetplan.plan import Plan
 from hetplan.rows import StepRows, step_rows
@@ -69,6 +69,25 @@ def spec_rows(spec: RunSpec, plan: Plan) -> StepRows:
 
 
 @dataclass(frozen=True)
+class SharedTraces:
+    """The step traced once for all ranks of one process (`runtime.local`'s threads): each rank
+    takes a copy of the cut bound to its own model (`split.rebind`), which holds the same weights
+    (every rank builds the model from the same seed); the first trace stays as it was made, for
+    the next rank, whatever a rank then does to its copy (tensor parallelism rewrites it)."""
+
+    made: dict[tuple, tuple[Holdings, SplitStep]] = field(default_factory=dict)
+
+    def split(self, step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: str,
+              block_classes: tuple[str, ...] | None) -> SplitStep:
+        key = (granularity, block_classes, tuple((k, tuple(v.shape), v.dtype) for k, v in batch.items()))
+        if key not in self.made:
+            self.made[key] = (holdings(step), split_step(step, batch, granularity=granularity,
+                                                         block_classes=block_classes))
+        traced, split = self.made[key]
+        return rebind(split, traced, step)
+
+
+@dataclass(frozen=True)
 class Traces:
     """The step cut into stage modules for each number of rows traced (they share parameters);
     `by_rows` fills as sizes are asked for."""
@@ -80,6 +99,8 @@ class Traces:
     block_classes: tuple[str, ...] | None
     by_rows: dict[int, list[StageModule]]
     on_trace: Callable[[int], None] | None = None  # told before each trace (the launcher's heartbeat)
+    shared: SharedTraces | None = None  # traces of the ranks in this process (`runtime.local`)
+    rows: StepRows | None = None  # the step's slices, of which the boundaries' layouts are read
 
     @property
     def input_keys(self) -> tuple[str, ...]:
@@ -91,8 +112,9 @@ class Traces:
                 raise HetplanError(f"cannot trace {rows} rows from an example batch of fewer")
             if self.on_trace is not None:
                 self.on_trace(rows)
-            split = split_step(self.step, {k: v[:rows] for k, v in self.batch.items()},
-                               granularity=self.granularity, block_classes=self.block_classes)
+            batch = {k: v[:rows] for k, v in self.batch.items()}
+            split = (self.shared.split(self.step, batch, self.granularity, self.block_classes) if self.shared
+                     else split_step(self.step, batch, granularity=self.granularity, block_classes=self.block_classes))
             mods = stage_modules(split, self.plan)
             if self.by_rows:
                 _same_cut(next(iter(self.by_rows.values())), mods, rows)
@@ -109,11 +131,24 @@ def _same_cut(a: list[StageModule], b: list[StageModule], rows: int) -> None:
 
 def boundary_layouts(traces: Traces) -> list[tuple[ValueLayout, ...]]:
     """Per boundary k (stage k to k + 1), the layouts of the values it carries."""
-    batch_rows = next(iter(traces.batch.values())).shape[0]
-    a, b = (2, 3) if batch_rows >= 3 else (1, batch_rows)
+    a, b = layout_rows(traces.rows, next(iter(traces.batch.values())).shape[0])
     runs = [_example_boundaries(traces, r) for r in (a, b)]
     return [layouts(traces.by_rows[a][k].spec.outputs, va, a, vb, b)
             for k, (va, vb) in enumerate(zip(runs[0], runs[1], strict=True))]
+
+
+def layout_rows(rows: StepRows | None, batch_rows: int) -> tuple[int, int]:
+    """The two numbers of rows at which every rank reads the boundaries' layouts, the same on
+    every rank: the fewest rows of 2 or more that a slice of the step has (2 if none), and one more
+    (one fewer where that is the whole batch). A rank that runs slices of that size traces one
+    size beyond those it runs, not two."""
+    if batch_rows < 3:
+        return 1, batch_rows
+    sizes = set() if rows is None else {
+        rows.rows(k, j, p) for k, per_micro in enumerate(rows.slices) for j, slices in enumerate(per_micro)
+        for p in range(len(slices))}
+    a = min((n for n in sizes if n >= 2), default=2)
+    return a, a + 1 if a < batch_rows else a - 1
 
 
 def _example_boundaries(traces: Traces, rows: int) -> list[tuple[torch.Tensor, ...]]:
@@ -233,7 +268,7 @@ class Prepared:
 
 
 def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.device,
-            on_trace: Callable[[int], None] | None = None) -> Prepared:
+            on_trace: Callable[[int], None] | None = None, shared: SharedTraces | None = None) -> Prepared:
     table, members = rank_table(spec), group_table(spec)
     me = spec.ranks[rank]
     rows = spec_rows(spec, plan)
@@ -241,7 +276,8 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     roles = tuple(Role(k, me.replica, table, rows, plan.stages[k].recompute, plan.precision, members, me.tp)
                   for k in plan.rank_stages[mine])
     traces = Traces(zoo_model.step, zoo_model.batch, plan, spec.settings.granularity,
-                    tuple(spec.settings.block_classes or zoo_model.block_classes or ()) or None, {}, on_trace)
+                    tuple(spec.settings.block_classes or zoo_model.block_classes or ()) or None, {}, on_trace, shared,
+                    rows)
     for size in sorted(slice_sizes(roles)):
         traces.stages(size)
     bounds = boundary_layouts(traces) if len(plan.stages) > 1 else []

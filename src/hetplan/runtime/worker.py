@@ -75,8 +75,9 @@ def _optimizer(spec: RunSpec, params: list, sparse_ids=None):
     return StageOptimizer(params, spec.settings.optimizer, spec.settings.lr, sparse_ids)
 
 
-def build_rank(spec: RunSpec, rank: int, heartbeat=None):
-    """The rank's model, traces, stage and optimizer (`hetplan.runtime.rank`)."""
+def build_rank(spec: RunSpec, rank: int, heartbeat=None, shared=None):
+    """The rank's model, traces, stage and optimizer (`hetplan.runtime.rank`); `shared`: the
+    traces of the ranks built before it in this process (`rank.SharedTraces`)."""
     import torch
 
     from hetplan.runtime.rank import prepare
@@ -90,7 +91,7 @@ def build_rank(spec: RunSpec, rank: int, heartbeat=None):
         switch_off_dropout(zoo_model.step)
     device = torch.device(me.binding if me.on_cuda else "cpu")
     on_trace = (lambda rows: heartbeat(f"tracing {rows} rows", -1)) if heartbeat is not None else None
-    prepared = prepare(spec, rank, zoo_model, spec.plan, device, on_trace)
+    prepared = prepare(spec, rank, zoo_model, spec.plan, device, on_trace, shared)
     return zoo_model, prepared, _optimizer(spec, prepared.optimized(), prepared.sparse)
 
 

@@ -1,0 +1,76 @@
+"""One trace for the ranks of one process (`split.rebind`, `rank.SharedTraces`): another instance of
+the same model takes copies of the pieces holding its own weights, which compute what its own
+trace computes; another model is refused."""
+
+import operator
+
+import pytest
+import torch
+from torch import nn
+
+from hetplan.errors import HetplanError
+from hetplan.pieces.split import SplitStep, holdings, rebind, split_step
+from hetplan.runtime.rank import SharedTraces
+from hetplan.zoo import load_model
+
+
+def _loss_and_grads(split, step, batch):
+    for p in step.parameters():
+        p.grad = None
+    torch.manual_seed(0)  # the same dropout masks for both
+    loss, _ = split.run(batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in step.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name,granularity", [("gpt2-tiny", "layer"), ("inception-tiny", "block")])
+def test_a_rebound_trace_trains_the_other_models_weights_as_its_own_trace_does(name, granularity):
+    a, b = (load_model(name, batch_size=4, seq_len=16, seed=0) for _ in range(2))
+    classes = tuple(a.block_classes or ()) or None
+    traced = split_step(a.step, a.batch, granularity, classes)
+    with torch.no_grad():  # b's weights made unlike a's: a piece still holding a's would show
+        for p in b.step.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    mine = rebind(traced, holdings(a.step), b.step)
+    assert [p.name for p in mine.pieces] == [p.name for p in traced.pieces]
+    ids_a, ids_b = {id(p) for p in a.step.parameters()}, {id(p) for p in b.step.parameters()}
+    held = [id(p) for piece in mine.pieces for p in piece.module.parameters()]
+    assert held and set(held) <= ids_b and not set(held) & ids_a
+    loss, grads = _loss_and_grads(mine, b.step, b.batch)
+    ref_loss, ref_grads = _loss_and_grads(split_step(b.step, b.batch, granularity, classes), b.step, b.batch)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert grads.keys() == ref_grads.keys() and grads
+    assert all(torch.allclose(grads[n], ref_grads[n], atol=1e-6) for n in grads)
+
+
+def test_shared_traces_trace_once_and_keep_the_first_trace_as_it_was_made(monkeypatch):
+    calls = []
+    real = split_step
+
+    def counting(*args, **kwargs):
+        calls.append(args[1]["input_ids"].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("hetplan.runtime.rank.split_step", counting)
+    shared = SharedTraces()
+    models = [load_model("gpt2-tiny", batch_size=4, seq_len=16, seed=0) for _ in range(3)]
+    first = shared.split(models[0].step, models[0].batch, "layer", None)
+    graph = first.pieces[0].module.graph
+    made = len(graph.nodes)
+    with graph.inserting_before(next(n for n in graph.nodes if n.op == "output")):
+        graph.call_function(operator.add, (1, 1))  # a rank rewriting its copy (tensor parallelism does)
+    for zm in models[1:]:
+        assert len(shared.split(zm.step, zm.batch, "layer", None).pieces[0].module.graph.nodes) == made
+    shared.split(models[2].step, {k: v[:2] for k, v in models[2].batch.items()}, "layer", None)
+    assert calls == [4, 2]  # one trace per row count, not one per rank
+
+
+def test_the_pieces_of_another_model_are_refused():
+    a = load_model("gpt2-tiny", batch_size=4, seq_len=16, seed=0)
+    other = load_model("mlp", batch_size=4, seq_len=16, seed=0)
+    with pytest.raises(HetplanError, match="hold different parameters"):
+        rebind(split_step(a.step, a.batch), holdings(a.step), other.step)
+    nothing = SplitStep((), (), (), "loss")
+    for unlike in (nn.Linear(4, 5), nn.Linear(4, 4).double(), nn.Conv1d(4, 4, 1)):  # same names, other weights
+        with pytest.raises(HetplanError, match="hold different parameters"):
+            rebind(nothing, holdings(nn.Linear(4, 4)), unlike)
