@@ -24,7 +24,8 @@ def two_stages(name):
     return zm, Traces(zm.step, zm.batch, plan, "layer", None, {}).stages(2)
 
 
-@pytest.mark.parametrize("name", list(ZOO))
+# gpt2 is gpt2-tiny's builder and classes at 124M parameters: seconds of the suite for no other code
+@pytest.mark.parametrize("name", [name for name in ZOO if name != "gpt2"])
 def test_every_zoo_models_stages_run_on_the_meta_device(name):
     zm, stages = two_stages(name)
     first_inputs = tuple(zm.batch[k][:2] for k in zm.batch)  # the step's inputs, in the batch's order

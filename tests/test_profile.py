@@ -105,12 +105,12 @@ def test_block_granularity_gives_one_node_per_block():
 
 def test_inception_has_parallel_branches():
     zm = load_model("inception-tiny", batch_size=4)
-    for granularity in ("block", "layer"):
-        g = profile_step(zm.step, zm.batch, name="inception-tiny", granularity=granularity,
-                         block_classes=zm.block_classes, repeats=1).graph
+    graphs = {granularity: profile_step(zm.step, zm.batch, name="inception-tiny", granularity=granularity,
+                                        block_classes=zm.block_classes, repeats=1).graph
+              for granularity in ("block", "layer")}
+    for granularity, g in graphs.items():
         assert max(len(g.successors(n.id)) for n in g.nodes) >= 3, granularity
-    block = profile_step(zm.step, zm.batch, granularity="block", block_classes=zm.block_classes, repeats=1).graph
-    assert set(block.successors("stem")) == {f"blocks.0.branches.{i}" for i in range(4)}
+    assert set(graphs["block"].successors("stem")) == {f"blocks.0.branches.{i}" for i in range(4)}
 
 
 def test_mlp_numbers_are_exact():
