@@ -70,7 +70,6 @@ def _fx_trace(root: nn.Module, opaque: set[str], export_error: HetplanError) -> 
     return fx.GraphModule(root, graph)
 
 
-
 def export_step(step: nn.Module, batch: Mapping[str, torch.Tensor]) -> fx.GraphModule:
     """`torch.export` the step in training mode; a failure names the module where it happened.
     A model that chooses in Python at random what runs is refused first: a trace would keep the

@@ -38,7 +38,6 @@ def save_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.
                            f"{space_left(directory)}") from None
 
 
-
 def load_stage(directory: Path, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                replica: int = 0) -> int:
     state = torch.load(stage_path(directory, stage, replica), weights_only=False, map_location="cpu")

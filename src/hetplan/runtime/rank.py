@@ -113,8 +113,9 @@ class Traces:
             if self.on_trace is not None:
                 self.on_trace(rows)
             batch = {k: v[:rows] for k, v in self.batch.items()}
-            split = (self.shared.split(self.step, batch, self.granularity, self.block_classes) if self.shared
-                     else split_step(self.step, batch, granularity=self.granularity, block_classes=self.block_classes))
+            split = (split_step(self.step, batch, granularity=self.granularity, block_classes=self.block_classes)
+                     if self.shared is None else self.shared.split(self.step, batch, self.granularity,
+                                                                   self.block_classes))
             mods = stage_modules(split, self.plan)
             if self.by_rows:
                 _same_cut(next(iter(self.by_rows.values())), mods, rows)
