@@ -82,8 +82,8 @@ def test_the_cluster_model_reads_no_files():
 
 # The layers, lowest first: a module imports only from its own layer or lower ones.
 LAYERS = (
-    "hetplan.errors hetplan.units hetplan._frozen hetplan.machine hetplan.schedule hetplan.rows hetplan.sync "
-    "hetplan.catalog hetplan.precision",
+    "hetplan.errors hetplan.units hetplan._frozen hetplan.machine hetplan.forked hetplan.schedule hetplan.rows "
+    "hetplan.sync hetplan.catalog hetplan.precision",
     "hetplan.graph hetplan.cluster hetplan.plan hetplan.tp",
     "hetplan.cost hetplan.io",
     # what the runtime can execute (data the planners read); timelines, which the simulator

@@ -3,6 +3,7 @@ SIGTERM on `hetplan run` must not leave them training to the last step), and a r
 checkpoint folder, serves one run at a time (two runs in one folder would delete each other's
 files); a run that fails, a full disk included, says so in one line and leaves nothing half-made."""
 
+import contextlib
 import json
 import os
 import signal
@@ -24,16 +25,14 @@ LAUNCHER = ("import sys; from pathlib import Path; from hetplan.runtime.launch i
 
 
 def workers_of(out_dir: Path) -> list[int]:
-    """Pids of the worker processes running this run folder's spec."""
-    spec = str(out_dir / "run.json")
+    """Pids of this run folder's worker processes still alive (each heartbeat names its worker)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if b"hetplan.runtime.worker" in cmd and spec.encode() in cmd:
-            found.append(int(entry.name))
+    for beat in out_dir.glob("heartbeat.*"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = json.loads(beat.read_text())["pid"]
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "hetplan-worker" and stat.split()[2] != "Z":
+                found.append(pid)
     return found
 
 
@@ -149,3 +148,27 @@ def test_a_checkpoint_folder_serves_one_run_and_a_dry_run_waits_for_none(tmp_pat
         assert r.code == 2 and "in use by another hetplan run" in r.err
         assert (out / "run.json").read_text() == "the running run's\n"
     assert cli("run", p, "--model", "mlp", "--graph", g, "--dry-run", "--out", out).code == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to see a zombie")
+def test_an_ended_launcher_not_yet_reaped_is_not_alive():
+    """A killed launcher stays a zombie until its parent reaps it: its workers must end anyway."""
+    from hetplan.runtime.supervise import _alive
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    until(lambda: Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", 60,
+          "the child did not end")
+    assert not _alive(proc.pid) and _alive(os.getpid())
+    proc.wait()
+    assert not _alive(proc.pid)
+
+
+def test_a_worker_that_lost_its_peer_is_told_from_one_that_failed():
+    from hetplan.runtime.transport import lost_peer
+
+    said = ["[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:427",
+            "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv operation to complete",
+            "Connection reset by peer"]
+    assert all(lost_peer(RuntimeError(s)) for s in said)
+    assert not lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)"))
+    assert not lost_peer(ValueError("Connection closed by peer"))  # only gloo's RuntimeError

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from hetplan import forked
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.pieces.split import SplitStep, split_step
@@ -86,7 +87,8 @@ def group_times(step: torch.nn.Module, batch: Mapping[str, Any], small: tuple[in
         job = _Job(step, dict(batch), small, degree, threads, granularity, tuple(block_classes or ()), repeats,
                    precision, os.path.join(tmp, "store"), out)
         try:
-            mp.spawn(_worker, args=(job,), nprocs=degree)
+            forked.context()  # the workers start forked from the server with torch imported
+            mp.start_processes(_worker, args=(job,), nprocs=degree, start_method="forkserver")
         except mp.ProcessRaisedException as exc:  # a worker's error: its last line says what
             raise HetplanError(f"timing a group of {degree} workers failed in a worker: "
                                f"{str(exc).strip().splitlines()[-1]}") from None
@@ -101,7 +103,7 @@ def group_times(step: torch.nn.Module, batch: Mapping[str, Any], small: tuple[in
 
 @dataclass(frozen=True)
 class _Job:
-    """What each worker of the group is given (pickled by `spawn`)."""
+    """What each worker of the group is given (pickled to the forked workers)."""
 
     step: torch.nn.Module
     batch: dict[str, Any]

@@ -1,7 +1,8 @@
 """Launching a plan's workers on this machine, watching them, and measuring the step.
 
-`launch` writes RUN.json, starts one `python -m hetplan.runtime.worker RUN.json` process per
-stage replica of the plan (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT in their
+`launch` writes RUN.json, starts one worker process per stage replica of the plan (forked from a
+process that has imported torch, `hetplan.forked`; the same as `python -m
+hetplan.runtime.worker RUN.json`) (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT in their
 environment, as torchrun would set them) and watches them: when a worker exits with an error,
 or no worker's heartbeat moves for `timeout_s`, every worker is stopped (SIGTERM, then SIGKILL)
 and the error names the worker and its stage. Gloo's own timeout is the same, so a worker waiting
@@ -18,11 +19,8 @@ import contextlib
 import json
 import math
 import os
-import signal
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +38,7 @@ from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.spec import RankSpec, RunSpec
 from hetplan.runtime.supervise import (
     LAUNCHER_PID,
+    LOST_PEER,
     clear_failed_run,
     run_folder_lock,
     space_left,
@@ -47,6 +46,8 @@ from hetplan.runtime.supervise import (
 )
 from hetplan.runtime.support import runtime_refusal
 from hetplan.sync import rank_numbers
+
+CAUSE_GRACE_S = 2.0  # how long a lost peer waits for the failure that caused it to be seen
 
 
 class WorkerFailure(HetplanError):
@@ -182,17 +183,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list) -> None:
     for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+        if p.exitcode is None:
+            p.terminate()
     deadline = time.time() + 5
     for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
+        p.join(timeout=max(0.1, deadline - time.time()))
+        if p.exitcode is None:
             p.kill()
-            p.wait()
+            p.join()
 
 
 def _why(out_dir: Path, rank: int, spec: RunSpec, code: int | None = None) -> str:
@@ -228,8 +228,9 @@ def pin_cores(threads: list[int]) -> list[list[int]]:
     return out
 
 
-def _start_workers(spec: RunSpec, spec_path: Path) -> list[subprocess.Popen]:
-    out_dir = spec.settings.out_dir
+def _start_workers(spec: RunSpec, spec_path: Path) -> list:
+    from hetplan import forked
+
     world = spec.world
     port = free_port()
     # one set of cores per device: workers of stages that share a device share its cores
@@ -245,11 +246,8 @@ def _start_workers(spec: RunSpec, spec_path: Path) -> list[subprocess.Popen]:
         cores = per_device[spec.ranks[rank].device]
         if cores:
             env["HETPLAN_CPUS"] = ",".join(map(str, cores))
-        log = open(out_dir / f"worker.{rank}.log", "w")  # noqa: SIM115 - closed when the worker ends
-        # a session of its own: a terminal's Ctrl-C reaches the launcher only, which stops the workers
-        procs.append(subprocess.Popen([sys.executable, "-m", "hetplan.runtime.worker", str(spec_path)],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        log.close()
+        log = spec.settings.out_dir / f"worker.{rank}.log"
+        procs.append(forked.start("hetplan.runtime.worker:main", ([str(spec_path)],), env, log))
     return procs
 
 
@@ -263,15 +261,20 @@ def _heartbeats(out_dir: Path, world: int) -> list[dict | None]:
     return beats
 
 
-def _wait(procs: list[subprocess.Popen], spec: RunSpec, progress) -> None:
+def _wait(procs: list, spec: RunSpec, progress) -> None:
     """Until every worker has ended well; a failed or silent worker stops them all."""
     out_dir, world, timeout = spec.settings.out_dir, len(procs), float(spec.settings.timeout_s)
-    last_move, last_seen = time.time(), None
+    last_move, last_seen, first_failure = time.time(), None, None
     while True:
-        codes = [p.poll() for p in procs]
+        codes = [p.exitcode for p in procs]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            raise WorkerFailure(_why(out_dir, failed[0], spec, codes[failed[0]]) + "; every worker was stopped")
+        causes = [r for r in failed if codes[r] != LOST_PEER]
+        first_failure = first_failure or (time.time() if failed else None)
+        # a worker that lost its peer is not the failure to name: the peer's crash reaches the
+        # launcher through the worker server a moment later
+        if causes or (failed and time.time() - first_failure > CAUSE_GRACE_S):
+            said = (causes or failed)[0]
+            raise WorkerFailure(_why(out_dir, said, spec, codes[said]) + "; every worker was stopped")
         if all(c == 0 for c in codes):
             return
         beats = _heartbeats(out_dir, world)

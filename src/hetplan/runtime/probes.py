@@ -9,7 +9,8 @@ the model's operators (`hetplan calibrate`, `hetplan.runtime.calibrate`):
 - co-running: the same compute-heavy step run alone and then by 2, 3, ... CPU workers side by
   side, each on its own cores as the launcher pins them: the slowdown of each worker's compute.
 
-Each probe runs in fresh processes, as the workers do (`spawn_probe`), so that what one
+Each probe runs in processes of its own, forked as the workers are (`spawn_probe`,
+`hetplan.forked`), so that what one
 measures does not depend on the calibrating process's threads or caches. Probe functions take
 `(rank, world, params)` and return what they measured; rank 0's result comes back.
 """
@@ -19,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -41,46 +40,49 @@ PROBE_TIMEOUT_S = 300.0
 
 def spawn_probe(function: str, world: int, params: dict, threads: Sequence[int] = (), cores: Sequence = (),
                 timeout_s: float = PROBE_TIMEOUT_S) -> list:
-    """Run `hetplan.runtime.probes.<function>(rank, world, params)` in `world` fresh local
-    processes joined by gloo; every rank's result, in rank order. `threads[r]` and `cores[r]`:
-    rank r's thread count and the cores it is pinned to (none: 1 thread, unpinned)."""
+    """Run `hetplan.runtime.probes.<function>(rank, world, params)` in `world` local processes
+    (forked as the workers are) joined by gloo; every rank's result, in rank order. `threads[r]`
+    and `cores[r]`: rank r's thread count and the cores it is pinned to (none: 1 thread, unpinned)."""
+    from hetplan import forked
     from hetplan.runtime.launch import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        code = ("import json, sys; from hetplan.runtime import probes; "
-                f"out = probes._entry({function!r}, int(sys.argv[1]), {world}, json.loads(sys.argv[2])); "
-                "open(sys.argv[3], 'w').write(json.dumps(out))")
         procs = []
         for rank in range(world):
             t = threads[rank] if rank < len(threads) else 1
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(t),
                    "HETPLAN_PROBE_THREADS": str(t),
                    "HETPLAN_CPUS": ",".join(map(str, cores[rank])) if rank < len(cores) and cores[rank] else ""}
-            procs.append(subprocess.Popen([sys.executable, "-c", code, str(rank), json.dumps(params),
-                                           str(Path(tmp) / f"{rank}.json")],
-                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        errors = _wait_all(procs, timeout_s)
+            out = str(Path(tmp) / f"{rank}.json")
+            procs.append(forked.start("hetplan.runtime.probes:probe_main", (function, rank, world, params, out), env,
+                                      Path(tmp) / f"{rank}.log"))
+        errors = _wait_all(procs, [Path(tmp) / f"{rank}.log" for rank in range(world)], timeout_s)
         if errors:
             raise HetplanError(f"the calibration probe {function} on {world} local process"
                                f"{'es' if world > 1 else ''} failed: {errors[0]}")
         return [json.loads((Path(tmp) / f"{rank}.json").read_text()) for rank in range(world)]
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
-    """Wait for every process; the last line of each failure's error output."""
+def probe_main(function: str, rank: int, world: int, params: dict, out: str) -> int:
+    Path(out).write_text(json.dumps(_entry(function, rank, world, params)))
+    return 0
+
+
+def _wait_all(procs: list, logs: list[Path], timeout_s: float) -> list[str]:
+    """Wait for every process; the last line of each failure's output."""
     errors = []
     deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+    for p, log in zip(procs, logs, strict=True):
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+        if p.exitcode is None:
             for q in procs:
                 q.kill()
+                q.join()
             return [f"timed out after {timeout_s:.0f} s"]
-        if p.returncode:
-            lines = (err or "").strip().splitlines()
-            errors.append(lines[-1] if lines else f"exit status {p.returncode}")
+        if p.exitcode:
+            lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+            errors.append(lines[-1] if lines else f"exit status {p.exitcode}")
     return errors
 
 

@@ -3,8 +3,9 @@
 The launcher stops its workers when it fails or is interrupted (launch.py); this module covers the
 other ways it can end. Workers start in sessions of their own (so that a terminal's Ctrl-C reaches
 the launcher only, which then stops them in order), so when the launcher is killed (SIGKILL, an
-out-of-memory kill) nothing else would stop them: each worker asks the kernel for SIGKILL when its
-parent dies (Linux's PR_SET_PDEATHSIG) and, where that is unavailable, watches its parent's pid.
+out-of-memory kill) nothing else would stop them: each worker watches the launcher's process (a
+pidfd on Linux, else its pid) and exits when it ends, and asks the kernel for SIGKILL when its
+parent, the server that forked it, dies (Linux's PR_SET_PDEATHSIG).
 SIGTERM and SIGHUP to the launcher become the same clean stop as Ctrl-C.
 
 A run folder holds one run's heartbeats, results and logs; two runs writing one folder delete
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import sys
 import threading
@@ -26,6 +28,7 @@ from pathlib import Path
 from hetplan.errors import HetplanError
 
 LAUNCHER_PID = "HETPLAN_LAUNCHER_PID"  # set by the launcher in each worker's environment
+LOST_PEER = 4  # a worker's exit status when it failed because a peer had failed or fell silent
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -40,22 +43,52 @@ def _kernel_kills_orphans() -> bool:
         return False
 
 
-def _watch_parent(parent: int, every_s: float) -> None:
-    while os.getppid() == parent:
+def _watch(launcher: int, every_s: float) -> None:
+    """Return when the launcher has ended: at once where Linux gives a handle on the process
+    (a pidfd is readable from its exit, even before it is reaped), else by polling its pid."""
+    try:
+        handle = os.pidfd_open(launcher)
+    except (AttributeError, OSError):
+        handle = None
+    if handle is not None:
+        select.select([handle], [], [])
+        return
+    while _alive(launcher):
         time.sleep(every_s)
+
+
+def _watch_launcher(launcher: int, every_s: float) -> None:
+    _watch(launcher, every_s)
     os._exit(3)  # orphaned: nobody will read what this worker does
 
 
 def end_with_launcher(every_s: float = 0.5) -> None:
-    """In a worker started by `hetplan run`: end when the launcher ends, however it ends. A worker
-    started by torchrun (no launcher pid) is torchrun's to supervise."""
-    parent = os.environ.get(LAUNCHER_PID)
-    if not parent:
+    """In a worker started by `hetplan run`: end when the launcher ends, however it ends. The
+    worker's parent is the launcher's worker server (`runtime.forked`), which outlives the
+    launcher while a worker of it runs: so each worker watches the launcher itself, and asks the
+    kernel to end it with the server too. A worker started by torchrun (no launcher pid) is
+    torchrun's to supervise."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if not launcher:
         return
     _kernel_kills_orphans()
-    if os.getppid() != int(parent):  # the launcher died before the kernel was asked
+    if not _alive(int(launcher)):  # the launcher died before the watch began
         os._exit(3)
-    threading.Thread(target=_watch_parent, args=(int(parent), every_s), daemon=True, name="launcher-watch").start()
+    threading.Thread(target=_watch_launcher, args=(int(launcher), every_s), daemon=True,
+                     name="launcher-watch").start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs (an ended one not yet reaped, a zombie, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # there, but another user's
+        return True
+    with contextlib.suppress(OSError, IndexError):  # Linux: an ended process not yet reaped is a zombie
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
 
 
 class Stopped(KeyboardInterrupt):

@@ -23,6 +23,15 @@ from typing import Protocol
 
 import torch
 
+# gloo's words when the rank at the other end of a message is gone or silent (it raises a plain
+# RuntimeError): a worker failing so is the consequence of another's failure, not its cause
+_PEER_LOST = ("closed by peer", "reset by peer", "Timed out waiting", "Broken pipe", "Connection refused")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether `exc` says that a peer of this rank failed or fell silent, not this rank."""
+    return isinstance(exc, RuntimeError) and any(words in str(exc) for words in _PEER_LOST)
+
 
 class Sent(Protocol):
     def wait(self) -> object: ...

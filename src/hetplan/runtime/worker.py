@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetplan.precision import scales_loss
-from hetplan.runtime.supervise import LAUNCHER_PID, end_with_launcher
+from hetplan.runtime.supervise import LAUNCHER_PID, LOST_PEER, end_with_launcher
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -326,7 +326,8 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     heartbeat_path = out_dir / f"heartbeat.{rank}"
 
     def heartbeat(phase: str, step: int) -> None:
-        _write(heartbeat_path, {"rank": rank, "stage": me.stage, "phase": phase, "step": step, "t": time.time()})
+        _write(heartbeat_path, {"rank": rank, "stage": me.stage, "phase": phase, "step": step, "t": time.time(),
+                                "pid": os.getpid()})
 
     heartbeat("starting", -1)
     if os.environ.get("HETPLAN_CPUS"):  # the launcher's cores for this worker (see launch.pin_cores)
@@ -386,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             error.write_text(said)
         except OSError:  # the folder cannot take it (a full disk): the launcher says so instead
             error.unlink(missing_ok=True)
-        return 1
+        from hetplan.runtime.transport import lost_peer
+
+        return LOST_PEER if lost_peer(exc) else 1
     if rank == 0 and LAUNCHER_PID not in os.environ:  # started by torchrun: nobody else sums it up
         print(_summed_up(spec), flush=True)
     return 0

@@ -48,6 +48,12 @@ def _transformers():
     return transformers
 
 
+def transformers_machinery() -> None:
+    """Import what every transformers model's module imports first (most of the time it takes)."""
+    _transformers()
+    import transformers.modeling_utils  # noqa: F401
+
+
 def _lm_batch(batch_size: int, seq_len: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)

@@ -1,0 +1,74 @@
+"""Local worker processes (the runtime's workers, the calibration probes, the profiler's
+tensor-parallel groups), forked from one server process that has imported what they need.
+
+A worker started as `python -m hetplan.runtime.worker` spends seconds importing before its first
+step: torch with its distributed and export packages, and for a transformers model the library's
+shared machinery (`transformers.modeling_utils`), about 5 s of one core here, per worker of every
+run. Forked from a process that has imported them once, a worker starts with them imported.
+
+The server is multiprocessing's forkserver: a fresh process started from the launcher, which
+imports `hetplan.runtime.preload` and nothing else runs in it (no torch kernel, so no OpenMP
+thread that a forked child could not use), started once per launching process and kept for its
+later runs (a notebook, the test suite). It ignores Ctrl-C and ends when the launching process
+ends, however it ends; the workers ask the kernel to end with it (`supervise.end_with_launcher`).
+
+As under multiprocessing's spawn, a worker imports the launching script again (as `__mp_main__`)
+before it runs: a script that starts a run does so under `if __name__ == "__main__":`
+(multiprocessing refuses to start processes from a script being imported so, and says that).
+
+Each worker gets here what a process started from the command line would have: the launcher's
+environment with its own variables (RANK, WORLD_SIZE, ...), a session of its own (a terminal's
+Ctrl-C reaches the launcher only, which stops the workers in order), its output in its log file,
+and `hetplan-worker` as its name in `ps -o comm` and `top`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import multiprocessing
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+PRELOAD = ("hetplan.runtime.preload",)
+NAME = b"hetplan-worker"
+_PR_SET_NAME = 15  # from <linux/prctl.h>
+
+
+def context():
+    """multiprocessing's forkserver context, its server importing `PRELOAD` (what every worker
+    imports first): start processes of the server from here, or the preload may be missing."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))  # read when the server starts, once per process
+    return context
+
+
+def start(target: str, args: Sequence, env: Mapping[str, str], log: Path):
+    """A `multiprocessing.Process` running `target(*args)` forked from the server, with `env` as
+    its whole environment and its output in `log`; its exit status is what `target` returns.
+    `target` is "module:function", imported in the worker (as `python -m module` would be)."""
+    process = context().Process(target=_forked, args=(target, tuple(args), dict(env), str(log)), daemon=False)
+    process.start()
+    return process
+
+
+def _forked(target: str, args: tuple, env: dict[str, str], log: str) -> None:
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for out in (1, 2):
+        os.dup2(fd, out)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    _name_me()
+    module, function = target.split(":")
+    sys.exit(getattr(importlib.import_module(module), function)(*args))
+
+
+def _name_me() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(NAME), 0, 0, 0)

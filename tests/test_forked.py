@@ -1,0 +1,65 @@
+"""Worker processes forked from the server that has imported torch (`hetplan.forked`) get what a
+process started from the command line would: the environment they are given and nothing else of
+it, a session of their own, their output in their log, their exit status, and a name `ps` shows;
+a script that would start them while each of them imports it again is told to guard its start."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetplan import forked
+
+
+def _report(out: str) -> int:
+    print("to the log")
+    print("and its errors", file=sys.stderr)
+    comm = Path("/proc/self/comm").read_text().strip() if Path("/proc/self/comm").exists() else ""
+    Path(out).write_text(json.dumps({"env": dict(os.environ), "session_leader": os.getsid(0) == os.getpid(),
+                                     "comm": comm, "torch_imported_before": "torch" in sys.modules}))
+    return 7
+
+
+def test_a_forked_worker_has_its_environment_session_log_name_and_status(tmp_path):
+    out, log = tmp_path / "out.json", tmp_path / "w.log"
+    p = forked.start("test_forked:_report", (str(out),), {"ONLY": "this", "PATH": os.environ.get("PATH", "")}, log)
+    p.join(timeout=120)
+    assert p.exitcode == 7
+    seen = json.loads(out.read_text())
+    assert seen["env"] == {"ONLY": "this", "PATH": os.environ.get("PATH", "")}
+    assert seen["session_leader"] and seen["torch_imported_before"]
+    if sys.platform.startswith("linux"):
+        assert seen["comm"] == "hetplan-worker"
+    assert log.read_text().split() == ["to", "the", "log", "and", "its", "errors"]
+
+
+SCRIPT = """
+import sys
+from hetplan import forked
+
+def nothing():
+    return 0
+
+p = forked.start("__main__:nothing", (), {}, sys.argv[1])
+p.join()
+print("exit", p.exitcode)
+"""
+
+
+def test_a_script_that_starts_workers_unguarded_is_told_how_to_guard_it(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "w.log")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(Path(forked.__file__).parents[1])})
+    assert "exit 1" in proc.stdout  # the worker's own import of the script failed, not the script
+    assert "if __name__ == '__main__':" in proc.stderr and "bootstrapping phase" in proc.stderr
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_the_exit_status_is_the_targets(tmp_path, status):
+    p = forked.start("builtins:int", (status,), {}, tmp_path / "w.log")
+    p.join(timeout=120)
+    assert p.exitcode == status
