@@ -27,6 +27,15 @@ def _click_log_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _worker_server():
+    """The tests start workers of many models, transformers ones among them: one server for all,
+    started now (it imports in the background), with transformers' machinery imported."""
+    from hetplan import forked
+
+    forked.warm()
+
+
 def shared_dir() -> Path:
     """The project's shared data: $HETPLAN_SHARED, or ../shared beside the repository."""
     return Path(os.environ.get("HETPLAN_SHARED", REPO.parent / "shared"))

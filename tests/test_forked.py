@@ -63,3 +63,10 @@ def test_the_exit_status_is_the_targets(tmp_path, status):
     p = forked.start("builtins:int", (status,), {}, tmp_path / "w.log")
     p.join(timeout=120)
     assert p.exitcode == status
+
+
+def test_the_server_imports_transformers_only_for_a_model_that_uses_it():
+    from hetplan.zoo import uses_transformers
+
+    assert [uses_transformers(m) for m in ("gpt2-tiny", "llama-tiny", "resnet50", "mlp", "inception-tiny", "ctr-dnn")] \
+        == [True, True, True, False, False, False]

@@ -7,7 +7,8 @@ shared machinery (`transformers.modeling_utils`), about 5 s of one core here, pe
 run. Forked from a process that has imported them once, a worker starts with them imported.
 
 The server is multiprocessing's forkserver: a fresh process started from the launcher, which
-imports `hetplan.runtime.preload` and nothing else runs in it (no torch kernel, so no OpenMP
+imports `hetplan.runtime.preload` (and `preload_transformers` for a model that needs it: 2.7 s a
+run of another model need not wait for) and nothing else runs in it (no torch kernel, so no OpenMP
 thread that a forked child could not use), started once per launching process and kept for its
 later runs (a notebook, the test suite). It ignores Ctrl-C and ends when the launching process
 ends, however it ends; the workers ask the kernel to end with it (`supervise.end_with_launcher`).
@@ -28,29 +29,39 @@ import contextlib
 import ctypes
 import importlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-PRELOAD = ("hetplan.runtime.preload",)
+PRELOAD = ("hetplan.runtime.preload",)  # what every worker imports: torch, hetplan's runtime
+TRANSFORMERS = "hetplan.runtime.preload_transformers"  # what a transformers model's worker imports too
 NAME = b"hetplan-worker"
 _PR_SET_NAME = 15  # from <linux/prctl.h>
 
 
-def context():
-    """multiprocessing's forkserver context, its server importing `PRELOAD` (what every worker
-    imports first): start processes of the server from here, or the preload may be missing."""
+def context(preload: Sequence[str] = PRELOAD):
+    """multiprocessing's forkserver context, its server importing `preload` when it starts (the
+    first process of this process's server decides: a later list is not read)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOAD))  # read when the server starts, once per process
+    context.set_forkserver_preload(list(preload))
     return context
 
 
-def start(target: str, args: Sequence, env: Mapping[str, str], log: Path):
+def warm(preload: Sequence[str] = (*PRELOAD, TRANSFORMERS)) -> None:
+    """Start this process's server now, importing `preload`: for a process that will start
+    workers of several models (a notebook, a test session)."""
+    context(preload)
+    multiprocessing.forkserver.ensure_running()
+
+
+def start(target: str, args: Sequence, env: Mapping[str, str], log: Path, preload: Sequence[str] = PRELOAD):
     """A `multiprocessing.Process` running `target(*args)` forked from the server, with `env` as
     its whole environment and its output in `log`; its exit status is what `target` returns.
-    `target` is "module:function", imported in the worker (as `python -m module` would be)."""
-    process = context().Process(target=_forked, args=(target, tuple(args), dict(env), str(log)), daemon=False)
+    `target` is "module:function", imported in the worker (as `python -m module` would be);
+    `preload`: what the server imports if this starts it."""
+    process = context(preload).Process(target=_forked, args=(target, tuple(args), dict(env), str(log)), daemon=False)
     process.start()
     return process
 

@@ -87,7 +87,7 @@ def group_times(step: torch.nn.Module, batch: Mapping[str, Any], small: tuple[in
         job = _Job(step, dict(batch), small, degree, threads, granularity, tuple(block_classes or ()), repeats,
                    precision, os.path.join(tmp, "store"), out)
         try:
-            forked.context()  # the workers start forked from the server with torch imported
+            forked.context((*forked.PRELOAD, forked.TRANSFORMERS))  # forked from a server that has imported torch
             mp.start_processes(_worker, args=(job,), nprocs=degree, start_method="forkserver")
         except mp.ProcessRaisedException as exc:  # a worker's error: its last line says what
             raise HetplanError(f"timing a group of {degree} workers failed in a worker: "

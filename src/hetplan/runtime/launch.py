@@ -230,7 +230,9 @@ def pin_cores(threads: list[int]) -> list[list[int]]:
 
 def _start_workers(spec: RunSpec, spec_path: Path) -> list:
     from hetplan import forked
+    from hetplan.zoo import uses_transformers
 
+    preload = (*forked.PRELOAD, forked.TRANSFORMERS) if uses_transformers(spec.model) else forked.PRELOAD
     world = spec.world
     port = free_port()
     # one set of cores per device: workers of stages that share a device share its cores
@@ -247,7 +249,7 @@ def _start_workers(spec: RunSpec, spec_path: Path) -> list:
         if cores:
             env["HETPLAN_CPUS"] = ",".join(map(str, cores))
         log = spec.settings.out_dir / f"worker.{rank}.log"
-        procs.append(forked.start("hetplan.runtime.worker:main", ([str(spec_path)],), env, log))
+        procs.append(forked.start("hetplan.runtime.worker:main", ([str(spec_path)],), env, log, preload))
     return procs
 
 

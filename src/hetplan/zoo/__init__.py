@@ -36,6 +36,7 @@ class ZooEntry:
     default_batch_size: int
     default_seq_len: int = 0  # 0: the model takes no sequence length
     kwargs: Mapping[str, Any] = field(default_factory=FrozenMap)
+    transformers: bool = True  # built from a transformers class (its workers import the library)
 
     @property
     def language_model(self) -> bool:
@@ -53,17 +54,27 @@ ZOO: MappingProxyType[str, ZooEntry] = MappingProxyType({e.name: e for e in (
     ZooEntry("resnet50", "ResNet-50 (transformers), 224x224 images, 1000 classes", "resnet50", 32),
     ZooEntry("vit-base", "ViT-B/16, 224x224 images, 1000 classes", "vit_base", 8),
     ZooEntry("inception-tiny", "Inception-style CNN, 3 modules of 4 parallel branches, 32x32 images",
-             "inception_tiny", 32),
-    ZooEntry("mlp", "5-layer perceptron 784-1024x4-10", "mlp", 64),
+             "inception_tiny", 32, transformers=False),
+    ZooEntry("mlp", "5-layer perceptron 784-1024x4-10", "mlp", 64, transformers=False),
     # Batch 256: the parser, the lookups and the MLP's GEMMs then outweigh per-call overheads, an eighth
     # (32, the profiler's second batch) is still a real micro-batch, and a layer profile takes seconds on one core.
     ZooEntry("ctr-dnn", "CTR model on synthetic Criteo click logs: line parser, 26 embedding bags (5.57M rows, "
-             "356 MB), MLP 512-256-128-1", "ctr_dnn", 256),
+             "356 MB), MLP 512-256-128-1", "ctr_dnn", 256, transformers=False),
 )})
 
 
 def zoo_names() -> tuple[str, ...]:
     return tuple(ZOO)
+
+
+def uses_transformers(name: str) -> bool:
+    """Whether building the model imports transformers: a zoo entry says; a user's own model is
+    taken to where transformers is installed (most are its classes)."""
+    if name in ZOO:
+        return ZOO[name].transformers
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
 
 
 def load_model(name: str, *, batch_size: int | None = None, seq_len: int | None = None, seed: int = 0) -> ZooModel:
