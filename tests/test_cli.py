@@ -286,7 +286,8 @@ def test_acceptance_profile_gpt2_tiny(cli, tmp_path):
 
 
 def test_acceptance_profile_inception_tiny(cli, tmp_path):
-    r = cli("profile", "inception-tiny", "--granularity", "block", "-o", tmp_path / "i.json", "--json")
+    r = cli("profile", "inception-tiny", "--granularity", "block", "--batch-size", "8", "-o", tmp_path / "i.json",
+            "--json")
     assert r.code == 0, r.err
     assert r.json()["max_out_degree"] >= 3
     assert cli("info", tmp_path / "i.json", "--json").json()["max_out_degree"] >= 3

@@ -16,7 +16,6 @@ from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
 from hetplan.runtime.launch import run_spec
 from hetplan.runtime.local import run_threads
-from hetplan.runtime.rank import SharedTraces
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
@@ -190,8 +189,8 @@ def test_a_plan_file_says_which_stages_recompute():
 
 
 def run_weights(name, replicas, m, schedule, recompute, batch=8, unit="stage", granularity="layer", shared=None):
-    """One step in threads, the named stages recomputing; `shared`: traces of the same model from
-    an earlier call, which the ranks take theirs from (`rank.SharedTraces`)."""
+    """One step in threads, the named stages recomputing; the ranks take their traces from
+    `shared` (`rank.SharedTraces`), by default the session's for the model (`test_executor.traced`)."""
     zm = no_dropout(load_model(name, batch_size=batch, seq_len=16, seed=0))
     shared, split = traced(zm, granularity, shared, replicas, m)
     plan = chain_plan([p.name for p in split.pieces], replicas, m, schedule)
@@ -223,10 +222,8 @@ ROWS = {"resnet50": 4}  # its 224-pixel images: fewer rows, the same pieces
 def test_recomputing_stages_train_as_one_process_and_as_without(name, replicas, m, schedule, recompute, unit,
                                                                  granularity):
     batch = ROWS.get(name, 8)
-    shared = SharedTraces()
-    zm, split, plan, spec, results = run_weights(name, replicas, m, schedule, recompute, batch, unit, granularity,
-                                                 shared)
-    _, _, _, _, plain = run_weights(name, replicas, m, schedule, [], batch, granularity=granularity, shared=shared)
+    zm, split, plan, spec, results = run_weights(name, replicas, m, schedule, recompute, batch, unit, granularity)
+    _, _, _, _, plain = run_weights(name, replicas, m, schedule, [], batch, granularity=granularity)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     ref_loss = reference_step(zm, _batches(spec, zm, 0), m, 0.1)
     modules = stage_modules(split, plan)
