@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from hetplan import forked
 from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
 from hetplan.runtime.rank import SharedTraces
@@ -100,7 +101,9 @@ def test_two_and_four_way_stages_of_gpt2_tiny_and_llama_tiny_equal_one_process(t
     saves less for its backward than without (its norms' and residuals' share of the tokens).
     llama-tiny's loss is vocabulary-parallel: a worker saves its share of the log-probabilities,
     not the whole (GPT-2's head, tied to its embedding, is whole: its loss too)."""
-    mp.spawn(_group_worker, args=(4, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=4)
+    forked.context((*forked.PRELOAD, forked.TRANSFORMERS))  # forked from the session's server, torch imported
+    mp.start_processes(_group_worker, args=(4, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=4,
+                       start_method="forkserver")
     shared: dict[str, SharedTraces] = {}
     for model, degree, sp in CASES:
         zm, stage = _stage(model, shared)
