@@ -10,18 +10,18 @@ import torch
 from torch import nn
 
 from hetplan.pieces.portable import baked_devices, place, portable
-from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
-from hetplan.runtime.rank import Traces
+from hetplan.runtime.rank import SharedTraces, Traces
 from hetplan.zoo import ZOO, load_model
 
 
 def two_stages(name):
     zm = load_model(name, batch_size=2, seq_len=16, seed=0)
-    names = [p.name for p in split_step(zm.step, zm.batch).pieces]
+    shared = SharedTraces()  # the cut that names the pieces is the one the stages take
+    names = [p.name for p in shared.split(zm.step, zm.batch, "layer", None).pieces]
     half = len(names) // 2
     plan = Plan((Stage(tuple(names[:half]), ("a",)), Stage(tuple(names[half:]), ("b",))), 1, "gpipe", "test")
-    return zm, Traces(zm.step, zm.batch, plan, "layer", None, {}).stages(2)
+    return zm, Traces(zm.step, zm.batch, plan, "layer", None, {}, shared=shared).stages(2)
 
 
 # gpt2 is gpt2-tiny's builder and classes at 124M parameters: seconds of the suite for no other code

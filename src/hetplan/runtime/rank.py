@@ -12,6 +12,7 @@ stage on its device (`profile.portable`: no device of the tracing machine surviv
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -35,6 +36,7 @@ from hetplan.runtime.stages import StageModule, stage_modules
 from hetplan.runtime.zero import ShardedUnits
 from hetplan.schedule import rank_orders
 from hetplan.sync import sync_groups
+from hetplan.zoo import load_model
 
 
 def rank_table(spec: RunSpec) -> tuple[tuple[int, ...], ...]:
@@ -70,12 +72,22 @@ def spec_rows(spec: RunSpec, plan: Plan) -> StepRows:
 
 @dataclass(frozen=True)
 class SharedTraces:
-    """The step traced once for all ranks of one process (`runtime.local`'s threads): each rank
-    takes a copy of the cut bound to its own model (`split.rebind`), which holds the same weights
-    (every rank builds the model from the same seed); the first trace stays as it was made, for
-    the next rank, whatever a rank then does to its copy (tensor parallelism rewrites it)."""
+    """The model built and the step traced once for all ranks of one process (`runtime.local`'s
+    threads): each rank takes a copy of the model and a copy of the cut bound to its own model
+    (`split.rebind`), which holds the same weights (every rank's model is from the same seed); the
+    first trace stays as it was made, for the next rank, whatever a rank then does to its copy
+    (tensor parallelism rewrites it)."""
 
     made: dict[tuple, tuple[Holdings, SplitStep]] = field(default_factory=dict)
+    built: dict[tuple, Any] = field(default_factory=dict)
+
+    def model(self, name: str, batch_size: int, seq_len: int, seed: int):
+        """The zoo model, built once for the ranks of this process: each rank takes a copy, which
+        holds what its own build from the same seed would (a large model's build takes seconds)."""
+        key = (name, batch_size, seq_len, seed)
+        if key not in self.built:
+            self.built[key] = load_model(name, batch_size=batch_size, seq_len=seq_len, seed=seed)
+        return copy.deepcopy(self.built[key])
 
     def split(self, step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: str,
               block_classes: tuple[str, ...] | None) -> SplitStep:

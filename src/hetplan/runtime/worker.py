@@ -77,7 +77,7 @@ def _optimizer(spec: RunSpec, params: list, sparse_ids=None):
 
 def build_rank(spec: RunSpec, rank: int, heartbeat=None, shared=None):
     """The rank's model, traces, stage and optimizer (`hetplan.runtime.rank`); `shared`: the
-    traces of the ranks built before it in this process (`rank.SharedTraces`)."""
+    model and traces of the ranks built before it in this process (`rank.SharedTraces`)."""
     import torch
 
     from hetplan.runtime.rank import prepare
@@ -86,7 +86,8 @@ def build_rank(spec: RunSpec, rank: int, heartbeat=None, shared=None):
 
     me = spec.ranks[rank]
     s = spec.settings
-    zoo_model = load_model(spec.model, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed)
+    zoo_model = load_model(spec.model, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed) if shared is None \
+        else shared.model(spec.model, s.batch_size, s.seq_len, s.seed)
     if spec.settings.no_dropout:
         switch_off_dropout(zoo_model.step)
     device = torch.device(me.binding if me.on_cuda else "cpu")
