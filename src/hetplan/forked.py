@@ -43,7 +43,7 @@ _PR_SET_NAME = 15  # from <linux/prctl.h>
 
 def context(preload: Sequence[str] = PRELOAD):
     """multiprocessing's forkserver context, its server importing `preload` when it starts (the
-    first process of this process's server decides: a later list is not read)."""
+    list in force when this process's server starts decides: one given later is not read)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(preload))
     return context
