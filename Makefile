@@ -8,12 +8,18 @@ SHARED ?= ../shared
 PROFILES := $(SHARED)/data/pipedream-profiles
 OUT ?= out/demo
 HETPLAN := $(BIN)/hetplan
+# Python caches the compiled modules it imports (hetplan's own and the tests' are compiled at
+# every start otherwise, in every worker and command a test starts)
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-compile -c constraints.txt -e '.[dev]'
+	@# compiled on every core, not one file at a time as pip does; a few of torch's own test files
+	@# are in a newer Python's syntax and fail, as they do under pip
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	touch $(STAMP)
 
 demo: $(STAMP)

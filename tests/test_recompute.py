@@ -201,7 +201,8 @@ def run_weights(name, replicas, m, schedule, recompute, batch=8, unit="stage", g
     return zm, split, plan, spec, run_threads(spec, shared=shared)
 
 
-ROWS = {"resnet50": 4}  # its 224-pixel images: fewer rows, the same pieces
+RESNET = "user_models:resnet50_short"  # resnet50's bottlenecks, fewer of them
+ROWS = {RESNET: 4}  # its 224-pixel images: fewer rows, the same pieces
 
 
 @pytest.mark.parametrize("name,replicas,m,schedule,recompute,unit,granularity", [
@@ -213,7 +214,7 @@ ROWS = {"resnet50": 4}  # its 224-pixel images: fewer rows, the same pieces
     ("gpt2-tiny", [1, 2], 3, "1f1b", [0, 1], "block", "block"),
     ("llama-tiny", [1, 1], 4, "zero-bubble", [0, 1], "block", "block"),
     ("inception-tiny", [1, 1], 2, "1f1b", [0, 1], "block", "layer"),
-    ("resnet50", [1, 1], 2, "1f1b", [1], "block", "layer"),  # an add_ on a piece's input, inside its checkpoint
+    (RESNET, [1, 1], 2, "1f1b", [1], "block", "layer"),  # an add_ on a piece's input, inside its checkpoint
     # per block keeping the products' outputs (torch's selective checkpoint)
     ("gpt2-tiny", [1, 2], 3, "1f1b", [0, 1], "selective", "block"),
     ("llama-tiny", [1, 1], 4, "1f1b", [0, 1], "selective", "block"),

@@ -23,6 +23,30 @@ def ctr_small(batch_size=16, seq_len=None):
     return ctr_dnn(batch_size, 0, 0, tables=(2000,) * 4 + (100,) * 22, hidden=(64, 32))
 
 
+# The zoo's base-size models at a few of their layers: the same classes and widths, so the same
+# pieces, boundaries and tied weights; each further layer repeats what these cut and carry.
+def bert_base_short(batch_size=4, seq_len=16):
+    """bert-base at 2 of its 12 layers."""
+    from hetplan.zoo.models import bert
+
+    return bert(batch_size, seq_len, 0, layers=2)
+
+
+def vit_base_short(batch_size=4, seq_len=None):
+    """vit-base at 2 of its 12 layers."""
+    from hetplan.zoo.models import vit_base
+
+    return vit_base(batch_size, 0, 0, layers=2)
+
+
+def resnet50_short(batch_size=4, seq_len=None):
+    """resnet50 with one bottleneck per stage but the first's two: each stage's first bottleneck
+    projects its shortcut, the second of the first adds it as it is."""
+    from hetplan.zoo.models import resnet50
+
+    return resnet50(batch_size, 0, 0, depths=(2, 1, 1, 1))
+
+
 def make(batch_size=4, seq_len=None):
     torch.manual_seed(0)
     return Tiny(), {"x": torch.randn(batch_size, 8)}

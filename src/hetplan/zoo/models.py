@@ -77,10 +77,10 @@ def gpt2(batch_size: int, seq_len: int, seed: int, *, layers: int, embd: int, he
     return ZooModel("", TrainStep(model, _hf_loss), _lm_batch(batch_size, seq_len, vocab, seed), ("GPT2Block",))
 
 
-def bert(batch_size: int, seq_len: int, seed: int) -> ZooModel:
+def bert(batch_size: int, seq_len: int, seed: int, *, layers: int = 12) -> ZooModel:
     tf = _transformers()
     _check_seq(seq_len, 512)
-    cfg = tf.BertConfig(attn_implementation="sdpa")
+    cfg = tf.BertConfig(num_hidden_layers=layers, attn_implementation="sdpa")
     torch.manual_seed(seed)
     model = tf.BertForMaskedLM(cfg)
     return ZooModel("", TrainStep(model, _hf_loss), _lm_batch(batch_size, seq_len, cfg.vocab_size, seed),
@@ -99,18 +99,19 @@ def llama_tiny(batch_size: int, seq_len: int, seed: int) -> ZooModel:
                     ("LlamaDecoderLayer",))
 
 
-def resnet50(batch_size: int, seq_len: int, seed: int) -> ZooModel:
+def resnet50(batch_size: int, seq_len: int, seed: int, *, depths: tuple[int, ...] = (3, 4, 6, 3)) -> ZooModel:
     tf = _transformers()
-    cfg = tf.ResNetConfig(num_labels=1000)  # the default configuration is ResNet-50
+    cfg = tf.ResNetConfig(num_labels=1000, depths=list(depths))  # (3, 4, 6, 3): ResNet-50
     torch.manual_seed(seed)
     model = tf.ResNetForImageClassification(cfg)
     return ZooModel("", TrainStep(model, _hf_loss), _image_batch(batch_size, 224, 1000, seed),
                     ("ResNetBottleNeckLayer",))
 
 
-def vit_base(batch_size: int, seq_len: int, seed: int) -> ZooModel:
+def vit_base(batch_size: int, seq_len: int, seed: int, *, layers: int = 12) -> ZooModel:
     tf = _transformers()
-    cfg = tf.ViTConfig(num_labels=1000, attn_implementation="sdpa")  # the default is ViT-B/16 at 224x224
+    # the default configuration, at 12 layers: ViT-B/16 at 224x224
+    cfg = tf.ViTConfig(num_labels=1000, num_hidden_layers=layers, attn_implementation="sdpa")
     torch.manual_seed(seed)
     model = tf.ViTForImageClassification(cfg)
     return ZooModel("", TrainStep(model, _hf_loss), _image_batch(batch_size, 224, 1000, seed), ("ViTLayer",))
