@@ -28,6 +28,17 @@ def _click_log_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _threads_per_pytest_worker():
+    """Each pytest worker's own torch work on its share of the cores: two workers of two threads
+    each on two cores spin in each other's way (10 % more CPU time for the same tests). A test
+    of thread counts sets its own, as the workers, probes and profiler do."""
+    import torch
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _worker_server():
     """The tests start workers of many models, transformers ones among them: one server for all,
     started now (it imports in the background), with transformers' machinery imported."""

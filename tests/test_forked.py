@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,28 @@ def test_the_server_imports_transformers_only_for_a_model_that_uses_it():
 
     assert [uses_transformers(m) for m in ("gpt2-tiny", "llama-tiny", "resnet50", "mlp", "inception-tiny", "ctr-dnn")] \
         == [True, True, True, False, False, False]
+
+
+def _wait_forever(deaf: bool, ready: str) -> None:
+    import signal
+
+    if deaf:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Path(ready).write_text("ready")
+    while True:
+        time.sleep(1)
+
+
+def test_stop_asks_then_kills_what_does_not_listen(tmp_path):
+    """A worker that ends on SIGTERM ends so (-15); one that ignores it is killed after the grace
+    period (-9); one already ended is left as it ended; all are reaped."""
+    ready = [tmp_path / "a.ready", tmp_path / "b.ready"]
+    listens = forked.start("test_forked:_wait_forever", (False, str(ready[0])), {}, tmp_path / "a.log")
+    deaf = forked.start("test_forked:_wait_forever", (True, str(ready[1])), {}, tmp_path / "b.log")
+    done = forked.start("test_forked:_report", (str(tmp_path / "out.json"),), {}, tmp_path / "c.log")
+    done.join(timeout=120)
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    forked.stop([listens, deaf, done], grace_s=1.0)
+    assert (listens.exitcode, deaf.exitcode, done.exitcode) == (-15, -9, 7)

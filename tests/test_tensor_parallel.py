@@ -64,6 +64,7 @@ def _group_worker(rank: int, world: int, store: str, out: str) -> None:
 
     from hetplan.pieces.tensor_stage import parallelize, running
 
+    torch.set_num_threads(1)  # four workers on a few cores, as the runtime's workers of one thread
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group, in order
     try:

@@ -32,6 +32,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -64,6 +65,20 @@ def start(target: str, args: Sequence, env: Mapping[str, str], log: Path, preloa
     process = context(preload).Process(target=_forked, args=(target, tuple(args), dict(env), str(log)), daemon=False)
     process.start()
     return process
+
+
+def stop(procs: Sequence, grace_s: float = 5.0) -> None:
+    """End the processes still running: asked to (SIGTERM, so a worker can leave its files as it
+    should), then killed after `grace_s`; each reaped."""
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
 
 
 def _forked(target: str, args: tuple, env: dict[str, str], log: str) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hetplan import forked
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
 from hetplan.errors import HetplanError
@@ -183,18 +184,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(procs: list) -> None:
-    for p in procs:
-        if p.exitcode is None:
-            p.terminate()
-    deadline = time.time() + 5
-    for p in procs:
-        p.join(timeout=max(0.1, deadline - time.time()))
-        if p.exitcode is None:
-            p.kill()
-            p.join()
-
-
 def _why(out_dir: Path, rank: int, spec: RunSpec, code: int | None = None) -> str:
     """The first line of what the worker said about its failure (its error file, else its log's
     last line); a worker that could write neither (a full disk) is said with its disk's space."""
@@ -229,7 +218,6 @@ def pin_cores(threads: list[int]) -> list[list[int]]:
 
 
 def _start_workers(spec: RunSpec, spec_path: Path) -> list:
-    from hetplan import forked
     from hetplan.zoo import uses_transformers
 
     preload = (*forked.PRELOAD, forked.TRANSFORMERS) if uses_transformers(spec.model) else forked.PRELOAD
@@ -330,7 +318,7 @@ def _launch_locked(spec: RunSpec, progress) -> RunResult:
     try:
         _wait(procs, spec, progress)
     finally:
-        _stop(procs)  # nothing to stop after a clean end; everything after a failure or a signal
+        forked.stop(procs)  # nothing to stop after a clean end; everything after a failure or a signal
     return read_result(out_dir, spec)
 
 

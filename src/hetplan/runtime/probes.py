@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from hetplan import forked
 from hetplan.errors import HetplanError
 from hetplan.pieces.hostmem import keep_freed_memory
 
@@ -43,7 +44,6 @@ def spawn_probe(function: str, world: int, params: dict, threads: Sequence[int] 
     """Run `hetplan.runtime.probes.<function>(rank, world, params)` in `world` local processes
     (forked as the workers are) joined by gloo; every rank's result, in rank order. `threads[r]`
     and `cores[r]`: rank r's thread count and the cores it is pinned to (none: 1 thread, unpinned)."""
-    from hetplan import forked
     from hetplan.runtime.launch import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,9 +76,7 @@ def _wait_all(procs: list, logs: list[Path], timeout_s: float) -> list[str]:
     for p, log in zip(procs, logs, strict=True):
         p.join(timeout=max(1.0, deadline - time.monotonic()))
         if p.exitcode is None:
-            for q in procs:
-                q.kill()
-                q.join()
+            forked.stop(procs, grace_s=0.0)
             return [f"timed out after {timeout_s:.0f} s"]
         if p.exitcode:
             lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
