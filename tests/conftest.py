@@ -28,17 +28,6 @@ def _click_log_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _threads_per_pytest_worker():
-    """Each pytest worker's own torch work on its share of the cores: two workers of two threads
-    each on two cores spin in each other's way (10 % more CPU time for the same tests). A test
-    of thread counts sets its own, as the workers, probes and profiler do."""
-    import torch
-
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-
-
-@pytest.fixture(autouse=True, scope="session")
 def _worker_server():
     """The tests start workers of many models, transformers ones among them: one server for all,
     started now (it imports in the background), with transformers' machinery imported."""
@@ -93,6 +82,18 @@ SLOW_MODULES = {
     "test_trace", "test_portable", "test_fuzz_cli", "test_zoo", "test_box_replay", "test_calibrate", "test_cli",
     "test_data", "test_ctr", "test_layers", "test_boundary",
 }
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker and what it starts compute on their share of the cores:
+    two workers with two math threads each on two cores spin in each other's way (about 10 % more
+    CPU time for the same tests). Set before the workers start, so that torch and numpy read it as
+    they load; a test of thread counts sets its own, as hetplan's workers, probes and profiler do."""
+    workers = config.getoption("numprocesses", default=None)
+    if isinstance(workers, int) and workers > 1:
+        share = str(max(1, (os.cpu_count() or 1) // workers))
+        for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(name, share)
 
 
 def pytest_collection_modifyitems(config, items):
