@@ -86,8 +86,10 @@ def build_rank(spec: RunSpec, rank: int, heartbeat=None, shared=None):
 
     me = spec.ranks[rank]
     s = spec.settings
-    zoo_model = load_model(spec.model, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed) if shared is None \
-        else shared.model(spec.model, s.batch_size, s.seq_len, s.seed)
+    if shared is None:
+        zoo_model = load_model(spec.model, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed)
+    else:
+        zoo_model = shared.model(spec.model, s.batch_size, s.seq_len, s.seed)
     if spec.settings.no_dropout:
         switch_off_dropout(zoo_model.step)
     device = torch.device(me.binding if me.on_cuda else "cpu")
