@@ -96,3 +96,95 @@ def test_stop_asks_then_kills_what_does_not_listen(tmp_path):
         time.sleep(0.05)
     forked.stop([listens, deaf, done], grace_s=1.0)
     assert (listens.exitcode, deaf.exitcode, done.exitcode) == (-15, -9, 7)
+
+
+def _make(out: str) -> dict:
+    Path(out).write_text(str(os.getpid()))
+    return {"made_by": os.getpid()}
+
+
+def _member(out: str, code: int, made) -> int:
+    print("member", code)
+    Path(out).write_text(json.dumps({"made": made, "parent": os.getppid(), "env": dict(os.environ)}))
+    return code
+
+
+def _cannot_make() -> None:
+    raise ValueError("nothing to make")
+
+
+def test_a_groups_members_start_with_what_was_made_once(tmp_path):
+    """One process makes the thing once; each member, forked from it, starts with it, in its own
+    environment and log, and its exit status comes back as its own."""
+    outs = [tmp_path / f"m{i}.json" for i in range(3)]
+    members = [forked.Member((str(o), code), {"WHO": str(i)}, str(tmp_path / f"m{i}.log"))
+               for i, (o, code) in enumerate(zip(outs, (0, 5, 0), strict=True))]
+    group = forked.start_group("test_forked:_make", (str(tmp_path / "maker"),), "test_forked:_member", members,
+                               {"PATH": os.environ.get("PATH", "")}, tmp_path / "maker.log")
+    deadline = time.monotonic() + 120
+    while None in group.exitcodes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group.exitcodes() == [0, 5, 0]
+    maker = int((tmp_path / "maker").read_text())
+    for i, out in enumerate(outs):
+        seen = json.loads(out.read_text())
+        assert seen["made"]["made_by"] == maker == seen["parent"]
+        assert seen["env"] == {"WHO": str(i)}
+        assert (tmp_path / f"m{i}.log").read_text().split() == ["member", str((0, 5, 0)[i])]
+    group.stop()
+
+
+def test_a_group_whose_make_fails_starts_its_members_without_it(tmp_path):
+    out = tmp_path / "m.json"
+    group = forked.start_group("test_forked:_cannot_make", (), "test_forked:_member",
+                               [forked.Member((str(out), 0), {}, str(tmp_path / "m.log"))], {},
+                               tmp_path / "maker.log")
+    deadline = time.monotonic() + 120
+    while None in group.exitcodes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group.exitcodes() == [0]
+    assert json.loads(out.read_text())["made"] is None
+    said = (tmp_path / "maker.log").read_text()
+    assert "ValueError: nothing to make" in said and "each member makes what it needs itself" in said
+    group.stop()
+
+
+def _member_waits(deaf: bool, ready: str, made) -> None:
+    _wait_forever(deaf, ready)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="members die with their parent on Linux only")
+def test_a_group_passes_sigterm_on_and_its_members_die_with_it(tmp_path):
+    """Stopping the group asks its members to end (-15); one that ignores it dies with the
+    group's process when that is killed after the grace period; none is left running."""
+    ready = [tmp_path / "a.ready", tmp_path / "b.ready"]
+    members = [forked.Member((deaf, str(r)), {}, str(tmp_path / f"{i}.log"))
+               for i, (deaf, r) in enumerate(zip((False, True), ready, strict=True))]
+    group = forked.start_group("test_forked:_make", (str(tmp_path / "maker"),), "test_forked:_member_waits",
+                               members, {}, tmp_path / "maker.log")
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) ==
+            int((tmp_path / "maker").read_text())]
+    assert len(pids) == 2
+    group.stop(grace_s=1.0)
+    assert group.exitcodes()[0] == -15 and group.exitcodes()[1] is not None
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_running(pid) for pid in pids)
+
+
+def _parent(proc: Path) -> int:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

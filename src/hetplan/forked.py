@@ -31,15 +31,20 @@ import importlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 import time
+import traceback
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PRELOAD = ("hetplan.runtime.preload",)  # what every worker imports: torch, hetplan's runtime
 TRANSFORMERS = "hetplan.runtime.preload_transformers"  # what a transformers model's worker imports too
 NAME = b"hetplan-worker"
 _PR_SET_NAME = 15  # from <linux/prctl.h>
+_PR_SET_PDEATHSIG = 1
 
 
 def context(preload: Sequence[str] = PRELOAD):
@@ -83,15 +88,142 @@ def stop(procs: Sequence, grace_s: float = 5.0) -> None:
 
 def _forked(target: str, args: tuple, env: dict[str, str], log: str) -> None:
     os.setsid()
+    _settle(env, log)
+    _name_me()
+    sys.exit(_function(target)(*args))
+
+
+def _settle(env: Mapping[str, str], log: str) -> None:
+    """`env` as the whole environment, stdout and stderr into `log`."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     for out in (1, 2):
         os.dup2(fd, out)
     os.close(fd)
     os.environ.clear()
     os.environ.update(env)
-    _name_me()
+
+
+def _function(target: str):
     module, function = target.split(":")
-    sys.exit(getattr(importlib.import_module(module), function)(*args))
+    return getattr(importlib.import_module(module), function)
+
+
+def die_with_parent() -> bool:
+    """Ask Linux to SIGKILL this process when the thread that forked it ends; False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class Member:
+    """One process of a group: `target(*args, made)` with `env` as its environment and its output in `log`."""
+
+    args: tuple
+    env: Mapping[str, str]
+    log: str
+
+
+class Group:
+    """The launcher's side of `start_group`: each member's exit status as the group's process
+    relays it (None while it runs), and a stop for all."""
+
+    def __init__(self, process, receive, size: int) -> None:
+        self._process, self._receive, self._codes = process, receive, [None] * size
+
+    def exitcodes(self) -> list[int | None]:
+        ended = self._process.exitcode is not None  # read first: what it sent before it ended is in the pipe
+        with contextlib.suppress(EOFError, OSError):  # OSError: closed by `stop`, all read
+            while self._receive.poll():
+                index, code = self._receive.recv()
+                self._codes[index] = code
+        if ended:  # the group's process has ended, so have its members (they die with it)
+            gone = self._process.exitcode or -signal.SIGKILL
+            self._codes = [gone if c is None else c for c in self._codes]
+        return list(self._codes)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM to every member still running (the group's process passes it on), SIGKILL to
+        all after `grace_s` (the members die with the group's process)."""
+        stop([self._process], grace_s)
+        self.exitcodes()  # what it relayed before it ended
+        self._receive.close()
+
+
+def start_group(make: str | None, make_args: Sequence, target: str, members: Sequence[Member],
+                env: Mapping[str, str], log: Path, preload: Sequence[str] = PRELOAD) -> Group:
+    """Processes running `target(*member.args, made)`, forked from one process that first ran
+    `made = make(*make_args)` (with `env` and its output in `log`). `make` must leave that process
+    without an OpenMP team or other threads; where it fails (said in `log`), or is None, `made`
+    is None and each member makes what it needs itself."""
+    receive, send = context(preload).Pipe(duplex=False)
+    process = start("hetplan.forked:_brood", (make, tuple(make_args), target, tuple(members), send), env, log,
+                    preload)
+    send.close()
+    return Group(process, receive, len(members))
+
+
+def _brood(make: str | None, make_args: tuple, target: str, members: tuple[Member, ...], send) -> int:
+    try:
+        made = _function(make)(*make_args) if make is not None else None
+    except Exception:  # noqa: BLE001 - the members make their own, and say what fails
+        traceback.print_exc()
+        print(f"{make} failed: each member makes what it needs itself", file=sys.stderr, flush=True)
+        made = None
+    live: dict[int, int] = {}
+    stopping = []
+
+    def pass_on(_signum, _frame) -> None:
+        stopping.append(True)
+        for pid in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, pass_on)
+    for index, member in enumerate(members):
+        # SIGTERM waits while a member is forked, so that it reaches every member forked
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        if not stopping:
+            pid = os.fork()
+            if pid == 0:
+                _member(target, member, made, os.getppid())
+            live[pid] = index
+        else:
+            send.send((index, -signal.SIGTERM))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    while live:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if pid in live:
+            send.send((live.pop(pid), os.waitstatus_to_exitcode(status)))
+    return 0
+
+
+def _member(target: str, member: Member, made: Any, parent: int) -> None:
+    """A member just forked: never returns to the group's loop."""
+    code = 1
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        if die_with_parent() and os.getppid() != parent:  # the group's process ended before it asked
+            os._exit(3)
+        _settle(member.env, member.log)
+        code = _function(target)(*member.args, made)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - said in the member's log, as an uncaught error would be
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
 
 
 def _name_me() -> None:

@@ -49,6 +49,7 @@ from hetplan.runtime.support import runtime_refusal
 from hetplan.sync import rank_numbers
 
 CAUSE_GRACE_S = 2.0  # how long a lost peer waits for the failure that caused it to be seen
+TRACING_LOG = "tracing.log"  # the output of the process that traces for the workers (`runtime.group`)
 
 
 class WorkerFailure(HetplanError):
@@ -217,7 +218,17 @@ def pin_cores(threads: list[int]) -> list[list[int]]:
     return out
 
 
-def _start_workers(spec: RunSpec, spec_path: Path) -> list:
+def group_make(spec: RunSpec) -> str | None:
+    """What the workers' group makes before it forks them (`forked.start_group`): the model and
+    its traces (`runtime.group`), or nothing where a worker runs on a GPU (each then builds and
+    traces its own): no GPU run has yet checked that the tracing process leaves CUDA fit for the
+    workers it forks."""
+    return None if any(me.on_cuda for me in spec.ranks) else "hetplan.runtime.group:traced_once"
+
+
+def _start_workers(spec: RunSpec, spec_path: Path) -> forked.Group:
+    """The workers, forked from one process that built the model and traced the step for them
+    all (`group_make`)."""
     from hetplan.zoo import uses_transformers
 
     preload = (*forked.PRELOAD, forked.TRANSFORMERS) if uses_transformers(spec.model) else forked.PRELOAD
@@ -228,7 +239,7 @@ def _start_workers(spec: RunSpec, spec_path: Path) -> list:
     first = {d: next(me for me in spec.ranks if me.device == d) for d in devices}
     per_device = dict(zip(devices, pin_cores([first[d].threads if first[d].binding == "cpu" else 0
                                               for d in devices]), strict=True))
-    procs = []
+    members = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), LAUNCHER_PID: str(os.getpid()),
@@ -236,9 +247,10 @@ def _start_workers(spec: RunSpec, spec_path: Path) -> list:
         cores = per_device[spec.ranks[rank].device]
         if cores:
             env["HETPLAN_CPUS"] = ",".join(map(str, cores))
-        log = spec.settings.out_dir / f"worker.{rank}.log"
-        procs.append(forked.start("hetplan.runtime.worker:main", ([str(spec_path)],), env, log, preload))
-    return procs
+        members.append(forked.Member(([str(spec_path)],), env, str(spec.settings.out_dir / f"worker.{rank}.log")))
+    return forked.start_group(group_make(spec), (str(spec_path),), "hetplan.runtime.worker:main",
+                              members, {**os.environ, LAUNCHER_PID: str(os.getpid()), "OMP_NUM_THREADS": "1"},
+                              spec.settings.out_dir / TRACING_LOG, preload)
 
 
 def _heartbeats(out_dir: Path, world: int) -> list[dict | None]:
@@ -251,12 +263,12 @@ def _heartbeats(out_dir: Path, world: int) -> list[dict | None]:
     return beats
 
 
-def _wait(procs: list, spec: RunSpec, progress) -> None:
+def _wait(workers: forked.Group, spec: RunSpec, progress) -> None:
     """Until every worker has ended well; a failed or silent worker stops them all."""
-    out_dir, world, timeout = spec.settings.out_dir, len(procs), float(spec.settings.timeout_s)
+    out_dir, world, timeout = spec.settings.out_dir, spec.world, float(spec.settings.timeout_s)
     last_move, last_seen, first_failure = time.time(), None, None
     while True:
-        codes = [p.exitcode for p in procs]
+        codes = workers.exitcodes()
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         causes = [r for r in failed if codes[r] != LOST_PEER]
         first_failure = first_failure or (time.time() if failed else None)
@@ -314,11 +326,14 @@ def _launch_locked(spec: RunSpec, progress) -> RunResult:
     spec_path = write_spec(spec)
     for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json")]:
         old.unlink()
-    procs = _start_workers(spec, spec_path)
+    workers = _start_workers(spec, spec_path)
     try:
-        _wait(procs, spec, progress)
+        _wait(workers, spec, progress)
     finally:
-        forked.stop(procs)  # nothing to stop after a clean end; everything after a failure or a signal
+        workers.stop()  # nothing to stop after a clean end; everything after a failure or a signal
+    with contextlib.suppress(OSError):  # it says something only where tracing once failed
+        if (out_dir / TRACING_LOG).stat().st_size == 0:
+            (out_dir / TRACING_LOG).unlink()
     return read_result(out_dir, spec)
 
 

@@ -1,9 +1,9 @@
 """A plan's ranks as threads of this process, over `LocalHub` instead of gloo: the same set-up
 (`worker.build_rank`) and the same steps (`worker.train`) as worker processes, in seconds rather
-than the tens of seconds that starting processes and tracing in each takes. One difference: the
-ranks trace the step once between them and each takes a copy bound to its own model
-(`rank.SharedTraces`), where worker processes trace it each. For tests and quick checks; measured
-runs use processes (`launch`).
+than the tens of seconds that starting processes takes. The ranks trace the step once between
+them and each takes a copy bound to its own model (`rank.SharedTraces`), where worker processes
+take the traces made before they were forked (`runtime.group`). For tests and quick checks;
+measured runs use processes (`launch`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Everything one rank builds before its first step, the same way on every rank.
 
 Every rank builds the whole model from the same seed (so the weights agree without sending them)
-and cuts the training step into the profiler's pieces (`hetplan.pieces.split`). `torch.export`
+and cuts the training step into the profiler's pieces (`hetplan.pieces.split`); ranks that share
+a process or a launch build and trace it once between them (`SharedTraces`, `runtime.group`). `torch.export`
 records shapes as numbers, so a piece traced for 4 rows runs on 4 rows only: a rank traces the
 step once per slice size it will run (`hetplan.rows`: its rows of each micro-batch), and all
 traces share the model's parameters. Examples at two numbers of rows (`layout_rows`: the step's
@@ -80,6 +81,9 @@ class SharedTraces:
 
     made: dict[tuple, tuple[Holdings, SplitStep]] = field(default_factory=dict)
     built: dict[tuple, Any] = field(default_factory=dict)
+    # one rank takes them, in a process forked after they were made (`runtime.group`): it takes
+    # the model and the traces themselves, its own by the fork, not copies
+    sole: bool = False
 
     def model(self, name: str, batch_size: int, seq_len: int, seed: int):
         """The zoo model, built once for the ranks of this process: each rank takes a copy, which
@@ -87,7 +91,7 @@ class SharedTraces:
         key = (name, batch_size, seq_len, seed)
         if key not in self.built:
             self.built[key] = load_model(name, batch_size=batch_size, seq_len=seq_len, seed=seed)
-        return copy.deepcopy(self.built[key])
+        return self.built[key] if self.sole else copy.deepcopy(self.built[key])
 
     def split(self, step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: str,
               block_classes: tuple[str, ...] | None) -> SplitStep:
@@ -96,6 +100,8 @@ class SharedTraces:
             self.made[key] = (holdings(step), split_step(step, batch, granularity=granularity,
                                                          block_classes=block_classes))
         traced, split = self.made[key]
+        if self.sole and all(traced[k][0] is obj for k, (obj, _) in holdings(step).items()):
+            return split
         return rebind(split, traced, step)
 
 
@@ -118,9 +124,13 @@ class Traces:
     def input_keys(self) -> tuple[str, ...]:
         return tuple(self.batch)  # the step's inputs, in the batch's order (`SplitStep.input_keys`)
 
+    @property
+    def batch_rows(self) -> int:
+        return next(iter(self.batch.values())).shape[0]
+
     def stages(self, rows: int) -> list[StageModule]:
         if rows not in self.by_rows:
-            if rows > next(iter(self.batch.values())).shape[0]:
+            if rows > self.batch_rows:
                 raise HetplanError(f"cannot trace {rows} rows from an example batch of fewer")
             if self.on_trace is not None:
                 self.on_trace(rows)
@@ -144,7 +154,7 @@ def _same_cut(a: list[StageModule], b: list[StageModule], rows: int) -> None:
 
 def boundary_layouts(traces: Traces) -> list[tuple[ValueLayout, ...]]:
     """Per boundary k (stage k to k + 1), the layouts of the values it carries."""
-    a, b = layout_rows(traces.rows, next(iter(traces.batch.values())).shape[0])
+    a, b = layout_rows(traces.rows, traces.batch_rows)
     runs = [_example_boundaries(traces, r) for r in (a, b)]
     return [layouts(traces.by_rows[a][k].spec.outputs, va, a, vb, b)
             for k, (va, vb) in enumerate(zip(runs[0], runs[1], strict=True))]
@@ -193,7 +203,7 @@ def gradient_groups(traces: Traces, table: tuple[tuple[int, ...], ...],
     stages that use them (`hetplan.sync.sync_groups`: the replicas of a stage, and, for a
     parameter several stages use, the replicas of all those stages), in the order every rank
     runs them."""
-    mods = traces.stages(min(traces.by_rows, default=next(iter(traces.batch.values())).shape[0]))
+    mods = traces.stages(min(traces.by_rows, default=traces.batch_rows))
     holders: dict[int, set[int]] = {}
     params: dict[int, nn.Parameter] = {}
     for k, mod in enumerate(mods):
@@ -280,17 +290,39 @@ class Prepared:
         return mine + [p for p in self.parameters() if id(p) not in sharded]
 
 
+def _roles(spec: RunSpec, rank: int, plan: Plan) -> tuple[Role, ...]:
+    """The rank's roles, one per stage it holds."""
+    table, members = rank_table(spec), group_table(spec)
+    me = spec.ranks[rank]
+    rows = spec_rows(spec, plan)
+    return tuple(Role(k, me.replica, table, rows, plan.stages[k].recompute, plan.precision, members, me.tp)
+                 for k in plan.rank_stages[plan.stage_ranks[me.stage]])
+
+
+def traces_of(spec: RunSpec, zoo_model: Any, plan: Plan, on_trace: Callable[[int], None] | None = None,
+              shared: SharedTraces | None = None) -> Traces:
+    """The step's traces for the run, none made yet."""
+    return Traces(zoo_model.step, zoo_model.batch, plan, spec.settings.granularity,
+                  tuple(spec.settings.block_classes or zoo_model.block_classes or ()) or None, {}, on_trace, shared,
+                  spec_rows(spec, plan))
+
+
+def traced_rows(spec: RunSpec, rank: int, traces: Traces) -> list[int]:
+    """The numbers of rows `prepare` traces the rank's step at, in its order: each slice size it
+    runs, then the two at which the boundaries' layouts are read (`layout_rows`)."""
+    sizes = sorted(slice_sizes(_roles(spec, rank, traces.plan)))
+    if len(traces.plan.stages) > 1:
+        sizes += [r for r in layout_rows(traces.rows, traces.batch_rows) if r not in sizes]
+    return sizes
+
+
 def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.device,
             on_trace: Callable[[int], None] | None = None, shared: SharedTraces | None = None) -> Prepared:
     table, members = rank_table(spec), group_table(spec)
     me = spec.ranks[rank]
-    rows = spec_rows(spec, plan)
     mine = plan.stage_ranks[me.stage]
-    roles = tuple(Role(k, me.replica, table, rows, plan.stages[k].recompute, plan.precision, members, me.tp)
-                  for k in plan.rank_stages[mine])
-    traces = Traces(zoo_model.step, zoo_model.batch, plan, spec.settings.granularity,
-                    tuple(spec.settings.block_classes or zoo_model.block_classes or ()) or None, {}, on_trace, shared,
-                    rows)
+    roles = _roles(spec, rank, plan)
+    traces = traces_of(spec, zoo_model, plan, on_trace, shared)
     for size in sorted(slice_sizes(roles)):
         traces.stages(size)
     bounds = boundary_layouts(traces) if len(plan.stages) > 1 else []

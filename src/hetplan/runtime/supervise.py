@@ -15,51 +15,58 @@ each other's files, so the launcher holds an exclusive lock on the folder while 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from hetplan import forked
 from hetplan.errors import HetplanError
 
 LAUNCHER_PID = "HETPLAN_LAUNCHER_PID"  # set by the launcher in each worker's environment
 LOST_PEER = 4  # a worker's exit status when it failed because a peer had failed or fell silent
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
-def _kernel_kills_orphans() -> bool:
-    """Ask Linux to SIGKILL this process when its parent thread ends; False where it cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _watch(launcher: int, every_s: float) -> None:
-    """Return when the launcher has ended: at once where Linux gives a handle on the process
-    (a pidfd is readable from its exit, even before it is reaped), else by polling its pid."""
+def _watch(launcher: int, every_s: float, wake: int | None = None) -> bool:
+    """Return True when the launcher has ended: at once where Linux gives a handle on the process
+    (a pidfd is readable from its exit, even before it is reaped), else by polling its pid; False
+    when `wake` (a pipe's end) is written to first."""
+    waits = [] if wake is None else [wake]
     try:
         handle = os.pidfd_open(launcher)
     except (AttributeError, OSError):
         handle = None
     if handle is not None:
-        select.select([handle], [], [])
-        return
+        try:
+            return handle in select.select([handle, *waits], [], [])[0]
+        finally:
+            os.close(handle)
     while _alive(launcher):
-        time.sleep(every_s)
+        if not waits:
+            time.sleep(every_s)
+        elif select.select(waits, [], [], every_s)[0]:
+            return False
+    return True
 
 
-def _watch_launcher(launcher: int, every_s: float) -> None:
-    _watch(launcher, every_s)
-    os._exit(3)  # orphaned: nobody will read what this worker does
+def _watch_launcher(launcher: int, every_s: float, wake: int | None = None) -> None:
+    if _watch(launcher, every_s, wake):
+        os._exit(3)  # orphaned: nobody will read what this worker does
+
+
+def _launcher() -> int | None:
+    """The pid of the `hetplan run` that started this process (None under torchrun); it exits
+    at once if that launcher has ended already, and asks the kernel to end it with its parent."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if not launcher:
+        return None
+    forked.die_with_parent()
+    if not _alive(int(launcher)):  # the launcher died before the watch began
+        os._exit(3)
+    return int(launcher)
 
 
 def end_with_launcher(every_s: float = 0.5) -> None:
@@ -68,14 +75,31 @@ def end_with_launcher(every_s: float = 0.5) -> None:
     launcher while a worker of it runs: so each worker watches the launcher itself, and asks the
     kernel to end it with the server too. A worker started by torchrun (no launcher pid) is
     torchrun's to supervise."""
-    launcher = os.environ.get(LAUNCHER_PID)
-    if not launcher:
+    launcher = _launcher()
+    if launcher is not None:
+        threading.Thread(target=_watch_launcher, args=(launcher, every_s), daemon=True, name="launcher-watch").start()
+
+
+@contextlib.contextmanager
+def launcher_watched(every_s: float = 0.5) -> Iterator[None]:
+    """`end_with_launcher` while inside: the watching thread ends with the block, for a process
+    that forks after it (a fork keeps only the thread that forks; one that copies a process while
+    another thread holds a lock can hang)."""
+    launcher = _launcher()
+    if launcher is None:
+        yield
         return
-    _kernel_kills_orphans()
-    if not _alive(int(launcher)):  # the launcher died before the watch began
-        os._exit(3)
-    threading.Thread(target=_watch_launcher, args=(int(launcher), every_s), daemon=True,
-                     name="launcher-watch").start()
+    wake, woken = os.pipe()
+    watcher = threading.Thread(target=_watch_launcher, args=(launcher, every_s, wake), daemon=True,
+                               name="launcher-watch")
+    watcher.start()
+    try:
+        yield
+    finally:
+        os.write(woken, b"x")
+        watcher.join()
+        os.close(wake)
+        os.close(woken)
 
 
 def _alive(pid: int) -> bool:
@@ -153,7 +177,7 @@ def clear_failed_run(out_dir: Path, made: bool) -> None:
     error files and logs); an error or log with something in it stays, to read. A folder this run
     made that is left with nothing to read goes entirely, lock and run.json too."""
     for f in [*out_dir.glob(".*.tmp"), *out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"),
-              *out_dir.glob("worker.*.log")]:
+              *out_dir.glob("worker.*.log"), *out_dir.glob("tracing.log")]:
         with contextlib.suppress(OSError):
             if f.name.startswith((".", "heartbeat.")) or f.stat().st_size == 0:
                 f.unlink()

@@ -10,7 +10,8 @@ RUN.json (`hetplan.runtime.spec.RunSpec`, made by `hetplan.runtime.launch.run_sp
 plan, the model and the run's settings, the replicas' weights (their speed, from the cost model)
 and for each rank its stage, replica and device binding. Every rank builds the same model from
 the same seed, cuts the step into the profiler's pieces and keeps its own stage
-(`hetplan.runtime.rank`), then runs the schedule's actions for its stage over gloo
+(`hetplan.runtime.rank`; the local launcher's workers are forked with those made once for all,
+`hetplan.runtime.group`), then runs the schedule's actions for its stage over gloo
 (`hetplan.runtime.executor`), sums gradients over replicas and over stages that share a
 parameter, and takes an optimizer step. Workers write a heartbeat file
 per step (the launcher's watchdog reads it) and rank 0 writes the result: per-step wall times
@@ -75,23 +76,38 @@ def _optimizer(spec: RunSpec, params: list, sparse_ids=None):
     return StageOptimizer(params, spec.settings.optimizer, spec.settings.lr, sparse_ids)
 
 
+def write_heartbeat(spec: RunSpec, rank: int, phase: str, step: int) -> None:
+    """The rank's heartbeat file, which the launcher's watchdog reads."""
+    _write(spec.settings.out_dir / f"heartbeat.{rank}", {"rank": rank, "stage": spec.ranks[rank].stage,
+                                                          "phase": phase, "step": step, "t": time.time(),
+                                                          "pid": os.getpid()})
+
+
+def rank_model(spec: RunSpec, shared=None):
+    """The run's zoo model as a rank trains it: built from the run's seed (or taken from `shared`,
+    `rank.SharedTraces`), its dropout off under --no-dropout."""
+    from hetplan.zoo import load_model
+    from hetplan.zoo.faithful import switch_off_dropout
+
+    s = spec.settings
+    if shared is None:
+        zoo_model = load_model(spec.model, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed)
+    else:
+        zoo_model = shared.model(spec.model, s.batch_size, s.seq_len, s.seed)
+    if s.no_dropout:
+        switch_off_dropout(zoo_model.step)
+    return zoo_model
+
+
 def build_rank(spec: RunSpec, rank: int, heartbeat=None, shared=None):
     """The rank's model, traces, stage and optimizer (`hetplan.runtime.rank`); `shared`: the
     model and traces of the ranks built before it in this process (`rank.SharedTraces`)."""
     import torch
 
     from hetplan.runtime.rank import prepare
-    from hetplan.zoo import load_model
-    from hetplan.zoo.faithful import switch_off_dropout
 
     me = spec.ranks[rank]
-    s = spec.settings
-    if shared is None:
-        zoo_model = load_model(spec.model, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed)
-    else:
-        zoo_model = shared.model(spec.model, s.batch_size, s.seq_len, s.seed)
-    if spec.settings.no_dropout:
-        switch_off_dropout(zoo_model.step)
+    zoo_model = rank_model(spec, shared)
     device = torch.device(me.binding if me.on_cuda else "cpu")
     on_trace = (lambda rows: heartbeat(f"tracing {rows} rows", -1)) if heartbeat is not None else None
     prepared = prepare(spec, rank, zoo_model, spec.plan, device, on_trace, shared)
@@ -317,7 +333,9 @@ def step_trace(spans, tail: tuple[float, float, float], stage: int, t0: float) -
     return rows
 
 
-def run_worker(spec: RunSpec, rank: int, world: int) -> None:
+def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
+    """`shared`: the model and traces made for this launch's workers before this one was forked
+    (`runtime.group`), or None: it builds and traces its own."""
     import torch
 
     from hetplan.pieces.hostmem import keep_freed_memory, malloc_in_use_bytes
@@ -326,18 +344,16 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
 
     out_dir = spec.settings.out_dir
     me = spec.ranks[rank]
-    heartbeat_path = out_dir / f"heartbeat.{rank}"
 
     def heartbeat(phase: str, step: int) -> None:
-        _write(heartbeat_path, {"rank": rank, "stage": me.stage, "phase": phase, "step": step, "t": time.time(),
-                                "pid": os.getpid()})
+        write_heartbeat(spec, rank, phase, step)
 
     heartbeat("starting", -1)
     if os.environ.get("HETPLAN_CPUS"):  # the launcher's cores for this worker (see launch.pin_cores)
         os.sched_setaffinity(0, [int(c) for c in os.environ["HETPLAN_CPUS"].split(",")])
     torch.set_num_threads(me.threads)
     keep_freed_memory()  # as the profiler measured (hostmem)
-    zoo_model, prepared, opt = build_rank(spec, rank, heartbeat)  # each trace moves the heartbeat
+    zoo_model, prepared, opt = build_rank(spec, rank, heartbeat, shared)  # each trace moves the heartbeat
     groups = [ranks for ranks, _, _ in prepared.groups if len(ranks) > 1]
     groups += [leads for leads, _, _ in prepared.mixed] + list(prepared.tp_groups)
     if scales_loss(spec.plan.precision) and world > 1:  # the workers agree on fp16's steps (`runtime.precision`)
@@ -363,7 +379,8 @@ def run_worker(spec: RunSpec, rank: int, world: int) -> None:
     transport.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, shared=None) -> int:
+    """`shared`: see `run_worker`."""
     argv = sys.argv[1:] if argv is None else argv
     end_with_launcher()
     from hetplan.runtime.spec import RunSpec
@@ -379,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        run_worker(spec, rank, world)
+        run_worker(spec, rank, world, shared)
     except Exception as exc:  # noqa: BLE001 - the launcher reports it, naming the worker
         me = spec.ranks[rank] if rank < spec.world else None
         stage, device = (me.stage, me.device) if me is not None else (None, None)
