@@ -4,9 +4,11 @@ gpt2-tiny and llama-tiny to the same loss and gradients as one process."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from hetplan import forked
 from hetplan.pieces.split import split_step
@@ -15,6 +17,7 @@ from hetplan.runtime.rank import SharedTraces
 from hetplan.runtime.stages import stage_modules
 from hetplan.zoo import load_model
 from hetplan.zoo.faithful import switch_off_dropout
+from slowness import limit_s
 
 BATCH, SEQ = 4, 16
 
@@ -57,7 +60,16 @@ def _saved_bytes(stage, inputs) -> tuple[torch.Tensor, int]:
     return out, sum(saved.values())
 
 
-def _group_worker(rank: int, world: int, store: str, out: str) -> None:
+def _traced() -> dict[str, SharedTraces]:
+    """Both models traced once, in the process the group's workers are forked from (`forked.start_group`)."""
+    torch.set_num_threads(1)  # no OpenMP team there: a child forked after one hangs
+    shared: dict[str, SharedTraces] = {}
+    for model in dict.fromkeys(m for m, _, _ in CASES):
+        _stage(model, shared)
+    return shared
+
+
+def _group_worker(rank: int, world: int, store: str, out: str, shared: dict[str, SharedTraces]) -> int:
     """Each case on its groups of `world` = 4 workers (2-way: ranks 0-1 and 2-3 side by side)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -68,7 +80,6 @@ def _group_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group, in order
     try:
-        shared: dict[str, SharedTraces] = {}
         for model, degree, sp in CASES:
             group = pairs[rank // 2] if degree == 2 else dist.group.WORLD
             zm, stage = _stage(model, shared)
@@ -83,6 +94,7 @@ def _group_worker(rank: int, world: int, store: str, out: str) -> None:
                         "vocab": tp.vocab_parallel}, f"{out}.{model}.{degree}.{sp}.{rank}")
     finally:
         dist.destroy_process_group()
+    return 0
 
 
 def _joined(name: str, parts: list[torch.Tensor], whole: torch.Tensor) -> torch.Tensor:
@@ -102,9 +114,16 @@ def test_two_and_four_way_stages_of_gpt2_tiny_and_llama_tiny_equal_one_process(t
     saves less for its backward than without (its norms' and residuals' share of the tokens).
     llama-tiny's loss is vocabulary-parallel: a worker saves its share of the log-probabilities,
     not the whole (GPT-2's head, tied to its embedding, is whole: its loss too)."""
-    forked.context((*forked.PRELOAD, forked.TRANSFORMERS))  # forked from the session's server, torch imported
-    mp.start_processes(_group_worker, args=(4, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=4,
-                       start_method="forkserver")
+    logs = [tmp_path / f"worker.{r}.log" for r in range(4)]
+    group = forked.start_group("test_tensor_parallel:_traced", (), "test_tensor_parallel:_group_worker",
+                               [forked.Member((r, 4, str(tmp_path / "store"), str(tmp_path / "out")), dict(os.environ),
+                                              str(logs[r])) for r in range(4)],
+                               dict(os.environ), tmp_path / "tracing.log", (*forked.PRELOAD, forked.TRANSFORMERS))
+    deadline = time.monotonic() + limit_s(600)
+    while None in group.exitcodes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    group.stop()
+    assert group.exitcodes() == [0] * 4, [log.read_text()[-2000:] for log in logs]
     shared: dict[str, SharedTraces] = {}
     for model, degree, sp in CASES:
         zm, stage = _stage(model, shared)

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.fx.config
 from torch import fx, nn
 
 from hetplan.errors import HetplanError, first_line
@@ -77,7 +78,7 @@ def export_step(step: nn.Module, batch: Mapping[str, torch.Tensor]) -> fx.GraphM
     if step.training and random_settings(step, CHOOSES_PATH):
         raise HetplanError(f"cannot trace the model: {_what_to_do(step)}")
     try:
-        with _quiet_torch_logs():
+        with _quiet_torch_logs(), _without_stack_traces():
             ep = torch.export.export(step, (), dict(batch), strict=False)
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a message
         where = _failing_module(exc, step)
@@ -112,6 +113,23 @@ def _runs_as_it_is(step: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
         where = _failing_module(exc, twin)
         raise DoesNotRun(f"the model does not run on its example batch{where}: {type(exc).__name__}: "
                            f"{first_line(exc)}; check the batch the factory returns against the model") from None
+
+
+@contextlib.contextmanager
+def _without_stack_traces() -> Iterator[None]:
+    """torch.fx records the Python stack of every node it traces (`node.meta["stack_trace"]`),
+    for torch's own debugging: 15-25 % of an export's time here, and nothing hetplan reads. Where
+    torch has no switch for it (it came after 2.11), tracing records them as it always did."""
+    config = torch.fx.config
+    saved = getattr(config, "do_not_emit_stack_traces", None)
+    if saved is None:
+        yield
+        return
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = saved
 
 
 @contextlib.contextmanager
