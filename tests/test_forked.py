@@ -188,3 +188,19 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _returns(value, made):
+    return value
+
+
+@pytest.mark.parametrize("value,status", [(None, 0), (3, 3), ("said", 1)])
+def test_a_members_status_is_what_its_function_returns_as_sys_exit_takes_it(tmp_path, value, status):
+    group = forked.start_group(None, (), "test_forked:_returns", [forked.Member((value,), {}, str(tmp_path / "m.log"))],
+                               {}, tmp_path / "maker.log")
+    deadline = time.monotonic() + 120
+    while None in group.exitcodes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group.exitcodes() == [status]
+    assert (tmp_path / "m.log").read_text().strip() == ("said" if value == "said" else "")
+    group.stop()

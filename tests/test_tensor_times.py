@@ -85,3 +85,23 @@ def test_measured_group_times_scale_with_the_batch_and_bad_ones_are_refused():
         Node("b", "Block", {"cpu": 1.0}, {"cpu": 2.0}, tp_s={"cpu": {1: (0.6, 1.1, 0.1, 0.3)}})
     with pytest.raises(GraphError, match=r"tp_s\['cpu'\]\[2\] has a fixed part more than its pass"):
         Node("b", "Block", {"cpu": 1.0}, {"cpu": 2.0}, tp_s={"cpu": {2: (0.6, 1.1, 0.7, 0.3)}})
+
+
+class _Refuses(__import__("torch").nn.Module):
+    """A step that runs nowhere: tracing it fails in the process the group is forked from, then in each worker."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = __import__("torch").nn.Linear(4, 4)
+
+    def forward(self, x):
+        raise ValueError("this step refuses to run")
+
+
+def test_a_group_whose_workers_fail_says_the_first_workers_error_in_one_line():
+    from hetplan.profile.tensor_times import group_times
+
+    torch = __import__("torch")
+    with pytest.raises(HetplanError, match=r"^timing a group of 2 workers failed in a worker: .*this step refuses "
+                                           r"to run"):
+        group_times(_Refuses(), {"x": torch.zeros(2, 4)}, None, 2, 1, "layer", None, 1, "fp32")

@@ -214,16 +214,26 @@ def _member(target: str, member: Member, made: Any, parent: int) -> None:
         if die_with_parent() and os.getppid() != parent:  # the group's process ended before it asked
             os._exit(3)
         _settle(member.env, member.log)
-        code = _function(target)(*member.args, made)
+        code = _status(_function(target)(*member.args, made))
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = _status(exc.code)
     except BaseException:  # noqa: BLE001 - said in the member's log, as an uncaught error would be
         traceback.print_exc()
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
-        os._exit(code if isinstance(code, int) else 1)
+        os._exit(code)
+
+
+def _status(result: object) -> int:
+    """A process's exit status for what its function returned, as `sys.exit` takes it."""
+    if result is None:
+        return 0
+    if isinstance(result, int):
+        return result
+    print(result, file=sys.stderr)
+    return 1
 
 
 def _name_me() -> None:

@@ -1,8 +1,8 @@
 """Each node's forward and backward measured on a tensor-parallel group of t CPU workers (Megatron-LM's
 split, Shoeybi et al. 2019, as `hetplan.pieces.tensor_stage` runs it), for `Node.tp_s`.
 
-t processes on this host join a gloo group; each cuts the step into its pieces, makes every
-piece tensor-parallel as a stage's worker does (its shards, DTensor's dispatch, Megatron's two
+t processes on this host join a gloo group, forked from one process that cut the step into its
+pieces for them all (`forked.start_group`); each makes every piece tensor-parallel as a stage's worker does (its shards, DTensor's dispatch, Megatron's two
 all-reduces per block and pass, the vocabulary-parallel loss) and times the pieces in sequence
 (`hetplan.profile.timing.time_in_sequence`, at the batch and at the small batch for the fixed
 parts). The first worker's times are the group's: the collectives keep the workers in step.
@@ -19,8 +19,10 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,8 +77,6 @@ def group_times(step: torch.nn.Module, batch: Mapping[str, Any], small: tuple[in
                 precision: str) -> tuple[dict[str, Timing], dict[str, Timing] | None]:
     """Per piece, its times on a group of `degree` CPU workers of `threads` threads each, at the
     batch and (with `small`: its size and batch) at the small batch."""
-    import torch.multiprocessing as mp
-
     try:
         pickle.dumps(step)
     except Exception as exc:  # the user's model: say what to do
@@ -86,19 +86,38 @@ def group_times(step: torch.nn.Module, batch: Mapping[str, Any], small: tuple[in
         out = os.path.join(tmp, "times.pt")
         job = _Job(step, dict(batch), small, degree, threads, granularity, tuple(block_classes or ()), repeats,
                    precision, os.path.join(tmp, "store"), out)
+        logs = [Path(tmp) / f"worker.{r}.log" for r in range(degree)]
+        # the workers forked from one process that traced the step for them all
+        here = "hetplan.profile.tensor_times"
+        group = forked.start_group(f"{here}:_traced", (job,), f"{here}:_worker",
+                                   [forked.Member((r, job), dict(os.environ), str(logs[r])) for r in range(degree)],
+                                   dict(os.environ), Path(tmp) / "tracing.log", (*forked.PRELOAD, forked.TRANSFORMERS))
         try:
-            forked.context((*forked.PRELOAD, forked.TRANSFORMERS))  # forked from a server that has imported torch
-            mp.start_processes(_worker, args=(job,), nprocs=degree, start_method="forkserver")
-        except mp.ProcessRaisedException as exc:  # a worker's error: its last line says what
-            raise HetplanError(f"timing a group of {degree} workers failed in a worker: "
-                               f"{str(exc).strip().splitlines()[-1]}") from None
-        except mp.ProcessExitedException as exc:
-            raise HetplanError(f"a worker of the group of {degree} exited ({exc}); a script that profiles with "
-                               "tp_degrees must call it under `if __name__ == '__main__':` (the workers import "
-                               "it again)") from None
+            codes = group.exitcodes()
+            while None in codes and not any(codes):  # one that fails leaves the others waiting on it
+                time.sleep(0.05)
+                codes = group.exitcodes()
+        finally:
+            group.stop()
+        if any(codes):
+            raise HetplanError(_failure(degree, logs, Path(tmp) / "tracing.log"))
         full, small_times = torch.load(out)
     return ({n: Timing(*t) for n, t in full.items()},
             None if small_times is None else {n: Timing(*t) for n, t in small_times.items()})
+
+
+def _failure(degree: int, logs: Sequence[Path], tracing: Path) -> str:
+    """What a failed group says: the first worker's error that has one, else why none started."""
+    for log in logs:
+        said = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        if said:
+            return f"timing a group of {degree} workers failed in a worker: {said[-1]}"
+    said = tracing.read_text(errors="replace") if tracing.exists() else ""
+    if "__main__" in said:
+        return (f"the group of {degree} workers did not start; a script that profiles with tp_degrees must call it "
+                "under `if __name__ == '__main__':` (the workers import it again)")
+    last = said.strip().splitlines()[-1] if said.strip() else "no error was said"
+    return f"the group of {degree} workers did not start: {last}"
 
 
 @dataclass(frozen=True)
@@ -118,31 +137,48 @@ class _Job:
     out: str
 
 
-def _worker(rank: int, job: _Job) -> None:
+def _traced(job: _Job) -> tuple[tuple[torch.nn.Module, SplitStep], tuple[torch.nn.Module, SplitStep] | None]:
+    """The step cut into pieces at the batch, and on a copy of the whole model at the small batch
+    (parallelizing one puts shards in it): made once, in the process the workers are forked
+    from, on one thread (no OpenMP team, which a forked child could not use)."""
+    import copy
+
+    torch.set_num_threads(1)
+    small = None
+    if job.small is not None:
+        twin = copy.deepcopy(job.step).train()
+        small = (twin, split_step(twin, job.small[1], job.granularity, job.block_classes or None))
+    step = job.step.train()
+    return (step, split_step(step, job.batch, job.granularity, job.block_classes or None)), small
+
+
+def _worker(rank: int, job: _Job, made: tuple | None) -> None:
+    """Worker `rank` of the group: `made` as `_traced` makes it, or None where that failed (it
+    traces its own)."""
     import torch.distributed as dist
 
+    made = _traced(job) if made is None else made
     torch.set_num_threads(job.threads)
     dist.init_process_group("gloo", init_method=f"file://{job.store}", rank=rank, world_size=job.degree)
     try:
-        times = _timed(job, rank)
+        times = _timed(job, rank, *made)
         if rank == 0:
             torch.save(times, job.out)
     finally:
         dist.destroy_process_group()
 
 
-def _timed(job: _Job, rank: int) -> tuple[dict[str, tuple], dict[str, tuple] | None]:
-    import copy
-
+def _timed(job: _Job, rank: int, full: tuple[torch.nn.Module, SplitStep],
+           small: tuple[torch.nn.Module, SplitStep] | None) -> tuple[dict[str, tuple], dict[str, tuple] | None]:
     from hetplan.pieces.tensor_stage import running
 
     also = []
-    if job.small is not None:  # a copy of the whole model: parallelizing one puts shards in it
-        small_split, _ = _parallel(copy.deepcopy(job.step), job.small[1], job, rank)
+    if small is not None:
+        small_split, _ = _parallel(*small, job, rank)
         also.append((small_split, job.small[1]))
-    full, vocab = _parallel(job.step, job.batch, job, rank)
+    split, vocab = _parallel(*full, job, rank)
     with running("cpu", vocab):
-        timed = time_in_sequence(full, job.batch, "cpu", job.repeats, also=also, precision=job.precision)
+        timed = time_in_sequence(split, job.batch, "cpu", job.repeats, also=also, precision=job.precision)
 
     def plain(times):  # what torch.load reads back without unpickling classes
         return {n: (t.fwd_s, t.bwd_s, t.fwd_min_s, t.bwd_min_s) for n, t in times.items()}
@@ -150,16 +186,14 @@ def _timed(job: _Job, rank: int) -> tuple[dict[str, tuple], dict[str, tuple] | N
     return plain(timed.times), (plain(timed.also[0]) if also else None)
 
 
-def _parallel(step: torch.nn.Module, batch: Mapping[str, Any], job: _Job, rank: int) -> tuple[SplitStep, bool]:
-    """The step cut into pieces, each made worker `rank`'s part of a tensor-parallel piece; and
-    whether the loss is vocabulary-parallel."""
+def _parallel(step: torch.nn.Module, split: SplitStep, job: _Job, rank: int) -> tuple[SplitStep, bool]:
+    """The step's pieces (`split`, cut from `step`), each made worker `rank`'s part of a
+    tensor-parallel piece; and whether the loss is vocabulary-parallel."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     from hetplan.pieces.tensor_stage import parallelize
 
-    step = step.train()
-    split = split_step(step, batch, job.granularity, job.block_classes or None)
     stages, _ = parallelize([p.module for p in split.pieces], step, job.degree, rank)
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     for stage in stages:
