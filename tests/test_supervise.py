@@ -50,7 +50,7 @@ def until(predicate, timeout_s: float, what: str):
 def start_launcher(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     """A launcher of a long two-stage run, in a process of its own; returns once it trains."""
     out = tmp_path / "run"
-    spec = two_stage(out, 100_000, timeout_s=60)
+    spec = two_stage(out, 100_000, "mlp", timeout_s=60)
     path = tmp_path / "spec.json"
     path.write_text(spec.to_json())
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(path)], stderr=subprocess.PIPE, text=True)
@@ -66,7 +66,7 @@ def test_workers_end_when_the_launcher_is_killed_or_terminated(tmp_path, how):
     proc, out = start_launcher(tmp_path)
     if how == signal.SIGTERM:  # while it runs, a second run in the same folder is refused
         with pytest.raises(HetplanError, match=r"run is in use by another hetplan run \(pid \d+\)"):
-            launch(two_stage(out, 2))
+            launch(two_stage(out, 2, "mlp"))
     os.kill(proc.pid, how)
     proc.wait(timeout=30)
     until(lambda: not workers_of(out), 15, "the workers outlived their launcher")
