@@ -2,8 +2,9 @@
 split, Shoeybi et al. 2019, as `hetplan.pieces.tensor_stage` runs it), for `Node.tp_s`.
 
 t processes on this host join a gloo group, forked from one process that cut the step into its
-pieces for them all (`forked.start_group`); each makes every piece tensor-parallel as a stage's worker does (its shards, DTensor's dispatch, Megatron's two
-all-reduces per block and pass, the vocabulary-parallel loss) and times the pieces in sequence
+pieces for them all (`forked.start_group`); each makes every piece tensor-parallel as a stage's
+worker does (its shards, DTensor's dispatch, Megatron's two all-reduces per block and pass, the
+vocabulary-parallel loss) and times the pieces in sequence
 (`hetplan.profile.timing.time_in_sequence`, at the batch and at the small batch for the fixed
 parts). The first worker's times are the group's: the collectives keep the workers in step.
 What the cost model projects for a group (`hetplan.cost.tensor`: the compute split t ways,
