@@ -204,3 +204,48 @@ def test_a_members_status_is_what_its_function_returns_as_sys_exit_takes_it(tmp_
     assert group.exitcodes() == [status]
     assert (tmp_path / "m.log").read_text().strip() == ("said" if value == "said" else "")
     group.stop()
+
+
+BIG = 256 << 20
+
+
+def _make_big(out: str) -> bytes:
+    Path(out).write_text(str(os.getpid()))
+    return b"\x01" * BIG
+
+
+def _holds_big(ready: str, done: str, made) -> int:
+    Path(ready).write_text(str(len(made) == BIG and made[-1] == 1))
+    while not Path(done).exists():
+        time.sleep(0.05)
+    return 0
+
+
+def _status_kib(pid: int, field: str) -> int:
+    line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the process's memory from /proc")
+def test_the_group_process_lets_its_copy_go_once_the_members_hold_theirs(tmp_path):
+    """What was made (here 256 MiB) stays whole in the members; the process that made it keeps no
+    copy while they run, so a model's weights are not held once more beside them."""
+    ready, done = tmp_path / "ready", tmp_path / "done"
+    group = forked.start_group("test_forked:_make_big", (str(tmp_path / "maker"),), "test_forked:_holds_big",
+                               [forked.Member((str(ready), str(done)), {}, str(tmp_path / "m.log"))], {},
+                               tmp_path / "maker.log")
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.read_text() == "True"
+        maker = int((tmp_path / "maker").read_text())
+        deadline = time.monotonic() + 60  # the member may run before the maker lets go
+        while _status_kib(maker, "VmHWM") - _status_kib(maker, "VmRSS") < 0.8 * BIG / 1024 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        peak, now = _status_kib(maker, "VmHWM"), _status_kib(maker, "VmRSS")
+        assert peak - now > 0.8 * BIG / 1024, (peak, now)
+    finally:
+        done.write_text("")
+        group.stop()

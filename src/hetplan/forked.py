@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import multiprocessing
 import multiprocessing.forkserver
@@ -195,6 +196,10 @@ def _brood(make: str | None, make_args: tuple, target: str, members: tuple[Membe
         else:
             send.send((index, -signal.SIGTERM))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    # the members hold it by the fork: this process lets its own copy go (a model's weights
+    # would otherwise sit here once more while they train)
+    del made
+    gc.collect()
     while live:
         try:
             pid, status = os.waitpid(-1, 0)
