@@ -96,3 +96,27 @@ def test_workers_on_a_gpu_build_and_trace_their_own():
           for d in ("c0", "g0")}
     assert group_make(on["c0"]) == "hetplan.runtime.group:traced_once"
     assert group_make(on["g0"]) is None
+
+
+def _dies(spec_path: str) -> None:
+    print("the tracing process is going")
+    os._exit(7)
+
+
+def test_a_tracing_process_that_dies_before_the_workers_start_is_named_not_a_worker(tmp_path, monkeypatch):
+    """Killed while tracing (memory) or dying of a crash, the process that forks the workers is
+    what the launcher names, with what it said last; no worker's log, this run's or an earlier
+    one's, is read as the cause."""
+    zm = model("mlp")
+    names = [p.name for p in split_step(zm.step, zm.batch).pieces]
+    plan = Plan((Stage(tuple(names), ("c0",)),), 1, "gpipe", "test")
+    out = tmp_path / "run"
+    spec = run_spec(plan, THREE_CPUS, "mlp", RunSettings(batch_size=8, granularity="layer", steps=1, out_dir=out))
+    out.mkdir()
+    (out / "worker.0.log").write_text("an earlier run's failure\n")
+    monkeypatch.setattr("hetplan.runtime.launch.group_make", lambda spec: "test_group:_dies")
+    with pytest.raises(WorkerFailure, match=r"^the process that builds the model and traces it for the workers ended "
+                                            r"with status 7 before it started them: the tracing process is going; "
+                                            r"no worker ran$"):
+        launch(spec)
+    assert not (out / "worker.0.log").exists()

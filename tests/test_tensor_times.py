@@ -105,3 +105,15 @@ def test_a_group_whose_workers_fail_says_the_first_workers_error_in_one_line():
     with pytest.raises(HetplanError, match=r"^timing a group of 2 workers failed in a worker: .*this step refuses "
                                            r"to run"):
         group_times(_Refuses(), {"x": torch.zeros(2, 4)}, None, 2, 1, "layer", None, 1, "fp32")
+
+
+def test_a_failed_group_names_the_worker_that_failed_first_or_why_none_started(tmp_path):
+    from hetplan.profile.tensor_times import _failure
+
+    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
+    tracing = tmp_path / "tracing.log"
+    assert "if __name__ == '__main__':" in _failure(2, [1, 1], logs, tracing)  # nothing of ours ran
+    logs[0].write_text("UserWarning: something torch says\nRuntimeError: Connection closed by peer\n")
+    logs[1].write_text("Traceback (most recent call last):\nValueError: the real cause\n")
+    assert _failure(2, [-15, 1], logs, tracing).endswith("failed in a worker: ValueError: the real cause")
+    assert _failure(2, [1, -15], logs, tracing).endswith("failed in a worker: RuntimeError: Connection closed by peer")

@@ -135,17 +135,27 @@ class Group:
 
     def __init__(self, process, receive, size: int) -> None:
         self._process, self._receive, self._codes = process, receive, [None] * size
+        self._forked: set[int] = set()
 
     def exitcodes(self) -> list[int | None]:
         ended = self._process.exitcode is not None  # read first: what it sent before it ended is in the pipe
         with contextlib.suppress(EOFError, OSError):  # OSError: closed by `stop`, all read
             while self._receive.poll():
                 index, code = self._receive.recv()
-                self._codes[index] = code
+                if code is None:
+                    self._forked.add(index)
+                else:
+                    self._codes[index] = code
         if ended:  # the group's process has ended, so have its members (they die with it)
             gone = self._process.exitcode or -signal.SIGKILL
             self._codes = [gone if c is None else c for c in self._codes]
         return list(self._codes)
+
+    def never_forked(self) -> set[int]:
+        """The members whose status is the group's process's own: it ended before forking them."""
+        codes = self.exitcodes()
+        return {i for i, c in enumerate(codes) if c is not None and i not in self._forked} \
+            if self._process.exitcode is not None else set()
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM to every member still running (the group's process passes it on), SIGKILL to
@@ -169,11 +179,14 @@ def start_group(make: str | None, make_args: Sequence, target: str, members: Seq
 
 
 def _brood(make: str | None, make_args: tuple, target: str, members: tuple[Member, ...], send) -> int:
+    die_with_parent()  # the server that forked it ends with the launcher
+    brood = os.getpid()
     try:
         made = _function(make)(*make_args) if make is not None else None
     except Exception:  # noqa: BLE001 - the members make their own, and say what fails
-        traceback.print_exc()
-        print(f"{make} failed: each member makes what it needs itself", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # a full disk: the log cannot take it, the members still start
+            traceback.print_exc()
+            print(f"{make} failed: each member makes what it needs itself", file=sys.stderr, flush=True)
         made = None
     live: dict[int, int] = {}
     stopping = []
@@ -191,8 +204,12 @@ def _brood(make: str | None, make_args: tuple, target: str, members: tuple[Membe
         if not stopping:
             pid = os.fork()
             if pid == 0:
-                _member(target, member, made, os.getppid())
+                try:
+                    send.close()  # the group's pipe is not the member's
+                finally:
+                    _member(target, member, made, brood)
             live[pid] = index
+            send.send((index, None))
         else:
             send.send((index, -signal.SIGTERM))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
@@ -216,7 +233,7 @@ def _member(target: str, member: Member, made: Any, parent: int) -> None:
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        if die_with_parent() and os.getppid() != parent:  # the group's process ended before it asked
+        if die_with_parent() and os.getppid() != parent:  # the group's process ended before it could ask
             os._exit(3)
         _settle(member.env, member.log)
         code = _status(_function(target)(*member.args, made))

@@ -101,24 +101,25 @@ def group_times(step: torch.nn.Module, batch: Mapping[str, Any], small: tuple[in
         finally:
             group.stop()
         if any(codes):
-            raise HetplanError(_failure(degree, logs, Path(tmp) / "tracing.log"))
+            raise HetplanError(_failure(degree, codes, logs, Path(tmp) / "tracing.log"))
         full, small_times = torch.load(out)
     return ({n: Timing(*t) for n, t in full.items()},
             None if small_times is None else {n: Timing(*t) for n, t in small_times.items()})
 
 
-def _failure(degree: int, logs: Sequence[Path], tracing: Path) -> str:
-    """What a failed group says: the first worker's error that has one, else why none started."""
-    for log in logs:
-        said = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+def _failure(degree: int, codes: Sequence[int | None], logs: Sequence[Path], tracing: Path) -> str:
+    """What a failed group says: the error of the first worker that failed by itself (a status
+    above 0), else of any that said one, else why none started."""
+    order = [r for r, c in enumerate(codes) if c and c > 0] + [r for r, c in enumerate(codes) if not c or c < 0]
+    for r in order:
+        said = logs[r].read_text(errors="replace").strip().splitlines() if logs[r].exists() else []
         if said:
             return f"timing a group of {degree} workers failed in a worker: {said[-1]}"
-    said = tracing.read_text(errors="replace") if tracing.exists() else ""
-    if "__main__" in said:
+    said = tracing.read_text(errors="replace").strip() if tracing.exists() else ""
+    if not said and not any(log.exists() for log in logs):  # it failed before running any of hetplan's code
         return (f"the group of {degree} workers did not start; a script that profiles with tp_degrees must call it "
                 "under `if __name__ == '__main__':` (the workers import it again)")
-    last = said.strip().splitlines()[-1] if said.strip() else "no error was said"
-    return f"the group of {degree} workers did not start: {last}"
+    return f"the group of {degree} workers did not start: {said.splitlines()[-1] if said else 'nothing said why'}"
 
 
 @dataclass(frozen=True)

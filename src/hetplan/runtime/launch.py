@@ -197,6 +197,17 @@ def _why(out_dir: Path, rank: int, spec: RunSpec, code: int | None = None) -> st
             f"in {out_dir}: {space_left(out_dir)}")
 
 
+def _tracing_died(out_dir: Path, code: int) -> str:
+    """The process that traces for the workers (`runtime.group`) ended before it started them."""
+    said = ""
+    with contextlib.suppress(OSError, IndexError):
+        said = (out_dir / TRACING_LOG).read_text(errors="replace").strip().splitlines()[-1]
+    killed = " (killed, as the kernel does when memory runs out)" if code == -9 else ""
+    return (f"the process that builds the model and traces it for the workers ended with status {code}{killed} "
+            f"before it started them{': ' + said if said else ', and could not say why: ' + space_left(out_dir)}; "
+            "no worker ran")
+
+
 def _who(spec: RunSpec, rank: int) -> str:
     me = spec.ranks[rank]
     return f"worker {rank} (stage {me.stage}, device {me.device})"
@@ -276,6 +287,8 @@ def _wait(workers: forked.Group, spec: RunSpec, progress) -> None:
         # launcher through the worker server a moment later
         if causes or (failed and time.time() - first_failure > CAUSE_GRACE_S):
             said = (causes or failed)[0]
+            if said in workers.never_forked():
+                raise WorkerFailure(_tracing_died(out_dir, codes[said]))
             raise WorkerFailure(_why(out_dir, said, spec, codes[said]) + "; every worker was stopped")
         if all(c == 0 for c in codes):
             return
@@ -324,7 +337,8 @@ def launch(spec: RunSpec, progress=None) -> RunResult:
 def _launch_locked(spec: RunSpec, progress) -> RunResult:
     out_dir = spec.settings.out_dir
     spec_path = write_spec(spec)
-    for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json")]:
+    for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json"),
+                *out_dir.glob("worker.*.log"), *out_dir.glob(TRACING_LOG)]:  # an earlier run's say is not this one's
         old.unlink()
     workers = _start_workers(spec, spec_path)
     try:

@@ -100,7 +100,8 @@ class SharedTraces:
             self.made[key] = (holdings(step), split_step(step, batch, granularity=granularity,
                                                          block_classes=block_classes))
         traced, split = self.made[key]
-        if self.sole and all(traced[k][0] is obj for k, (obj, _) in holdings(step).items()):
+        now = holdings(step)
+        if self.sole and now.keys() == traced.keys() and all(traced[k][0] is obj for k, (obj, _) in now.items()):
             return split
         return rebind(split, traced, step)
 
