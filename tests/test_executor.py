@@ -5,20 +5,23 @@ and integer values crossing boundaries; each rank runs exactly the actions the s
 
 
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
 
 from hetplan.errors import HetplanError
 from hetplan.io.clusters import cluster_from_spec
+from hetplan.lowering import ACTIVATIONS, GRADIENTS, RECEIVES, SENDS, channel, dry_run, lower, rank_groups
 from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
 from hetplan.rows import step_rows
 from hetplan.runtime.launch import run_spec
 from hetplan.runtime.local import run_threads
-from hetplan.runtime.rank import SharedTraces, Traces, boundary_layouts, layout_rows
+from hetplan.runtime.rank import SharedTraces, Traces, boundary_layouts, group_table, layout_rows, spec_rows
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.stages import stage_modules
+from hetplan.runtime.transport import LocalTransport
 from hetplan.runtime.worker import _batches
 from hetplan.schedule import ONE_STAGE_PER_RANK, rank_orders, schedule_order, stage_ranks
 from hetplan.zoo import ZOO, load_model
@@ -103,6 +106,38 @@ def traced(zm, granularity="layer", shared=None, replicas=None, m=None, weights=
                                 tuple(zm.block_classes or ()) or None)
 
 
+def run_checked(spec, shared):
+    """`run_threads`, checking that every rank sends and receives, in order and on its channel,
+    the messages of its lowered list (`hetplan.lowering`), which pair up in the dry run: the
+    messages pair by that order alone, so a rank whose order differed would get another's."""
+    log = {rank: [] for rank in range(spec.world)}
+    isend, recv = LocalTransport.isend, LocalTransport.recv
+    pipeline = (ACTIVATIONS, GRADIENTS)  # not the rings of sharded stages' sums (`runtime.sharding`)
+
+    def logged_isend(self, tensor, dst, tag):
+        if tag in pipeline:
+            log[self.rank].append(("S", dst, tag))
+        return isend(self, tensor, dst, tag)
+
+    def logged_recv(self, tensor, src, tag):
+        if tag in pipeline:
+            log[self.rank].append(("R", src, tag))
+        return recv(self, tensor, src, tag)
+
+    with mock.patch.object(LocalTransport, "isend", logged_isend), \
+            mock.patch.object(LocalTransport, "recv", logged_recv):
+        results = run_threads(spec, shared=shared)
+    groups = rank_groups(spec.plan, {r.device: r.host for r in spec.ranks}.__getitem__)
+    assert groups == group_table(spec)
+    lowered = lower(spec.plan.schedule, groups, spec.plan.stage_ranks, spec_rows(spec, spec.plan))
+    assert dry_run(lowered) == []
+    for rank, ops in enumerate(lowered.ops):
+        said = [("S" if op.kind in SENDS else "R", op.peer, channel(op)) for op in ops if op.kind in SENDS + RECEIVES]
+        assert log[rank] == said, f"rank {rank}: {log[rank][:6]} ... against its list {lowered.lines()[rank][:200]}"
+        assert results[rank]["actions"] == [str(op) for op in ops if op.kind in "FBIW"]
+    return results
+
+
 def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=None, cuts=None, names_of=None,
                         bindings=None, ref_device="cpu", optimizer="sgd", granularity="layer", precision="fp32",
                         shard=(), level=1, recompute="none", ref_m=None):
@@ -120,7 +155,7 @@ def pipelined_vs_single(ref, replicas, m, schedule, batch=4, seq=16, weights=Non
     spec = run_spec(plan, cpus(sum(replicas), bindings), ref, RunSettings(batch_size=batch, seq_len=seq,
                     granularity=granularity, block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0,
                     optimizer=optimizer, lr=lr, out_dir="unused", no_dropout=True), weights=weights)
-    results = run_threads(spec, shared=shared)
+    results = run_checked(spec, shared)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     zm.step.to(ref_device)  # in place: the stage modules below share these parameters
     ref_loss = reference_step(zm, {k: v.to(ref_device) for k, v in _batches(spec, zm, 0).items()}, ref_m or m, lr,
@@ -281,7 +316,7 @@ def test_two_stages_on_one_device_run_as_two_workers():
     spec = run_spec(plan, cpus(2), "gpt2-tiny", RunSettings(batch_size=4, seq_len=16, granularity="layer", steps=1,
                     warmup=0, optimizer="sgd", lr=0.1, out_dir="unused", no_dropout=True))
     assert [(r.stage, r.device) for r in spec.ranks] == [(0, "c0"), (1, "c1"), (2, "c0")]
-    results = run_threads(spec, shared=shared)
+    results = run_checked(spec, shared)
     ref_loss = reference_step(zm, _batches(spec, zm, 0), 2, 0.1)
     assert results[2]["losses"][0] == pytest.approx(ref_loss, rel=1e-5)
     for rank, module in enumerate(stage_modules(split, plan)):
@@ -360,7 +395,7 @@ def test_interleaved_schedules_hold_several_stages_per_worker_and_equal_single_p
                     block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0, optimizer="sgd", lr=lr,
                     out_dir="unused", no_dropout=True), weights=weights)
     assert spec.world == sum(groups)
-    results = run_threads(spec, shared=shared)
+    results = run_checked(spec, shared)
     before = {id(p): p.detach().clone() for p in zm.step.parameters()}
     ref_loss = reference_step(zm, _batches(spec, zm, 0), m, lr)
     worst = moved = 0.0
@@ -421,7 +456,7 @@ def test_a_schedule_with_its_own_stage_to_rank_map_needs_nothing_but_its_entry(m
     spec = run_spec(plan, cpus(2), "gpt2-tiny", RunSettings(batch_size=batch, seq_len=16, granularity="layer", steps=1,
                     warmup=0, optimizer="sgd", lr=lr, out_dir="unused", no_dropout=True))
     assert [(r.stage, r.device) for r in spec.ranks] == [(0, "c0"), (1, "c1")]
-    results = run_threads(spec, shared=shared)
+    results = run_checked(spec, shared)
     assert results[0]["actions"] == [str(a) for a in v_gpipe(2, 4, m)[0]]
     ref_loss = reference_step(zm, _batches(spec, zm, 0), m, lr)
     modules = stage_modules(split, plan)

@@ -15,14 +15,13 @@ from hetplan.io.clusters import load_cluster
 from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
 from hetplan.runtime.launch import run_spec
-from hetplan.runtime.local import run_threads
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.stages import stage_modules
 from hetplan.runtime.worker import _batches
 from hetplan.sim import simulate
 from hetplan.zoo import load_model
 from strategies import chain, exact_step_dp_matches, one_per_stage
-from test_executor import chain_plan, cpus, no_dropout, reference_step, traced
+from test_executor import chain_plan, cpus, no_dropout, reference_step, run_checked, traced
 
 V100X4 = load_cluster("v100x4")
 
@@ -198,7 +197,7 @@ def run_weights(name, replicas, m, schedule, recompute, batch=8, unit="stage", g
     spec = run_spec(plan, cpus(sum(replicas)), name, RunSettings(batch_size=batch, seq_len=16, granularity=granularity,
                     block_classes=tuple(zm.block_classes or ()), steps=1, warmup=0, optimizer="sgd", lr=0.1,
                     out_dir="unused", no_dropout=True))
-    return zm, split, plan, spec, run_threads(spec, shared=shared)
+    return zm, split, plan, spec, run_checked(spec, shared)
 
 
 RESNET = "user_models:resnet50_short"  # resnet50's bottlenecks, fewer of them

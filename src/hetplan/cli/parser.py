@@ -260,6 +260,10 @@ def _add_simulate(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--gantt", type=Path, metavar="OUT.png", help="write a Gantt chart of the step (.png/.svg/.pdf)")
     p.add_argument("--trace", type=Path, metavar="OUT.json",
                    help="write the timeline as a Chrome trace (chrome://tracing, ui.perfetto.dev)")
+    p.add_argument("--actions", action="store_true",
+                   help="print each worker's list of the step, in torch's action format: its passes (1F0), "
+                        "messages (1SEND_F0->2, 2RECV_F0<-1, with rows where replicas split a micro-batch), "
+                        "gradient sums (0REDUCE_GRAD(0,1)) and optimizer steps, checked by a dry run")
     p.set_defaults(func=cmd_simulate)
 
 

@@ -94,6 +94,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked_lowering(graph, cluster, plan):
+    from hetplan.lowering import check_lowered
+    from hetplan.sim import lowered_step
+
+    lowered = lowered_step(graph, cluster, plan)
+    check_lowered(lowered)
+    return lowered
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from hetplan.report.summary import estimate_summary
     from hetplan.sim import simulate
@@ -118,12 +127,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from hetplan.timeline.gantt import write_chrome_trace
 
         write_chrome_trace(sim.timeline, args.trace)
+    lowered = _checked_lowering(graph, cluster, plan) if args.actions else None
     if args.json:
         _emit_json({"kind": "simulation", "routing": args.routing, **estimate_summary(est),
-                    "gantt": str(args.gantt) if args.gantt else None, "trace": str(args.trace) if args.trace else None})
+                    "gantt": str(args.gantt) if args.gantt else None, "trace": str(args.trace) if args.trace else None,
+                    **({"actions": [[lowered.shown(op) for op in ops] for ops in lowered.ops]} if lowered else {})})
         return 0
     console = _console()
     tables.show_simulation(console, plan, cluster, est)
+    if lowered:
+        console.print("each worker's actions (torch's format; -> sends to, <- receives from a rank):")
+        for line in lowered.lines():
+            console.print(line, highlight=False, soft_wrap=True)
     for what, path in (("Gantt chart", args.gantt), ("Chrome trace", args.trace)):
         if path:
             console.print(f"wrote {what} {path}")

@@ -31,9 +31,11 @@ For replica p of stage k, micro-batch j, with rows [lo, hi) of it (`StepRows.sli
 A replica with no row of micro-batch j skips its actions for j, and nobody sends to it. Only
 floating values that carry a gradient (`boundary.ValueLayout.grad`) travel back. Sends are asynchronous and
 waited for at the end of the step; receives block, which the schedules allow (they are deadlock
-free with asynchronous sends; the simulator checks the same order). Gradients of replicas and of
-parameters that several stages share are summed afterwards (`gradients.reduce_gradients`): since each slice's
-loss is weighted by its share of the batch, the sums are the whole batch's gradients.
+free with asynchronous sends; the simulator checks the same order). Messages pair up by their
+order on their channel, activations or gradients: the order of `hetplan.lowering`'s lists for the
+step. Gradients of replicas and of parameters that several stages share are summed afterwards
+(`gradients.reduce_gradients`): since each slice's loss is weighted by its share of the batch,
+the sums are the whole batch's gradients.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hetplan.errors import HetplanError
+from hetplan.lowering import ACTIVATIONS, GRADIENTS
 from hetplan.pieces import selective
 from hetplan.pieces.mixed import Mixed
 from hetplan.precision import FP32
@@ -55,7 +58,7 @@ from hetplan.rows import StepRows
 from hetplan.runtime.boundary import ValueLayout, pack, packed_bytes, unpack
 from hetplan.runtime.split_backward import backward_inputs, backward_weights
 from hetplan.runtime.transport import Transport
-from hetplan.schedule import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from hetplan.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 
 
 @dataclass(frozen=True)
@@ -94,12 +97,6 @@ class Role:
         return self.stage == len(self.ranks) - 1
 
 
-def _tag(stages: int, boundary: int, microbatch: int, kind: str) -> int:
-    """A message's tag: its boundary (stage k to k + 1), micro-batch and direction, so that two
-    workers exchanging over several boundaries (interleaved) pair every message."""
-    return 2 * (microbatch * stages + boundary) + (0 if kind == FORWARD else 1)
-
-
 @dataclass(frozen=True)
 class Peer:
     replica: int
@@ -129,8 +126,11 @@ class StageRunner:
         # called after each backward (a stage whose replicas shard gradients: `zero.ShardedUnits.finish`)
         self.backward_done: Callable[[], None] = _nothing
 
-    def tag(self, boundary: int, microbatch: int, kind: str) -> int:
-        return _tag(len(self.role.ranks), boundary, microbatch, kind)
+    @staticmethod
+    def tag(kind: str) -> int:
+        """A message's channel (`hetplan.lowering.channel`): messages pair up by their order on it,
+        which `hetplan.lowering.dry_run` checks, never by a tag naming the micro-batch."""
+        return ACTIVATIONS if kind == FORWARD else GRADIENTS
 
     # --- who shares rows with whom -------------------------------------------------------
     def mine(self, j: int) -> tuple[int, int]:
@@ -177,7 +177,7 @@ class StageRunner:
             idx = self._carried(layouts, sender_whole(peer), grads)
             metas = [(layouts[i].dtype, layouts[i].shape_for(peer.end - peer.first)) for i in idx]
             began = time.perf_counter()
-            got = self._recv(metas, peer.rank, self.tag(min(stage, self.role.stage), j, kind))
+            got = self._recv(metas, peer.rank, self.tag(kind))
             self.spans.append((kind, stage, j, began, time.perf_counter(), peer.rank))
             for i, value in zip(idx, got, strict=True):
                 parts[i].append(value)
@@ -212,7 +212,7 @@ class StageRunner:
             values = [self._as_sent(self.layouts_out[i], self.layouts_out[i].take(outs[i], peer.first - lo,
                                                                                  peer.end - lo)) for i in idx]
             self._check(values, idx, peer)
-            self._send(values, k + 1, peer.replica, self.tag(k, j, FORWARD), pending)
+            self._send(values, k + 1, peer.replica, self.tag(FORWARD), pending)
 
     def _run(self, module: nn.Module, inputs: list[torch.Tensor]):
         """The stage's forward, recomputed in its backward as `Role.recompute` says."""
@@ -270,7 +270,7 @@ class StageRunner:
                     x = inputs[i]
                     g = x.grad if x.grad is not None else torch.zeros_like(x)
                     values.append(self.layouts_in[i].take(g, peer.first - lo, peer.end - lo))
-                self._send(values, k - 1, peer.replica, self.tag(k - 1, j, "B"), pending)
+                self._send(values, k - 1, peer.replica, self.tag(BACKWARD), pending)
         return loss
 
     def _output_grads(self, j: int, outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -32,6 +32,7 @@ from hetplan.cost import CostModel
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.io.serde import atomic_write_text
+from hetplan.lowering import check_lowered, lower, rank_groups
 from hetplan.machine import core_ids
 from hetplan.plan import Plan
 from hetplan.rows import StepRows, idle_replicas, step_rows
@@ -46,7 +47,6 @@ from hetplan.runtime.supervise import (
     stop_on_terminate,
 )
 from hetplan.runtime.support import runtime_refusal
-from hetplan.sync import rank_numbers
 
 CAUSE_GRACE_S = 2.0  # how long a lost peer waits for the failure that caused it to be seen
 TRACING_LOG = "tracing.log"  # the output of the process that traces for the workers (`runtime.group`)
@@ -127,24 +127,26 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, settings: RunSettings, *,
     if plan.microbatches > settings.batch_size:
         raise HetplanError(f"the plan has {plan.microbatches} micro-batches but the batch only {settings.batch_size} "
                            f"samples: plan with --microbatches {settings.batch_size} or fewer")
-    ranks = []
+    # torchrun numbers ranks host by host: so do we (`hetplan.lowering.rank_groups`, which the cost
+    # model's gradient sums follow too), and a stage's replicas may sit on any hosts (`rank.rank_table`);
+    # a tensor-parallel group's workers follow its first, on its host
+    groups = rank_groups(plan, lambda d: cluster.device(d).host)
+    ranks: dict[int, RankSpec] = {}
     for k in (held[0] for held in plan.rank_stages):  # a worker is known by its first stage
         for p, group in enumerate(plan.stages[k].groups):
             for i, d in enumerate(group):
                 device = cluster.device(d)
                 binding = device.binding or "cpu"
                 threads = 1 if binding.startswith("cuda") else device.threads or 1
-                ranks.append(RankSpec(stage=k, replica=p, device=device.id, host=device.host, binding=binding,
-                                      threads=threads, tp=i))
-    # torchrun numbers ranks host by host: so do we (`hetplan.sync.rank_numbers`, which the cost
-    # model's gradient sums follow too), and a stage's replicas may sit on any hosts (`rank.rank_table`);
-    # a tensor-parallel group's workers follow its first, on its host
-    numbers = rank_numbers([st.devices for st in plan.stages], lambda d: cluster.device(d).host, plan.stage_ranks)
-    ranks.sort(key=lambda r: (numbers[(r.stage, r.replica)], r.tp))
+                ranks[groups[k][p][i]] = RankSpec(stage=k, replica=p, device=device.id, host=device.host,
+                                                  binding=binding, threads=threads, tp=i)
     weights = tuple(tuple(float(x) for x in w)
                     for w in (_given_weights(plan, weights) if weights else replica_weights(plan, cluster, graph)))
-    _check_every_replica_has_rows(plan, step_rows(settings.batch_size, plan.microbatches, weights))
-    return RunSpec(plan=plan, model=model, settings=settings, replica_weights=weights, ranks=tuple(ranks))
+    rows = step_rows(settings.batch_size, plan.microbatches, weights)
+    _check_every_replica_has_rows(plan, rows)
+    check_lowered(lower(plan.schedule, groups, plan.stage_ranks, rows))  # its messages pair, nothing deadlocks
+    return RunSpec(plan=plan, model=model, settings=settings, replica_weights=weights,
+                   ranks=tuple(ranks[r] for r in sorted(ranks)))
 
 
 def _check_every_replica_has_rows(plan: Plan, rows: StepRows) -> None:

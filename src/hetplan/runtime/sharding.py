@@ -33,7 +33,7 @@ from torch import nn
 from hetplan.errors import HetplanError
 from hetplan.runtime.transport import Transport
 
-RING_TAG = 1 << 28  # above every pipeline message's tag (`executor._tag`)
+RING_TAG = 1 << 28  # above the pipeline messages' two channels (`hetplan.lowering.ACTIVATIONS`, `GRADIENTS`)
 GROUP_TAGS = 1 << 12  # tags per group: 2 rings of at most 2048 steps
 
 

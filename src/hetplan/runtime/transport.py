@@ -6,17 +6,19 @@ pipeline of many stages quickly and check it against single-process training; th
 cannot tell the two apart.
 
 Messages are CPU tensors (gloo sends CPU tensors only; a GPU stage packs on its GPU and copies
-once). Every message carries a tag (micro-batch and direction), so that messages between two
-ranks pair up by tag and never by arrival order alone. A rank holding two neighbouring stages
-(ZB-V's V: stages n - 1 and n on the last rank) sends to itself: gloo has no pair from a rank to
-itself, so both transports keep such a message in the rank's own mailbox (`_Own`), and the
-threads' hub refuses a message to oneself as gloo does.
+once). Messages between two ranks pair up by their order on one of two channels, activations
+and gradients (the tag), as the step's lowered lists say (`hetplan.lowering`, whose dry run
+checks that they pair): never by a tag naming the micro-batch, which NCCL does not carry. A rank
+holding two neighbouring stages (ZB-V's V: stages n - 1 and n on the last rank) sends to
+itself: gloo has no pair from a rank to itself, so both transports keep such a message in the
+rank's own mailbox (`_Own`), and the threads' hub refuses a message to oneself as gloo does.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Protocol
@@ -55,21 +57,22 @@ class _Done:
 
 
 class _Own:
-    """Messages a rank sends to itself, by tag: its list of actions runs the sender before the
-    receiver, so a receive finds its message or the order is broken."""
+    """Messages a rank sends to itself, first in first out per tag, as between two ranks: its list
+    of actions runs the sender before the receiver, so a receive finds its message or the order
+    is broken."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._box: dict[int, torch.Tensor] = {}
+        self._box: dict[int, deque[torch.Tensor]] = {}
 
     def put(self, tensor: torch.Tensor, tag: int) -> Sent:
-        self._box[tag] = tensor.clone()
+        self._box.setdefault(tag, deque()).append(tensor.clone())
         return _Done()
 
     def take(self, tensor: torch.Tensor, tag: int) -> None:
-        if tag not in self._box:
-            raise RuntimeError(f"rank {self.rank} receives message {tag} from itself before sending it")
-        tensor.copy_(self._box.pop(tag))
+        if not self._box.get(tag):
+            raise RuntimeError(f"rank {self.rank} receives a message on channel {tag} from itself before sending it")
+        tensor.copy_(self._box[tag].popleft())
 
 
 class GlooTransport:

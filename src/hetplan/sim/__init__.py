@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
+from hetplan.cost.syncs import plan_syncs
 from hetplan.cost.table import ROUTINGS, StepCosts, step_costs
 from hetplan.graph import Graph
+from hetplan.lowering import Lowered, lower, rank_groups, sum_ranks
 from hetplan.plan import Estimate, Plan
 from hetplan.sim.engine import run_events
 from hetplan.timeline import Span, Timeline
@@ -67,6 +69,15 @@ def simulate(graph: Graph, cluster: Cluster, plan: Plan, *, routing: str = "rela
     return Simulation(_estimate(graph, cluster, plan, model, result, cm), result.timeline)
 
 
+def lowered_step(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | None = None) -> Lowered:
+    """Each worker's list of the step's passes, messages and gradient sums (`hetplan.lowering`),
+    its workers numbered and its rows split as a run of the plan numbers and splits them."""
+    cm = cost or CostModel(graph, cluster)
+    groups = rank_groups(plan, lambda d: cluster.device(d).host)
+    sums = [ranks for sync in plan_syncs(cm, plan) for ranks in sum_ranks(groups, sync.members)]
+    return lower(plan.schedule, groups, plan.stage_ranks, cm.plan_rows(plan), sums)
+
+
 def _estimate(graph: Graph, cluster: Cluster, plan: Plan, model: StepCosts, result, cm: CostModel) -> Estimate:
     step = result.step_s
     used = plan.devices
@@ -91,4 +102,4 @@ def _estimate(graph: Graph, cluster: Cluster, plan: Plan, model: StepCosts, resu
     )
 
 
-__all__ = ["ROUTINGS", "Simulation", "Span", "Timeline", "memory_violations", "simulate"]
+__all__ = ["ROUTINGS", "Simulation", "Span", "Timeline", "lowered_step", "memory_violations", "simulate"]

@@ -1,0 +1,267 @@
+"""A plan's step lowered to one list of instructions per worker: the schedule's passes with the
+messages between them and the gradient sums after them, after torch.distributed.pipelining's
+lowering of a schedule into per-rank actions with SEND_F/RECV_F/SEND_B/RECV_B (`_add_send_recv`)
+and DeepSpeed's `PipeSchedule`, whose gradient sums and optimizer step are instructions like the
+passes.
+
+A worker runs its rank's actions (`hetplan.schedule.rank_orders`) for its replica's rows of each
+micro-batch (`hetplan.rows`), as hetplan's executor does (`hetplan.runtime.executor`):
+
+    RECV_F from each replica of stage k-1 that shares rows with mine (in replica order), F,
+    SEND_F to each replica of stage k+1 that shares rows with mine (to every rank of its
+           tensor-parallel group; only a group's first rank sends);
+    RECV_B from each replica of stage k+1 that shares rows, B (or I), SEND_B to stage k-1's;
+    W alone. A replica with no row of a micro-batch runs nothing for it and gets no message.
+    Then the gradient sums it takes part in (`hetplan.sync.sync_groups`' order), then STEP.
+
+Messages pair up by their order in the two lists, never by a tag naming the micro-batch: the
+k-th activation a sends to b is the k-th that b receives from a, and the same for gradients. Two
+ordered channels per pair of ranks, one each way down the pipeline, since one is not enough: under
+ZB-V a rank holds a stage going down and one coming back, and the rank after it takes a gradient
+from the second before an activation that the first made earlier (a gloo tag or an NCCL
+communicator per direction carries them). `dry_run` plays the lists without costs and says where they deadlock or where
+a pair disagrees (a receive that gets another micro-batch's, stage's or rows' message, a send
+nobody receives, a sum whose members name different groups) before anything runs.
+
+Ops print as torch prints its actions ("1F0", "1SEND_F0", "2RECV_F0", "0REDUCE_GRAD"), with the
+peer rank after an arrow and the rows where a stage's replicas split the micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from hetplan.errors import HetplanError
+from hetplan.plan import Plan
+from hetplan.rows import StepRows
+from hetplan.schedule import BACKWARD_WEIGHT, FORWARD, Action, rank_orders
+from hetplan.sync import rank_numbers
+
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+REDUCE_GRAD = "REDUCE_GRAD"  # a gradient sum over `group`
+STEP = "STEP"  # the optimizer step of a stage's parameters
+SENDS, RECEIVES = (SEND_F, SEND_B), (RECV_F, RECV_B)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One instruction of a worker's list. `stage`: the stage of the worker that runs it (a send's
+    sender, a receive's receiver); `peer`: the rank at the other end of a message; `rows`: the
+    rows [first, end) of the micro-batch a message carries; `group`: a sum's ranks, in order."""
+
+    kind: str
+    stage: int
+    microbatch: int = -1
+    peer: int = -1
+    rows: tuple[int, int] = (0, 0)
+    group: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        text = f"{self.stage}{self.kind}{self.microbatch if self.microbatch >= 0 else ''}"
+        if self.kind in SENDS:
+            text += f"->{self.peer}"
+        elif self.kind in RECEIVES:
+            text += f"<-{self.peer}"
+        elif self.kind == REDUCE_GRAD:
+            text += "(" + ",".join(map(str, self.group)) + ")"
+        return text
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """Per rank (runtime numbering: `groups[k][p]` are the ranks of replica p of stage k), its ops;
+    `micro`: each micro-batch's rows."""
+
+    ops: tuple[tuple[Op, ...], ...]
+    micro: tuple[int, ...]
+
+    def lines(self) -> list[str]:
+        """One line per rank: `rank 3: 1RECV_F0<-0 1F0 1SEND_F0->5 ...`, a message's rows shown
+        where it carries part of its micro-batch."""
+        return [f"rank {r}: " + " ".join(self.shown(op) for op in ops) for r, ops in enumerate(self.ops)]
+
+    def shown(self, op: Op) -> str:
+        if op.kind in SENDS + RECEIVES and op.rows != (0, self.micro[op.microbatch]):
+            return f"{op}[{op.rows[0]}:{op.rows[1]}]"
+        return str(op)
+
+
+def lower(schedule: str, groups: Sequence[Sequence[Sequence[int]]], stage_ranks: Sequence[int], rows: StepRows,
+          sums: Sequence[Sequence[int]] = ()) -> Lowered:
+    """Each worker's ops. `groups[k][p]`: the ranks of replica p of stage k (a tensor-parallel
+    group's in order, else one); `stage_ranks[k]`: the pipeline rank that holds stage k
+    (`Plan.stage_ranks`); `rows`: the step's split of every micro-batch (`hetplan.rows`); `sums`:
+    the ranks of each gradient sum, in the order every rank runs them (`hetplan.sync.sync_groups`)."""
+    stages = len(groups)
+    pipeline = max(stage_ranks) + 1
+    orders = rank_orders(schedule, stages, len(rows.micro), None if pipeline == stages else pipeline)
+    workers = 1 + max(r for reps in groups for g in reps for r in g)
+    ops: list[list[Op]] = [[] for _ in range(workers)]
+    firsts = [next(k for k in range(stages) if stage_ranks[k] == r) for r in range(pipeline)]
+    for k in firsts:
+        for p, group in enumerate(groups[k]):
+            for position, rank in enumerate(group):
+                held = [s for s in range(stages) if stage_ranks[s] == stage_ranks[k]]
+                ops[rank] = _passes(orders[stage_ranks[k]], groups, rows, p, position, held)
+    for members in sums:
+        for rank in members:
+            ops[rank].append(Op(REDUCE_GRAD, _known_by(groups, rank), group=tuple(members)))
+    for k in range(stages):
+        for group in groups[k]:
+            for rank in group:
+                ops[rank].append(Op(STEP, k))
+    return Lowered(tuple(tuple(o) for o in ops), tuple(rows.micro))
+
+
+def _known_by(groups: Sequence[Sequence[Sequence[int]]], rank: int) -> int:
+    """The first stage a rank holds."""
+    return next(k for k, reps in enumerate(groups) if any(rank in g for g in reps))
+
+
+def _passes(order: Sequence[Action], groups, rows: StepRows, p: int, position: int, held: Sequence[int]) -> list[Op]:
+    """A worker's passes and messages: replica p of the stages `held`, at `position` of its group."""
+    last = len(groups) - 1
+    out: list[Op] = []
+    for a in order:
+        k, j = a.stage, a.microbatch
+        if k not in held or rows.rows(k, j, p) == 0:
+            continue
+        if a.kind == BACKWARD_WEIGHT:
+            out.append(Op(a.kind, k, j))
+            continue
+        forward = a.kind == FORWARD
+        source, target = (k - 1, k + 1) if forward else (k + 1, k - 1)
+        if 0 <= source <= last:
+            out += [Op(RECV_F if forward else RECV_B, k, j, groups[source][q][0], (lo, hi))
+                    for q, lo, hi in _shared(rows, k, j, p, source)]
+        out.append(Op(a.kind, k, j))
+        if 0 <= target <= last and position == 0:  # a group's other ranks made the same values
+            out += [Op(SEND_F if forward else SEND_B, k, j, dst, (lo, hi))
+                    for q, lo, hi in _shared(rows, k, j, p, target) for dst in groups[target][q]]
+    return out
+
+
+def _shared(rows: StepRows, k: int, j: int, p: int, other: int) -> list[tuple[int, int, int]]:
+    """(replica q of stage `other`, first, end): the rows of micro-batch j that replica p of stage k
+    shares with each replica of `other`, in replica order (`StepRows.shared_rows`)."""
+    out = []
+    for q in range(rows.replicas(other)):
+        lo, hi = rows.shared_rows(k, j, p, other, q)
+        if hi > lo:
+            out.append((q, lo, hi))
+    return out
+
+
+def dry_run(lowered: Lowered) -> list[str]:
+    """Play every worker's list without costs: sends never wait, a receive takes the oldest
+    message from its peer, a sum waits for its whole group. Returns what is wrong, one line each:
+    a receive that gets a message it does not expect, a sum whose members disagree, ops left when
+    nobody can go on (a deadlock: each stuck rank and what it waits for), messages never received."""
+    lists = lowered.ops
+    at = [0] * len(lists)
+    boxes: dict[tuple[int, int], deque[tuple[int, Op]]] = {}
+    problems: list[str] = []
+    moved = True
+    while moved and not problems:
+        moved = False
+        for r in range(len(lists)):
+            while at[r] < len(lists[r]) and not problems:
+                step = _try(r, lists, at, boxes, problems)
+                if not step:
+                    break
+                moved = True
+    if problems:
+        return problems
+    stuck = [f"rank {r} waits at {lists[r][at[r]]} (op {at[r]})" for r in range(len(lists)) if at[r] < len(lists[r])]
+    if stuck:
+        return ["the lists deadlock: " + "; ".join(stuck[:4]) + (f"; {len(stuck) - 4} more" if len(stuck) > 4 else "")]
+    return [f"{op} from rank {src} is never received by rank {dst}" for (src, dst, _), box in boxes.items()
+            for _, op in box]
+
+
+def _try(r: int, lists, at: list[int], boxes: dict, problems: list[str]) -> bool:
+    """Run rank r's next op if it can run now; whether it did."""
+    op = lists[r][at[r]]
+    if op.kind in SENDS:
+        boxes.setdefault((r, op.peer, channel(op)), deque()).append((r, op))
+    elif op.kind in RECEIVES:
+        box = boxes.get((op.peer, r, channel(op)))
+        if not box:
+            return False
+        _, sent = box.popleft()
+        if not _pairs(sent, op):
+            problems.append(f"rank {r}'s {op} (op {at[r]}) gets rank {op.peer}'s {sent}")
+    elif op.kind == REDUCE_GRAD:
+        return _meet(r, op, lists, at, problems)
+    at[r] += 1
+    return True
+
+
+ACTIVATIONS, GRADIENTS = 0, 1  # the two channels between a pair of ranks (the runtime's message tags)
+
+
+def channel(op: Op) -> int:
+    """A message's channel between its two ranks."""
+    return ACTIVATIONS if op.kind in (SEND_F, RECV_F) else GRADIENTS
+
+
+def _pairs(sent: Op, got: Op) -> bool:
+    """Whether a received message is the one the receive expects."""
+    kinds = {SEND_F: RECV_F, SEND_B: RECV_B}
+    step = 1 if sent.kind == SEND_F else -1
+    return (kinds[sent.kind] == got.kind and got.stage == sent.stage + step and got.microbatch == sent.microbatch
+            and got.rows == sent.rows)
+
+
+def _meet(r: int, op: Op, lists, at: list[int], problems: list[str]) -> bool:
+    """A sum runs once every member is at it; the first member moves them all."""
+    waiting = [m for m in op.group if at[m] < len(lists[m]) and lists[m][at[m]].kind == REDUCE_GRAD]
+    if len(waiting) < len(op.group):
+        return False
+    for m in op.group:
+        if lists[m][at[m]].group != op.group:
+            problems.append(f"rank {r} sums over {op.group} while rank {m} sums over {lists[m][at[m]].group}")
+            return False
+    for m in op.group:
+        if m != r:
+            at[m] += 1
+    at[r] += 1
+    return True
+
+
+def check_lowered(lowered: Lowered) -> None:
+    """Refuse lists that would hang or mix up messages, in one line."""
+    problems = dry_run(lowered)
+    if problems:
+        raise HetplanError(f"the plan's step cannot run as lowered: {problems[0]}"
+                           + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+def rank_groups(plan: Plan, host_of: Callable[[str], str]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """`groups[k][p]`: the ranks of replica p of stage k, its tensor-parallel group's in order, as
+    a run numbers its workers (`hetplan.sync.rank_numbers`: host by host, as torchrun does; a
+    group's ranks after its first, on its host; a worker that holds several stages by its first)."""
+    numbers = rank_numbers([st.devices for st in plan.stages], host_of, plan.stage_ranks)
+    held = plan.rank_stages
+    first = [held[r][0] for r in plan.stage_ranks]
+    workers = sorted((numbers[(k, p)], i, k, p) for k in sorted(set(first))
+                     for p, group in enumerate(plan.stages[k].groups) for i in range(len(group)))
+    rank_of = {(k, p, i): r for r, (_, i, k, p) in enumerate(workers)}
+    return tuple(tuple(tuple(rank_of[(first[k], p, i)] for i in range(len(group)))
+                       for p, group in enumerate(plan.stages[first[k]].groups)) for k in range(len(plan.stages)))
+
+
+def sum_ranks(groups: Sequence[Sequence[Sequence[int]]], members: Sequence[tuple[int, int]]) -> list[tuple[int, ...]]:
+    """The ranks of one gradient sum over stage replicas `members` ((stage, replica), in the order of
+    `hetplan.sync.sync_groups`), a worker's stages once: where the replicas are tensor-parallel
+    groups of t ranks each, of one stage, t sums, one at each place of the groups; over groups of
+    unlike sizes or several stages, one over all their ranks."""
+    replicas = list(dict.fromkeys(tuple(groups[k][p]) for k, p in members))
+    sizes = {len(g) for g in replicas}
+    if sizes == {1}:
+        return [tuple(g[0] for g in replicas)]
+    if len(sizes) == 1 and len({k for k, _ in members}) == 1:
+        return [tuple(g[i] for g in replicas) for i in range(sizes.pop())]
+    return [tuple(dict.fromkeys(r for g in replicas for r in g))]

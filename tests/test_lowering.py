@@ -1,0 +1,209 @@
+"""The step lowered to each worker's list of passes, messages and sums (`hetplan.lowering`): exact
+lists for small plans, a dry run that pairs every message and never deadlocks on any schedule,
+replica split or tensor-parallel group, and finds the broken lists it is there to find; and the
+executor sends and receives, rank by rank, what the lists say, in their order (its messages pair
+by that order alone: `test_executor.run_checked`, for every plan the executor's tests run)."""
+
+import json
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hetplan.errors import HetplanError
+from hetplan.lowering import (
+    RECEIVES,
+    REDUCE_GRAD,
+    SENDS,
+    STEP,
+    Lowered,
+    Op,
+    check_lowered,
+    dry_run,
+    lower,
+)
+from hetplan.rows import step_rows
+from hetplan.schedule import SCHEDULES, get_schedule, rank_orders, stage_ranks
+
+
+def chain(schedule, replicas, m, batch=8, weights=None, tp=None, ranks=None):
+    """The lists of a chain plan: stage k has replicas[k] replicas (tp[k] ranks each), numbered
+    stage by stage; under an interleaved schedule `ranks` pipeline ranks hold the stages; a
+    replicated stage's replicas (their groups' first ranks) sum their gradients, stage by stage."""
+    n = len(replicas)
+    holder = stage_ranks(schedule, n, ranks)
+    groups, numbers = [], {}
+    for k in range(n):
+        if holder[k] in numbers:  # an interleaved rank's later stage: the same workers
+            groups.append(numbers[holder[k]])
+            continue
+        start = 1 + max((r for reps in groups for g in reps for r in g), default=-1)
+        size = (tp or [1] * n)[k]
+        reps = [tuple(range(start + p * size, start + (p + 1) * size)) for p in range(replicas[k])]
+        numbers[holder[k]] = reps
+        groups.append(reps)
+    rows = step_rows(batch, m, weights or [[1.0] * r for r in replicas])
+    sums = list(dict.fromkeys(tuple(g[0] for g in reps) for reps in groups if len(reps) > 1))
+    return lower(schedule, groups, holder, rows, sums), groups
+
+
+def test_two_stages_under_gpipe_exactly():
+    lowered, _ = chain("gpipe", [1, 1], 2, batch=4)
+    assert lowered.lines() == [
+        "rank 0: 0F0 0SEND_F0->1 0F1 0SEND_F1->1 0RECV_B0<-1 0B0 0RECV_B1<-1 0B1 0STEP",
+        "rank 1: 1RECV_F0<-0 1F0 1RECV_F1<-0 1F1 1B0 1SEND_B0->0 1B1 1SEND_B1->0 1STEP"]
+    assert dry_run(lowered) == []
+
+
+def test_replicas_get_their_rows_and_sum_their_gradients():
+    """2 + 1 replicas, 3 rows a micro-batch split 2:1 by speed: stage 0's replicas each send their
+    rows to stage 1's one replica, which sends each its gradients back; they then sum."""
+    rows = step_rows(6, 2, [[2.0, 1.0], [1.0]])
+    lowered = lower("1f1b", [[(0,), (1,)], [(2,)]], [0, 1], rows, sums=[(0, 1)])
+    assert lowered.lines() == [
+        "rank 0: 0F0 0SEND_F0->2[0:2] 0F1 0SEND_F1->2[0:2] 0RECV_B0<-2[0:2] 0B0 0RECV_B1<-2[0:2] 0B1 "
+        "0REDUCE_GRAD(0,1) 0STEP",
+        "rank 1: 0F0 0SEND_F0->2[2:3] 0F1 0SEND_F1->2[2:3] 0RECV_B0<-2[2:3] 0B0 0RECV_B1<-2[2:3] 0B1 "
+        "0REDUCE_GRAD(0,1) 0STEP",
+        "rank 2: 1RECV_F0<-0[0:2] 1RECV_F0<-1[2:3] 1F0 1B0 1SEND_B0->0[0:2] 1SEND_B0->1[2:3] "
+        "1RECV_F1<-0[0:2] 1RECV_F1<-1[2:3] 1F1 1B1 1SEND_B1->0[0:2] 1SEND_B1->1[2:3] 1STEP"]
+    assert dry_run(lowered) == []
+
+
+def test_a_tensor_parallel_groups_first_rank_sends_to_every_rank_of_the_next():
+    lowered, _ = chain("gpipe", [1, 1, 1], 1, batch=2, tp=[2, 1, 2])
+    assert lowered.lines() == [
+        "rank 0: 0F0 0SEND_F0->2 0RECV_B0<-2 0B0 0STEP",
+        "rank 1: 0F0 0RECV_B0<-2 0B0 0STEP",
+        "rank 2: 1RECV_F0<-0 1F0 1SEND_F0->3 1SEND_F0->4 1RECV_B0<-3 1B0 1SEND_B0->0 1SEND_B0->1 1STEP",
+        "rank 3: 2RECV_F0<-2 2F0 2B0 2SEND_B0->2 2STEP",
+        "rank 4: 2RECV_F0<-2 2F0 2B0 2STEP"]
+    assert dry_run(lowered) == []
+
+
+def test_a_replica_without_rows_of_a_microbatch_runs_nothing_for_it():
+    """3 rows a micro-batch over 4 replicas: one of them has none, and gets no message."""
+    lowered, groups = chain("1f1b", [1, 4], 2, batch=6)
+    idle = [r for r in (g[0] for g in groups[1]) if not any(op.microbatch == 0 for op in lowered.ops[r])]
+    assert len(idle) == 1
+    assert not any(op.peer == idle[0] and op.microbatch == 0 for op in lowered.ops[0])
+    assert dry_run(lowered) == []
+
+
+def test_zb_v_pairs_only_with_one_channel_each_way():
+    """Under ZB-V rank 0 sends stage 0's activations of micro-batch 2 before stage 3's gradients
+    of micro-batch 0, which rank 1 takes first: on one channel per pair they would cross."""
+    lowered, _ = chain("zb-v", [1, 1, 1, 1], 4, ranks=2)
+    sends = [str(op) for op in lowered.ops[0] if op.kind in SENDS and op.peer == 1]
+    got = [str(op) for op in lowered.ops[1] if op.kind in RECEIVES and op.peer == 0]
+    assert sends.index("0SEND_F2->1") < sends.index("3SEND_B0->1")
+    assert got.index("2RECV_B0<-0") < got.index("1RECV_F2<-0")
+    assert dry_run(lowered) == []
+
+
+SHAPES = [(name, n, ranks) for name in SCHEDULES for n, ranks in ((1, None), (2, None), (4, None), (4, 2), (6, 3))
+          if get_schedule(name).problem(n, ranks or n, 4) is None]
+
+
+@pytest.mark.parametrize("schedule,stages,ranks", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_every_schedule_pairs_and_finishes(schedule, stages, ranks, m):
+    if get_schedule(schedule).problem(stages, ranks or stages, m):
+        pytest.skip("the schedule cannot run this many micro-batches here")
+    lowered, _ = chain(schedule, [1] * stages, m, batch=16, ranks=ranks)
+    assert dry_run(lowered) == []
+    computed = [[str(op) for op in ops if op.kind in "FBIW"] for ops in lowered.ops]
+    assert computed == [[str(a) for a in order] for order in rank_orders(schedule, stages, m, ranks)]
+
+
+@given(st.data())
+def test_random_replicas_speeds_and_groups_pair_and_finish(data):
+    schedule = data.draw(st.sampled_from(["gpipe", "1f1b", "zero-bubble"]))
+    n = data.draw(st.integers(1, 4))
+    replicas = data.draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+    tp = data.draw(st.lists(st.integers(1, 2), min_size=n, max_size=n))
+    weights = [data.draw(st.lists(st.floats(0.5, 4.0), min_size=r, max_size=r)) for r in replicas]
+    m = data.draw(st.integers(1, 5))
+    lowered, groups = chain(schedule, replicas, m, batch=data.draw(st.integers(m, 12)), weights=weights, tp=tp)
+    assert dry_run(lowered) == []
+    # each rank ends with its steps, after the sums it takes part in, each once
+    for ops in lowered.ops:
+        tail = [op.kind for op in ops if op.kind in (REDUCE_GRAD, STEP)]
+        assert tail and tail[-1] == STEP and tail == sorted(tail, key=lambda kind: kind == STEP)
+    for reps in groups:
+        members = tuple(g[0] for g in reps)
+        if len(members) > 1:
+            assert all(sum(op.group == members for op in lowered.ops[r]) == 1 for r in members)
+
+
+def with_op(lowered: Lowered, rank: int, ops) -> Lowered:
+    lists = list(lowered.ops)
+    lists[rank] = tuple(ops)
+    return Lowered(tuple(lists), lowered.micro)
+
+
+def test_the_dry_run_finds_crossed_missing_extra_and_mismatched_ops():
+    lowered, _ = chain("gpipe", [1, 1], 2, batch=4)
+    ops = list(lowered.ops[0])
+    crossed = ops[:1] + [ops[2], ops[1]] + ops[3:]  # F1 before SEND_F0: fine, the order of sends holds
+    assert dry_run(with_op(lowered, 0, crossed)) == []
+    swapped = [ops[0], ops[2], ops[3], ops[1]] + ops[4:]  # SEND_F1 before SEND_F0
+    assert dry_run(with_op(lowered, 0, swapped)) == ["rank 1's 1RECV_F0<-0 (op 0) gets rank 0's 0SEND_F1->1"]
+    missing = [op for op in ops if str(op) != "0SEND_F1->1"]
+    assert dry_run(with_op(lowered, 0, missing)) == [
+        "the lists deadlock: rank 0 waits at 0RECV_B0<-1 (op 3); rank 1 waits at 1RECV_F1<-0 (op 2)"]
+    extra = ops + [Op("SEND_F", 0, 1, 1, (0, 2))]
+    assert dry_run(with_op(lowered, 0, extra)) == ["0SEND_F1->1 from rank 0 is never received by rank 1"]
+    crossed_sums = Lowered((( Op(REDUCE_GRAD, 0, group=(0, 1)),), (Op(REDUCE_GRAD, 0, group=(1, 2)),),
+                            (Op(REDUCE_GRAD, 0, group=(1, 2)),)), (1,))
+    assert dry_run(crossed_sums) == ["rank 0 sums over (0, 1) while rank 1 sums over (1, 2)"]
+    with pytest.raises(HetplanError, match="the plan's step cannot run as lowered: the lists deadlock"):
+        check_lowered(with_op(lowered, 0, missing))
+
+
+def test_simulate_prints_each_workers_list_of_the_readmes_plan(cli, profiles, tmp_path):
+    """The README's plan (resnet50 on hetero-4): every worker's line, its sends and receives
+    naming the rank at the other end, the replicated stage's rows, its sum and its step."""
+    graph, plan = tmp_path / "r50.json", tmp_path / "plan.json"
+    assert cli("import", "pipedream", profiles / "resnet50" / "graph.txt", "-o", graph).code == 0
+    assert cli("plan", graph, "--cluster", "hetero-4", "-o", plan).code == 0
+    res = cli("simulate", plan, "--graph", graph, "--cluster", "hetero-4", "--actions")
+    assert res.code == 0, res.err
+    lines = [line for line in res.out.splitlines() if line.startswith("rank ")]
+    stages = json.loads(plan.read_text())["stages"]
+    assert len(lines) == sum(len(s["devices"]) for s in stages)
+    assert all(line.split()[-1].endswith("STEP") for line in lines)
+    assert any("SEND_F0->" in line for line in lines) and any("RECV_F0<-" in line for line in lines)
+    assert any("RECV_B0<-" in line for line in lines) and any("SEND_B0->" in line for line in lines)
+    for line in lines:  # a replicated stage's workers sum their gradients, the others sum nothing
+        stage = int(re.match(r"rank \d+: (\d+)", line)[1])
+        assert ("REDUCE_GRAD(" in line) == (len(stages[stage]["devices"]) > 1), line[:80]
+    as_json = cli("simulate", plan, "--graph", graph, "--cluster", "hetero-4", "--actions", "--json").json()
+    assert [" ".join(ops) for ops in as_json["actions"]] == [line.split(": ", 1)[1] for line in lines]
+
+
+def test_a_run_of_a_schedule_whose_lists_deadlock_is_refused_before_any_worker_starts(monkeypatch, tmp_path):
+    """A schedule of a test's own whose first stage waits for micro-batch 0's gradients before it
+    sends micro-batch 1, which the second stage needs first: `run_spec` refuses it in one line."""
+    from hetplan import schedule as schedule_module
+    from hetplan.io.clusters import cluster_from_spec
+    from hetplan.plan import Plan, Stage
+    from hetplan.runtime.launch import run_spec
+    from hetplan.runtime.settings import RunSettings
+    from hetplan.schedule import Action, Schedule
+
+    def crossed(stages, m):
+        return ((Action(0, "F", 0), Action(0, "B", 0), Action(0, "F", 1), Action(0, "B", 1)),
+                (Action(1, "F", 0), Action(1, "F", 1), Action(1, "B", 0), Action(1, "B", 1)))
+
+    monkeypatch.setitem(schedule_module.SCHEDULES, "crossed", Schedule("crossed", crossed, lambda s, i, m: m, False,
+                                                                       "ScheduleGPipe", "a test's"))
+    cluster = cluster_from_spec({"name": "two", "devices": [
+        {"id": d, "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for d in ("a", "b")]}, "two")
+    plan = Plan((Stage(("x",), ("a",)), Stage(("y",), ("b",))), 2, "crossed", "test")
+    settings = RunSettings(batch_size=4, seq_len=16, granularity="layer", out_dir=tmp_path)
+    with pytest.raises(HetplanError, match=r"cannot run as lowered: the lists deadlock: rank 0 waits at "
+                                           r"0RECV_B0<-1 \(op 2\); rank 1 waits at 1RECV_F1<-0 \(op 2\)"):
+        run_spec(plan, cluster, "mlp", settings)
+    assert list(tmp_path.iterdir()) == []
