@@ -207,3 +207,14 @@ def test_a_run_of_a_schedule_whose_lists_deadlock_is_refused_before_any_worker_s
                                            r"0RECV_B0<-1 \(op 2\); rank 1 waits at 1RECV_F1<-0 \(op 2\)"):
         run_spec(plan, cluster, "mlp", settings)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_heartbeat_says_where_a_worker_is_in_words():
+    from hetplan.lowering import BARRIER, SUMS, describe
+
+    assert describe("2RECV_F13<-5") == "waiting at 2RECV_F13<-5 for micro-batch 13's activations from worker 5"
+    assert describe("0RECV_B0<-1") == "waiting at 0RECV_B0<-1 for micro-batch 0's gradients from worker 1"
+    assert describe(str(Op("F", 1, 3))) == "running 1F3"
+    assert describe(BARRIER) == "waiting for every worker at the start of the step"
+    assert describe(SUMS) == "in its gradient sums and optimizer step"
+    assert describe("") == ""

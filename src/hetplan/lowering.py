@@ -29,6 +29,7 @@ peer rank after an arrow and the rows where a stage's replicas split the micro-b
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -265,3 +266,22 @@ def sum_ranks(groups: Sequence[Sequence[Sequence[int]]], members: Sequence[tuple
     if len(sizes) == 1 and len({k for k, _ in members}) == 1:
         return [tuple(g[i] for g in replicas) for i in range(sizes.pop())]
     return [tuple(dict.fromkeys(r for g in replicas for r in g))]
+
+
+BARRIER = "barrier"  # where a worker is while it waits for every worker before a step
+SUMS = "sums"  # in its gradient sums and optimizer step, after its passes
+_WAIT = re.compile(r"(\d+)RECV_([FB])(\d+)<-(\d+)")
+
+
+def describe(where: str) -> str:
+    """What a worker's heartbeat says it is doing (an op as `Op.__str__` prints it, or BARRIER or
+    SUMS), in words; "" for nothing."""
+    wait = _WAIT.fullmatch(where)
+    if wait:
+        what = "activations" if wait[2] == "F" else "gradients"
+        return f"waiting at {where} for micro-batch {wait[3]}'s {what} from worker {wait[4]}"
+    if where == BARRIER:
+        return "waiting for every worker at the start of the step"
+    if where == SUMS:
+        return "in its gradient sums and optimizer step"
+    return f"running {where}" if where else ""

@@ -358,6 +358,12 @@ class CostModel:
         """Per stage, its replicas' weights (`group_weights`)."""
         return tuple(self._group_weights(s.nodes, s.groups) for s in plan.stages)
 
+    def sync_costs(self, plan: Plan):
+        """The plan's gradient sums in the order every rank runs them (`hetplan.cost.syncs`)."""
+        from hetplan.cost.syncs import plan_syncs
+
+        return plan_syncs(self, plan)
+
     def plan_rows(self, plan: Plan) -> StepRows:
         """The rows of every stage replica and micro-batch of the plan (`hetplan.rows`)."""
         return step_rows(self.graph.batch_size, plan.microbatches, self.replica_weights(plan), self._slices)

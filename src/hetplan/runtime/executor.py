@@ -97,6 +97,16 @@ class Role:
         return self.stage == len(self.ranks) - 1
 
 
+class Where:
+    """Where a worker is in its step, for its heartbeat (`worker.Heartbeat`): the op it runs or
+    waits at, as `hetplan.lowering` prints it ("" between steps), and how many actions it has
+    finished, which the launcher's watchdog counts as progress."""
+
+    def __init__(self) -> None:
+        self.at = ""
+        self.done = 0
+
+
 @dataclass(frozen=True)
 class Peer:
     replica: int
@@ -125,6 +135,7 @@ class StageRunner:
         self.around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         # called after each backward (a stage whose replicas shard gradients: `zero.ShardedUnits.finish`)
         self.backward_done: Callable[[], None] = _nothing
+        self.where = Where()  # the worker's (`RankRunner` gives its runners one)
 
     @staticmethod
     def tag(kind: str) -> int:
@@ -176,8 +187,10 @@ class StageRunner:
         for peer in self._peers(j, stage):
             idx = self._carried(layouts, sender_whole(peer), grads)
             metas = [(layouts[i].dtype, layouts[i].shape_for(peer.end - peer.first)) for i in idx]
-            began = time.perf_counter()
+            began, was = time.perf_counter(), self.where.at
+            self.where.at = f"{self.role.stage}RECV_{'F' if kind == FORWARD else 'B'}{j}<-{peer.rank}"
             got = self._recv(metas, peer.rank, self.tag(kind))
+            self.where.at = was
             self.spans.append((kind, stage, j, began, time.perf_counter(), peer.rank))
             for i, value in zip(idx, got, strict=True):
                 parts[i].append(value)
@@ -330,8 +343,11 @@ class RankRunner:
     one training step's actions."""
 
     def __init__(self, runners: Sequence[StageRunner], order: Sequence[Action],
-                 memory: Callable[[], int | None] | None = None) -> None:
+                 memory: Callable[[], int | None] | None = None, where: Where | None = None) -> None:
         self.runners = {r.role.stage: r for r in runners}
+        self.where = where or Where()
+        for runner in runners:
+            runner.where = self.where
         self.order = tuple(order)
         self.executed: list[str] = []  # the actions of the last step, as run (tests compare it with the simulator)
         self.spans: list[tuple[str, int, int, float, float, int]] = []  # the last step's (`StageRunner.spans`)
@@ -368,8 +384,10 @@ class RankRunner:
             if hi == lo:
                 continue
             self.executed.append(str(action))
+            self.where.at = str(action)
             began = time.perf_counter()
             loss += runner.act(action, batch, saved[action.stage], pending)
+            self.where.done += 1
             runner.spans.append((action.kind, action.stage, action.microbatch, began, time.perf_counter(), -1))
             self.read_memory()
         return loss

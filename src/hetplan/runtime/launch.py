@@ -32,7 +32,7 @@ from hetplan.cost import CostModel
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
 from hetplan.io.serde import atomic_write_text
-from hetplan.lowering import check_lowered, lower, rank_groups
+from hetplan.lowering import check_lowered, describe, lower, rank_groups
 from hetplan.machine import core_ids
 from hetplan.plan import Plan
 from hetplan.rows import StepRows, idle_replicas, step_rows
@@ -295,17 +295,19 @@ def _wait(workers: forked.Group, spec: RunSpec, progress) -> None:
         if all(c == 0 for c in codes):
             return
         beats = _heartbeats(out_dir, world)
-        seen = tuple((b or {}).get("step", -2) for b in beats) + tuple((b or {}).get("phase", "") for b in beats)
+        seen = tuple(((b or {}).get("step", -2), (b or {}).get("phase", ""), (b or {}).get("done", 0))
+                     for b in beats)
         if seen != last_seen:
             last_seen, last_move = seen, time.time()
             if progress is not None:
                 progress(min((b or {}).get("step", -1) for b in beats) + 1, spec.settings.steps)
         elif time.time() - last_move > timeout:
             # a hung worker and the ones waiting for it look alike from outside: name all that
-            # have not finished, with the step each is in
+            # have not finished (or gave up waiting for a peer), with where each is
             stuck = [f"worker {r} (stage {spec.ranks[r].stage}, device {spec.ranks[r].device}) "
                      f"at step {(beats[r] or {}).get('step', 'start')}"
-                     for r in range(world) if codes[r] is None]
+                     + (f", {describe((beats[r] or {}).get('at', ''))}" if (beats[r] or {}).get("at") else "")
+                     for r in range(world) if codes[r] in (None, LOST_PEER)]
             raise WorkerFailure(f"no worker made progress for {timeout:.0f} s: {'; '.join(stuck)}; "
                                 "every worker was stopped")
         time.sleep(0.2)

@@ -262,7 +262,7 @@ def finish_elsewhere(spec: RunSpec) -> str:
     said = f"predicted {report.predicted.step_s * 1e3:.1f} ms, " if report.predicted else ""
     loss = f", loss {result.losses[0]:.4g} -> {result.losses[-1]:.4g}" if result.losses else ""
     return (f"hetplan: run finished: {report.measured.step_s * 1e3:.1f} ms a step measured ({said}"
-            f"{result.steps} steps{loss}); `hetplan report {folder}` draws it")
+            f"{result.steps} step{'s' if result.steps != 1 else ''}{loss}); `hetplan report {folder}` draws it")
 
 
 def keep(report: RunReport, out_dir: Path, graph: Graph | None, cluster: Cluster, source: str | None) -> None:

@@ -14,24 +14,28 @@ the same seed, cuts the step into the profiler's pieces and keeps its own stage
 `hetplan.runtime.group`), then runs the schedule's actions for its stage over gloo
 (`hetplan.runtime.executor`), sums gradients over replicas and over stages that share a
 parameter, and takes an optimizer step. Workers write a heartbeat file
-per step (the launcher's watchdog reads it) and rank 0 writes the result: per-step wall times
-(between two barriers), the last stage's share of the losses, each worker's peak memory, the
-actions it ran and, per step, its compute and communication time (`step_busy_comm`).
-HETPLAN_FAULT=hang:RANK:STEP or die:RANK:STEP makes a worker hang or exit at a step, to test the
-launcher's handling of faults.
+(the launcher's watchdog reads it: each step, and within a step the action a worker is at) and
+rank 0 writes the result: per-step wall times (between two barriers), the last stage's share of
+the losses, each worker's peak memory, the actions it ran and, per step, its compute and
+communication time (`step_busy_comm`). HETPLAN_FAULT=hang:RANK:STEP makes a worker hang inside a
+step (after its first barrier, so that the others wait for its messages), die:RANK:STEP exit
+before it, to test the launcher's handling of faults.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetplan.lowering import BARRIER, SUMS
 from hetplan.precision import scales_loss
 from hetplan.runtime.supervise import LAUNCHER_PID, LOST_PEER, end_with_launcher
 
@@ -76,11 +80,55 @@ def _optimizer(spec: RunSpec, params: list, sparse_ids=None):
     return StageOptimizer(params, spec.settings.optimizer, spec.settings.lr, sparse_ids)
 
 
-def write_heartbeat(spec: RunSpec, rank: int, phase: str, step: int) -> None:
-    """The rank's heartbeat file, which the launcher's watchdog reads."""
+def write_heartbeat(spec: RunSpec, rank: int, phase: str, step: int, at: str = "", done: int = 0) -> None:
+    """The rank's heartbeat file, which the launcher's watchdog reads: its phase and step, and
+    within a step where it is (`executor.Where`)."""
     _write(spec.settings.out_dir / f"heartbeat.{rank}", {"rank": rank, "stage": spec.ranks[rank].stage,
-                                                          "phase": phase, "step": step, "t": time.time(),
-                                                          "pid": os.getpid()})
+                                                          "phase": phase, "step": step, "at": at, "done": done,
+                                                          "t": time.time(), "pid": os.getpid()})
+
+
+BEAT_S = 0.5  # how often a worker's heartbeat says where it is within a step, while that changes
+
+
+class Heartbeat:
+    """A worker's heartbeat: `beat(phase, step)` writes it at once; within a step a thread writes
+    where the worker is (`where`, which its `RankRunner` moves) every BEAT_S while it changes, so
+    that a stuck run names the action each worker is at and the peer it waits for (a file per
+    action would cost more than many actions)."""
+
+    def __init__(self, spec: RunSpec, rank: int) -> None:
+        from hetplan.runtime.executor import Where
+
+        self.spec, self.rank, self.where = spec, rank, Where()
+        self.phase, self.step = "starting", -1
+        self._lock = threading.Lock()
+        self._written: tuple | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def beat(self, phase: str, step: int) -> None:
+        self.phase, self.step, self.where.at = phase, step, ""
+        self.write()
+        if phase == "step" and not self._thread.is_alive() and not self._stop.is_set():
+            self._thread.start()
+
+    def write(self) -> None:
+        state = (self.phase, self.step, self.where.at, self.where.done)
+        with self._lock:
+            if state != self._written:
+                write_heartbeat(self.spec, self.rank, *state)
+                self._written = state
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            with contextlib.suppress(OSError):  # the main thread's next beat says what the disk refused
+                self.write()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def rank_model(spec: RunSpec, shared=None):
@@ -162,7 +210,8 @@ class _NoMemory(_StageMemory):
         return None
 
 
-def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbeat=None, memory=None) -> dict:
+def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbeat: Heartbeat | None = None,
+          memory=None) -> dict:
     """The rank's steps: each between two barriers, its actions, the gradient sums, the optimizer.
     `memory`: the process's memory in use, where the worker has the process to itself."""
     from functools import partial
@@ -175,7 +224,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     runner = RankRunner([StageRunner(r, partial(prepared.module_for, stage=r.stage), lay_in, lay_out, transport,
                                      prepared.device) for r, (lay_in, lay_out) in zip(prepared.roles, prepared.layouts,
                                                                                       strict=True)], prepared.order,
-                        memory)
+                        memory, heartbeat.where if heartbeat is not None else None)
     surround(runner, prepared)
     _resume(spec, runner, prepared, opt, transport)
     times, losses, trace, busy_s, comm_s = [], [], [], [], []
@@ -186,19 +235,23 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     scaler = LossScaler() if scales_loss(spec.plan.precision) else None
     for step in range(spec.settings.resume_step, spec.settings.steps):
         if heartbeat is not None:
-            heartbeat("step", step)
-        if len(fault) == 3 and int(fault[1]) == rank and int(fault[2]) == step:
-            if fault[0] == "hang":
-                time.sleep(10**6)
+            heartbeat.beat("step", step)
+        faulty = len(fault) == 3 and int(fault[1]) == rank and int(fault[2]) == step
+        if faulty and fault[0] == "die":
             os._exit(3)
         batch = _batches(spec, zoo_model, step) if prepared.first else {}
         values = tuple(batch[k] for k in prepared.traces.input_keys) if prepared.first else ()
+        runner.where.at = BARRIER
         transport.barrier()
+        runner.where.at = ""
+        if faulty and fault[0] == "hang":  # inside the step: the others wait for its messages
+            time.sleep(10**6)
         t0 = time.perf_counter()
         for prm in params + [group.shard for group in prepared.shards] + [s for u in prepared.units for s in u.shards]:
             prm.grad = None
         held.start()
         loss = runner.step(values, scaler.scale if scaler is not None else 1.0)
+        runner.where.at = SUMS
         tail = _reduce_and_update(prepared, opt, transport, scaler, spec.world)
         held.step(runner.peak_bytes)
         transport.barrier()
@@ -345,9 +398,8 @@ def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
     out_dir = spec.settings.out_dir
     me = spec.ranks[rank]
 
-    def heartbeat(phase: str, step: int) -> None:
-        write_heartbeat(spec, rank, phase, step)
-
+    beats = Heartbeat(spec, rank)
+    heartbeat = beats.beat
     heartbeat("starting", -1)
     if os.environ.get("HETPLAN_CPUS"):  # the launcher's cores for this worker (see launch.pin_cores)
         os.sched_setaffinity(0, [int(c) for c in os.environ["HETPLAN_CPUS"].split(",")])
@@ -361,8 +413,9 @@ def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
     transport = GlooTransport(rank, world, list(dict.fromkeys(groups)), spec.settings.timeout_s)
     device = prepared.device
     attach_meshes(prepared, transport)
-    mine = train(spec, rank, zoo_model, prepared, opt, transport, heartbeat,
+    mine = train(spec, rank, zoo_model, prepared, opt, transport, beats,
                  memory=malloc_in_use_bytes if device.type == "cpu" else None)
+    beats.close()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # the worker's tensors: CUDA's allocator, or on a CPU the rise of malloc's memory in use; the
     # process's resident size where neither can say

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
-from hetplan.cost.syncs import plan_syncs
 from hetplan.cost.table import ROUTINGS, StepCosts, step_costs
 from hetplan.graph import Graph
 from hetplan.lowering import Lowered, lower, rank_groups, sum_ranks
@@ -74,7 +73,7 @@ def lowered_step(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | N
     its workers numbered and its rows split as a run of the plan numbers and splits them."""
     cm = cost or CostModel(graph, cluster)
     groups = rank_groups(plan, lambda d: cluster.device(d).host)
-    sums = [ranks for sync in plan_syncs(cm, plan) for ranks in sum_ranks(groups, sync.members)]
+    sums = [ranks for sync in cm.sync_costs(plan) for ranks in sum_ranks(groups, sync.members)]
     return lower(plan.schedule, groups, plan.stage_ranks, cm.plan_rows(plan), sums)
 
 
