@@ -218,3 +218,16 @@ def test_a_heartbeat_says_where_a_worker_is_in_words():
     assert describe(BARRIER) == "waiting for every worker at the start of the step"
     assert describe(SUMS) == "in its gradient sums and optimizer step"
     assert describe("") == ""
+
+
+def test_the_fast_path_reads_the_lists_not_the_schedule():
+    """The fast path's program is the lists' (`ChainProgram._dependencies`): it never derives the
+    order of passes or messages from the schedule itself."""
+    import ast
+    from pathlib import Path
+
+    import hetplan.sim.fast as fast
+
+    tree = ast.parse(Path(fast.__file__).read_text())
+    imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
+    assert "lower" in imported and not imported & {"schedule_order", "rank_orders", "SENDS_GRADIENTS"}

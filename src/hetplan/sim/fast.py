@@ -11,7 +11,9 @@ the event simulator's timeline is the longest-path recurrence
                receipt) + latency + bytes_r * f_i / bandwidth
 
 evaluated in a topological order of the actions that depends only on the shape (stages,
-micro-batch sizes, schedule). `ChainProgram` compiles that order once and evaluates it for a
+micro-batch sizes, schedule). What waits for what is read off each stage's list of the step
+(`hetplan.lowering`: its passes, sends and receives, in the order the runtime runs them), never
+derived here from the schedule. `ChainProgram` compiles that order once and evaluates it for a
 whole batch of plans at once, one numpy operation per action over the batch. Interfaces
 (`hetplan.sim.engine`): a device sends in the order its actions make tensors and receives in the
 order its actions use them, so each transfer also waits for the one before it on the sender's
@@ -45,8 +47,10 @@ from hetplan.cost import CostModel, microbatch_fractions
 from hetplan.cost.table import ChainCosts, fold_plan, lower_chain
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
+from hetplan.lowering import RECEIVES, RECV_B, RECV_F, SEND_F, SENDS, Lowered, Op, lower
 from hetplan.plan import Plan
-from hetplan.schedule import FORWARD, SENDS_GRADIENTS, get_schedule, schedule_order
+from hetplan.rows import step_rows
+from hetplan.schedule import FORWARD, KINDS, get_schedule
 
 
 @dataclass(frozen=True)
@@ -67,46 +71,50 @@ class ChainProgram:
             raise HetplanError(f"the fast path scores chains of one stage per device, not {self.schedule} plans; "
                                "simulate them with hetplan.sim.simulate")
         object.__setattr__(self, "kinds", (FORWARD, *get_schedule(self.schedule).backward_kinds))
-        orders = schedule_order(self.schedule, n, m)
-        deps, sides = self._dependencies(orders)
+        lowered = lower(self.schedule, [[(r,)] for r in range(n)], range(n), step_rows(m, m, [[1.0]] * n))
+        deps, sides = self._dependencies(lowered)
         object.__setattr__(self, "ops", tuple(_topological(deps)))
         object.__setattr__(self, "sides", sides)
-        object.__setattr__(self, "last", tuple(self._event(orders[r][-1].kind, r, orders[r][-1].microbatch)
-                                               for r in range(n)))
+        object.__setattr__(self, "last", tuple(next(self._event(op.kind, r, op.microbatch) for op in reversed(ops)
+                                                    if op.kind in KINDS) for r, ops in enumerate(lowered.ops)))
 
-    def _dependencies(self, orders) -> tuple[list[list[int]], dict[int, tuple[int, int, int]]]:
-        """What each event waits for: an action, the action before it on its stage and its
-        input's transfer; a transfer, the action that made it and the transfers before it on the
-        sender's interface (in the order the sender makes them) and on the receiver's (in the
-        order the receiver uses them). The second result names, per transfer, (the action, the
-        previous transfer on the sender's interface, the previous one on the receiver's), -1
-        where there is none."""
+    def _dependencies(self, lowered: Lowered) -> tuple[list[list[int]], dict[int, tuple[int, int, int]]]:
+        """What each event waits for, read off each stage's list of the step (`hetplan.lowering`):
+        an action, the action before it on its stage and the transfers its receives wait for; a
+        transfer, the action that made it (the one before its send) and the transfers before it
+        on the sender's interface (the sends before it in the sender's list) and on the
+        receiver's (the receives before it in the receiver's list). The second result names, per
+        transfer, (the action, the previous transfer on the sender's interface, the previous one
+        on the receiver's), -1 where there is none."""
         n, m = self.stages, len(self.fractions)
         deps: list[list[int]] = [[] for _ in range(len(self.kinds) * n * m + 2 * (n - 1) * m)]
         sides: dict[int, list[int]] = {}
-        for r, order in enumerate(orders):
+        for r, ops in enumerate(lowered.ops):
             prev = sent = received = -1
-            for action in order:
-                i = action.microbatch
-                e = self._event(action.kind, r, i)
-                if prev >= 0:
-                    deps[e].append(prev)
-                prev = e
-                fwd = action.kind == FORWARD
-                if not fwd and action.kind not in SENDS_GRADIENTS:  # W: after I on its stage, nothing sent
-                    continue
-                if (r > 0) if fwd else (r < n - 1):  # its input, in the order stage r uses them
-                    x = self._send_f(r - 1, i) if fwd else self._send_b(r + 1, i)
-                    deps[e].append(x)
+            inputs: list[int] = []
+            for op in ops:
+                if op.kind in KINDS:
+                    e = self._event(op.kind, r, op.microbatch)
+                    deps[e] += ([prev] if prev >= 0 else []) + inputs
+                    prev, inputs = e, []
+                elif op.kind in RECEIVES:
+                    x = self._transfer(op)
+                    inputs.append(x)
                     sides.setdefault(x, [-1, -1, -1])[2] = received
                     received = x
-                if (r < n - 1) if fwd else (r > 0):  # its output, in the order stage r makes them
-                    x = self._send_f(r, i) if fwd else self._send_b(r, i)
-                    sides.setdefault(x, [-1, -1, -1])[:2] = [e, sent]
+                elif op.kind in SENDS:
+                    x = self._transfer(op)
+                    sides.setdefault(x, [-1, -1, -1])[:2] = [prev, sent]
                     sent = x
         for x, side in sides.items():
             deps[x].extend(d for d in side if d >= 0)
         return deps, {x: tuple(side) for x, side in sides.items()}
+
+    def _transfer(self, op: Op) -> int:
+        """The transfer a send or a receive of the chain's lists is an end of."""
+        if op.kind in (SEND_F, RECV_F):
+            return self._send_f(op.stage - (op.kind == RECV_F), op.microbatch)
+        return self._send_b(op.stage + (op.kind == RECV_B), op.microbatch)
 
     def _event(self, kind: str, r: int, i: int) -> int:
         m = len(self.fractions)
