@@ -17,12 +17,15 @@ unexport PYTHONDONTWRITEBYTECODE
 # where pip finds packages besides the index (this machine keeps torch's CPU build on disk), for uv too
 FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 
-# uv installs the pinned set in seconds where pip takes one to two minutes (torch's files); pip
-# does it where uv cannot be had. Nothing is compiled ahead: Python writes a module's bytecode the
-# first time any process imports it (see unexport above), a fraction of compiling all of torch.
+# uv installs the pinned set in seconds where pip takes one to two minutes (torch's files), where
+# pip finds packages in folders of wheels (find-links: this machine's CPU torch), which uv is
+# given too; pip does it elsewhere (uv reads none of pip's configuration: it could take another
+# build of torch from PyPI than the one pip's own index would give) and where uv cannot be had.
+# Nothing is compiled ahead: Python writes a module's bytecode the first time any process imports
+# it (see unexport above), a fraction of compiling all of torch.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	if $(BIN)/python -m pip install --quiet -c constraints.txt uv && \
+	if [ -n "$(strip $(FIND_LINKS))" ] && $(BIN)/python -m pip install --quiet -c constraints.txt uv && \
 	   $(BIN)/python -m uv pip install --quiet --python $(BIN)/python -c constraints.txt \
 	       $(foreach f,$(FIND_LINKS),--find-links $(f)) -e '.[dev]'; then :; \
 	else $(BIN)/python -m pip install --quiet --no-compile -c constraints.txt -e '.[dev]'; fi

@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from hetplan.errors import HetplanError
@@ -119,13 +119,22 @@ def test_every_schedule_pairs_and_finishes(schedule, stages, ranks, m):
 
 @given(st.data())
 def test_random_replicas_speeds_and_groups_pair_and_finish(data):
-    schedule = data.draw(st.sampled_from(["gpipe", "1f1b", "zero-bubble"]))
-    n = data.draw(st.integers(1, 4))
-    replicas = data.draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
-    tp = data.draw(st.lists(st.integers(1, 2), min_size=n, max_size=n))
+    """Every schedule, interleaved ones too: random replicas of random speeds per worker,
+    tensor-parallel groups, micro-batches and batch sizes (a replica may get no row)."""
+    schedule = data.draw(st.sampled_from(sorted(SCHEDULES)))
+    ranks = data.draw(st.integers(2, 3)) if get_schedule(schedule).interleaved else None
+    n = (2 * ranks if schedule == "zb-v" else ranks * data.draw(st.integers(1, 2))) if ranks else data.draw(
+        st.integers(1, 4))
+    m = data.draw(st.integers(1, 6))
+    assume(get_schedule(schedule).problem(n, ranks or n, m) is None)
+    holder = stage_ranks(schedule, n, ranks)
+    per_worker = data.draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+    tp_worker = data.draw(st.lists(st.integers(1, 2), min_size=n, max_size=n))
+    replicas = [per_worker[holder[k]] for k in range(n)]
+    tp = [tp_worker[holder[k]] for k in range(n)]
     weights = [data.draw(st.lists(st.floats(0.5, 4.0), min_size=r, max_size=r)) for r in replicas]
-    m = data.draw(st.integers(1, 5))
-    lowered, groups = chain(schedule, replicas, m, batch=data.draw(st.integers(m, 12)), weights=weights, tp=tp)
+    lowered, groups = chain(schedule, replicas, m, batch=data.draw(st.integers(m, 12)), weights=weights, tp=tp,
+                            ranks=ranks)
     assert dry_run(lowered) == []
     # each rank ends with its steps, after the sums it takes part in, each once
     for ops in lowered.ops:
@@ -215,7 +224,7 @@ def test_a_heartbeat_says_where_a_worker_is_in_words():
     assert describe("2RECV_F13<-5") == "waiting at 2RECV_F13<-5 for micro-batch 13's activations from worker 5"
     assert describe("0RECV_B0<-1") == "waiting at 0RECV_B0<-1 for micro-batch 0's gradients from worker 1"
     assert describe(str(Op("F", 1, 3))) == "running 1F3"
-    assert describe(BARRIER) == "waiting for every worker at the start of the step"
+    assert describe(BARRIER) == "waiting for every worker at a step's start or end"
     assert describe(SUMS) == "in its gradient sums and optimizer step"
     assert describe("") == ""
 

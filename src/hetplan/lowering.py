@@ -268,8 +268,9 @@ def sum_ranks(groups: Sequence[Sequence[Sequence[int]]], members: Sequence[tuple
     return [tuple(dict.fromkeys(r for g in replicas for r in g))]
 
 
-BARRIER = "barrier"  # where a worker is while it waits for every worker before a step
+BARRIER = "barrier"  # where a worker is while it waits for every worker, before and after a step
 SUMS = "sums"  # in its gradient sums and optimizer step, after its passes
+CHECKPOINT = "checkpoint"  # writing its checkpoint after a step
 _WAIT = re.compile(r"(\d+)RECV_([FB])(\d+)<-(\d+)")
 
 
@@ -281,7 +282,9 @@ def describe(where: str) -> str:
         what = "activations" if wait[2] == "F" else "gradients"
         return f"waiting at {where} for micro-batch {wait[3]}'s {what} from worker {wait[4]}"
     if where == BARRIER:
-        return "waiting for every worker at the start of the step"
+        return "waiting for every worker at a step's start or end"
     if where == SUMS:
         return "in its gradient sums and optimizer step"
+    if where == CHECKPOINT:
+        return "writing its checkpoint"
     return f"running {where}" if where else ""

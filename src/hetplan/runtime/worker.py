@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hetplan.lowering import BARRIER, SUMS
+from hetplan.lowering import BARRIER, CHECKPOINT, SUMS, check_lowered, lower
 from hetplan.precision import scales_loss
 from hetplan.runtime.supervise import LAUNCHER_PID, LOST_PEER, end_with_launcher
 
@@ -89,6 +89,9 @@ def write_heartbeat(spec: RunSpec, rank: int, phase: str, step: int, at: str = "
 
 
 BEAT_S = 0.5  # how often a worker's heartbeat says where it is within a step, while that changes
+# gloo gives up on a silent peer this long after the launcher's watchdog would have stopped the
+# run (`--timeout-s`), so that the watchdog, which says where every worker is, speaks first
+GLOO_AFTER_S = 5.0
 
 
 class Heartbeat:
@@ -108,17 +111,21 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def beat(self, phase: str, step: int) -> None:
-        self.phase, self.step, self.where.at = phase, step, ""
-        self.write()
+        with self._lock:  # the thread's write sees the phase and step together, never an older one
+            self.phase, self.step, self.where.at = phase, step, ""
+            self._write()
         if phase == "step" and not self._thread.is_alive() and not self._stop.is_set():
             self._thread.start()
 
     def write(self) -> None:
-        state = (self.phase, self.step, self.where.at, self.where.done)
         with self._lock:
-            if state != self._written:
-                write_heartbeat(self.spec, self.rank, *state)
-                self._written = state
+            self._write()
+
+    def _write(self) -> None:
+        state = (self.phase, self.step, self.where.at, self.where.done)
+        if state != self._written:
+            write_heartbeat(self.spec, self.rank, *state)
+            self._written = state
 
     def _run(self) -> None:
         while not self._stop.wait(BEAT_S):
@@ -254,7 +261,9 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         runner.where.at = SUMS
         tail = _reduce_and_update(prepared, opt, transport, scaler, spec.world)
         held.step(runner.peak_bytes)
+        runner.where.at = BARRIER
         transport.barrier()
+        runner.where.at = ""
         times.append(time.perf_counter() - t0)
         busy, comm = step_busy_comm(runner.spans, tail)
         busy_s.append(busy)
@@ -263,6 +272,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
             trace = step_trace(runner.spans, tail, role.stage, t0)
         if prepared.last:
             losses.append(loss)
+        runner.where.at = CHECKPOINT
         _checkpoint(spec, prepared, opt, step)
     for units in prepared.units:  # the weights whole again for whoever reads them next
         units.gather_all()
@@ -392,6 +402,7 @@ def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
     import torch
 
     from hetplan.pieces.hostmem import keep_freed_memory, malloc_in_use_bytes
+    from hetplan.runtime.rank import group_table, spec_rows
     from hetplan.runtime.tensor_parallel import attach_meshes
     from hetplan.runtime.transport import GlooTransport
 
@@ -410,12 +421,15 @@ def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
     groups += [leads for leads, _, _ in prepared.mixed] + list(prepared.tp_groups)
     if scales_loss(spec.plan.precision) and world > 1:  # the workers agree on fp16's steps (`runtime.precision`)
         groups.append(tuple(range(world)))
-    transport = GlooTransport(rank, world, list(dict.fromkeys(groups)), spec.settings.timeout_s)
+    check_lowered(lower(spec.plan.schedule, group_table(spec), spec.plan.stage_ranks, spec_rows(spec, spec.plan)))
+    transport = GlooTransport(rank, world, list(dict.fromkeys(groups)), spec.settings.timeout_s + GLOO_AFTER_S)
     device = prepared.device
     attach_meshes(prepared, transport)
-    mine = train(spec, rank, zoo_model, prepared, opt, transport, beats,
-                 memory=malloc_in_use_bytes if device.type == "cpu" else None)
-    beats.close()
+    try:
+        mine = train(spec, rank, zoo_model, prepared, opt, transport, beats,
+                     memory=malloc_in_use_bytes if device.type == "cpu" else None)
+    finally:
+        beats.close()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # the worker's tensors: CUDA's allocator, or on a CPU the rise of malloc's memory in use; the
     # process's resident size where neither can say
