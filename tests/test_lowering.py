@@ -240,3 +240,46 @@ def test_the_fast_path_reads_the_lists_not_the_schedule():
     tree = ast.parse(Path(fast.__file__).read_text())
     imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
     assert "lower" in imported and not imported & {"schedule_order", "rank_orders", "SENDS_GRADIENTS"}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+def test_the_event_simulator_moves_the_messages_of_the_lists(cli, profiles, tmp_path, schedule):
+    """resnet50 on hetero-4 in stages of 1 to 3 replicas of unlike speeds, 1 to 5 micro-batches:
+    the event simulator's transfers (device to device, stage, micro-batch, direction) are the
+    lists' sends, one for one: the simulator moves what the runtime will send."""
+    from hetplan.cost import CostModel
+    from hetplan.cost.table import step_costs
+    from hetplan.io.clusters import load_cluster
+    from hetplan.io.graphs import load_graph
+    from hetplan.plan import Plan, Stage
+    from hetplan.sim import lowered_step
+    from hetplan.sim.engine import _add_transfers, _Tasks, _Transfers
+
+    path = tmp_path / "r50.json"
+    assert cli("import", "pipedream", profiles / "resnet50" / "graph.txt", "-o", path).code == 0
+    graph, cluster = load_graph(path), load_cluster("hetero-4")
+    names = [n.id for n in graph.nodes]
+    for devices in ((("a0", "t0"), ("v0", "t1")), (("t0",), ("a0", "v0", "t1")), (("a0", "v0", "t0"), ("t1",)),
+                    (("a0",), ("t0",), ("v0",), ("t1",))):
+        bounds = [len(names) * k // len(devices) for k in range(len(devices) + 1)]
+        for m in (1, 2, 3, 5):
+            plan = Plan(tuple(Stage(tuple(names[bounds[k]:bounds[k + 1]]), d) for k, d in enumerate(devices)), m,
+                        schedule, "test")
+            cm = CostModel(graph, cluster)
+            model = step_costs(graph, cluster, plan, "relay", cm)
+            tasks, xs = _Tasks(model), _Transfers(cluster)
+            for msg in model.messages:
+                _add_transfers(msg, tasks, xs)
+            simulated = sorted((xs.links[xs.link[x]], xs.stage[x], xs.mb[x], xs.fwd[x]) for x in range(len(xs.link)))
+            lowered = lowered_step(graph, cluster, plan, cm)
+            device = {r: d for k, st in enumerate(plan.stages) for p, d in enumerate(st.devices)
+                      for r in [lowered_groups(plan, cluster)[k][p][0]]}
+            sent = sorted((f"{device[r]}->{device[op.peer]}", op.stage, op.microbatch, op.kind == "SEND_F")
+                          for r, ops in enumerate(lowered.ops) for op in ops if op.kind in SENDS)
+            assert simulated == sent, (devices, m)
+
+
+def lowered_groups(plan, cluster):
+    from hetplan.lowering import rank_groups
+
+    return rank_groups(plan, lambda d: cluster.device(d).host)
