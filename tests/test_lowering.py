@@ -251,6 +251,7 @@ def test_the_event_simulator_moves_the_messages_of_the_lists(cli, profiles, tmp_
     from hetplan.cost.table import step_costs
     from hetplan.io.clusters import load_cluster
     from hetplan.io.graphs import load_graph
+    from hetplan.lowering import rank_groups
     from hetplan.plan import Plan, Stage
     from hetplan.sim import lowered_step
     from hetplan.sim.engine import _add_transfers, _Tasks, _Transfers
@@ -272,14 +273,8 @@ def test_the_event_simulator_moves_the_messages_of_the_lists(cli, profiles, tmp_
                 _add_transfers(msg, tasks, xs)
             simulated = sorted((xs.links[xs.link[x]], xs.stage[x], xs.mb[x], xs.fwd[x]) for x in range(len(xs.link)))
             lowered = lowered_step(graph, cluster, plan, cm)
-            device = {r: d for k, st in enumerate(plan.stages) for p, d in enumerate(st.devices)
-                      for r in [lowered_groups(plan, cluster)[k][p][0]]}
+            groups = rank_groups(plan, lambda d: cluster.device(d).host)
+            device = {groups[k][p][0]: d for k, st in enumerate(plan.stages) for p, d in enumerate(st.devices)}
             sent = sorted((f"{device[r]}->{device[op.peer]}", op.stage, op.microbatch, op.kind == "SEND_F")
                           for r, ops in enumerate(lowered.ops) for op in ops if op.kind in SENDS)
             assert simulated == sent, (devices, m)
-
-
-def lowered_groups(plan, cluster):
-    from hetplan.lowering import rank_groups
-
-    return rank_groups(plan, lambda d: cluster.device(d).host)

@@ -254,18 +254,27 @@ def rank_groups(plan: Plan, host_of: Callable[[str], str]) -> tuple[tuple[tuple[
                        for p, group in enumerate(plan.stages[first[k]].groups)) for k in range(len(plan.stages)))
 
 
-def sum_ranks(groups: Sequence[Sequence[Sequence[int]]], members: Sequence[tuple[int, int]]) -> list[tuple[int, ...]]:
-    """The ranks of one gradient sum over stage replicas `members` ((stage, replica), in the order of
-    `hetplan.sync.sync_groups`), a worker's stages once: where the replicas are tensor-parallel
-    groups of t ranks each, of one stage, t sums, one at each place of the groups; over groups of
-    unlike sizes or several stages, one over all their ranks."""
-    replicas = list(dict.fromkeys(tuple(groups[k][p]) for k, p in members))
+def place_sums(replicas: Sequence[tuple[int, ...]], stages: int) -> list[tuple[int, ...]] | None:
+    """The rule of which ranks sum together over replicas (each its tensor-parallel group's ranks,
+    its first rank first) of `stages` stages: one sum over their ranks where each is one rank;
+    where they are groups of t ranks of one stage, t sums, one at each place of the groups; None
+    for groups of unlike sizes or of several stages (summed over all their ranks at once, as
+    `runtime.tensor_parallel.mixed_sums` does). The runtime's sums follow it (`rank.tp_sums`)."""
     sizes = {len(g) for g in replicas}
     if sizes == {1}:
         return [tuple(g[0] for g in replicas)]
-    if len(sizes) == 1 and len({k for k, _ in members}) == 1:
+    if len(sizes) == 1 and stages == 1:
         return [tuple(g[i] for g in replicas) for i in range(sizes.pop())]
-    return [tuple(dict.fromkeys(r for g in replicas for r in g))]
+    return None
+
+
+def sum_ranks(groups: Sequence[Sequence[Sequence[int]]], members: Sequence[tuple[int, int]]) -> list[tuple[int, ...]]:
+    """The ranks of each sum over stage replicas `members` ((stage, replica), in the order of
+    `hetplan.sync.sync_groups`), a worker's stages once (`place_sums`; one over all their ranks
+    where it gives None)."""
+    replicas = list(dict.fromkeys(tuple(groups[k][p]) for k, p in members))
+    return place_sums(replicas, len({k for k, _ in members})) or [tuple(dict.fromkeys(r for g in replicas
+                                                                                        for r in g))]
 
 
 BARRIER = "barrier"  # where a worker is while it waits for every worker, before and after a step

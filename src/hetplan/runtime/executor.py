@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hetplan.errors import HetplanError
-from hetplan.lowering import ACTIVATIONS, GRADIENTS
+from hetplan.lowering import ACTIVATIONS, GRADIENTS, RECV_B, RECV_F, Op
 from hetplan.pieces import selective
 from hetplan.pieces.mixed import Mixed
 from hetplan.precision import FP32
@@ -188,7 +188,7 @@ class StageRunner:
             idx = self._carried(layouts, sender_whole(peer), grads)
             metas = [(layouts[i].dtype, layouts[i].shape_for(peer.end - peer.first)) for i in idx]
             began, was = time.perf_counter(), self.where.at
-            self.where.at = f"{self.role.stage}RECV_{'F' if kind == FORWARD else 'B'}{j}<-{peer.rank}"
+            self.where.at = str(Op(RECV_F if kind == FORWARD else RECV_B, self.role.stage, j, peer.rank))
             got = self._recv(metas, peer.rank, self.tag(kind))
             self.where.at = was
             self.spans.append((kind, stage, j, began, time.perf_counter(), peer.rank))

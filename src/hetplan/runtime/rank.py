@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.lowering import place_sums
 from hetplan.pieces.mixed import Mixed
 from hetplan.pieces.portable import place
 from hetplan.pieces.split import Holdings, SplitStep, holdings, rebind, split_step
@@ -370,13 +371,11 @@ def tp_sums(groups, members: tuple[tuple[tuple[int, ...], ...], ...]):
     for ranks, params, stages in groups:
         by_first = {g[0]: g for k in stages for g in members[k]}
         groups_of = tuple(by_first[r] for r in ranks)
-        sizes = {len(g) for g in groups_of}
-        if sizes == {1}:
-            sums.append((ranks, params, stages))
-        elif len(sizes) == 1 and len(stages) == 1:
-            sums += [(tuple(g[i] for g in groups_of), params, stages) for i in range(sizes.pop())]
-        else:
+        places = place_sums(groups_of, len(stages))
+        if places is None:
             mixed.append((ranks, groups_of, params))
+        else:
+            sums += [(place, params, stages) for place in places]
     return sums, tuple(mixed)
 
 
