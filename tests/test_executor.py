@@ -13,6 +13,7 @@ import torch
 from hetplan.errors import HetplanError
 from hetplan.io.clusters import cluster_from_spec
 from hetplan.lowering import ACTIVATIONS, GRADIENTS, RECEIVES, SENDS, channel, dry_run, lower, rank_groups
+from hetplan.lowering import lower as real_lower
 from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
 from hetplan.rows import step_rows
@@ -295,6 +296,43 @@ def test_a_stage_without_parameters_and_integers_across_two_boundaries():
     for lays in bounds:  # the labels (flattened to B*S) and positions (1 x S) cross both boundaries
         ints = [(lay.batch_dim, lay.per_row, lay.grad) for lay in lays if lay.dtype == torch.int64]
         assert ints == [(0, 16, False), (None, 0, False)]
+
+
+def reversed_messages(*args, **kwargs):
+    """`lower`'s lists with each pass's receives, and its sends, in the reverse order: as valid
+    (each pair of ranks still sends and receives in one order), but not the order the runtime
+    would reach by a rule of its own."""
+    lowered = real_lower(*args, **kwargs)
+    lists = []
+    for ops in lowered.ops:
+        out, run = [], []
+        for op in ops:
+            if run and (op.kind in SENDS) != (run[0].kind in SENDS) or op.kind not in SENDS + RECEIVES:
+                out += reversed(run)
+                run = []
+            (run if op.kind in SENDS + RECEIVES else out).append(op)
+        lists.append(tuple(out + run[::-1]))
+    return replace(lowered, ops=tuple(lists))
+
+
+def test_the_runtime_sends_and_receives_in_the_order_of_its_list(monkeypatch):
+    """gpt2-tiny in a stage and two replicas: stage 0 sends each micro-batch's activations to the
+    two replicas, and takes their gradients, in the order its list says, here the reverse of the
+    lowering's; every rank's messages follow its changed list (`run_checked`), and the step still
+    equals one process (the parts of a micro-batch join by their rows, whatever their order)."""
+    import hetplan.runtime.rank as rank_module
+
+    monkeypatch.setattr(rank_module, "lower", reversed_messages)
+    monkeypatch.setitem(globals(), "lower", reversed_messages)
+    result = pipelined_vs_single("gpt2-tiny", [1, 2], 2, "gpipe", batch=8)
+    check(*result)
+    spec = result[5]
+    rows = spec_rows(spec, spec.plan)
+    groups = group_table(spec)
+    first = [str(op) for op in reversed_messages(spec.plan.schedule, groups, spec.plan.stage_ranks, rows).ops[0]]
+    assert first[:3] == ["0F0", "0SEND_F0->2", "0SEND_F0->1"]  # the real lowering sends to rank 1 first
+    assert [str(op) for op in real_lower(spec.plan.schedule, groups, spec.plan.stage_ranks, rows).ops[0]][1] \
+        == "0SEND_F0->1"
 
 
 def test_every_rank_reads_the_layouts_at_the_steps_smallest_slice_and_one_more():

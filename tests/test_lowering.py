@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from hetplan.errors import HetplanError
 from hetplan.lowering import (
     RECEIVES,
+    RECV_F,
     REDUCE_GRAD,
+    SEND_F,
     SENDS,
     STEP,
     Lowered,
@@ -149,7 +151,7 @@ def test_random_replicas_speeds_and_groups_pair_and_finish(data):
 def with_op(lowered: Lowered, rank: int, ops) -> Lowered:
     lists = list(lowered.ops)
     lists[rank] = tuple(ops)
-    return Lowered(tuple(lists), lowered.micro)
+    return Lowered(tuple(lists), lowered.micro, lowered.groups)
 
 
 def test_the_dry_run_finds_crossed_missing_extra_and_mismatched_ops():
@@ -245,8 +247,8 @@ def test_the_fast_path_reads_the_lists_not_the_schedule():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
 def test_the_event_simulator_moves_the_messages_of_the_lists(cli, profiles, tmp_path, schedule):
     """resnet50 on hetero-4 in stages of 1 to 3 replicas of unlike speeds, 1 to 5 micro-batches:
-    the event simulator's transfers (device to device, stage, micro-batch, direction) are the
-    lists' sends, one for one: the simulator moves what the runtime will send."""
+    the event simulator's transfers (device to device, stage, micro-batch, direction), made from
+    the lists' receives, are the lists' sends, one for one, and the cost table prices each."""
     from hetplan.cost import CostModel
     from hetplan.cost.table import step_costs
     from hetplan.io.clusters import load_cluster
@@ -269,12 +271,45 @@ def test_the_event_simulator_moves_the_messages_of_the_lists(cli, profiles, tmp_
             cm = CostModel(graph, cluster)
             model = step_costs(graph, cluster, plan, "relay", cm)
             tasks, xs = _Tasks(model), _Transfers(cluster)
-            for msg in model.messages:
-                _add_transfers(msg, tasks, xs)
-            simulated = sorted((xs.links[xs.link[x]], xs.stage[x], xs.mb[x], xs.fwd[x]) for x in range(len(xs.link)))
             lowered = lowered_step(graph, cluster, plan, cm)
+            _add_transfers(lowered, model, tasks, xs)
+            simulated = sorted((xs.links[xs.link[x]], xs.stage[x], xs.mb[x], xs.fwd[x]) for x in range(len(xs.link)))
             groups = rank_groups(plan, lambda d: cluster.device(d).host)
             device = {groups[k][p][0]: d for k, st in enumerate(plan.stages) for p, d in enumerate(st.devices)}
             sent = sorted((f"{device[r]}->{device[op.peer]}", op.stage, op.microbatch, op.kind == "SEND_F")
                           for r, ops in enumerate(lowered.ops) for op in ops if op.kind in SENDS)
             assert simulated == sent, (devices, m)
+
+
+def test_the_event_simulator_waits_for_what_the_lists_receive_and_nothing_else():
+    """Take micro-batch 0's activations out of a 2-stage plan's lists (the send and its
+    receive): the simulated stage 1 no longer waits for them, so its F0 starts at once and no
+    transfer carries them. A simulator that made its messages by a rule of its own would still
+    wait."""
+    from hetplan.cost import CostModel
+    from hetplan.cost.table import step_costs
+    from hetplan.io.clusters import cluster_from_spec
+    from hetplan.plan import Plan, Stage
+    from hetplan.sim import lowered_step
+    from hetplan.sim.engine import run_events
+    from strategies import V
+    from strategies import chain as chain_graph
+
+    two = cluster_from_spec({"devices": [{"id": "a", "type": V, "host": "x"}, {"id": "b", "type": V, "host": "y"}],
+                             "network": {"inter_host": {"bandwidth": "1GB/s", "latency": "0us"}}}, "two")
+    graph = chain_graph(4, edge_bytes=10**8, batch=4)
+    plan = Plan((Stage(("n0", "n1"), ("a",)), Stage(("n2", "n3"), ("b",))), 2, "gpipe", "test")
+    cm = CostModel(graph, two)
+    model, lowered = step_costs(graph, two, plan, "relay", cm), lowered_step(graph, two, plan, cm)
+    whole = run_events(model, two, lowered).timeline
+    kept = [[op for op in ops if not (op.kind in (SEND_F, RECV_F) and op.microbatch == 0)] for ops in lowered.ops]
+    cut = run_events(model, two, Lowered(tuple(map(tuple, kept)), lowered.micro, lowered.groups)).timeline
+
+    def first_f0(timeline):
+        return next(s.start_s for s in timeline.spans if s.resource == "b" and s.kind == "F" and s.microbatch == 0)
+
+    def moved(timeline):
+        return sorted((s.kind, s.microbatch) for s in timeline.spans if s.resource in ("a->b", "b->a"))
+
+    assert first_f0(whole) > 0 and first_f0(cut) == 0
+    assert ("F", 0) in moved(whole) and ("F", 0) not in moved(cut) and len(moved(cut)) == len(moved(whole)) - 1

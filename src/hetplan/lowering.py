@@ -58,6 +58,7 @@ class Op:
     peer: int = -1
     rows: tuple[int, int] = (0, 0)
     group: tuple[int, ...] = ()
+    peer_stage: int = -1  # a message's stage at the other end (under relay routing, a neighbour)
 
     def __str__(self) -> str:
         text = f"{self.stage}{self.kind}{self.microbatch if self.microbatch >= 0 else ''}"
@@ -77,6 +78,12 @@ class Lowered:
 
     ops: tuple[tuple[Op, ...], ...]
     micro: tuple[int, ...]
+    groups: tuple[tuple[tuple[int, ...], ...], ...] = ()  # `lower`'s: the ranks of each stage replica
+
+    def places(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(stage, rank) -> (p, i): the rank is the i-th of replica p of the stage."""
+        return {(k, r): (p, i) for k, reps in enumerate(self.groups) for p, g in enumerate(reps)
+                for i, r in enumerate(g)}
 
     def lines(self) -> list[str]:
         """One line per rank: `rank 3: 1RECV_F0<-0 1F0 1SEND_F0->5 ...`, a message's rows shown
@@ -90,12 +97,17 @@ class Lowered:
 
 
 def lower(schedule: str, groups: Sequence[Sequence[Sequence[int]]], stage_ranks: Sequence[int], rows: StepRows,
-          sums: Sequence[Sequence[int]] = ()) -> Lowered:
+          sums: Sequence[Sequence[int]] = (), links: Sequence[tuple[int, int]] | None = None) -> Lowered:
     """Each worker's ops. `groups[k][p]`: the ranks of replica p of stage k (a tensor-parallel
     group's in order, else one); `stage_ranks[k]`: the pipeline rank that holds stage k
     (`Plan.stage_ranks`); `rows`: the step's split of every micro-batch (`hetplan.rows`); `sums`:
-    the ranks of each gradient sum, in the order every rank runs them (`hetplan.sync.sync_groups`)."""
+    the ranks of each gradient sum, in the order every rank runs them (`hetplan.sync.sync_groups`);
+    `links`: the pairs of stages (a, b), a < b, whose activations a sends b and whose gradients b
+    sends back: neighbours (the runtime's relay, the default), or, for the simulator's `direct`
+    routing, the pairs a graph's edges join (`hetplan.cost.table.stage_pair_bytes`). A stage
+    receives from its sources in stage order, and sends to its targets in stage order."""
     stages = len(groups)
+    talks = sorted(set(links)) if links is not None else [(k, k + 1) for k in range(stages - 1)]
     pipeline = max(stage_ranks) + 1
     orders = rank_orders(schedule, stages, len(rows.micro), None if pipeline == stages else pipeline)
     workers = 1 + max(r for reps in groups for g in reps for r in g)
@@ -105,7 +117,7 @@ def lower(schedule: str, groups: Sequence[Sequence[Sequence[int]]], stage_ranks:
         for p, group in enumerate(groups[k]):
             for position, rank in enumerate(group):
                 held = [s for s in range(stages) if stage_ranks[s] == stage_ranks[k]]
-                ops[rank] = _passes(orders[stage_ranks[k]], groups, rows, p, position, held)
+                ops[rank] = _passes(orders[stage_ranks[k]], groups, rows, p, position, held, talks)
     for members in sums:
         for rank in members:
             ops[rank].append(Op(REDUCE_GRAD, _known_by(groups, rank), group=tuple(members)))
@@ -113,7 +125,33 @@ def lower(schedule: str, groups: Sequence[Sequence[Sequence[int]]], stage_ranks:
         for group in groups[k]:
             for rank in group:
                 ops[rank].append(Op(STEP, k))
-    return Lowered(tuple(tuple(o) for o in ops), tuple(rows.micro))
+    frozen = tuple(tuple(tuple(g) for g in reps) for reps in groups)
+    return Lowered(tuple(tuple(o) for o in ops), tuple(rows.micro), frozen)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A pass of a worker's list with its messages: the receives before it and the sends after it."""
+
+    op: Op
+    receives: tuple[Op, ...]
+    sends: tuple[Op, ...]
+
+
+def by_pass(ops: Sequence[Op]) -> list[Pass]:
+    """A worker's list as passes (F, B, I, W) with their messages, in order; its sums and steps
+    left out (they follow the passes)."""
+    out: list[Pass] = []
+    waiting: list[Op] = []
+    for op in ops:
+        if op.kind in RECEIVES:
+            waiting.append(op)
+        elif op.kind in SENDS:
+            out[-1] = Pass(out[-1].op, out[-1].receives, out[-1].sends + (op,))
+        elif op.kind not in (REDUCE_GRAD, STEP):
+            out.append(Pass(op, tuple(waiting), ()))
+            waiting = []
+    return out
 
 
 def _known_by(groups: Sequence[Sequence[Sequence[int]]], rank: int) -> int:
@@ -121,38 +159,43 @@ def _known_by(groups: Sequence[Sequence[Sequence[int]]], rank: int) -> int:
     return next(k for k, reps in enumerate(groups) if any(rank in g for g in reps))
 
 
-def _passes(order: Sequence[Action], groups, rows: StepRows, p: int, position: int, held: Sequence[int]) -> list[Op]:
-    """A worker's passes and messages: replica p of the stages `held`, at `position` of its group."""
-    last = len(groups) - 1
+def _passes(order: Sequence[Action], groups, rows: StepRows, p: int, position: int, held: Sequence[int],
+            talks: Sequence[tuple[int, int]]) -> list[Op]:
+    """A worker's passes and messages: replica p of the stages `held`, at `position` of its group.
+    (Planners lower every plan they simulate: the rows each pass shares are looked up first.)"""
     out: list[Op] = []
+    append = out.append
+    below = {k: [(x, _shared(rows, p, k, x, groups)) for x, y in talks if y == k] for k in held}
+    above = {k: [(y, _shared(rows, p, k, y, groups)) for x, y in talks if x == k] for k in held}
+    busy = {k: [rows.rows(k, j, p) > 0 for j in range(len(rows.micro))] for k in held}
     for a in order:
-        k, j = a.stage, a.microbatch
-        if k not in held or rows.rows(k, j, p) == 0:
+        k, j, kind = a.stage, a.microbatch, a.kind
+        if k not in busy or not busy[k][j]:
             continue
-        if a.kind == BACKWARD_WEIGHT:
-            out.append(Op(a.kind, k, j))
+        if kind == BACKWARD_WEIGHT:
+            append(Op(kind, k, j))
             continue
-        forward = a.kind == FORWARD
-        source, target = (k - 1, k + 1) if forward else (k + 1, k - 1)
-        if 0 <= source <= last:
-            out += [Op(RECV_F if forward else RECV_B, k, j, groups[source][q][0], (lo, hi))
-                    for q, lo, hi in _shared(rows, k, j, p, source)]
-        out.append(Op(a.kind, k, j))
-        if 0 <= target <= last and position == 0:  # a group's other ranks made the same values
-            out += [Op(SEND_F if forward else SEND_B, k, j, dst, (lo, hi))
-                    for q, lo, hi in _shared(rows, k, j, p, target) for dst in groups[target][q]]
+        if kind == FORWARD:
+            sources, targets, receive, send = below[k], above[k], RECV_F, SEND_F
+        else:
+            sources, targets, receive, send = above[k], below[k], RECV_B, SEND_B
+        for source, shares in sources:
+            for group, span in shares[j]:
+                append(Op(receive, k, j, group[0], span, peer_stage=source))
+        append(Op(kind, k, j))
+        if position == 0:  # a group's other ranks made the same values
+            for target, shares in targets:
+                for group, span in shares[j]:
+                    for dst in group:
+                        append(Op(send, k, j, dst, span, peer_stage=target))
     return out
 
 
-def _shared(rows: StepRows, k: int, j: int, p: int, other: int) -> list[tuple[int, int, int]]:
-    """(replica q of stage `other`, first, end): the rows of micro-batch j that replica p of stage k
-    shares with each replica of `other`, in replica order (`StepRows.shared_rows`)."""
-    out = []
-    for q in range(rows.replicas(other)):
-        lo, hi = rows.shared_rows(k, j, p, other, q)
-        if hi > lo:
-            out.append((q, lo, hi))
-    return out
+def _shared(rows: StepRows, p: int, k: int, other: int, groups) -> list[list[tuple[tuple[int, ...], tuple[int, int]]]]:
+    """Per micro-batch, (the ranks of replica q of stage `other`, (first, end)) for each replica q
+    whose slice shares rows with replica p of stage k, in replica order (`StepRows.overlaps`)."""
+    return [[(groups[other][q], (lo, hi)) for mine, q, lo, hi in rows.overlaps(k, other, j) if mine == p]
+            for j in range(len(rows.micro))]
 
 
 def dry_run(lowered: Lowered) -> list[str]:
@@ -211,9 +254,8 @@ def channel(op: Op) -> int:
 def _pairs(sent: Op, got: Op) -> bool:
     """Whether a received message is the one the receive expects."""
     kinds = {SEND_F: RECV_F, SEND_B: RECV_B}
-    step = 1 if sent.kind == SEND_F else -1
-    return (kinds[sent.kind] == got.kind and got.stage == sent.stage + step and got.microbatch == sent.microbatch
-            and got.rows == sent.rows)
+    return (kinds[sent.kind] == got.kind and got.stage == sent.peer_stage and sent.stage == got.peer_stage
+            and got.microbatch == sent.microbatch and got.rows == sent.rows)
 
 
 def _meet(r: int, op: Op, lists, at: list[int], problems: list[str]) -> bool:
@@ -252,6 +294,21 @@ def rank_groups(plan: Plan, host_of: Callable[[str], str]) -> tuple[tuple[tuple[
     rank_of = {(k, p, i): r for r, (_, i, k, p) in enumerate(workers)}
     return tuple(tuple(tuple(rank_of[(first[k], p, i)] for i in range(len(group)))
                        for p, group in enumerate(plan.stages[first[k]].groups)) for k in range(len(plan.stages)))
+
+
+def shape_groups(degrees: Sequence[Sequence[int]],
+                 stage_ranks: Sequence[int]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """`groups[k][p]` numbered by the plan's shape alone: pipeline rank by pipeline rank, replica
+    by replica, each tensor-parallel group's ranks in order (`degrees[k][p]`: replica p of stage
+    k's devices). What the simulator reads, where a run's numbering by host (`rank_groups`)
+    changes nothing but the names, so that plans of one shape share their lists."""
+    first = {r: k for k, r in reversed(list(enumerate(stage_ranks)))}
+    numbers, next_rank = {}, 0
+    for r in sorted(first):
+        for p, t in enumerate(degrees[first[r]]):
+            numbers[(r, p)] = tuple(range(next_rank, next_rank + t))
+            next_rank += t
+    return tuple(tuple(numbers[(stage_ranks[k], p)] for p in range(len(degrees[k]))) for k in range(len(degrees)))
 
 
 def place_sums(replicas: Sequence[tuple[int, ...]], stages: int) -> list[tuple[int, ...]] | None:

@@ -20,7 +20,7 @@ The simulators (`hetplan.sim`) put these costs together into the timeline of a t
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -56,6 +56,9 @@ def in_flight_share(schedule: str, stages: int, stage_index: int, batch_size: in
 
 __all__ = ["WEIGHT_COPIES", "CostModel", "formulas", "in_flight_share", "inflight_microbatches",
            "microbatch_fractions", "usd_per_step", "weight_bytes"]
+
+
+KEPT = 32  # `CostModel.kept` keeps this many (an 8 x 64 step's lowered lists: ~1 MB)
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,11 @@ class CostModel:
                 n.id: (n.fwd_fixed_s.get(own, 0.0) if own else 0.0,
                        n.bwd_fixed_s.get(own, 0.0) if own else 0.0) for n in self.graph.nodes}
         return self._node_fixed[device_type]
+
+    @cached_property
+    def _kept(self) -> dict[tuple, object]:
+        """`kept`'s, oldest first."""
+        return {}
 
     @cached_property
     def _stage_sums(self) -> dict[tuple, object]:
@@ -363,6 +371,15 @@ class CostModel:
         from hetplan.cost.syncs import plan_syncs
 
         return plan_syncs(self, plan)
+
+    def kept(self, key: tuple, make: Callable[[], object]) -> object:
+        """`make()`, kept under `key` for the model's life with the last `KEPT` others: what
+        planners ask of many plans of one shape (the simulator's lowered lists, `sim.step_lists`)."""
+        if key not in self._kept:
+            if len(self._kept) >= KEPT:
+                del self._kept[next(iter(self._kept))]
+            self._kept[key] = make()
+        return self._kept[key]
 
     def plan_rows(self, plan: Plan) -> StepRows:
         """The rows of every stage replica and micro-batch of the plan (`hetplan.rows`)."""

@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hetplan.errors import HetplanError
-from hetplan.lowering import ACTIVATIONS, GRADIENTS, RECV_B, RECV_F, Op
+from hetplan.lowering import RECV_F, Op, Pass, by_pass, channel
 from hetplan.pieces import selective
 from hetplan.pieces.mixed import Mixed
 from hetplan.precision import FP32
@@ -58,7 +58,7 @@ from hetplan.rows import StepRows
 from hetplan.runtime.boundary import ValueLayout, pack, packed_bytes, unpack
 from hetplan.runtime.split_backward import backward_inputs, backward_weights
 from hetplan.runtime.transport import Transport
-from hetplan.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from hetplan.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,10 @@ class Role:
         """The ranks of replica `replica` of `stage`, which all receive what is sent to it."""
         return self.groups[stage][replica] if self.groups else (self.ranks[stage][replica],)
 
+    def replica_of(self, stage: int, rank: int) -> int:
+        """The replica of `stage` that `rank` belongs to."""
+        return next(q for q in range(len(self.ranks[stage])) if rank in self.members(stage, q))
+
     @property
     def first(self) -> bool:
         return self.stage == 0
@@ -105,14 +109,6 @@ class Where:
     def __init__(self) -> None:
         self.at = ""
         self.done = 0
-
-
-@dataclass(frozen=True)
-class Peer:
-    replica: int
-    rank: int
-    first: int  # the rows shared with it, within the micro-batch
-    end: int
 
 
 class StageRunner:
@@ -137,24 +133,9 @@ class StageRunner:
         self.backward_done: Callable[[], None] = _nothing
         self.where = Where()  # the worker's (`RankRunner` gives its runners one)
 
-    @staticmethod
-    def tag(kind: str) -> int:
-        """A message's channel (`hetplan.lowering.channel`): messages pair up by their order on it,
-        which `hetplan.lowering.dry_run` checks, never by a tag naming the micro-batch."""
-        return ACTIVATIONS if kind == FORWARD else GRADIENTS
-
     # --- who shares rows with whom -------------------------------------------------------
     def mine(self, j: int) -> tuple[int, int]:
         return self.role.rows.slices[self.role.stage][j][self.role.replica]
-
-    def _peers(self, j: int, stage: int) -> list[Peer]:
-        rows, me = self.role.rows, self.role
-        out = []
-        for q in range(rows.replicas(stage)):
-            lo, hi = rows.shared_rows(me.stage, j, me.replica, stage, q)
-            if hi > lo:
-                out.append(Peer(q, me.ranks[stage][q], lo, hi))
-        return out
 
     def _holds_first_row(self, j: int, stage: int, replica: int, of_stage: int, of_replica: int) -> bool:
         """Whether (stage, replica) holds the first row of (of_stage, of_replica)'s slice of j."""
@@ -169,43 +150,51 @@ class StageRunner:
         return [i for i, lay in enumerate(layouts)
                 if (not grads or lay.grad) and (lay.batch_dim is not None or whole)]
 
-    # --- messages --------------------------------------------------------------------------
-    def _send(self, values: list[torch.Tensor], stage: int, replica: int, tag: int, pending: list) -> None:
-        buf = pack(values)
-        for dst in self.role.members(stage, replica):
-            pending.append((self.transport.isend(buf, dst, tag), buf))
+    def _sender_whole(self, op: Op) -> bool:
+        """Whether a message carries the values without batch dimension: those come from the
+        replica of the earlier stage that holds the first row of the later one's slice."""
+        me, q = self.role, self.role.replica_of(op.peer_stage, op.peer)
+        if op.peer_stage < me.stage:
+            return self._holds_first_row(op.microbatch, op.peer_stage, q, me.stage, me.replica)
+        return self._holds_first_row(op.microbatch, me.stage, me.replica, op.peer_stage, q)
 
-    def _recv(self, metas: list[tuple[torch.dtype, tuple[int, ...]]], src: int, tag: int) -> list[torch.Tensor]:
+    # --- messages: each the op of the lowered list that says what, to whom and which rows ---
+    def _send(self, op: Op, values: list[torch.Tensor], pending: list) -> None:
+        buf = pack(values)
+        pending.append((self.transport.isend(buf, op.peer, channel(op)), buf))
+
+    def _recv(self, metas: list[tuple[torch.dtype, tuple[int, ...]]], op: Op) -> list[torch.Tensor]:
         buf = torch.empty(packed_bytes(metas), dtype=torch.uint8)
-        self.transport.recv(buf, src, tag)
+        self.transport.recv(buf, op.peer, channel(op))
         return unpack(buf.to(self.device), metas)
 
-    def _gather(self, j: int, layouts: Sequence[ValueLayout], stage: int, kind: str, grads: bool,
-                sender_whole: Callable[[Peer], bool]) -> list[list[torch.Tensor]]:
-        """Per value, the parts received from each peer of `stage`, in row order."""
-        parts: list[list[torch.Tensor]] = [[] for _ in layouts]
-        for peer in self._peers(j, stage):
-            idx = self._carried(layouts, sender_whole(peer), grads)
-            metas = [(layouts[i].dtype, layouts[i].shape_for(peer.end - peer.first)) for i in idx]
+    def _gather(self, receives: Sequence[Op], layouts: Sequence[ValueLayout], grads: bool) -> list[list[torch.Tensor]]:
+        """Per value, the parts its receives bring (received in the list's order), in the order
+        of their rows."""
+        got: list[tuple[tuple[int, int], list[int], list[torch.Tensor]]] = []
+        for op in receives:
+            idx = self._carried(layouts, self._sender_whole(op), grads)
+            metas = [(layouts[i].dtype, layouts[i].shape_for(op.rows[1] - op.rows[0])) for i in idx]
             began, was = time.perf_counter(), self.where.at
-            self.where.at = str(Op(RECV_F if kind == FORWARD else RECV_B, self.role.stage, j, peer.rank))
-            got = self._recv(metas, peer.rank, self.tag(kind))
+            self.where.at = str(op)
+            got.append((op.rows, idx, self._recv(metas, op)))
             self.where.at = was
-            self.spans.append((kind, stage, j, began, time.perf_counter(), peer.rank))
-            for i, value in zip(idx, got, strict=True):
+            self.spans.append((FORWARD if op.kind == RECV_F else BACKWARD, op.peer_stage, op.microbatch, began,
+                               time.perf_counter(), op.peer))
+        parts: list[list[torch.Tensor]] = [[] for _ in layouts]
+        for _, idx, values in sorted(got, key=lambda g: g[0]):
+            for i, value in zip(idx, values, strict=True):
                 parts[i].append(value)
         return parts
 
     # --- actions ---------------------------------------------------------------------------
-    def _forward(self, j: int, batch: Sequence[torch.Tensor], saved: dict, pending: list) -> None:
-        k, p = self.role.stage, self.role.replica
+    def _forward(self, j: int, batch: Sequence[torch.Tensor], saved: dict, pending: list, step: Pass) -> None:
         lo, hi = self.mine(j)
         if self.role.first:
             start = self.role.rows.start[j]
             inputs = [v[start + lo:start + hi].to(self.device) for v in batch]
         else:
-            parts = self._gather(j, self.layouts_in, k - 1, FORWARD, False,
-                                 lambda peer: self._holds_first_row(j, k - 1, peer.replica, k, p))
+            parts = self._gather(step.receives, self.layouts_in, False)
             inputs = []
             for lay, got in zip(self.layouts_in, parts, strict=True):
                 value = lay.join(got) if lay.batch_dim is not None else got[0]
@@ -217,15 +206,14 @@ class StageRunner:
             out = self._run(module, inputs)
         outs = out if isinstance(out, tuple) else (out,)
         saved[j] = (inputs, outs)
-        if self.role.last or self.role.position:  # a group's other ranks made the same outputs
-            return
-        for peer in self._peers(j, k + 1):
-            whole = self._holds_first_row(j, k, p, k + 1, peer.replica)
-            idx = self._carried(self.layouts_out, whole, False)
-            values = [self._as_sent(self.layouts_out[i], self.layouts_out[i].take(outs[i], peer.first - lo,
-                                                                                 peer.end - lo)) for i in idx]
-            self._check(values, idx, peer)
-            self._send(values, k + 1, peer.replica, self.tag(FORWARD), pending)
+        packed: dict[tuple[int, int], list[torch.Tensor]] = {}  # a group's ranks get one message's values
+        for op in step.sends:
+            if op.rows not in packed:
+                idx = self._carried(self.layouts_out, self._sender_whole(op), False)
+                packed[op.rows] = [self._as_sent(self.layouts_out[i], self.layouts_out[i].take(
+                    outs[i], op.rows[0] - lo, op.rows[1] - lo)) for i in idx]
+                self._check(packed[op.rows], idx, op.rows[1] - op.rows[0])
+            self._send(op, packed[op.rows], pending)
 
     def _run(self, module: nn.Module, inputs: list[torch.Tensor]):
         """The stage's forward, recomputed in its backward as `Role.recompute` says."""
@@ -246,18 +234,17 @@ class StageRunner:
             return value.to(lay.dtype)
         return value
 
-    def _check(self, values: list[torch.Tensor], idx: list[int], peer: Peer) -> None:
+    def _check(self, values: list[torch.Tensor], idx: list[int], rows: int) -> None:
         for v, i in zip(values, idx, strict=True):
             lay = self.layouts_out[i]
-            if tuple(v.shape) != lay.shape_for(peer.end - peer.first) or v.dtype != lay.dtype:
+            if tuple(v.shape) != lay.shape_for(rows) or v.dtype != lay.dtype:
                 raise HetplanError(f"stage {self.role.stage} made {lay.name!r} as {v.dtype} {tuple(v.shape)}, but "
-                                   f"{lay.dtype} {lay.shape_for(peer.end - peer.first)} was expected for "
-                                   f"{peer.end - peer.first} rows: the model's shapes change between micro-batches")
+                                   f"{lay.dtype} {lay.shape_for(rows)} was expected for "
+                                   f"{rows} rows: the model's shapes change between micro-batches")
 
-    def _backward(self, j: int, saved: dict, pending: list, kind: str) -> float:
+    def _backward(self, j: int, saved: dict, pending: list, step: Pass) -> float:
         """B, or I of a split backward (what W then needs is kept in `saved`, under (W, j));
         either sends the inputs' gradients to stage k - 1."""
-        k, p = self.role.stage, self.role.replica
         lo, hi = self.mine(j)
         inputs, outs = saved.pop(j)
         loss = 0.0
@@ -267,30 +254,26 @@ class StageRunner:
             grads = [torch.ones((), dtype=outs[0].dtype, device=outs[0].device)]
             loss = float(outs[0].detach().float().item()) * weight
         else:
-            tensors, grads = self._output_grads(j, outs)
-        if kind == BACKWARD_INPUT:
+            tensors, grads = self._output_grads(outs, step.receives)
+        if step.op.kind == BACKWARD_INPUT:
             params = [prm for prm in self.module_for(hi - lo).parameters() if prm.requires_grad]
             saved[(BACKWARD_WEIGHT, j)] = backward_inputs(tensors, grads, inputs, params)
         elif tensors:
             torch.autograd.backward(tensors, grads)
             self.backward_done()
-        if not self.role.first and not self.role.position:
-            for peer in self._peers(j, k - 1):
-                whole = self._holds_first_row(j, k - 1, peer.replica, k, p)
-                idx = self._carried(self.layouts_in, whole, True)
-                values = []
-                for i in idx:
-                    x = inputs[i]
-                    g = x.grad if x.grad is not None else torch.zeros_like(x)
-                    values.append(self.layouts_in[i].take(g, peer.first - lo, peer.end - lo))
-                self._send(values, k - 1, peer.replica, self.tag(BACKWARD), pending)
+        packed: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for op in step.sends:
+            if op.rows not in packed:
+                idx = self._carried(self.layouts_in, self._sender_whole(op), True)
+                grads_in = [inputs[i].grad if inputs[i].grad is not None else torch.zeros_like(inputs[i]) for i in idx]
+                packed[op.rows] = [self.layouts_in[i].take(g, op.rows[0] - lo, op.rows[1] - lo)
+                                   for i, g in zip(idx, grads_in, strict=True)]
+            self._send(op, packed[op.rows], pending)
         return loss
 
-    def _output_grads(self, j: int, outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _output_grads(self, outs, receives: Sequence[Op]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The outputs that carry a gradient and their gradients, received from stage k + 1."""
-        k, p = self.role.stage, self.role.replica
-        parts = self._gather(j, self.layouts_out, k + 1, "B", True,
-                             lambda peer: self._holds_first_row(j, k, p, k + 1, peer.replica))
+        parts = self._gather(receives, self.layouts_out, True)
         tensors, grads = [], []
         for lay, out, got in zip(self.layouts_out, outs, parts, strict=True):
             if lay.grad and got and out.requires_grad:
@@ -299,14 +282,16 @@ class StageRunner:
                 grads.append(grad.to(out.dtype))  # a no-op unless the value was cast to be sent
         return tensors, grads
 
-    def act(self, action: Action, batch: Sequence[torch.Tensor], saved: dict, pending: list) -> float:
-        """Run one action; returns its share of the batch's mean loss (B or I on the last stage)."""
-        if action.kind == FORWARD:
-            self._forward(action.microbatch, batch, saved, pending)
-        elif action.kind == BACKWARD_WEIGHT:
-            backward_weights(saved.pop((BACKWARD_WEIGHT, action.microbatch)))
+    def act(self, step: Pass, batch: Sequence[torch.Tensor], saved: dict, pending: list) -> float:
+        """Run one pass of the lowered list with its receives and sends; returns its share of the
+        batch's mean loss (B or I on the last stage)."""
+        kind, j = step.op.kind, step.op.microbatch
+        if kind == FORWARD:
+            self._forward(j, batch, saved, pending, step)
+        elif kind == BACKWARD_WEIGHT:
+            backward_weights(saved.pop((BACKWARD_WEIGHT, j)))
         else:
-            return self._backward(action.microbatch, saved, pending, action.kind)
+            return self._backward(j, saved, pending, step)
         return 0.0
 
 
@@ -342,13 +327,13 @@ class RankRunner:
     """Runs a worker's actions in its rank's order over the stages it holds; `step(batch)` runs
     one training step's actions."""
 
-    def __init__(self, runners: Sequence[StageRunner], order: Sequence[Action],
+    def __init__(self, runners: Sequence[StageRunner], ops: Sequence[Op],
                  memory: Callable[[], int | None] | None = None, where: Where | None = None) -> None:
         self.runners = {r.role.stage: r for r in runners}
         self.where = where or Where()
         for runner in runners:
             runner.where = self.where
-        self.order = tuple(order)
+        self.passes = by_pass(ops)  # the rank's lowered list (`hetplan.lowering`), pass by pass
         self.executed: list[str] = []  # the actions of the last step, as run (tests compare it with the simulator)
         self.spans: list[tuple[str, int, int, float, float, int]] = []  # the last step's (`StageRunner.spans`)
         # the process's memory in use, read after each action and when a recomputation has
@@ -378,17 +363,15 @@ class RankRunner:
 
     def _actions(self, batch: Sequence[torch.Tensor], saved: dict, pending: list) -> float:
         loss = 0.0
-        for action in self.order:
-            runner = self.runners[action.stage]
-            lo, hi = runner.mine(action.microbatch)
-            if hi == lo:
-                continue
-            self.executed.append(str(action))
-            self.where.at = str(action)
+        for step in self.passes:
+            op = step.op
+            runner = self.runners[op.stage]
+            self.executed.append(str(op))
+            self.where.at = str(op)
             began = time.perf_counter()
-            loss += runner.act(action, batch, saved[action.stage], pending)
+            loss += runner.act(step, batch, saved[op.stage], pending)
             self.where.done += 1
-            runner.spans.append((action.kind, action.stage, action.microbatch, began, time.perf_counter(), -1))
+            runner.spans.append((op.kind, op.stage, op.microbatch, began, time.perf_counter(), -1))
             self.read_memory()
         return loss
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
-from hetplan.lowering import place_sums
+from hetplan.lowering import Op, lower, place_sums
 from hetplan.pieces.mixed import Mixed
 from hetplan.pieces.portable import place
 from hetplan.pieces.split import Holdings, SplitStep, holdings, rebind, split_step
@@ -36,7 +36,6 @@ from hetplan.runtime.sharding import ShardedParameters
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.stages import StageModule, stage_modules
 from hetplan.runtime.zero import ShardedUnits
-from hetplan.schedule import rank_orders
 from hetplan.sync import sync_groups
 from hetplan.zoo import load_model
 
@@ -232,7 +231,7 @@ class Prepared:
     schedule interleaves), its actions, its stages' modules and what it sums with whom."""
 
     roles: tuple[Role, ...]
-    order: tuple
+    ops: tuple[Op, ...]  # its list of the step (`hetplan.lowering`)
     traces: Traces
     layouts: tuple[tuple[tuple[ValueLayout, ...], tuple[ValueLayout, ...]], ...]  # per role: (in, out)
     groups: list[tuple[tuple[int, ...], list[nn.Parameter], frozenset[int]]]  # all, mine or not; their stages
@@ -322,7 +321,6 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
             on_trace: Callable[[int], None] | None = None, shared: SharedTraces | None = None) -> Prepared:
     table, members = rank_table(spec), group_table(spec)
     me = spec.ranks[rank]
-    mine = plan.stage_ranks[me.stage]
     roles = _roles(spec, rank, plan)
     traces = traces_of(spec, zoo_model, plan, on_trace, shared)
     for size in sorted(slice_sizes(roles)):
@@ -336,8 +334,8 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     groups, mixed = tp_sums(gradient_groups(traces, table, names), members)
     layouts = tuple((bounds[r.stage - 1] if r.stage > 0 else (), bounds[r.stage] if r.stage < len(bounds) else ())
                     for r in roles)
-    order = rank_orders(plan.schedule, len(plan.stages), plan.microbatches, plan.ranks)[mine]
-    prepared = Prepared(roles, order, traces, layouts, groups, device, sparse_parameter_ids(zoo_model.step),
+    ops = lower(plan.schedule, members, plan.stage_ranks, spec_rows(spec, plan)).ops[rank]
+    prepared = Prepared(roles, ops, traces, layouts, groups, device, sparse_parameter_ids(zoo_model.step),
                         mixed=mixed, tp_groups=tuple(g for stage in members for g in stage if len(g) > 1),
                         tp_dims=dims)
     for size in sorted(prepared.sizes):

@@ -230,7 +230,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     role = prepared.role
     runner = RankRunner([StageRunner(r, partial(prepared.module_for, stage=r.stage), lay_in, lay_out, transport,
                                      prepared.device) for r, (lay_in, lay_out) in zip(prepared.roles, prepared.layouts,
-                                                                                      strict=True)], prepared.order,
+                                                                                      strict=True)], prepared.ops,
                         memory, heartbeat.where if heartbeat is not None else None)
     surround(runner, prepared)
     _resume(spec, runner, prepared, opt, transport)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
 from hetplan.cost import CostModel
-from hetplan.cost.table import ROUTINGS, StepCosts, step_costs
+from hetplan.cost.table import ROUTINGS, StepCosts, stage_pair_bytes, step_costs
 from hetplan.graph import Graph
-from hetplan.lowering import Lowered, lower, rank_groups, sum_ranks
+from hetplan.lowering import Lowered, lower, rank_groups, shape_groups, sum_ranks
 from hetplan.plan import Estimate, Plan
 from hetplan.sim.engine import run_events
 from hetplan.timeline import Span, Timeline
@@ -64,17 +64,38 @@ def simulate(graph: Graph, cluster: Cluster, plan: Plan, *, routing: str = "rela
     timeline: keep every action (off when only the estimate is wanted)."""
     cm = cost or CostModel(graph, cluster)
     model = step_costs(graph, cluster, plan, routing, cm)
-    result = run_events(model, cluster, record=timeline)
+    result = run_events(model, cluster, step_lists(cm, plan, routing), record=timeline)
     return Simulation(_estimate(graph, cluster, plan, model, result, cm), result.timeline)
 
 
-def lowered_step(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | None = None) -> Lowered:
+def lowered_step(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | None = None,
+                 routing: str = "relay") -> Lowered:
     """Each worker's list of the step's passes, messages and gradient sums (`hetplan.lowering`),
-    its workers numbered and its rows split as a run of the plan numbers and splits them."""
+    its workers numbered and its rows split as a run of the plan numbers and splits them; under
+    `direct` routing (what the simulator can score, never run), with messages between every pair
+    of stages that a graph edge joins instead of between neighbours."""
     cm = cost or CostModel(graph, cluster)
     groups = rank_groups(plan, lambda d: cluster.device(d).host)
     sums = [ranks for sync in cm.sync_costs(plan) for ranks in sum_ranks(groups, sync.members)]
-    return lower(plan.schedule, groups, plan.stage_ranks, cm.plan_rows(plan), sums)
+    links = None if routing == "relay" else list(stage_pair_bytes(graph, plan, routing))
+    return lower(plan.schedule, groups, plan.stage_ranks, cm.plan_rows(plan), sums, links)
+
+
+def step_lists(cm: CostModel, plan: Plan, routing: str = "relay") -> Lowered:
+    """The plan's step as each worker's list (`hetplan.lowering.lower`, as `lowered_step`) with
+    its workers numbered by the plan's shape (`lowering.shape_groups`), which is all the event
+    simulator needs of them; kept by the cost model, since planners simulate many plans of one shape."""
+    degrees = tuple(st.degrees for st in plan.stages)
+    syncs = tuple(sync.members for sync in cm.sync_costs(plan))
+    links = None if routing == "relay" else tuple(stage_pair_bytes(cm.graph, plan, routing))
+    rows = cm.plan_rows(plan)
+
+    def make() -> Lowered:
+        groups = shape_groups(degrees, plan.stage_ranks)
+        sums = [ranks for members in syncs for ranks in sum_ranks(groups, members)]
+        return lower(plan.schedule, groups, plan.stage_ranks, rows, sums, links)
+
+    return cm.kept(("lowered", plan.schedule, degrees, plan.stage_ranks, rows, syncs, links), make)
 
 
 def _estimate(graph: Graph, cluster: Cluster, plan: Plan, model: StepCosts, result, cm: CostModel) -> Estimate:

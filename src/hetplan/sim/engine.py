@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from hetplan.cluster import Cluster
 from hetplan.cost.table import StepCosts
 from hetplan.errors import HetplanError
+from hetplan.lowering import RECEIVES, RECV_F, SENDS, Lowered, Op
 from hetplan.schedule import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -64,12 +65,12 @@ class EventResult:
     timeline: Timeline | None
 
 
-def run_events(model: StepCosts, cluster: Cluster, record: bool = True) -> EventResult:
-    """Simulate the step; with `record`, keep the timeline of every action."""
+def run_events(model: StepCosts, cluster: Cluster, lowered: Lowered, record: bool = True) -> EventResult:
+    """Simulate the step whose workers run `lowered`'s lists (`hetplan.lowering`, of the same plan
+    and routing as `model`); with `record`, keep the timeline of every action."""
     tasks = _Tasks(model)
     transfers = _Transfers(cluster)
-    for msg in model.messages:
-        _add_transfers(msg, tasks, transfers)
+    _add_transfers(lowered, model, tasks, transfers)
     loop = _EventLoop(tasks, transfers, record)
     now = loop.run()
     if loop.done != tasks.count:
@@ -225,31 +226,74 @@ class _Transfers:
         return self.link_index[(src, dst)]
 
 
-def _add_transfers(msg, tasks: _Tasks, xs: _Transfers) -> None:
-    """Activations forward along a message and gradients back: each a dependency between two
-    tasks, through a transfer on the link unless it stays on one device or carries nothing."""
-    m = len(msg.bytes_mb)
-    sent = [i for i in range(m) if msg.bytes_mb[i] is not None]  # slices that share rows
-    for kind, src, dst, s_from, s_to, secs in (
-            (FORWARD, msg.src, msg.dst, msg.src_stage, msg.dst_stage, msg.seconds_mb),
-            (tasks.grad_kind, msg.dst, msg.src, msg.dst_stage, msg.src_stage, msg.back_seconds_mb)):
-        linked = src != dst and msg.bytes_per_batch > 0
-        lid = xs.link_id(src, dst) if linked else -1
-        for i in sent:
-            producer, consumer = tasks.task(s_from, src, kind, i), tasks.task(s_to, dst, kind, i)
-            tasks.wait[consumer] += 1
-            if not linked:
-                tasks.succ_c[producer].append(consumer)
+def _add_transfers(lowered: Lowered, model: StepCosts, tasks: _Tasks, xs: _Transfers) -> None:
+    """Every message of the lists, activations forward and gradients back: a dependency between
+    the action that made the tensor and the one that uses it, through a transfer on the link
+    unless it stays on one device or the pair of stages exchanges nothing. Transfers are
+    numbered in the order their receivers take them (an action's inputs take their turn in that
+    order, `_Transfers.turns`) and an action issues its sends in its list's order. A
+    tensor-parallel group is one replica here, its first rank's: the table's message times count
+    the copies sent to every rank of a group (`hetplan.cost.table.step_costs`)."""
+    table = {(msg.src_stage, msg.dst_stage, msg.src, msg.dst): (msg, msg.src != msg.dst and msg.bytes_per_batch > 0)
+             for msg in model.messages}
+    for msg, moves in table.values():  # the links in the table's order: a timeline's rows stay put
+        if moves:
+            xs.link_id(msg.src, msg.dst)
+            xs.link_id(msg.dst, msg.src)
+    device = [[rep.device for rep in st.replicas] for st in model.stages]
+    place = lowered.places()
+    received: dict[int, tuple[int, Op]] = {}  # transfer -> its receive
+    for rank, ops in enumerate(lowered.ops):
+        for op in ops:
+            if op.kind not in RECEIVES or place[(op.stage, rank)][1]:  # a group's first rank stands for it
                 continue
-            tasks.succ_x[producer].append(len(xs.link))
-            xs.link.append(lid)
-            xs.dur.append(secs[i])
-            xs.bytes.append(msg.bytes_mb[i])
-            xs.dst.append(consumer)
-            xs.fwd.append(kind == FORWARD)
-            xs.stage.append(s_from)
-            xs.to.append(s_to)
-            xs.mb.append(i)
+            forward = op.kind == RECV_F
+            src = device[op.peer_stage][place[(op.peer_stage, op.peer)][0]]
+            dst = device[op.stage][place[(op.stage, rank)][0]]
+            key = (op.peer_stage, op.stage, src, dst) if forward else (op.stage, op.peer_stage, dst, src)
+            msg, moves = table.get(key, (None, False))
+            if msg is None or msg.bytes_mb[op.microbatch] is None:
+                raise HetplanError(f"the simulator has no costs for the lowered step's {op} on rank {rank}; "
+                                   "the cost table and the lowering disagree")
+            kind = FORWARD if forward else tasks.grad_kind
+            x = _add_transfer(tasks, xs, (op.peer_stage, src), (op.stage, dst), kind, op.microbatch,
+                              msg.seconds_mb if forward else msg.back_seconds_mb, msg.bytes_mb, moves)
+            if x >= 0:
+                received[x] = (rank, op)
+    if any(len(succ) > 1 for succ in tasks.succ_x):
+        _in_sending_order(lowered, tasks, received)
+
+
+def _in_sending_order(lowered: Lowered, tasks: _Tasks, received: dict[int, tuple[int, Op]]) -> None:
+    """Each action's transfers in the order its list sends them."""
+    sent_at = {(r, op.peer, op.stage, op.peer_stage, op.microbatch, op.rows): (r, n)
+               for r, ops in enumerate(lowered.ops) for n, op in enumerate(ops) if op.kind in SENDS}
+    issued = {x: sent_at[(op.peer, rank, op.peer_stage, op.stage, op.microbatch, op.rows)]
+              for x, (rank, op) in received.items()}
+    for succ in tasks.succ_x:
+        if len(succ) > 1:
+            succ.sort(key=issued.__getitem__)
+
+
+def _add_transfer(tasks: _Tasks, xs: _Transfers, sender: tuple[int, str], receiver: tuple[int, str], kind: str,
+                  i: int, secs: tuple[float, ...], sizes: tuple[float | None, ...], moves: bool) -> int:
+    """One message of micro-batch i from (stage, device) `sender` to `receiver`; its transfer,
+    or -1 where it needs none (`moves` False: on one device, or nothing between the stages)."""
+    producer, consumer = tasks.task(*sender, kind, i), tasks.task(*receiver, kind, i)
+    tasks.wait[consumer] += 1
+    if not moves:
+        tasks.succ_c[producer].append(consumer)
+        return -1
+    tasks.succ_x[producer].append(len(xs.link))
+    xs.link.append(xs.link_id(sender[1], receiver[1]))
+    xs.dur.append(secs[i])
+    xs.bytes.append(sizes[i])
+    xs.dst.append(consumer)
+    xs.fwd.append(kind == FORWARD)
+    xs.stage.append(sender[0])
+    xs.to.append(receiver[0])
+    xs.mb.append(i)
+    return len(xs.link) - 1
 
 
 class _EventLoop:
