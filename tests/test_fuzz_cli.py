@@ -481,6 +481,7 @@ def _bad_lines(w: Path, shared: Path = Path("profiles")) -> list[tuple]:
         (("run", mlp_plan, "--model", "mlp", "--timeout-s", "nan", *run), "--timeout-s nan"),
         (("run", mlp_plan, "--model", "mlp", "--lr", "nan", *run), "--lr nan"),
         (("run", mlp_plan, "--model", "mlp", "--lr", "-1", *run), "--lr -1.0"),
+        (("run", mlp_plan, "--model", "mlp", "--backend", "nccl", *run), "--backend nccl: worker 0 runs on the CPU"),
         (("import", "pipedream", shared / "resnet18" / "graph.txt", "--device-type", "tpu-v9",
           "-o", w / "out" / "r.json"), "--device-type 'tpu-v9': not a device type"),
         (("import", "pipedream", w / "half" / "graph.txt", "--batch-size", "32", "-o", w / "out" / "r.json"),

@@ -107,7 +107,9 @@ def test_zbv_sends_between_the_two_stages_of_one_worker_process(tmp_path):
     """ZB-V in two worker processes over gloo: the last worker holds stages 1 and 2, so it sends
     to itself, which gloo cannot (it has no pair from a rank to itself: "Pair is not connected"),
     so the message goes through the worker's own mailbox; the weights after one step equal one
-    process's, stages 0 and 3 (the tied embedding's two ends) on worker 0."""
+    process's, stages 0 and 3 (the tied embedding's two ends) on worker 0. `--backend gloo` set
+    (the other process runs here take the default, auto): ZB-V takes a gradient before an
+    activation sent earlier, which only holds with each channel on its own group."""
     zm = model("gpt2-tiny", 8)
     split = split_step(zm.step, zm.batch, "layer", zm.block_classes)
     plan = interleaved_plan([p.name for p in split.pieces], [1, 1], 2, 4, "zb-v")
@@ -115,8 +117,8 @@ def test_zbv_sends_between_the_two_stages_of_one_worker_process(tmp_path):
     cluster = cluster_from_spec({"name": "two", "devices": [
         {"id": f"c{i}", "type": "cpu", "threads": 1, "binding": "cpu", "host": "here"} for i in range(2)]}, "two")
     spec = run_spec(plan, cluster, "gpt2-tiny", RunSettings(batch_size=8, seq_len=16, granularity="layer", steps=1,
-                    warmup=0, optimizer="sgd", lr=0.1, out_dir=tmp_path, no_dropout=True, return_weights=True),
-                    graph=graph_of(split, 8))
+                    warmup=0, optimizer="sgd", lr=0.1, out_dir=tmp_path, no_dropout=True, return_weights=True,
+                    backend="gloo"), graph=graph_of(split, 8))
     result = launch(spec)
     assert result.losses[0] == pytest.approx(reference_step(zm, _batches(spec, zm, 0), 4, 0.1), rel=1e-5)
     modules = stage_modules(split, plan)

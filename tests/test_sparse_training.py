@@ -85,6 +85,9 @@ class _Counting:
         self.sizes.append(tensor.numel())
         self.inner.all_reduce(tensor, ranks)
 
+    def wire(self, ranks):
+        return self.inner.wire(ranks)
+
 
 def _reduce_params(shapes: list, grads: list[list], tables: set[int]) -> tuple[list, list]:
     """Each of len(grads) ranks (threads joined by a `LocalHub`) holds parameters of `shapes`

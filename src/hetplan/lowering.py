@@ -5,7 +5,10 @@ and DeepSpeed's `PipeSchedule`, whose gradient sums and optimizer step are instr
 passes.
 
 A worker runs its rank's actions (`hetplan.schedule.rank_orders`) for its replica's rows of each
-micro-batch (`hetplan.rows`), as hetplan's executor does (`hetplan.runtime.executor`):
+micro-batch (`hetplan.rows`). The lists are what runs and what is predicted: hetplan's executor
+runs its rank's list pass by pass, each with the receives before it and the sends after it
+(`by_pass`, `hetplan.runtime.executor`), and the event simulator moves the lists' messages
+(`hetplan.sim.engine`); the fast path builds its program from them (`hetplan.sim.fast`):
 
     RECV_F from each replica of stage k-1 that shares rows with mine (in replica order), F,
     SEND_F to each replica of stage k+1 that shares rows with mine (to every rank of its
@@ -14,14 +17,19 @@ micro-batch (`hetplan.rows`), as hetplan's executor does (`hetplan.runtime.execu
     W alone. A replica with no row of a micro-batch runs nothing for it and gets no message.
     Then the gradient sums it takes part in (`hetplan.sync.sync_groups`' order), then STEP.
 
+(Neighbouring stages talk, as the runtime relays a tensor through the stages between its maker
+and its user; the simulator's `direct` routing, which it scores but no run takes, gives `lower`
+the pairs of stages a graph edge joins instead.)
+
 Messages pair up by their order in the two lists, never by a tag naming the micro-batch: the
 k-th activation a sends to b is the k-th that b receives from a, and the same for gradients. Two
 ordered channels per pair of ranks, one each way down the pipeline, since one is not enough: under
 ZB-V a rank holds a stage going down and one coming back, and the rank after it takes a gradient
-from the second before an activation that the first made earlier (a gloo tag or an NCCL
-communicator per direction carries them). `dry_run` plays the lists without costs and says where they deadlock or where
-a pair disagrees (a receive that gets another micro-batch's, stage's or rows' message, a send
-nobody receives, a sum whose members name different groups) before anything runs.
+from the second before an activation that the first made earlier (a process group per
+direction carries them, `hetplan.runtime.transport`). `dry_run` plays the lists without costs
+and says where they deadlock or where a pair disagrees (a receive that gets another
+micro-batch's, stage's or rows' message, a send nobody receives, a sum whose members name
+different groups) before anything runs.
 
 Ops print as torch prints its actions ("1F0", "1SEND_F0", "2RECV_F0", "0REDUCE_GRAD"), with the
 peer rank after an arrow and the rows where a stage's replicas split the micro-batch.
@@ -33,6 +41,7 @@ import re
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan
@@ -80,6 +89,7 @@ class Lowered:
     micro: tuple[int, ...]
     groups: tuple[tuple[tuple[int, ...], ...], ...] = ()  # `lower`'s: the ranks of each stage replica
 
+    @cached_property
     def places(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(stage, rank) -> (p, i): the rank is the i-th of replica p of the stage."""
         return {(k, r): (p, i) for k, reps in enumerate(self.groups) for p, g in enumerate(reps)

@@ -26,6 +26,7 @@ from hetplan.planners.options import (
     PlanOptions,
 )
 from hetplan.precision import PRECISIONS
+from hetplan.runtime.settings import BACKENDS
 from hetplan.runtime.settings import DEFAULTS as RUN
 from hetplan.zoo import zoo_names
 from hetplan.zoo.llm import SHAPES as LLM_SHAPES
@@ -270,7 +271,7 @@ def _add_simulate(sub: Subparsers, common: argparse.ArgumentParser) -> None:
 def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("run", parents=[common], help="train with a plan on workers; measured against predicted",
                        description="Run a plan for real: one worker process per stage replica, each "
-                                   "running its stage's scheduled actions over gloo.")
+                                   "running its stage's scheduled actions and messages (gloo, or NCCL between GPUs).")
     p.add_argument("plan", metavar="PLAN", help="a plan JSON file")
     p.add_argument("--model", required=True, help=f"the profiled model: a zoo model ({', '.join(zoo_names())}) "
                                                   "or module.path:factory")
@@ -303,6 +304,9 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
     p.add_argument("--timeout-s", type=float,
                    help=f"stop every worker when none moves for this long (default: {RUN.timeout_s:g})")
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="how workers talk: auto (NCCL between GPU workers, gloo where a CPU takes part), gloo, "
+                        f"or nccl (every worker on a GPU) (default: {RUN.backend})")
     p.add_argument("--out", type=Path, default=RUN.out_dir,
                    help=f"the run folder: logs, run.json, result (default: {RUN.out_dir})")
     p.add_argument("--dry-run", action="store_true",

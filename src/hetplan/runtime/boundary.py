@@ -100,8 +100,9 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def pack(values: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The values' bytes in one CPU buffer (uint8), each aligned; at least one byte."""
+def pack(values: Sequence[torch.Tensor], where: torch.device | str = "cpu") -> torch.Tensor:
+    """The values' bytes in one buffer (uint8) on `where` (the transport's `wire`: the host, or
+    the values' GPU where the message stays on GPUs), each aligned; at least one byte."""
     parts = []
     for v in values:
         flat = v.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -110,8 +111,8 @@ def pack(values: Sequence[torch.Tensor]) -> torch.Tensor:
         if pad:
             parts.append(flat.new_zeros(pad))
     if not parts:
-        return torch.zeros(1, dtype=torch.uint8)
-    return torch.cat(parts).cpu()
+        return torch.zeros(1, dtype=torch.uint8, device=where)
+    return torch.cat(parts).to(where)
 
 
 def packed_bytes(metas: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> int:

@@ -160,11 +160,13 @@ class StageRunner:
 
     # --- messages: each the op of the lowered list that says what, to whom and which rows ---
     def _send(self, op: Op, values: list[torch.Tensor], pending: list) -> None:
-        buf = pack(values)
+        buf = pack(values, self.transport.wire((self.role.rank, op.peer)))
         pending.append((self.transport.isend(buf, op.peer, channel(op)), buf))
 
     def _recv(self, metas: list[tuple[torch.dtype, tuple[int, ...]]], op: Op) -> list[torch.Tensor]:
-        buf = torch.empty(packed_bytes(metas), dtype=torch.uint8)
+        """The message's values on this worker's device: received there where the transport
+        carries it there (`Transport.wire`), else through the host."""
+        buf = torch.empty(packed_bytes(metas), dtype=torch.uint8, device=self.transport.wire((self.role.rank, op.peer)))
         self.transport.recv(buf, op.peer, channel(op))
         return unpack(buf.to(self.device), metas)
 

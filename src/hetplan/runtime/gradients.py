@@ -53,7 +53,8 @@ def reduce_gradients(groups: Sequence[tuple[tuple[int, ...], Sequence[nn.Paramet
     """Sum each group's gradients over its ranks (see the module's docstring); every rank calls
     its groups in the same global order (`rank.gradient_groups`). `sparse_ids`: the parameters
     whose gradients are sparse (`sparse_parameter_ids`); they end with a sparse gradient over the
-    union of the replicas' rows, the others with the dense sum. GPU gradients go through the CPU."""
+    union of the replicas' rows, the others with the dense sum; each sum where `Transport.wire`
+    says (the host, unless the group's ranks are all on GPUs and NCCL sums)."""
     for ranks, params in groups:
         if len(ranks) < 2 or not params:
             continue
@@ -66,9 +67,12 @@ def reduce_gradients(groups: Sequence[tuple[tuple[int, ...], Sequence[nn.Paramet
                 prm.grad = torch.zeros_like(prm)
             elif prm.grad.is_sparse:  # sparse, though not a table built so (F.embedding(sparse=True))
                 prm.grad = prm.grad.to_dense()
-        # the dense gradients joined where they are (one copy off a GPU), then the tables' rows
-        parts = [torch.cat([prm.grad.reshape(-1) for prm in dense]).cpu()] if dense else []
-        parts += [_spread(raw, vals, union, kind)
+        # the dense gradients joined where they are, then moved where the sum runs (the host,
+        # unless every rank of the group is on a GPU and NCCL sums: `Transport.wire`), then the
+        # tables' rows (gathered on the host)
+        wire = transport.wire(tuple(ranks))
+        parts = [torch.cat([prm.grad.reshape(-1) for prm in dense]).to(wire)] if dense else []
+        parts += [_spread(raw, vals, union, kind).to(wire)
                   for kind, (_, raw, vals), union in zip(kinds, mine, unions, strict=True)]
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: no second copy of it
         if flat.numel():

@@ -36,6 +36,7 @@ from hetplan.lowering import check_lowered, describe, lower, rank_groups
 from hetplan.machine import core_ids
 from hetplan.plan import Plan
 from hetplan.rows import StepRows, idle_replicas, step_rows
+from hetplan.runtime.backend import backend_of
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.spec import RankSpec, RunSpec
 from hetplan.runtime.supervise import (
@@ -145,6 +146,7 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, settings: RunSettings, *,
     rows = step_rows(settings.batch_size, plan.microbatches, weights)
     _check_every_replica_has_rows(plan, rows)
     check_lowered(lower(plan.schedule, groups, plan.stage_ranks, rows))  # its messages pair, nothing deadlocks
+    backend_of(settings.backend, [ranks[r].binding for r in sorted(ranks)])  # or refuse it now
     return RunSpec(plan=plan, model=model, settings=settings, replica_weights=weights,
                    ranks=tuple(ranks[r] for r in sorted(ranks)))
 

@@ -18,6 +18,8 @@ from typing import Any
 
 from hetplan.errors import HetplanError
 
+BACKENDS = ("auto", "gloo", "nccl")  # `backend`'s values (`runtime.transport.backend_of`)
+
 # `hetplan run`'s flags whose destination differs from the field they set
 FLAG_FIELDS = {"out": "out_dir", "block_class": "block_classes"}
 LIBRARY_ONLY = ("return_weights", "resume_step")  # set by the library, not by a flag
@@ -39,6 +41,9 @@ class RunSettings:
     data: str = "synthetic"  # or "text" (`hetplan.runtime.data`)
     out_dir: Path = Path("out/run")
     timeout_s: float = 60.0  # stop every worker when none moves for this long
+    # torch.distributed's backend (`runtime.transport.backend_of`): "auto", NCCL between GPU
+    # workers and gloo where a CPU takes part; "gloo"; "nccl", refused where a worker is on a CPU
+    backend: str = "auto"
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # save every K steps (0: the last step only, with checkpoint_dir)
     resume: bool = False  # from the checkpoint in checkpoint_dir
@@ -69,6 +74,8 @@ class RunSettings:
             return f"--checkpoint-every {self.checkpoint_every}: K must be >= 1 and needs --checkpoint-dir DIR"
         if not _whole(self.seed):
             return f"--seed {self.seed}: must be a whole number"
+        if self.backend not in BACKENDS:
+            return f"--backend {self.backend!r} is unknown: use one of {', '.join(BACKENDS)}"
         return None
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,17 +1,26 @@
 """How workers talk: point-to-point messages and sums over groups of ranks.
 
-`GlooTransport` is torch.distributed over gloo, between processes (and machines under torchrun).
-`LocalHub` runs the same protocol between threads of one process, so that the tests can run a
+`GlooTransport` is torch.distributed between processes (and machines under torchrun) on the
+run's backend (`backend_of`): gloo alone, whose messages and sums are host tensors; or, where
+workers sit on GPUs and torch has NCCL, torch's "cpu:gloo,cuda:nccl", which carries a tensor by
+the backend of its device: what travels only between GPU workers stays on the GPU and goes by
+NCCL, what a CPU worker takes part in goes through the host by gloo (`wire`: where a message or
+a sum among given ranks lives, the one place that decides host staging). `LocalHub` runs the
+same protocol between threads of one process (always on the host), so that the tests can run a
 pipeline of many stages quickly and check it against single-process training; the executor
-cannot tell the two apart.
+cannot tell them apart.
 
-Messages are CPU tensors (gloo sends CPU tensors only; a GPU stage packs on its GPU and copies
-once). Messages between two ranks pair up by their order on one of two channels, activations
-and gradients (the tag), as the step's lowered lists say (`hetplan.lowering`, whose dry run
-checks that they pair): never by a tag naming the micro-batch, which NCCL does not carry. A rank
-holding two neighbouring stages (ZB-V's V: stages n - 1 and n on the last rank) sends to
-itself: gloo has no pair from a rank to itself, so both transports keep such a message in the
-rank's own mailbox (`_Own`), and the threads' hub refuses a message to oneself as gloo does.
+Messages between two ranks pair up by their order on one of two channels, activations and
+gradients, as the step's lowered lists say (`hetplan.lowering`, whose dry run checks that they
+pair). Each channel is its own process group, and every pipeline message has tag 0: NCCL pairs
+messages by their order on a communicator alone, and one communicator for both would make a
+gradient wait behind an activation sent before it (ZB-V needs it first); gloo takes the same
+path, so the CPU tests run what NCCL would. The rings of sharded stages (`runtime.sharding`,
+`runtime.zero`) are host tensors with tags of their own: gloo has no reduce-scatter, so the
+ring is written over point-to-point messages, which only gloo pairs by tag. A rank holding two
+neighbouring stages (ZB-V's V: stages n - 1 and n on the last rank) sends to itself: no backend
+has a pair from a rank to itself, so both transports keep such a message in the rank's own
+mailbox (`_Own`), and the threads' hub refuses a message to oneself as gloo does.
 """
 
 from __future__ import annotations
@@ -24,6 +33,10 @@ from datetime import timedelta
 from typing import Protocol
 
 import torch
+
+from hetplan.runtime.backend import MIXED
+
+CHANNELS = 2  # activations and gradients (`hetplan.lowering.ACTIVATIONS`, `GRADIENTS`)
 
 # gloo's words when the rank at the other end of a message is gone or silent (it raises a plain
 # RuntimeError): a worker failing so is the consequence of another's failure, not its cause
@@ -41,6 +54,10 @@ class Sent(Protocol):
 
 class Transport(Protocol):
     rank: int
+
+    def wire(self, ranks: tuple[int, ...]) -> torch.device:
+        """Where a message or a sum among `ranks` (this one among them) travels."""
+        ...
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Sent: ...
 
@@ -76,28 +93,44 @@ class _Own:
 
 
 class GlooTransport:
-    """torch.distributed (gloo). Every rank creates the same groups, in the same order, as
-    torch.distributed requires; `groups` are all the rank sets that will sum together."""
+    """torch.distributed on `backend` (`backend_of`: gloo, or `MIXED`), each worker on
+    `devices[rank]`. Every rank creates the same groups, in the same order, as torch.distributed
+    requires: the channels, then `groups`, all the rank sets that will sum together."""
 
-    def __init__(self, rank: int, world: int, groups: Sequence[tuple[int, ...]], timeout_s: float) -> None:
+    def __init__(self, rank: int, world: int, groups: Sequence[tuple[int, ...]], timeout_s: float,
+                 devices: Sequence[str] | None = None, backend: str = "gloo") -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self.rank = rank
+        self.backend = backend
+        self._devices = [torch.device(d) for d in devices] if devices else [torch.device("cpu")] * world
         if not dist.is_initialized():
-            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        # activations on the default group, gradients on one of their own
+        self._channels = [None, dist.new_group(list(range(world)))]
         self._groups = {g: dist.new_group(list(g)) for g in groups}
         self._own = _Own(rank)
+
+    def wire(self, ranks: tuple[int, ...]) -> torch.device:
+        if self.backend == MIXED and all(self._devices[r].type == "cuda" for r in ranks):
+            return self._devices[self.rank]
+        return torch.device("cpu")
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Sent:
         if dst == self.rank:
             return self._own.put(tensor, tag)
+        if tag < CHANNELS:  # a pipeline message: by its order on its channel's group
+            return self._dist.isend(tensor, dst, group=self._channels[tag], tag=0)
         return self._dist.isend(tensor, dst, tag=tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
         if src == self.rank:
             return self._own.take(tensor, tag)
-        self._dist.recv(tensor, src, tag=tag)
+        if tag < CHANNELS:
+            self._dist.recv(tensor, src, group=self._channels[tag], tag=0)
+        else:
+            self._dist.recv(tensor, src, tag=tag)
 
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
         self._dist.all_reduce(tensor, group=self._groups[ranks])
@@ -148,6 +181,9 @@ class LocalTransport:
         self.hub, self.rank = hub, rank
         self._rounds: dict[tuple[int, ...], int] = {}
         self._own = _Own(rank)
+
+    def wire(self, ranks: tuple[int, ...]) -> torch.device:
+        return torch.device("cpu")
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Sent:
         if dst == self.rank:

@@ -11,8 +11,8 @@ plan, the model and the run's settings, the replicas' weights (their speed, from
 and for each rank its stage, replica and device binding. Every rank builds the same model from
 the same seed, cuts the step into the profiler's pieces and keeps its own stage
 (`hetplan.runtime.rank`; the local launcher's workers are forked with those made once for all,
-`hetplan.runtime.group`), then runs the schedule's actions for its stage over gloo
-(`hetplan.runtime.executor`), sums gradients over replicas and over stages that share a
+`hetplan.runtime.group`), then runs its rank's list of the step over the run's backend
+(`hetplan.runtime.executor`, `hetplan.runtime.backend`), sums gradients over replicas and over stages that share a
 parameter, and takes an optimizer step. Workers write a heartbeat file
 (the launcher's watchdog reads it: each step, and within a step the action a worker is at) and
 rank 0 writes the result: per-step wall times (between two barriers), the last stage's share of
@@ -402,6 +402,7 @@ def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
     import torch
 
     from hetplan.pieces.hostmem import keep_freed_memory, malloc_in_use_bytes
+    from hetplan.runtime.backend import backend_of
     from hetplan.runtime.rank import group_table, spec_rows
     from hetplan.runtime.tensor_parallel import attach_meshes
     from hetplan.runtime.transport import GlooTransport
@@ -422,7 +423,9 @@ def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
     if scales_loss(spec.plan.precision) and world > 1:  # the workers agree on fp16's steps (`runtime.precision`)
         groups.append(tuple(range(world)))
     check_lowered(lower(spec.plan.schedule, group_table(spec), spec.plan.stage_ranks, spec_rows(spec, spec.plan)))
-    transport = GlooTransport(rank, world, list(dict.fromkeys(groups)), spec.settings.timeout_s + GLOO_AFTER_S)
+    bindings = [r.binding for r in spec.ranks]
+    transport = GlooTransport(rank, world, list(dict.fromkeys(groups)), spec.settings.timeout_s + GLOO_AFTER_S,
+                              bindings, backend_of(spec.settings.backend, bindings))
     device = prepared.device
     attach_meshes(prepared, transport)
     try:

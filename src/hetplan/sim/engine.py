@@ -241,7 +241,7 @@ def _add_transfers(lowered: Lowered, model: StepCosts, tasks: _Tasks, xs: _Trans
             xs.link_id(msg.src, msg.dst)
             xs.link_id(msg.dst, msg.src)
     device = [[rep.device for rep in st.replicas] for st in model.stages]
-    place = lowered.places()
+    place = lowered.places
     received: dict[int, tuple[int, Op]] = {}  # transfer -> its receive
     for rank, ops in enumerate(lowered.ops):
         for op in ops:

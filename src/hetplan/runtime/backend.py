@@ -1,0 +1,43 @@
+"""Which torch.distributed backend a run's workers talk over, from the `backend` run setting
+(`RunSettings.backend`) and where the workers run: gloo alone, or torch's per-device-type
+backend "cpu:gloo,cuda:nccl" (NCCL for tensors on GPUs, gloo for host tensors) where workers sit
+on GPUs and torch has NCCL. How messages then travel is `runtime.transport`'s (`Transport.wire`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from hetplan.errors import HetplanError
+from hetplan.runtime.settings import BACKENDS
+
+MIXED = "cpu:gloo,cuda:nccl"
+
+
+def backend_of(setting: str, bindings: Sequence[str], nccl: Callable[[], bool] | None = None) -> str:
+    """The torch.distributed backend of a run whose workers are bound to `bindings` ("cpu",
+    "cuda:0", ...), for the `backend` run setting: gloo, or `MIXED` where NCCL can carry what
+    passes between GPU workers. `nccl` says whether torch has NCCL here (`nccl_available`, asked
+    only where a worker is on a GPU). Refuses, in `hetplan run`'s words, a setting that cannot hold."""
+    gpus = [b.startswith("cuda") for b in bindings]
+    if setting not in BACKENDS:
+        raise HetplanError(f"--backend {setting!r} is unknown: use one of {', '.join(BACKENDS)}")
+    if setting == "gloo" or (setting == "auto" and not any(gpus)):
+        return "gloo"
+    if setting == "nccl" and not all(gpus):
+        cpu = gpus.index(False)
+        raise HetplanError(f"--backend nccl: worker {cpu} runs on the CPU ({bindings[cpu]}), and NCCL carries GPU "
+                           "tensors only: use --backend auto (NCCL between GPUs, gloo where a CPU takes part)")
+    has_nccl = (nccl or nccl_available)()
+    if setting == "auto":
+        return MIXED if has_nccl else "gloo"
+    if not has_nccl:
+        raise HetplanError("--backend nccl: this torch has no NCCL (a CPU build): use --backend auto or gloo")
+    return MIXED
+
+
+def nccl_available() -> bool:
+    """Whether this torch can use NCCL (a CUDA build with it, and a GPU to run it on)."""
+    import torch
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()

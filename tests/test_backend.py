@@ -1,0 +1,80 @@
+"""Which backend a run's workers talk over, and how a message travels on it: pipeline messages
+pair by their order on a channel's own group (tag 0, as NCCL pairs them), never by a tag; a
+message or a sum stays on the GPU only where every rank in it is on one and NCCL carries it."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+from hetplan.errors import HetplanError
+from hetplan.lowering import ACTIVATIONS, GRADIENTS
+from hetplan.runtime.backend import MIXED, backend_of
+from hetplan.runtime.sharding import RING_TAG
+from hetplan.runtime.transport import GlooTransport
+
+GPUS, MIX, CPUS = ["cuda:0", "cuda:1"], ["cuda:0", "cpu"], ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize("setting,bindings,nccl,expected", [
+    ("gloo", GPUS, True, "gloo"),
+    ("auto", CPUS, True, "gloo"),
+    ("auto", GPUS, False, "gloo"),  # a CPU build of torch: the GPUs' messages go through the host
+    ("auto", GPUS, True, MIXED),
+    ("auto", MIX, True, MIXED),  # NCCL between the GPUs, gloo to the CPU worker
+    ("nccl", GPUS, True, MIXED),
+])
+def test_the_backend_of_each_setting(setting, bindings, nccl, expected):
+    assert backend_of(setting, bindings, lambda: nccl) == expected
+
+
+@pytest.mark.parametrize("setting,bindings,nccl,words", [
+    ("nccl", MIX, True, "--backend nccl: worker 1 runs on the CPU (cpu), and NCCL carries GPU tensors only"),
+    ("nccl", CPUS, True, "worker 0 runs on the CPU"),
+    ("nccl", GPUS, False, "this torch has no NCCL"),
+    ("mpi", GPUS, True, "--backend 'mpi' is unknown: use one of auto, gloo, nccl"),
+])
+def test_a_backend_that_cannot_hold_is_refused_in_one_line(setting, bindings, nccl, words):
+    with pytest.raises(HetplanError, match="^[^\n]*$") as err:
+        backend_of(setting, bindings, lambda: nccl)
+    assert words in str(err.value)
+
+
+def transport(devices, backend):
+    """A GlooTransport of rank 0 of two, over a recording stand-in for torch.distributed."""
+    dist = mock.MagicMock()
+    dist.is_initialized.return_value = False
+    dist.new_group.side_effect = lambda ranks: f"group{tuple(ranks)}"
+    with mock.patch.dict("sys.modules", {"torch.distributed": dist}), \
+            mock.patch("torch.distributed", dist, create=True):
+        made = GlooTransport(0, 2, [(0, 1)], 5.0, devices, backend)
+    return made, dist
+
+
+def test_pipeline_messages_pair_by_order_on_their_channels_group_never_by_tag():
+    """Activations on the default group, gradients on a group of their own, both with tag 0
+    (what NCCL needs: it pairs by order alone); a sharded stage's ring keeps its gloo tags."""
+    t, dist = transport(CPUS, "gloo")
+    assert dist.init_process_group.call_args.args[0] == "gloo"
+    x = torch.zeros(4, dtype=torch.uint8)
+    t.isend(x, 1, ACTIVATIONS)
+    t.isend(x, 1, GRADIENTS)
+    t.recv(x, 1, ACTIVATIONS)
+    t.recv(x, 1, GRADIENTS)
+    t.isend(x, 1, RING_TAG + 7)
+    sent = [(c.kwargs.get("group"), c.kwargs["tag"]) for c in dist.isend.call_args_list]
+    got = [(c.kwargs.get("group"), c.kwargs["tag"]) for c in dist.recv.call_args_list]
+    assert sent[:2] == got == [(None, 0), ("group(0, 1)", 0)]
+    assert dist.isend.call_args_list[2].kwargs == {"tag": RING_TAG + 7}
+
+
+@pytest.mark.parametrize("devices,backend,ranks,where", [
+    (GPUS, MIXED, (0, 1), "cuda:0"),  # GPU to GPU on NCCL: no host hop
+    (MIX, MIXED, (0, 1), "cpu"),  # a CPU worker takes part: through the host, by gloo
+    (MIX, MIXED, (0,), "cuda:0"),
+    (GPUS, "gloo", (0, 1), "cpu"),  # gloo carries host tensors only
+])
+def test_a_message_stays_on_the_gpu_only_between_gpus_on_nccl(devices, backend, ranks, where):
+    t, dist = transport(devices, backend)
+    assert dist.init_process_group.call_args.args[0] == backend
+    assert t.wire(ranks) == torch.device(where)
