@@ -10,7 +10,7 @@ planner's final choice is re-scored here.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
@@ -64,7 +64,7 @@ def simulate(graph: Graph, cluster: Cluster, plan: Plan, *, routing: str = "rela
     timeline: keep every action (off when only the estimate is wanted)."""
     cm = cost or CostModel(graph, cluster)
     model = step_costs(graph, cluster, plan, routing, cm)
-    result = run_events(model, cluster, step_lists(cm, plan, routing), record=timeline)
+    result = run_events(model, cluster, step_lists(cm, plan, routing, model.syncs), record=timeline)
     return Simulation(_estimate(graph, cluster, plan, model, result, cm), result.timeline)
 
 
@@ -81,12 +81,13 @@ def lowered_step(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | N
     return lower(plan.schedule, groups, plan.stage_ranks, cm.plan_rows(plan), sums, links)
 
 
-def step_lists(cm: CostModel, plan: Plan, routing: str = "relay") -> Lowered:
+def step_lists(cm: CostModel, plan: Plan, routing: str = "relay", syncs: Sequence | None = None) -> Lowered:
     """The plan's step as each worker's list (`hetplan.lowering.lower`, as `lowered_step`) with
     its workers numbered by the plan's shape (`lowering.shape_groups`), which is all the event
-    simulator needs of them; kept by the cost model, since planners simulate many plans of one shape."""
+    simulator needs of them; kept by the cost model, since planners simulate many plans of one
+    shape. `syncs`: the plan's gradient sums, where the caller has them (`StepCosts.syncs`)."""
     degrees = tuple(st.degrees for st in plan.stages)
-    syncs = tuple(sync.members for sync in cm.sync_costs(plan))
+    syncs = tuple(sync.members for sync in (cm.sync_costs(plan) if syncs is None else syncs))
     links = None if routing == "relay" else tuple(stage_pair_bytes(cm.graph, plan, routing))
     rows = cm.plan_rows(plan)
 
