@@ -120,6 +120,7 @@ def test_zbv_sends_between_the_two_stages_of_one_worker_process(tmp_path):
                     warmup=0, optimizer="sgd", lr=0.1, out_dir=tmp_path, no_dropout=True, return_weights=True,
                     backend="gloo"), graph=graph_of(split, 8))
     result = launch(spec)
+    assert {r["backend"] for r in result.ranks} == {"gloo"}
     assert result.losses[0] == pytest.approx(reference_step(zm, _batches(spec, zm, 0), 4, 0.1), rel=1e-5)
     modules = stage_modules(split, plan)
     for rank, held in enumerate(plan.rank_stages):

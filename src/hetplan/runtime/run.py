@@ -60,6 +60,7 @@ class RunReport:
         r, m, p = self.result, self.measured, self.predicted
         return {
             "kind": "run", "plan": plan_path, "model": self.model, "workers": len(r.ranks), "steps": r.steps,
+            "backend": r.ranks[0].get("backend") if r.ranks else None,  # torch.distributed's (`runtime.backend`)
             "first_step": self.first_step, "warmup": r.warmup, "measured_step_s": m.step_s,
             "measured_samples_per_s": m.samples_per_s if m.step_s > 0 else None,
             "predicted_step_s": p.step_s if p else None, "relative_error": self.relative_error,

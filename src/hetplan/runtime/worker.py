@@ -438,7 +438,7 @@ def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
     # process's resident size where neither can say
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else mine.pop("tensor_peak_bytes") or rss
     mine.update(rank=rank, stage=me.stage, replica=me.replica, tp=me.tp, device=me.device, peak_mem_bytes=peak,
-                rss_peak_bytes=rss)
+                rss_peak_bytes=rss, backend=transport.backend)
     gathered = transport.gather_objects(mine, world)
     if spec.settings.return_weights:
         torch.save({name: p.detach().cpu() for name, p in prepared.named_parameters().items()},
