@@ -313,3 +313,17 @@ def test_the_event_simulator_waits_for_what_the_lists_receive_and_nothing_else()
 
     assert first_f0(whole) > 0 and first_f0(cut) == 0
     assert ("F", 0) in moved(whole) and ("F", 0) not in moved(cut) and len(moved(cut)) == len(moved(whole)) - 1
+
+
+def test_the_lists_fast_op_is_the_op():
+    """The lowering makes its ops without the dataclass's constructor (`lowering._op`): each equals,
+    hashes and prints as the one `Op` makes, and stays frozen."""
+    import dataclasses
+
+    from hetplan.lowering import _op
+
+    made, built = _op(SEND_F, 1, 2, 3, (0, 4), 2), Op(SEND_F, 1, 2, 3, (0, 4), peer_stage=2)
+    assert made == built and hash(made) == hash(built) and str(made) == str(built) == "1SEND_F2->3"
+    assert dataclasses.asdict(made) == dataclasses.asdict(built)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.peer = 4

@@ -80,6 +80,17 @@ class Op:
         return text
 
 
+def _op(kind: str, stage: int, microbatch: int, peer: int = -1, rows: tuple[int, int] = (0, 0),
+        peer_stage: int = -1) -> Op:
+    """`Op(...)` made without the frozen dataclass's `object.__setattr__` per field, three times
+    faster: planners lower every plan shape they simulate, tens of thousands of ops for a deep one.
+    The same object, equal to one `Op` makes (`tests/test_lowering.py`)."""
+    op = object.__new__(Op)
+    op.__dict__.update(kind=kind, stage=stage, microbatch=microbatch, peer=peer, rows=rows, group=(),
+                       peer_stage=peer_stage)
+    return op
+
+
 @dataclass(frozen=True)
 class Lowered:
     """Per rank (runtime numbering: `groups[k][p]` are the ranks of replica p of stage k), its ops;
@@ -123,11 +134,12 @@ def lower(schedule: str, groups: Sequence[Sequence[Sequence[int]]], stage_ranks:
     workers = 1 + max(r for reps in groups for g in reps for r in g)
     ops: list[list[Op]] = [[] for _ in range(workers)]
     firsts = [next(k for k in range(stages) if stage_ranks[k] == r) for r in range(pipeline)]
+    shares = _Shares(rows, groups)
     for k in firsts:
         for p, group in enumerate(groups[k]):
             for position, rank in enumerate(group):
                 held = [s for s in range(stages) if stage_ranks[s] == stage_ranks[k]]
-                ops[rank] = _passes(orders[stage_ranks[k]], groups, rows, p, position, held, talks)
+                ops[rank] = _passes(orders[stage_ranks[k]], groups, rows, p, position, held, talks, shares)
     for members in sums:
         for rank in members:
             ops[rank].append(Op(REDUCE_GRAD, _known_by(groups, rank), group=tuple(members)))
@@ -170,42 +182,56 @@ def _known_by(groups: Sequence[Sequence[Sequence[int]]], rank: int) -> int:
 
 
 def _passes(order: Sequence[Action], groups, rows: StepRows, p: int, position: int, held: Sequence[int],
-            talks: Sequence[tuple[int, int]]) -> list[Op]:
+            talks: Sequence[tuple[int, int]], shares: _Shares) -> list[Op]:
     """A worker's passes and messages: replica p of the stages `held`, at `position` of its group.
     (Planners lower every plan they simulate: the rows each pass shares are looked up first.)"""
     out: list[Op] = []
     append = out.append
-    below = {k: [(x, _shared(rows, p, k, x, groups)) for x, y in talks if y == k] for k in held}
-    above = {k: [(y, _shared(rows, p, k, y, groups)) for x, y in talks if x == k] for k in held}
+    below = {k: [(x, shares.of(k, x, p)) for x, y in talks if y == k] for k in held}
+    above = {k: [(y, shares.of(k, y, p)) for x, y in talks if x == k] for k in held}
     busy = {k: [rows.rows(k, j, p) > 0 for j in range(len(rows.micro))] for k in held}
     for a in order:
         k, j, kind = a.stage, a.microbatch, a.kind
         if k not in busy or not busy[k][j]:
             continue
         if kind == BACKWARD_WEIGHT:
-            append(Op(kind, k, j))
+            append(_op(kind, k, j))
             continue
         if kind == FORWARD:
             sources, targets, receive, send = below[k], above[k], RECV_F, SEND_F
         else:
             sources, targets, receive, send = above[k], below[k], RECV_B, SEND_B
-        for source, shares in sources:
-            for group, span in shares[j]:
-                append(Op(receive, k, j, group[0], span, peer_stage=source))
-        append(Op(kind, k, j))
+        for source, shared in sources:
+            for group, span in shared[j]:
+                append(_op(receive, k, j, group[0], span, source))
+        append(_op(kind, k, j))
         if position == 0:  # a group's other ranks made the same values
-            for target, shares in targets:
-                for group, span in shares[j]:
+            for target, shared in targets:
+                for group, span in shared[j]:
                     for dst in group:
-                        append(Op(send, k, j, dst, span, peer_stage=target))
+                        append(_op(send, k, j, dst, span, target))
     return out
 
 
-def _shared(rows: StepRows, p: int, k: int, other: int, groups) -> list[list[tuple[tuple[int, ...], tuple[int, int]]]]:
-    """Per micro-batch, (the ranks of replica q of stage `other`, (first, end)) for each replica q
-    whose slice shares rows with replica p of stage k, in replica order (`StepRows.overlaps`)."""
-    return [[(groups[other][q], (lo, hi)) for mine, q, lo, hi in rows.overlaps(k, other, j) if mine == p]
-            for j in range(len(rows.micro))]
+class _Shares:
+    """Per pair of stages (k, other), replica p of k and micro-batch j: (the ranks of replica q of
+    `other`, (first, end)) for each replica q whose slice shares rows with p's, in replica order
+    (`StepRows.overlaps`, one walk per pair and micro-batch for all the replicas at once)."""
+
+    def __init__(self, rows: StepRows, groups) -> None:
+        self.rows, self.groups = rows, groups
+        self.known: dict[tuple[int, int], list[list[list]]] = {}
+
+    def of(self, k: int, other: int, p: int) -> list[list[tuple[tuple[int, ...], tuple[int, int]]]]:
+        if (k, other) not in self.known:
+            per_j = []
+            for j in range(len(self.rows.micro)):
+                by_p: list[list] = [[] for _ in range(self.rows.replicas(k))]
+                for mine, q, lo, hi in self.rows.overlaps(k, other, j):
+                    by_p[mine].append((self.groups[other][q], (lo, hi)))
+                per_j.append(by_p)
+            self.known[(k, other)] = per_j
+        return [by_p[p] for by_p in self.known[(k, other)]]
 
 
 def dry_run(lowered: Lowered) -> list[str]:

@@ -82,11 +82,13 @@ def lowered_step(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | N
 
 
 def step_lists(cm: CostModel, plan: Plan, routing: str = "relay", syncs: Sequence | None = None) -> Lowered:
-    """The plan's step as each worker's list (`hetplan.lowering.lower`, as `lowered_step`) with
-    its workers numbered by the plan's shape (`lowering.shape_groups`), which is all the event
-    simulator needs of them; kept by the cost model, since planners simulate many plans of one
-    shape. `syncs`: the plan's gradient sums, where the caller has them (`StepCosts.syncs`)."""
-    degrees = tuple(st.degrees for st in plan.stages)
+    """The plan's step as the event simulator reads it: each stage replica's list
+    (`hetplan.lowering.lower`, as `lowered_step`), a tensor-parallel group's first rank's alone
+    (the others run the same passes, and the cost table's message times count the copies sent to
+    every rank of a group), its workers numbered by the plan's shape (`lowering.shape_groups`);
+    kept by the cost model, since planners simulate many plans of one shape. `syncs`: the plan's
+    gradient sums, where the caller has them (`StepCosts.syncs`)."""
+    degrees = tuple((1,) * len(st.degrees) for st in plan.stages)
     syncs = tuple(sync.members for sync in (cm.sync_costs(plan) if syncs is None else syncs))
     links = None if routing == "relay" else tuple(stage_pair_bytes(cm.graph, plan, routing))
     rows = cm.plan_rows(plan)
