@@ -193,3 +193,25 @@ def test_an_alias_is_the_type_it_names_not_a_type_to_project_to():
     assert cm.projected_types() == {} and cm.measured_name("cpu-1t") == "cpu"
     assert cm._node_times_s("cpu-1t")["n0"] == (1e-3, 2e-3) and cm._node_fixed_s("cpu-1t")["n0"] == (1e-4, 0.0)
     assert cm._measured_optimizer_s("cpu-1t") == {"n0": 5e-4}
+
+
+def test_the_cost_model_keeps_what_fits_and_drops_the_oldest(monkeypatch):
+    """`CostModel.kept`: made once while kept; the oldest dropped when the sizes would pass
+    `KEPT`; one bigger than `KEPT` made every time, never kept (a deep plan's lists)."""
+    import hetplan.cost as cost_module
+
+    monkeypatch.setattr(cost_module, "KEPT", 10)
+    cm = CostModel(chain(2), load_cluster("v100x8"))
+    made = []
+
+    def make(name):
+        return lambda: made.append(name) or name
+
+    assert cm.kept(("a",), make("a"), lambda _: 6) == "a" and cm.kept(("a",), make("a"), lambda _: 6) == "a"
+    cm.kept(("b",), make("b"), lambda _: 4)
+    cm.kept(("c",), make("c"), lambda _: 3)  # 6 + 4 + 3 > 10: "a" goes
+    cm.kept(("b",), make("b"), lambda _: 4)
+    cm.kept(("a",), make("a"), lambda _: 6)  # made again
+    cm.kept(("big",), make("big"), lambda _: 11)
+    cm.kept(("big",), make("big"), lambda _: 11)
+    assert made == ["a", "b", "c", "a", "big", "big"]

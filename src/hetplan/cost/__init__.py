@@ -58,7 +58,9 @@ __all__ = ["WEIGHT_COPIES", "CostModel", "formulas", "in_flight_share", "infligh
            "microbatch_fractions", "usd_per_step", "weight_bytes"]
 
 
-KEPT = 32  # `CostModel.kept` keeps this many (an 8 x 64 step's lowered lists: ~1 MB)
+# `CostModel.kept` keeps this much: for the simulator's lists, ops (~0.5 kB each; an 8 x 64
+# chain's step has 3,000, a 128-GPU plan of 16 replicas a stage and 128 micro-batches 100,000)
+KEPT = 200_000
 
 
 @dataclass(frozen=True)
@@ -372,14 +374,20 @@ class CostModel:
 
         return plan_syncs(self, plan)
 
-    def kept(self, key: tuple, make: Callable[[], object]) -> object:
-        """`make()`, kept under `key` for the model's life with the last `KEPT` others: what
-        planners ask of many plans of one shape (the simulator's lowered lists, `sim.step_lists`)."""
-        if key not in self._kept:
-            if len(self._kept) >= KEPT:
+    def kept(self, key: tuple, make: Callable[[], object], size: Callable[[object], int] = lambda _: 1) -> object:
+        """`make()`, kept under `key` for the model's life with the last others whose `size`s add
+        up to `KEPT` at most (one bigger than that is made each time, never kept): what planners
+        ask of many plans of one shape (the simulator's lowered lists, `sim.step_lists`, sized by
+        their ops)."""
+        if key in self._kept:
+            return self._kept[key][0]
+        made = make()
+        weight = size(made)
+        if weight <= KEPT:
+            while self._kept and sum(w for _, w in self._kept.values()) + weight > KEPT:
                 del self._kept[next(iter(self._kept))]
-            self._kept[key] = make()
-        return self._kept[key]
+            self._kept[key] = (made, weight)
+        return made
 
     def plan_rows(self, plan: Plan) -> StepRows:
         """The rows of every stage replica and micro-batch of the plan (`hetplan.rows`)."""

@@ -98,7 +98,8 @@ def step_lists(cm: CostModel, plan: Plan, routing: str = "relay", syncs: Sequenc
         sums = [ranks for members in syncs for ranks in sum_ranks(groups, members)]
         return lower(plan.schedule, groups, plan.stage_ranks, rows, sums, links)
 
-    return cm.kept(("lowered", plan.schedule, degrees, plan.stage_ranks, rows, syncs, links), make)
+    return cm.kept(("lowered", plan.schedule, degrees, plan.stage_ranks, rows, syncs, links), make,
+                   lambda lowered: sum(map(len, lowered.ops)))
 
 
 def _estimate(graph: Graph, cluster: Cluster, plan: Plan, model: StepCosts, result, cm: CostModel) -> Estimate:
