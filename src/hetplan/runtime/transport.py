@@ -34,9 +34,10 @@ from typing import Protocol
 
 import torch
 
+from hetplan.lowering import ACTIVATIONS, GRADIENTS
 from hetplan.runtime.backend import MIXED
 
-CHANNELS = 2  # activations and gradients (`hetplan.lowering.ACTIVATIONS`, `GRADIENTS`)
+CHANNELS = (ACTIVATIONS, GRADIENTS)  # a pipeline message's tag names its channel (`lowering.channel`)
 
 # gloo's words when the rank at the other end of a message is gone or silent (it raises a plain
 # RuntimeError): a worker failing so is the consequence of another's failure, not its cause
@@ -120,14 +121,14 @@ class GlooTransport:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Sent:
         if dst == self.rank:
             return self._own.put(tensor, tag)
-        if tag < CHANNELS:  # a pipeline message: by its order on its channel's group
+        if tag in CHANNELS:  # a pipeline message: by its order on its channel's group
             return self._dist.isend(tensor, dst, group=self._channels[tag], tag=0)
         return self._dist.isend(tensor, dst, tag=tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
         if src == self.rank:
             return self._own.take(tensor, tag)
-        if tag < CHANNELS:
+        if tag in CHANNELS:
             self._dist.recv(tensor, src, group=self._channels[tag], tag=0)
         else:
             self._dist.recv(tensor, src, tag=tag)

@@ -75,10 +75,20 @@ def lowered_step(graph: Graph, cluster: Cluster, plan: Plan, cost: CostModel | N
     `direct` routing (what the simulator can score, never run), with messages between every pair
     of stages that a graph edge joins instead of between neighbours."""
     cm = cost or CostModel(graph, cluster)
-    groups = rank_groups(plan, lambda d: cluster.device(d).host)
-    sums = [ranks for sync in cm.sync_costs(plan) for ranks in sum_ranks(groups, sync.members)]
-    links = None if routing == "relay" else list(stage_pair_bytes(graph, plan, routing))
-    return lower(plan.schedule, groups, plan.stage_ranks, cm.plan_rows(plan), sums, links)
+    syncs = tuple(sync.members for sync in cm.sync_costs(plan))
+    return _lower(plan, rank_groups(plan, lambda d: cluster.device(d).host), cm.plan_rows(plan), syncs,
+                  _links(cm, plan, routing))
+
+
+def _links(cm: CostModel, plan: Plan, routing: str) -> tuple[tuple[int, int], ...] | None:
+    """The pairs of stages that talk: None (neighbours) under `relay`, else those a graph edge joins."""
+    return None if routing == "relay" else tuple(stage_pair_bytes(cm.graph, plan, routing))
+
+
+def _lower(plan: Plan, groups, rows, syncs, links) -> Lowered:
+    """`lower` of the plan with its workers numbered by `groups` and each sum's ranks from them."""
+    sums = [ranks for members in syncs for ranks in sum_ranks(groups, members)]
+    return lower(plan.schedule, groups, plan.stage_ranks, rows, sums, links)
 
 
 def step_lists(cm: CostModel, plan: Plan, routing: str = "relay", syncs: Sequence | None = None) -> Lowered:
@@ -90,13 +100,11 @@ def step_lists(cm: CostModel, plan: Plan, routing: str = "relay", syncs: Sequenc
     gradient sums, where the caller has them (`StepCosts.syncs`)."""
     degrees = tuple((1,) * len(st.degrees) for st in plan.stages)
     syncs = tuple(sync.members for sync in (cm.sync_costs(plan) if syncs is None else syncs))
-    links = None if routing == "relay" else tuple(stage_pair_bytes(cm.graph, plan, routing))
+    links = _links(cm, plan, routing)
     rows = cm.plan_rows(plan)
 
     def make() -> Lowered:
-        groups = shape_groups(degrees, plan.stage_ranks)
-        sums = [ranks for members in syncs for ranks in sum_ranks(groups, members)]
-        return lower(plan.schedule, groups, plan.stage_ranks, rows, sums, links)
+        return _lower(plan, shape_groups(degrees, plan.stage_ranks), rows, syncs, links)
 
     return cm.kept(("lowered", plan.schedule, degrees, plan.stage_ranks, rows, syncs, links), make,
                    lambda lowered: sum(map(len, lowered.ops)))
