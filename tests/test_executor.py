@@ -12,11 +12,12 @@ import torch
 
 from hetplan.errors import HetplanError
 from hetplan.io.clusters import cluster_from_spec
-from hetplan.lowering import ACTIVATIONS, GRADIENTS, RECEIVES, SENDS, channel, dry_run, lower, rank_groups
+from hetplan.lowering import ACTIVATIONS, GRADIENTS, RECEIVES, REDUCE_GRAD, SENDS, channel, dry_run, lower, rank_groups
 from hetplan.lowering import lower as real_lower
 from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
 from hetplan.rows import step_rows
+from hetplan.runtime import sums as sums_module
 from hetplan.runtime.launch import run_spec
 from hetplan.runtime.local import run_threads
 from hetplan.runtime.rank import SharedTraces, Traces, boundary_layouts, group_table, layout_rows, spec_rows
@@ -110,8 +111,20 @@ def traced(zm, granularity="layer", shared=None, replicas=None, m=None, weights=
 def run_checked(spec, shared):
     """`run_threads`, checking that every rank sends and receives, in order and on its channel,
     the messages of its lowered list (`hetplan.lowering`), which pair up in the dry run: the
-    messages pair by that order alone, so a rank whose order differed would get another's."""
+    messages pair by that order alone, so a rank whose order differed would get another's; and
+    that it runs the gradient sums of its list (its REDUCE_GRAD ops), in that order."""
     log = {rank: [] for rank in range(spec.world)}
+    summed, listed = {rank: [] for rank in range(spec.world)}, {}
+    run_sums, run_sum = sums_module.run_sums, sums_module._run
+
+    def logged_sums(prepared, transport):
+        listed[prepared.role.rank] = [op.group for op in prepared.ops if op.kind == REDUCE_GRAD]
+        return run_sums(prepared, transport)
+
+    def logged_sum(prepared, transport, what, ranks):
+        summed[prepared.role.rank].append(ranks)
+        return run_sum(prepared, transport, what, ranks)
+
     isend, recv = LocalTransport.isend, LocalTransport.recv
     pipeline = (ACTIVATIONS, GRADIENTS)  # not the rings of sharded stages' sums (`runtime.sharding`)
 
@@ -126,8 +139,12 @@ def run_checked(spec, shared):
         return recv(self, tensor, src, tag)
 
     with mock.patch.object(LocalTransport, "isend", logged_isend), \
-            mock.patch.object(LocalTransport, "recv", logged_recv):
+            mock.patch.object(LocalTransport, "recv", logged_recv), \
+            mock.patch.object(sums_module, "run_sums", logged_sums), mock.patch.object(sums_module, "_run", logged_sum):
         results = run_threads(spec, shared=shared)
+    assert summed == {rank: listed[rank] for rank in range(spec.world)}
+    for rank, res in enumerate(results):
+        res["sums"] = summed[rank]
     groups = rank_groups(spec.plan, {r.device: r.host for r in spec.ranks}.__getitem__)
     assert groups == group_table(spec)
     lowered = lower(spec.plan.schedule, groups, spec.plan.stage_ranks, spec_rows(spec, spec.plan))
@@ -333,6 +350,25 @@ def test_the_runtime_sends_and_receives_in_the_order_of_its_list(monkeypatch):
     assert first[:3] == ["0F0", "0SEND_F0->2", "0SEND_F0->1"]  # the real lowering sends to rank 1 first
     assert [str(op) for op in real_lower(spec.plan.schedule, groups, spec.plan.stage_ranks, rows).ops[0]][1] \
         == "0SEND_F0->1"
+
+
+def reversed_sums(schedule, groups, stage_ranks, rows, sums=(), links=None):
+    """`lower`'s lists with the gradient sums in the reverse of the global order: as valid (every
+    rank reverses them alike), but not the order a runtime that ran its own would take."""
+    return real_lower(schedule, groups, stage_ranks, rows, list(sums)[::-1], links)
+
+
+def test_the_runtime_sums_gradients_in_the_order_of_its_list(monkeypatch):
+    """gpt2-tiny, its first stage on one worker and its last on two: the tied embedding is summed
+    over all three, the last stage's own weights over its two; with the lists' sums reversed,
+    each rank runs them in the reversed order (`run_checked`) and the step still equals one
+    process."""
+    import hetplan.runtime.rank as rank_module
+
+    monkeypatch.setattr(rank_module, "lower", reversed_sums)
+    result = pipelined_vs_single("gpt2-tiny", [1, 2], 2, "gpipe", batch=8)
+    check(*result)
+    assert [res["sums"] for res in result[6]] == [[(0, 1, 2)], [(1, 2), (0, 1, 2)], [(1, 2), (0, 1, 2)]]
 
 
 def test_every_rank_reads_the_layouts_at_the_steps_smallest_slice_and_one_more():

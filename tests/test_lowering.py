@@ -6,6 +6,7 @@ by that order alone: `test_executor.run_checked`, for every plan the executor's 
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import assume, given
@@ -313,6 +314,53 @@ def test_the_event_simulator_waits_for_what_the_lists_receive_and_nothing_else()
 
     assert first_f0(whole) > 0 and first_f0(cut) == 0
     assert ("F", 0) in moved(whole) and ("F", 0) not in moved(cut) and len(moved(cut)) == len(moved(whole)) - 1
+
+
+def test_the_event_simulator_sums_what_the_lists_sum_in_their_order():
+    """Three stages, the first and last sharing a tied weight, the last on two replicas: two sums
+    after the passes, in this order: the tied weight over all three workers, which waits for the
+    first stage (under GPipe the last to finish), then the last stage's own weights over its two.
+    Take the tied sum out of the lists: the last stage sums and steps while the first still
+    works. Swap the two sums in every list: the last stage's own sum runs early, the tied one
+    after the first stage. Lists whose ranks disagree on the order are a cycle, refused. A
+    simulator that summed by a rule of its own would take as long every time."""
+    from hetplan.cost import CostModel
+    from hetplan.cost.table import step_costs
+    from hetplan.graph import Tied
+    from hetplan.io.clusters import cluster_from_spec
+    from hetplan.plan import Plan, Stage
+    from hetplan.sim import lowered_step
+    from hetplan.sim.engine import run_events
+    from strategies import V
+    from strategies import chain as chain_graph
+
+    four = cluster_from_spec({"devices": [{"id": d, "type": V, "host": "x"} for d in "abcd"]}, "four")
+    graph = replace(chain_graph(3, params=10**8, batch=4), tied=(Tied(("n0", "n2"), 10**7),))
+    plan = Plan((Stage(("n0",), ("a",)), Stage(("n1",), ("b",)), Stage(("n2",), ("c", "d"))), 2, "gpipe", "test")
+    cm = CostModel(graph, four)
+    model, lowered = step_costs(graph, four, plan, "relay", cm), lowered_step(graph, four, plan, cm)
+    sums = [[op.group for op in ops if op.kind == REDUCE_GRAD] for ops in lowered.ops]
+    assert sums == [[(0, 2, 3)], [], [(0, 2, 3), (2, 3)], [(0, 2, 3), (2, 3)]]
+    tied, own = (s.seconds for s in model.syncs)
+
+    def step(keep=lambda r, ops: ops):
+        lists = tuple(tuple(keep(r, list(ops))) for r, ops in enumerate(lowered.ops))
+        return run_events(model, four, Lowered(lists, lowered.micro, lowered.groups), record=False).step_s
+
+    def swapped(r, ops):
+        at = [i for i, op in enumerate(ops) if op.kind == REDUCE_GRAD]
+        if len(at) == 2:
+            ops[at[0]], ops[at[1]] = ops[at[1]], ops[at[0]]
+        return ops
+
+    first = max(s.end_s for s in run_events(model, four, lowered).timeline.spans if s.resource == "a"
+                and s.microbatch >= 0)
+    opt = model.stages[0].replicas[0].optimizer_s  # all four alike
+    assert step() == pytest.approx(first + tied + own + opt)
+    assert step(lambda r, ops: [op for op in ops if op.group != (0, 2, 3)]) == pytest.approx(first + opt)
+    assert step(swapped) == pytest.approx(first + tied + opt)
+    with pytest.raises(HetplanError, match="cycle"):
+        step(lambda r, ops: swapped(r, ops) if r == 2 else ops)
 
 
 def test_the_lists_fast_op_is_the_op():

@@ -181,9 +181,12 @@ def test_the_runtime_sums_what_the_cost_model_charges_for_gpt2s_tied_embedding()
     the first and last pieces, and the runtime's gradient groups (ranks) are the cost model's
     (stage, replica) members, in the same order, the tied weight in a group of its own."""
     from hetplan.io.clusters import cluster_from_spec
+    from hetplan.lowering import REDUCE_GRAD, lower
     from hetplan.pieces.split import split_step
     from hetplan.profile import profile_step
-    from hetplan.runtime.rank import Traces, gradient_groups
+    from hetplan.rows import step_rows
+    from hetplan.runtime.rank import Traces, gradient_groups, summed, tp_sums
+    from hetplan.sim import lowered_step
     from hetplan.zoo import load_model
 
     zm = load_model("gpt2-tiny", batch_size=4, seq_len=8)
@@ -201,6 +204,15 @@ def test_the_runtime_sums_what_the_cost_model_charges_for_gpt2s_tied_embedding()
     cluster = cluster_from_spec({"devices": [{"id": f"c{i}", "type": "cpu-1t", "host": "h"} for i in range(5)]}, "c")
     cost = [tuple(table[k][p] for k, p in s.members) for s in plan_syncs(CostModel(graph, cluster), plan)]
     assert runtime == cost == [(0, 1), (0, 1, 3, 4), (3, 4)]
+    # each rank's list sums the same, in the same order, whether the runtime lowers it (from its
+    # traces) or the simulator (from the graph): the sums a run makes are those it was promised
+    members = tuple(tuple((r,) for r in ranks) for ranks in table)
+    sums = [ranks for _, ranks in summed(*tp_sums(gradient_groups(traces, table, params), members))]
+    ran = lower(plan.schedule, members, plan.stage_ranks, step_rows(4, 2, [[1.0] * len(d) for d in devices]), sums)
+    simulated = lowered_step(graph, cluster, plan)
+    assert [[op.group for op in ops if op.kind == REDUCE_GRAD] for ops in ran.ops] == \
+        [[op.group for op in ops if op.kind == REDUCE_GRAD] for ops in simulated.ops] == \
+        [[(0, 1), (0, 1, 3, 4)], [(0, 1), (0, 1, 3, 4)], [], [(0, 1, 3, 4), (3, 4)], [(0, 1, 3, 4), (3, 4)]]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])

@@ -352,7 +352,7 @@ def place_sums(replicas: Sequence[tuple[int, ...]], stages: int) -> list[tuple[i
     its first rank first) of `stages` stages: one sum over their ranks where each is one rank;
     where they are groups of t ranks of one stage, t sums, one at each place of the groups; None
     for groups of unlike sizes or of several stages (summed over all their ranks at once, as
-    `runtime.tensor_parallel.mixed_sums` does). The runtime's sums follow it (`rank.tp_sums`)."""
+    `runtime.tensor_parallel.mixed_sum` does). The runtime's sums follow it (`rank.tp_sums`)."""
     sizes = {len(g) for g in replicas}
     if sizes == {1}:
         return [tuple(g[0] for g in replicas)]

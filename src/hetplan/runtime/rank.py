@@ -239,12 +239,15 @@ class Prepared:
     sparse: frozenset[int] = frozenset()  # the ids of the tables with sparse gradients (`gradients`)
     shards: tuple[ShardedParameters, ...] = ()  # its stages' groups that shard the optimizer's state
     units: tuple[ShardedUnits, ...] = ()  # those that shard gradients, or parameters too (`runtime.zero`)
-    # sums over replicas of unlike tensor-parallel degrees (`tensor_parallel.mixed_sums`): the
+    # sums over replicas of unlike tensor-parallel degrees (`tensor_parallel.mixed_sum`): the
     # replicas' first ranks, each replica's ranks, the parameters; each group's ranks, for its
     # mesh; this worker's split parameters' dimensions, by id
     mixed: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...], list[nn.Parameter]], ...] = ()
     tp_groups: tuple[tuple[int, ...], ...] = ()
     tp_dims: Mapping[int, int] = field(default_factory=dict)
+    # every gradient sum of the step, in the order every rank runs them (`summed`): what it sums
+    # (("sum", i) of `groups`, ("mixed", j) of `mixed`) and over which ranks (its list's REDUCE_GRAD)
+    sums: tuple[tuple[tuple[str, int], tuple[int, ...]], ...] = ()
 
     @property
     def role(self) -> Role:
@@ -273,13 +276,6 @@ class Prepared:
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         return {name: prm for mod in self.modules for name, prm in mod.named_parameters()}
-
-    @property
-    def my_groups(self) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
-        """The groups whose gradients it sums with all-reduces (not those it shards)."""
-        me = self.role.rank
-        sharded = {id(p) for sh in (*self.shards, *self.units) for p in sh.params}
-        return [(ranks, ps) for ranks, ps, _ in self.groups if me in ranks and id(ps[0]) not in sharded]
 
     def parameters(self) -> list[nn.Parameter]:
         return [prm for prm in dict.fromkeys(p for mod in self.modules for p in mod.parameters()) if prm.requires_grad]
@@ -331,13 +327,14 @@ def prepare(spec: RunSpec, rank: int, zoo_model: Any, plan: Plan, device: torch.
     dims = _parallelize(traces, zoo_model.step, me.stage, degree, me.tp,
                         plan.stages[me.stage].sequence_parallel) if degree > 1 else {}
     names = {id(prm): name for name, prm in zoo_model.step.named_parameters()}
-    groups, mixed = tp_sums(gradient_groups(traces, table, names), members)
+    groups, mixed, order = tp_sums(gradient_groups(traces, table, names), members)
     layouts = tuple((bounds[r.stage - 1] if r.stage > 0 else (), bounds[r.stage] if r.stage < len(bounds) else ())
                     for r in roles)
-    ops = lower(plan.schedule, members, plan.stage_ranks, spec_rows(spec, plan)).ops[rank]
+    sums = summed(groups, mixed, order)
+    ops = lower(plan.schedule, members, plan.stage_ranks, spec_rows(spec, plan), [ranks for _, ranks in sums]).ops[rank]
     prepared = Prepared(roles, ops, traces, layouts, groups, device, sparse_parameter_ids(zoo_model.step),
                         mixed=mixed, tp_groups=tuple(g for stage in members for g in stage if len(g) > 1),
-                        tp_dims=dims)
+                        tp_dims=dims, sums=tuple(sums))
     for size in sorted(prepared.sizes):
         for r in roles:
             place(prepared.module_for(size, r.stage), device)
@@ -363,18 +360,36 @@ def tp_sums(groups, members: tuple[tuple[tuple[int, ...], ...], ...]):
     parallelism: a group of one stage whose replicas are groups of t ranks sums at each of the t
     places apart (each rank its shards, or its whole copies: the same on every rank of a group);
     a group over replicas of unlike degrees (a stage's A100s one by one beside V100s as a group,
-    or a weight tied across stages) goes to `tensor_parallel.mixed_sums`. Returns the sums and
-    those, the same on every rank."""
-    sums, mixed = [], []
+    or a weight tied across stages) goes to `tensor_parallel.mixed_sum`. Returns the sums,
+    those, and the order of both as every rank runs them (("sum", i) or ("mixed", j), in
+    `gradient_groups`' order), the same on every rank."""
+    sums, mixed, order = [], [], []
     for ranks, params, stages in groups:
         by_first = {g[0]: g for k in stages for g in members[k]}
         groups_of = tuple(by_first[r] for r in ranks)
         places = place_sums(groups_of, len(stages))
         if places is None:
+            order.append(("mixed", len(mixed)))
             mixed.append((ranks, groups_of, params))
         else:
+            order += [("sum", len(sums) + i) for i in range(len(places))]
             sums += [(place, params, stages) for place in places]
-    return sums, tuple(mixed)
+    return sums, tuple(mixed), tuple(order)
+
+
+def summed(groups, mixed, order) -> list[tuple[tuple[str, int], tuple[int, ...]]]:
+    """Of `tp_sums`' order, the sums of two ranks or more with gradients to sum, each with its
+    ranks (a sum over replicas of unlike degrees: all their ranks, as `lowering.sum_ranks`)."""
+    out = []
+    for kind, i in order:
+        if kind == "sum":
+            ranks, params, _ = groups[i]
+        else:
+            _, replicas, params = mixed[i]
+            ranks = tuple(dict.fromkeys(r for g in replicas for r in g))
+        if len(ranks) > 1 and params:
+            out.append(((kind, i), tuple(ranks)))
+    return out
 
 
 def _sharded_groups(plan: Plan, roles: Sequence[Role], groups, rank: int) -> list[tuple]:

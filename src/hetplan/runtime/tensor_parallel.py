@@ -28,39 +28,39 @@ def attach_meshes(prepared, transport) -> None:
                 module.attach(mesh)
 
 
-def mixed_sums(prepared, transport) -> None:
-    """Sums over replicas of unlike degrees (`rank.tp_sums`): each group joins its shards of
-    every parameter into the whole gradient (its first rank adding the whole parameters', which
-    every rank of a group has alike), the groups' first ranks sum them, each gives its group
-    the sum, and each rank keeps its shard of it. Three collectives per sum; every rank runs the
-    sums in the same order, each the collectives it is part of."""
+def mixed_sum(prepared, transport, entry) -> None:
+    """A sum over replicas of unlike degrees (`rank.tp_sums`; `entry` one of `prepared.mixed`):
+    each group joins its shards of every parameter into the whole gradient (its first rank
+    adding the whole parameters', which every rank of a group has alike), the groups' first
+    ranks sum them, each gives its group the sum, and each rank keeps its shard of it. Three
+    collectives; every rank of the sum runs those it is part of."""
     me = prepared.role.rank
-    for leads, groups, params in prepared.mixed:
-        mine = next((g for g in groups if me in g), None)
-        if mine is None or not params:
-            continue
-        t, place = len(mine), mine.index(me)
-        wholes = [_whole_shape(p, prepared.tp_dims.get(id(p)), t) for p in params]
-        flat = torch.zeros(sum(math.prod(s) for s in wholes))
-        views, at = [], 0
-        for shape in wholes:
-            views.append(flat[at:at + math.prod(shape)].view(shape))
-            at += math.prod(shape)
-        for p, view in zip(params, views, strict=True):
-            dim, grad = prepared.tp_dims.get(id(p)), p.grad
-            if grad is not None and (dim is not None or place == 0):
-                (view if dim is None else view.chunk(t, dim)[place]).copy_(grad.detach().cpu())
-        if t > 1:
-            transport.all_reduce(flat, mine)  # the group's whole gradients
-        if place == 0 and len(leads) > 1:
-            transport.all_reduce(flat, leads)
-        if t > 1:
-            if place:
-                flat.zero_()
-            transport.all_reduce(flat, mine)  # the sum, from the group's first rank
-        for p, view in zip(params, views, strict=True):
-            dim = prepared.tp_dims.get(id(p))
-            p.grad = (view if dim is None else view.chunk(t, dim)[place]).to(p.device, copy=True)
+    leads, groups, params = entry
+    mine = next((g for g in groups if me in g), None)
+    if mine is None or not params:
+        return
+    t, place = len(mine), mine.index(me)
+    wholes = [_whole_shape(p, prepared.tp_dims.get(id(p)), t) for p in params]
+    flat = torch.zeros(sum(math.prod(s) for s in wholes))
+    views, at = [], 0
+    for shape in wholes:
+        views.append(flat[at:at + math.prod(shape)].view(shape))
+        at += math.prod(shape)
+    for p, view in zip(params, views, strict=True):
+        dim, grad = prepared.tp_dims.get(id(p)), p.grad
+        if grad is not None and (dim is not None or place == 0):
+            (view if dim is None else view.chunk(t, dim)[place]).copy_(grad.detach().cpu())
+    if t > 1:
+        transport.all_reduce(flat, mine)  # the group's whole gradients
+    if place == 0 and len(leads) > 1:
+        transport.all_reduce(flat, leads)
+    if t > 1:
+        if place:
+            flat.zero_()
+        transport.all_reduce(flat, mine)  # the sum, from the group's first rank
+    for p, view in zip(params, views, strict=True):
+        dim = prepared.tp_dims.get(id(p))
+        p.grad = (view if dim is None else view.chunk(t, dim)[place]).to(p.device, copy=True)
 
 
 def _whole_shape(p: torch.Tensor, dim: int | None, t: int) -> tuple[int, ...]:

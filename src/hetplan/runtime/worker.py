@@ -346,20 +346,16 @@ def _saved_module(prepared):
 
 
 def _reduce_and_update(prepared, opt, transport, scaler=None, world: int = 1) -> tuple[float, float, float]:
-    """The step's gradient sums and optimizer step (fp16: unscaled, and skipped by every worker
+    """The step's gradient sums (`runtime.sums`) and optimizer step (fp16: unscaled, and skipped by every worker
     when one found an inf or nan: `hetplan.runtime.precision`); returns when each began and when
     the step's work ended (a GPU's queue drained)."""
     import torch
 
-    from hetplan.runtime.gradients import reduce_gradients
     from hetplan.runtime.precision import agreed_step
-    from hetplan.runtime.tensor_parallel import mixed_sums
+    from hetplan.runtime.sums import run_sums
 
     t_ar = time.perf_counter()
-    reduce_gradients(prepared.my_groups, transport, prepared.sparse)
-    mixed_sums(prepared, transport)
-    for group in prepared.shards:  # the sharded ones: a reduce-scatter each (`runtime.sharding`)
-        group.reduce(transport)
+    run_sums(prepared, transport)  # as its list says: all-reduces, sharded stages' reduce-scatters
     t_opt = time.perf_counter()
     steps = scaler is None or agreed_step(scaler, prepared.optimized(),
                                           lambda t: transport.all_reduce(t, tuple(range(world))) if world > 1 else None)

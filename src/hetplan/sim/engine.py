@@ -18,8 +18,9 @@ per stage) runs, of the actions at the heads of its stages' orders, the one whos
 first (ties: the lower stage). After its last backward pass, each replica takes part
 in its gradient sums (`hetplan.cost.syncs`: a replicated stage's own parameters, and a tied
 parameter over all the stages that use it; each an all-reduce by the ring formula or the curve
-measured on a calibrated cluster; of a table with sparse gradients only its looked-up rows), in
-the order the runtime's ranks run them; they use the network, not the device's compute. Then
+measured on a calibrated cluster; of a table with sparse gradients only its looked-up rows), as
+its list orders them (`REDUCE_GRAD`, the order the runtime's ranks run them), each once all its
+members are there; they use the network, not the device's compute. Then
 every replica takes its optimizer step (`CostModel._stage_optimizer_s`: as the profiler measured
 it on the device's type, else Adam's memory-bound formula of the bytes it updates, or as
 `hetplan calibrate` measured it on the device).
@@ -28,18 +29,19 @@ The loop is a priority queue of finish events ordered by (time, sequence number)
 result is deterministic; the code is written with flat lists because planners call it often.
 Phases: the compute tasks of every replica (`_Tasks`), the transfers of every message
 (`_add_transfers`; their durations from the table, `hetplan.cost.table`), the event loop
-(`_EventLoop`), the all-reduces and optimizer steps after it (`_tail`), and the timeline.
+(`_EventLoop`), the lists' sums and optimizer steps after it (`_tail`), and the timeline.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass
 
 from hetplan.cluster import Cluster
 from hetplan.cost.table import StepCosts
 from hetplan.errors import HetplanError
-from hetplan.lowering import RECEIVES, RECV_F, SENDS, Lowered, Op
+from hetplan.lowering import RECEIVES, RECV_F, REDUCE_GRAD, SENDS, STEP, Lowered, Op, sum_ranks
 from hetplan.schedule import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -75,7 +77,7 @@ def run_events(model: StepCosts, cluster: Cluster, lowered: Lowered, record: boo
     now = loop.run()
     if loop.done != tasks.count:
         raise tasks.deadlock(loop.c_end, loop.done)
-    step, tail_spans = _tail(model, tasks, loop.c_end, now, record)
+    step, tail_spans = _tail(model, lowered, tasks, loop.c_end, now, record)
     timeline = None
     if record:
         spans = [_span(item, start, end, tasks, transfers) for item, start, end in loop.started]
@@ -424,39 +426,72 @@ class _EventLoop:
         return now
 
 
-def _tail(model: StepCosts, tasks: _Tasks, c_end: list[float], now: float, record: bool) -> tuple[float, list[Span]]:
-    """After its last action, each worker's gradient sums (`StepCosts.syncs`, in the ranks'
-    order: each starts when all its workers are there), then its optimizer steps. A worker is a
-    stage replica, or under an interleaved schedule replica p of all the stages of one pipeline
-    rank (`StepCosts.stage_ranks`), which sums and steps one after the other. Returns the step's
-    end and, when recording, their spans."""
-    rank = model.stage_ranks
-    ready: dict[tuple[int, int], float] = {}
+def _tail(model: StepCosts, lowered: Lowered, tasks: _Tasks, c_end: list[float], now: float,
+          record: bool) -> tuple[float, list[Span]]:
+    """After its last action, each worker runs the rest of its list (`hetplan.lowering`): its
+    gradient sums (`REDUCE_GRAD`: each starts when every rank of its group is at it, and lasts as
+    the table's sum over those ranks, `StepCosts.syncs`), then its optimizer steps (`STEP`: the
+    stage replica's). A worker is a stage replica, or under an interleaved schedule replica p of
+    all the stages of one pipeline rank. Returns the step's end and, when recording, the spans."""
+    ready = {g[0]: 0.0 for reps in lowered.groups for g in reps}
     for s, lasts in tasks.last:
         for p, t in enumerate(lasts):
-            ready[(rank[s], p)] = max(ready.get((rank[s], p), 0.0), c_end[t])
-    step = now
+            r = lowered.groups[s][p][0]
+            ready[r] = max(ready[r], c_end[t])
+    heads = [deque(op for op in ops if op.kind in (REDUCE_GRAD, STEP)) for ops in lowered.ops]
+    sums = _priced_sums(model, lowered)
     spans: list[Span] = []
+    moved = True
+    while moved:
+        moved = False
+        for r, head in enumerate(heads):
+            while head and (head[0].kind == STEP or _all_at(heads, head[0])):
+                op, moved = head[0], True
+                if op.kind == STEP:
+                    head.popleft()
+                    rep = model.stages[op.stage].replicas[lowered.places[(op.stage, r)][0]]
+                    begin, ready[r] = ready[r], ready[r] + rep.optimizer_s
+                    if record and rep.optimizer_s > 0:
+                        spans.append(Span(rep.device, OPTIMIZER, op.stage, -1, begin, ready[r]))
+                else:
+                    spans += _sum(op, sums, heads, ready, lowered.groups, record)
+    if any(heads):
+        raise HetplanError("the lists' gradient sums wait for each other in a cycle: "
+                           + "; ".join(f"rank {r} at {h[0]}" for r, h in enumerate(heads) if h)[:300])
+    return max(now, *ready.values()), spans
+
+
+def _all_at(heads: list[deque], op: Op) -> bool:
+    """Whether every rank of a sum's group is at that sum."""
+    return all(heads[m] and heads[m][0].kind == REDUCE_GRAD and heads[m][0].group == op.group for m in op.group)
+
+
+def _priced_sums(model: StepCosts, lowered: Lowered) -> dict[tuple[int, ...], deque]:
+    """The table's sums (`StepCosts.syncs`) by the ranks that run them, in order."""
+    out: dict[tuple[int, ...], deque] = {}
     for sync in model.syncs:
-        workers: dict[tuple[int, int], tuple[str, int]] = {}  # (rank, replica) -> (device, first stage in it)
-        for (k, p), d in zip(sync.members, sync.devices, strict=True):
-            workers.setdefault((rank[k], p), (d, k))
-        begin = max(ready[w] for w in workers)
-        end = begin + sync.seconds
-        for w in workers:
-            ready[w] = end
-        step = max(step, end)
-        if record and sync.seconds > 0:
-            spans += [Span(d, ALLREDUCE, k, -1, begin, end) for d, k in workers.values()]
-    for st in model.stages:
-        for p, rep in enumerate(st.replicas):
-            if rep.optimizer_s > 0:
-                start = ready[(rank[st.index], p)]
-                ready[(rank[st.index], p)] = start + rep.optimizer_s
-                step = max(step, start + rep.optimizer_s)
-                if record:
-                    spans.append(Span(rep.device, OPTIMIZER, st.index, -1, start, start + rep.optimizer_s))
-    return step, spans
+        for ranks in sum_ranks(lowered.groups, sync.members):
+            out.setdefault(ranks, deque()).append(sync)
+    return out
+
+
+def _sum(op: Op, sums: dict[tuple[int, ...], deque], heads: list[deque], ready: dict[int, float], groups,
+         record: bool) -> list[Span]:
+    """Run a sum every rank of its group is at: they leave it together, its time after the last
+    one came."""
+    if not sums.get(op.group):
+        raise HetplanError(f"the cost table and the lowering disagree: no sum over ranks {op.group} is priced")
+    sync = sums[op.group].popleft()
+    begin = max(ready[m] for m in op.group)
+    for m in op.group:
+        heads[m].popleft()
+        ready[m] = begin + sync.seconds
+    if not record or sync.seconds <= 0:
+        return []
+    firsts: dict[int, tuple[str, int]] = {}  # rank -> (device, the first of the sum's stages on it)
+    for (k, p), d in zip(sync.members, sync.devices, strict=True):
+        firsts.setdefault(groups[k][p][0], (d, k))
+    return [Span(d, ALLREDUCE, k, -1, begin, begin + sync.seconds) for d, k in firsts.values()]
 
 
 def _span(item: int, start: float, end: float, t: _Tasks, xs: _Transfers) -> Span:
