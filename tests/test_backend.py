@@ -78,3 +78,19 @@ def test_a_message_stays_on_the_gpu_only_between_gpus_on_nccl(devices, backend, 
     t, dist = transport(devices, backend)
     assert dist.init_process_group.call_args.args[0] == backend
     assert t.wire(ranks) == torch.device(where)
+
+
+@pytest.mark.parametrize("devices,backend,on", [(GPUS, MIXED, True), (MIX, MIXED, False), (GPUS, "gloo", False)])
+def test_a_sharded_stage_uses_the_backends_collectives_only_among_gpus_on_nccl(devices, backend, on):
+    """NCCL's reduce-scatter and all-gather where the replicas are GPU workers under NCCL, on their
+    group; elsewhere the ring over point-to-point (gloo's reduce-scatter is an all-reduce)."""
+    t, dist = transport(devices, backend)
+    assert t.collectives((0, 1)) is on
+    out, x = torch.zeros(2), torch.zeros(4)
+    t.reduce_scatter(out, x, (0, 1))
+    t.all_gather(x, out, (0, 1))
+    scatter = dist.reduce_scatter_single if hasattr(torch.distributed, "reduce_scatter_single") \
+        else dist.reduce_scatter_tensor
+    assert scatter.call_args.args == (out, x) and scatter.call_args.kwargs == {"group": "group(0, 1)"}
+    gather = dist.all_gather_single if hasattr(torch.distributed, "all_gather_single") else dist.all_gather_into_tensor
+    assert gather.call_args.args == (x, out) and gather.call_args.kwargs == {"group": "group(0, 1)"}

@@ -19,8 +19,15 @@ from hetplan.pieces.optim import StageOptimizer
 from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage, plan_problems
 from hetplan.planners import PlanOptions
-from hetplan.runtime.sharding import ShardedParameters, ring_all_gather, ring_reduce_scatter, share_bounds
-from hetplan.runtime.transport import LocalHub
+from hetplan.runtime.sharding import (
+    ShardedParameters,
+    gather_shares,
+    ring_all_gather,
+    ring_reduce_scatter,
+    share_bounds,
+    summed_share,
+)
+from hetplan.runtime.transport import LocalHub, LocalTransport
 from strategies import chain, exact_step_dp_matches
 from test_executor import cpus, pipelined_vs_single
 
@@ -74,6 +81,36 @@ def test_the_rings_sum_each_share_and_gather_them_all(world):
         assert torch.equal(summed, total[lo:hi]) and torch.equal(whole, total)
 
 
+@pytest.mark.parametrize("collectives", [False, True])
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_share_is_summed_and_gathered_by_rings_or_by_the_backends_collectives(world, collectives, monkeypatch):
+    """`summed_share` and `gather_shares` on shares of unequal sizes (11 over 2 or 3): the same
+    sums by the gloo path (rings) and by NCCL's (the backend's reduce-scatter and all-gather, here
+    the threads' hub's, each share padded to the largest), which runs only where it says so."""
+    monkeypatch.setattr(LocalTransport, "collectives_on", collectives)
+    calls = []
+    monkeypatch.setattr(LocalTransport, "reduce_scatter",
+                        lambda self, *a, run=LocalTransport.reduce_scatter: calls.append(1) or run(self, *a))
+    hub = LocalHub(world, timeout_s=10)
+    bounds = share_bounds(11, world)
+    values = [torch.arange(11, dtype=torch.float64) * (r + 1) for r in range(world)]
+
+    def work(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        transport = hub.transport(rank)
+        summed = summed_share(values[rank].clone(), bounds, tuple(range(world)), rank, transport, 100).clone()
+        lo, hi = bounds[rank]
+        whole = torch.zeros(11, dtype=torch.float64)
+        whole[lo:hi] = summed
+        gather_shares(whole, bounds, tuple(range(world)), rank, transport, 200)
+        return summed, whole
+
+    total = sum(values)
+    for rank, (summed, whole) in enumerate(_threads(world, work)):
+        lo, hi = bounds[rank]
+        assert torch.equal(summed, total[lo:hi]) and torch.equal(whole, total)
+    assert len(calls) == (world if collectives else 0)
+
+
 def test_each_replica_holds_its_share_of_adam_s_state_and_ends_with_every_update():
     """Three replicas of a Linear(5, 4) (24 weights: shares of 8): each one's Adam state is two
     moments of its 8 weights; after a step every replica holds the weights one unsharded Adam
@@ -116,6 +153,20 @@ def test_sharded_replicas_of_different_speeds_train_as_one_process(name, replica
     worst, moved, loss, ref_loss, plan, *_ = pipelined_vs_single(name, replicas, 2, "1f1b", batch=12,
                                                                  weights=weights, shard=shard)
     assert [s.shard for s in plan.stages] == [k in shard for k in range(len(replicas))]
+    assert moved > 1e-4 and worst <= 1e-5 and loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_sharded_replicas_train_as_one_process_on_the_backends_collectives(monkeypatch):
+    """The path NCCL takes among GPU workers (`Transport.collectives`: a reduce-scatter and an
+    all-gather per step instead of rings), on the threads' hub: mlp in two stages of two replicas
+    of unequal speeds, both sharding the optimizer's state, trains as one process does."""
+    monkeypatch.setattr(LocalTransport, "collectives_on", True)
+    calls = []
+    monkeypatch.setattr(LocalTransport, "all_gather",
+                        lambda self, *a, run=LocalTransport.all_gather: calls.append(1) or run(self, *a))
+    worst, moved, loss, ref_loss, *_ = pipelined_vs_single("mlp", [2, 2], 2, "1f1b", batch=12,
+                                                           weights=[[1.0, 2.0], [3.0, 1.0]], shard=(0, 1))
+    assert len(calls) == 4  # each of the four workers gathers once after the step
     assert moved > 1e-4 and worst <= 1e-5 and loss == pytest.approx(ref_loss, rel=1e-5)
 
 

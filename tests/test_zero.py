@@ -16,7 +16,7 @@ from hetplan.errors import HetplanError, PlanError
 from hetplan.io.clusters import load_cluster
 from hetplan.plan import Plan, Stage, plan_problems
 from hetplan.runtime.sharding import share_bounds
-from hetplan.runtime.transport import LocalHub
+from hetplan.runtime.transport import LocalHub, LocalTransport
 from hetplan.runtime.zero import ShardedUnits
 from hetplan.sim import simulate
 from strategies import chain
@@ -102,6 +102,20 @@ def test_sharded_gradients_and_parameters_train_as_one_process(name, replicas, l
     sharded = tuple(k for k, r in enumerate(replicas) if r > 1)
     check(*pipelined_vs_single(name, replicas, 3, schedule, batch=9, weights=weights, shard=sharded, level=level,
                                recompute=recompute))
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_sharded_gradients_train_as_one_process_on_the_backends_collectives(level, monkeypatch):
+    """The path NCCL takes among GPU workers (`Transport.collectives`): each unit's gradients
+    reduce-scattered in the backward and its weights all-gathered by the backend's collectives
+    (here the threads' hub's), not rings; the step equals one process's."""
+    monkeypatch.setattr(LocalTransport, "collectives_on", True)
+    calls = []
+    monkeypatch.setattr(LocalTransport, "reduce_scatter",
+                        lambda self, *a, run=LocalTransport.reduce_scatter: calls.append(1) or run(self, *a))
+    check(*pipelined_vs_single("llama-tiny", [2, 1], 3, "1f1b", batch=9, weights=[[2.0, 1.0], [1.0]], shard=(0,),
+                               level=level))
+    assert calls  # every unit of the sharded stage, on both replicas
 
 
 @pytest.mark.parametrize("level", [2, 3])

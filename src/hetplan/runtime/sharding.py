@@ -12,10 +12,13 @@ state for share p only, an r-th of it. Each step:
 2. replica p's optimizer steps share p (its views: the model's parameters);
 3. all-gather: every replica's updated share to every other.
 
-Both collectives are rings over the transport's point-to-point messages, r - 1 steps of a share
-each: together what a ring all-reduce moves, in as many steps, which is what the cost model
-charges (`hetplan.cost.formulas`). gloo's own reduce-scatter is an all-reduce of everything (its
-implementation), twice the bytes, so it is not used.
+Among GPU workers under NCCL (`Transport.collectives`) both are NCCL's own collectives
+(reduce-scatter, all-gather) on the GPUs, each share padded to the largest as they need. Where
+gloo carries them (any CPU worker among the replicas) both are rings over the transport's
+point-to-point messages on the host, r - 1 steps of a share each: gloo's own reduce-scatter is an
+all-reduce of everything (its implementation), twice the bytes. Either way, together what a
+ring all-reduce moves, in as many steps, which is what the cost model charges
+(`hetplan.cost.formulas`).
 
 Shares are equal, not in proportion to the replicas' speeds: each ring step waits for its
 largest share, so equal shares make the rings the shortest, and the optimizer's step, which a
@@ -61,6 +64,50 @@ def lay_flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
             p.data = flat[at:at + p.numel()].view_as(p)
             at += p.numel()
     return flat
+
+
+def summed_share(grads: torch.Tensor, bounds: Sequence[tuple[int, int]], ranks: Sequence[int], me: int,
+                 transport: Transport, tag: int) -> torch.Tensor:
+    """Share `me` of `grads` (laid out in shares `bounds`) summed over `ranks`: by the backend's
+    reduce-scatter where it has one (`Transport.collectives`), on the device it leaves the share
+    on, else by a ring on the host (`tag`: its messages'); a tensor that is the caller's to keep
+    or copy, on either device."""
+    group = tuple(ranks)
+    lo, hi = bounds[me]
+    if transport.collectives(group):
+        width = max(b - a for a, b in bounds)
+        padded = torch.zeros(len(bounds), width, dtype=grads.dtype, device=grads.device)
+        for k, (a, b) in enumerate(bounds):
+            padded[k, :b - a] = grads[a:b]
+        out = torch.empty(width, dtype=grads.dtype, device=grads.device)
+        transport.reduce_scatter(out, padded.reshape(-1), group)
+        return out[:hi - lo]
+    host = grads.cpu()
+    ring_reduce_scatter(host, bounds, ranks, me, transport, tag)
+    return host[lo:hi]
+
+
+def gather_shares(flat: torch.Tensor, bounds: Sequence[tuple[int, int]], ranks: Sequence[int], me: int,
+                  transport: Transport, tag: int) -> None:
+    """Every rank's share of `flat` (laid out in shares `bounds`) into every rank's `flat`: by the
+    backend's all-gather where it has one (`Transport.collectives`), else by a ring on the host."""
+    group = tuple(ranks)
+    with torch.no_grad():
+        if transport.collectives(group):
+            width = max(b - a for a, b in bounds)
+            lo, hi = bounds[me]
+            mine = torch.zeros(width, dtype=flat.dtype, device=flat.device)
+            mine[:hi - lo] = flat[lo:hi]
+            out = torch.empty(len(bounds), width, dtype=flat.dtype, device=flat.device)
+            transport.all_gather(out.reshape(-1), mine, group)
+            for k, (a, b) in enumerate(bounds):
+                flat[a:b] = out[k, :b - a]
+            return
+        on_host = flat.device.type == "cpu"
+        host = flat.detach() if on_host else flat.detach().cpu()
+        ring_all_gather(host, bounds, ranks, me, transport, tag)
+        if not on_host:
+            flat.copy_(host)
 
 
 def ring_reduce_scatter(flat: torch.Tensor, bounds: Sequence[tuple[int, int]], ranks: Sequence[int], me: int,
@@ -110,19 +157,12 @@ class ShardedParameters:
     def reduce(self, transport: Transport) -> None:
         """The step's gradients summed into this replica's share (`shard.grad`); the parameters'
         own gradients are dropped (the optimizer steps the share), and only the share is kept."""
-        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).cpu()
-                           for p in self.params])
+        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
         for p in self.params:
             p.grad = None
-        ring_reduce_scatter(grads, self.bounds, self.ranks, self.me, transport, self.tag)
-        lo, hi = self.bounds[self.me]
-        self.shard.grad = grads[lo:hi].to(self.flat.device, copy=True)
+        share = summed_share(grads, self.bounds, self.ranks, self.me, transport, self.tag)
+        self.shard.grad = share.to(self.flat.device, copy=True)
 
     def gather(self, transport: Transport) -> None:
         """The updated shares from every replica into this one's buffer (the model's weights)."""
-        on_host = self.flat.device.type == "cpu"
-        host = self.flat.detach() if on_host else self.flat.detach().cpu()
-        ring_all_gather(host, self.bounds, self.ranks, self.me, transport, self.tag + GROUP_TAGS // 2)
-        if not on_host:
-            with torch.no_grad():
-                self.flat.copy_(host)
+        gather_shares(self.flat.detach(), self.bounds, self.ranks, self.me, transport, self.tag + GROUP_TAGS // 2)

@@ -15,9 +15,12 @@ gradients, as the step's lowered lists say (`hetplan.lowering`, whose dry run ch
 pair). Each channel is its own process group, and every pipeline message has tag 0: NCCL pairs
 messages by their order on a communicator alone, and one communicator for both would make a
 gradient wait behind an activation sent before it (ZB-V needs it first); gloo takes the same
-path, so the CPU tests run what NCCL would. The rings of sharded stages (`runtime.sharding`,
-`runtime.zero`) are host tensors with tags of their own: gloo has no reduce-scatter, so the
-ring is written over point-to-point messages, which only gloo pairs by tag. A rank holding two
+path, so the CPU tests run what NCCL would. A sharded stage's reduce-scatter and all-gather
+(`runtime.sharding`, `runtime.zero`) are the backend's collectives where NCCL carries them
+(`collectives`: among GPU workers); where gloo does, rings over point-to-point messages on the
+host with tags of their own (gloo's reduce-scatter is an all-reduce of everything: twice the
+bytes), which only gloo pairs by tag. The threads' hub runs either (`LocalTransport.collectives`,
+which the tests switch on to run the path NCCL takes). A rank holding two
 neighbouring stages (ZB-V's V: stages n - 1 and n on the last rank) sends to itself: no backend
 has a pair from a rank to itself, so both transports keep such a message in the rank's own
 mailbox (`_Own`), and the threads' hub refuses a message to oneself as gloo does.
@@ -65,6 +68,18 @@ class Transport(Protocol):
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None: ...
 
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None: ...
+
+    def collectives(self, ranks: tuple[int, ...]) -> bool:
+        """Whether a reduce-scatter and an all-gather among `ranks` run as the backend's own."""
+        ...
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        """`output`: this rank's chunk (its place in `ranks`) of `tensor` summed over `ranks`."""
+        ...
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        """`output`: every rank's `tensor`, end to end in the order of `ranks`."""
+        ...
 
     def barrier(self) -> None: ...
 
@@ -136,6 +151,18 @@ class GlooTransport:
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
         self._dist.all_reduce(tensor, group=self._groups[ranks])
 
+    def collectives(self, ranks: tuple[int, ...]) -> bool:
+        return self.wire(ranks).type == "cuda"  # NCCL's; gloo's reduce-scatter is an all-reduce
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        # torch 2.13 names them reduce_scatter_single and all_gather_single; torch 2.11 has the older names only
+        run = getattr(self._dist, "reduce_scatter_single", None) or self._dist.reduce_scatter_tensor
+        run(output, tensor, group=self._groups[ranks])
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        run = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        run(output, tensor, group=self._groups[ranks])
+
     def barrier(self) -> None:
         self._dist.barrier()
 
@@ -178,6 +205,8 @@ class LocalHub:
 
 
 class LocalTransport:
+    collectives_on = False  # the tests switch it on to run sharded stages' collective path (NCCL's)
+
     def __init__(self, hub: LocalHub, rank: int) -> None:
         self.hub, self.rank = hub, rank
         self._rounds: dict[tuple[int, ...], int] = {}
@@ -214,6 +243,20 @@ class LocalTransport:
             entry["read"] += 1
             if entry["read"] == len(ranks):
                 del hub._sums[key]
+
+    def collectives(self, ranks: tuple[int, ...]) -> bool:
+        return self.collectives_on
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        whole = tensor.clone()
+        self.all_reduce(whole, ranks)
+        output.copy_(whole.chunk(len(ranks))[ranks.index(self.rank)])
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        whole = torch.zeros_like(output)
+        whole.chunk(len(ranks))[ranks.index(self.rank)].copy_(tensor)
+        self.all_reduce(whole, ranks)
+        output.copy_(whole)
 
     def barrier(self) -> None:
         self.hub._barrier.wait()

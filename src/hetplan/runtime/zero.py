@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from hetplan.runtime.sharding import GROUP_TAGS, RING_TAG, lay_flat, ring_all_gather, ring_reduce_scatter, share_bounds
+from hetplan.runtime.sharding import GROUP_TAGS, RING_TAG, gather_shares, lay_flat, share_bounds, summed_share
 from hetplan.runtime.transport import Transport
 
 UNIT_TAGS = 1 << 20  # above ZeRO-1's groups' tags: ZeRO-1 and these never shard the same stage
@@ -137,12 +137,7 @@ class ShardedUnits:
             u.whole = True
 
     def _all_gather(self, u: _Unit) -> None:
-        on_host = u.flat.device.type == "cpu"
-        host = u.flat if on_host else u.flat.cpu()
-        with torch.no_grad():
-            ring_all_gather(host, u.bounds, self.ranks, self.me, self._transport(), self.tag + GROUP_TAGS // 2)
-            if not on_host:
-                u.flat.copy_(host)
+        gather_shares(u.flat, u.bounds, self.ranks, self.me, self._transport(), self.tag + GROUP_TAGS // 2)
 
     def _accumulated(self, p: torch.Tensor) -> None:
         u = self._unit_of[id(p)]
@@ -154,14 +149,12 @@ class ShardedUnits:
 
     def _reduce(self, u: _Unit) -> None:
         """The unit's gradients summed over the replicas into this one's share; the whole ones dropped."""
-        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).cpu()
-                           for p in u.params])
+        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in u.params])
         for p in u.params:
             p.grad = None
-        ring_reduce_scatter(grads, u.bounds, self.ranks, self.me, self._transport(), self.tag)
+        share = summed_share(grads, u.bounds, self.ranks, self.me, self._transport(), self.tag)
         self.reduced()
-        lo, hi = u.bounds[self.me]
-        mine = grads[lo:hi].to(u.flat.device, copy=True)  # a copy: a view would keep every share alive
+        mine = share.to(u.flat.device, copy=True)  # a copy: a view would keep every share alive
         u.shard.grad = mine if u.shard.grad is None else u.shard.grad.add_(mine)
         u.waiting = 0
         self._held.discard(id(u))
