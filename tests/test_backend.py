@@ -14,6 +14,7 @@ from hetplan.runtime.sharding import RING_TAG
 from hetplan.runtime.transport import GlooTransport
 
 GPUS, MIX, CPUS = ["cuda:0", "cuda:1"], ["cuda:0", "cpu"], ["cpu", "cpu"]
+ONE_GPU = ["cuda:0", "cpu", "cuda:0"]  # two workers on one GPU (NCCL refuses two ranks on one device)
 
 
 @pytest.mark.parametrize("setting,bindings,nccl,expected", [
@@ -23,6 +24,9 @@ GPUS, MIX, CPUS = ["cuda:0", "cuda:1"], ["cuda:0", "cpu"], ["cpu", "cpu"]
     ("auto", GPUS, True, MIXED),
     ("auto", MIX, True, MIXED),  # NCCL between the GPUs, gloo to the CPU worker
     ("nccl", GPUS, True, MIXED),
+    ("auto", ONE_GPU, True, "gloo"),  # NCCL would refuse them: through the host
+    ("auto", ["cuda", "cuda:1"], True, MIXED),  # "cuda" is cuda:0
+    ("auto", ["cuda", "cuda:0"], True, "gloo"),
 ])
 def test_the_backend_of_each_setting(setting, bindings, nccl, expected):
     assert backend_of(setting, bindings, lambda: nccl) == expected
@@ -33,6 +37,7 @@ def test_the_backend_of_each_setting(setting, bindings, nccl, expected):
     ("nccl", CPUS, True, "worker 0 runs on the CPU"),
     ("nccl", GPUS, False, "this torch has no NCCL"),
     ("mpi", GPUS, True, "--backend 'mpi' is unknown: use one of auto, gloo, nccl"),
+    ("nccl", ["cuda:0", "cuda:1", "cuda:0"], True, "workers 0 and 2 are both on cuda:0, and NCCL runs one worker"),
 ])
 def test_a_backend_that_cannot_hold_is_refused_in_one_line(setting, bindings, nccl, words):
     with pytest.raises(HetplanError, match="^[^\n]*$") as err:
@@ -94,3 +99,42 @@ def test_a_sharded_stage_uses_the_backends_collectives_only_among_gpus_on_nccl(d
     assert scatter.call_args.args == (out, x) and scatter.call_args.kwargs == {"group": "group(0, 1)"}
     gather = dist.all_gather_single if hasattr(torch.distributed, "all_gather_single") else dist.all_gather_into_tensor
     assert gather.call_args.args == (x, out) and gather.call_args.kwargs == {"group": "group(0, 1)"}
+
+
+def gpu_box(bindings):
+    from hetplan.io.clusters import cluster_from_spec
+
+    return cluster_from_spec({"name": "box", "devices": [
+        {"id": f"g{i}", "type": "h100-80gb", "host": "h", "binding": b} for i, b in enumerate(bindings)]}, "box")
+
+
+@pytest.mark.parametrize("bindings,words", [
+    (["cuda:0", "cuda:1"], None),  # DTensor over NCCL, one worker per GPU
+    (["cuda:0", "cuda:0"], "the tensor-parallel group g0, g1 shares a GPU, and its collectives need NCCL"),
+    (["cuda:0", "cpu"], "the tensor-parallel group g0, g1 mixes CPU and GPU workers"),
+    (["cpu", "cpu"], None),
+])
+def test_a_tensor_parallel_group_runs_on_gpus_of_its_own(bindings, words):
+    from hetplan.plan import Plan, Stage
+    from hetplan.runtime.support import runtime_refusal
+
+    plan = Plan((Stage(("a",), ("g0",), tp=2, tp_devices=(("g0", "g1"),)),), 1, "gpipe", "test")
+    why = runtime_refusal(plan, gpu_box(bindings))
+    assert why is None if words is None else why.startswith(words) and "\n" not in why
+
+
+@pytest.mark.parametrize("setting,nccl", [("gloo", True), ("auto", False)])
+def test_a_run_of_a_tensor_parallel_group_on_gpus_without_nccl_is_refused_before_it_starts(setting, nccl):
+    """Its collectives are DTensor's over NCCL: a run whose workers would talk over gloo (the
+    setting, or a torch without NCCL) is refused in one line, before any worker starts."""
+    from hetplan.plan import Plan, Stage
+    from hetplan.runtime.launch import run_spec
+    from hetplan.runtime.settings import RunSettings
+
+    plan = Plan((Stage(("a",), ("g0",), tp=2, tp_devices=(("g0", "g1"),)),), 1, "gpipe", "test")
+    settings = RunSettings(batch_size=2, granularity="layer", out_dir="unused", backend=setting)
+    with mock.patch("hetplan.runtime.backend.nccl_available", lambda: nccl), \
+            pytest.raises(HetplanError, match="^[^\n]*$") as err:
+        run_spec(plan, gpu_box(["cuda:0", "cuda:1"]), "mlp", settings)
+    assert str(err.value).startswith("the tensor-parallel group g0, g1 is on GPUs, whose collectives need NCCL, and "
+                                     "this run talks over gloo")

@@ -485,18 +485,6 @@ def test_the_profiler_records_how_far_each_node_splits():
     assert units["input"] == 0 and units["model.norm"] == 0
 
 
-def test_a_group_on_gpus_is_refused_in_one_line():
-    from hetplan.io.clusters import cluster_from_spec
-    from hetplan.runtime.support import runtime_refusal
-
-    cluster = cluster_from_spec({"name": "box", "devices": [
-        {"id": f"g{i}", "type": "h100-80gb", "host": "h", "binding": f"cuda:{i}"} for i in range(2)]}, "box")
-    plan = Plan((Stage(("a",), ("g0",), tp=2, tp_devices=(("g0", "g1"),)),), 1, "gpipe", "test")
-    assert runtime_refusal(plan, cluster) == (
-        "the tensor-parallel group g0, g1 is on GPUs, where the runtime has no NCCL mesh yet (tensor-parallel stages "
-        "run on CPU workers); plan with --max-tp 1 to run it")
-
-
 def test_the_groupings_planned_on():
     """Small clusters: every cut of each host's devices of a type; big ones: a degree per type."""
     from hetplan.graph import Graph, Node

@@ -1,7 +1,8 @@
 """Which torch.distributed backend a run's workers talk over, from the `backend` run setting
 (`RunSettings.backend`) and where the workers run: gloo alone, or torch's per-device-type
 backend "cpu:gloo,cuda:nccl" (NCCL for tensors on GPUs, gloo for host tensors) where workers sit
-on GPUs and torch has NCCL. How messages then travel is `runtime.transport`'s (`Transport.wire`)."""
+on GPUs, torch has NCCL and no two workers share a GPU (NCCL runs one worker per GPU). How
+messages then travel is `runtime.transport`'s (`Transport.wire`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ MIXED = "cpu:gloo,cuda:nccl"
 def backend_of(setting: str, bindings: Sequence[str], nccl: Callable[[], bool] | None = None) -> str:
     """The torch.distributed backend of a run whose workers are bound to `bindings` ("cpu",
     "cuda:0", ...), for the `backend` run setting: gloo, or `MIXED` where NCCL can carry what
-    passes between GPU workers. `nccl` says whether torch has NCCL here (`nccl_available`, asked
+    passes between GPU workers (a CUDA build of torch, each GPU worker on a GPU of its own; auto
+    takes gloo otherwise). `nccl` says whether torch has NCCL here (`nccl_available`, asked
     only where a worker is on a GPU). Refuses, in `hetplan run`'s words, a setting that cannot hold."""
     gpus = [b.startswith("cuda") for b in bindings]
     if setting not in BACKENDS:
@@ -27,12 +29,29 @@ def backend_of(setting: str, bindings: Sequence[str], nccl: Callable[[], bool] |
         cpu = gpus.index(False)
         raise HetplanError(f"--backend nccl: worker {cpu} runs on the CPU ({bindings[cpu]}), and NCCL carries GPU "
                            "tensors only: use --backend auto (NCCL between GPUs, gloo where a CPU takes part)")
-    has_nccl = (nccl or nccl_available)()
+    shared = shared_gpu(bindings)
     if setting == "auto":
-        return MIXED if has_nccl else "gloo"
-    if not has_nccl:
+        return MIXED if shared is None and (nccl or nccl_available)() else "gloo"
+    if shared is not None:
+        i, j = shared
+        raise HetplanError(f"--backend nccl: workers {i} and {j} are both on {bindings[i]}, and NCCL runs one worker "
+                           "per GPU: bind them to different GPUs, or use --backend auto (gloo, through the host)")
+    if not (nccl or nccl_available)():
         raise HetplanError("--backend nccl: this torch has no NCCL (a CPU build): use --backend auto or gloo")
     return MIXED
+
+
+def shared_gpu(bindings: Sequence[str]) -> tuple[int, int] | None:
+    """The first two workers bound to one GPU (NCCL refuses a communicator with two ranks on one
+    device), or None."""
+    seen: dict[str, int] = {}
+    for i, b in enumerate(bindings):
+        if b.startswith("cuda"):
+            gpu = b if ":" in b else "cuda:0"
+            if gpu in seen:
+                return seen[gpu], i
+            seen[gpu] = i
+    return None
 
 
 def nccl_available() -> bool:

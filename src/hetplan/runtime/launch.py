@@ -36,7 +36,7 @@ from hetplan.lowering import check_lowered, describe, lower, rank_groups
 from hetplan.machine import core_ids
 from hetplan.plan import Plan
 from hetplan.rows import StepRows, idle_replicas, step_rows
-from hetplan.runtime.backend import backend_of
+from hetplan.runtime.backend import MIXED, backend_of
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.spec import RankSpec, RunSpec
 from hetplan.runtime.supervise import (
@@ -47,7 +47,7 @@ from hetplan.runtime.supervise import (
     space_left,
     stop_on_terminate,
 )
-from hetplan.runtime.support import runtime_refusal
+from hetplan.runtime.support import gpu_tp_groups, runtime_refusal
 
 CAUSE_GRACE_S = 2.0  # how long a lost peer waits for the failure that caused it to be seen
 TRACING_LOG = "tracing.log"  # the output of the process that traces for the workers (`runtime.group`)
@@ -146,7 +146,13 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, settings: RunSettings, *,
     rows = step_rows(settings.batch_size, plan.microbatches, weights)
     _check_every_replica_has_rows(plan, rows)
     check_lowered(lower(plan.schedule, groups, plan.stage_ranks, rows))  # its messages pair, nothing deadlocks
-    backend_of(settings.backend, [ranks[r].binding for r in sorted(ranks)])  # or refuse it now
+    backend = backend_of(settings.backend, [ranks[r].binding for r in sorted(ranks)])  # or refuse it now
+    on_gpus = gpu_tp_groups(plan, cluster)
+    if on_gpus and backend != MIXED:
+        raise HetplanError(f"the tensor-parallel group {', '.join(on_gpus[0])} is on GPUs, whose collectives need "
+                           f"NCCL, and this run talks over {backend} (--backend {settings.backend}"
+                           f"{'' if settings.backend == 'gloo' else ' on a torch without NCCL'}): run with --backend "
+                           "auto on a CUDA build of torch, or plan with --max-tp 1")
     return RunSpec(plan=plan, model=model, settings=settings, replica_weights=weights,
                    ranks=tuple(ranks[r] for r in sorted(ranks)))
 

@@ -10,7 +10,8 @@ micro-batches up to the batch's rows that the schedule takes, several stages on 
 (`shared_devices`: one worker per stage; an interleaved schedule: one worker holding them
 all), stages that recompute their activations. What it needs beyond a valid plan is about the
 cluster: every device of the plan must say where it runs (`binding: cpu` with `threads`, or
-`binding: cuda:K`).
+`binding: cuda:K`), and a tensor-parallel group on GPUs needs a GPU per worker (its collectives
+go by NCCL; `hetplan run` also refuses one where the run's backend has no NCCL).
 
 It passes tensors only between neighbouring stages (`ROUTING`): a value that skips stages is
 relayed through the ones between, which is how the simulator scores plans by default.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from hetplan.cluster import Cluster
 from hetplan.plan import Plan
+from hetplan.runtime.backend import shared_gpu
 from hetplan.schedule import SCHEDULE_NAMES
 from hetplan.schedule import SCHEDULES as REGISTRY
 
@@ -40,8 +42,19 @@ def runtime_refusal(plan: Plan, cluster: Cluster) -> str | None:
                     "preset local")
         if binding.split(":", 1)[0] not in BINDINGS:
             return f"device {d} is bound to {binding!r}; the runtime runs on {', '.join(BINDINGS)}"
-    gpu_groups = [g for s in plan.stages for g in s.tp_devices if any(cluster.device(d).binding != "cpu" for d in g)]
-    if gpu_groups:
-        return (f"the tensor-parallel group {', '.join(gpu_groups[0])} is on GPUs, where the runtime has no NCCL mesh "
-                "yet (tensor-parallel stages run on CPU workers); plan with --max-tp 1 to run it")
+    for group in gpu_tp_groups(plan, cluster):
+        bindings = [cluster.device(d).binding or "" for d in group]
+        if not all(b.startswith("cuda") for b in bindings):
+            return (f"the tensor-parallel group {', '.join(group)} mixes CPU and GPU workers, and its collectives "
+                    "run on one backend: give it devices of one kind, or plan with --max-tp 1")
+        if shared_gpu(bindings) is not None:
+            return (f"the tensor-parallel group {', '.join(group)} shares a GPU, and its collectives need NCCL, which "
+                    "runs one worker per GPU: bind its devices to different GPUs, or plan with --max-tp 1")
     return None
+
+
+def gpu_tp_groups(plan: Plan, cluster: Cluster) -> list[tuple[str, ...]]:
+    """The plan's tensor-parallel groups that a GPU worker is in: their collectives (DTensor's)
+    run on their GPUs by NCCL (`runtime.backend`), one worker per GPU."""
+    return [tuple(g) for s in plan.stages for g in s.tp_devices
+            if any(cluster.device(d).binding != "cpu" for d in g)]
