@@ -12,6 +12,9 @@ this project: 16 cores and one GPU, never two). Prints a table and writes one JS
 3. GPU memory: the GPU worker's peak (`torch.cuda.max_memory_allocated`) against the predicted
    peak for its stage (the graph profiled on the GPU and on the CPU workers' type).
 4. `--backend nccl` with a CPU worker: refused in one line before any worker starts.
+5. `hetplan calibrate`'s probe of a GPU's copies to and from the host (what a message between a
+   GPU worker and a CPU one crosses besides gloo, `runtime.calibrate.gpu_links`): its bandwidth
+   and latency.
 
 Not checkable on one GPU: NCCL between two GPU workers (NCCL refuses two ranks on one GPU); its
 code path is the one the CPU suite runs on gloo (the same lists, channels and groups; only the
@@ -100,6 +103,15 @@ def run_rows(gpu: str, out: Path, steps: int) -> list[dict]:
     return rows
 
 
+def copies_row(gpu: str) -> dict:
+    """Check 5."""
+    from hetplan.runtime.calibrate import calibrate_copies
+
+    (link,) = calibrate_copies([gpu], repeats=5).values()
+    return {"check": f"copies, host and {gpu}", "ok": link.bandwidth_Bps > 0, "bandwidth_Bps": link.bandwidth_Bps,
+            "latency_s": link.latency_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench" / "gpu")
@@ -114,6 +126,7 @@ def main() -> None:
                "gpu": torch.cuda.get_device_name(0) if cuda else None, "cores": os.cpu_count()}
     rows = [pytest_row("--skip-tests" if args.skip_tests else "" if cuda else "no CUDA here")]
     rows += run_rows("cuda:0" if cuda else "cpu", args.out, args.steps)
+    rows.append(copies_row("cuda:0" if cuda else "cpu"))
     if not cuda:
         rows.append({"check": "GPU rows", "ok": None, "why": "no CUDA here: the GPU worker was bound to the CPU"})
     (args.out / "gpu_checks.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))

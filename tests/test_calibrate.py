@@ -37,7 +37,13 @@ def test_action_overhead_is_charged_per_action():
 
 def test_the_probes_measure_gloo_the_optimizer_and_workers_side_by_side():
     """Each probe in fresh processes, few repeats: figures of the right kind and size."""
-    from hetplan.runtime.calibrate import calibrate_allreduce, calibrate_corun, calibrate_link, calibrate_optimizer
+    from hetplan.runtime.calibrate import (
+        calibrate_allreduce,
+        calibrate_copies,
+        calibrate_corun,
+        calibrate_link,
+        calibrate_optimizer,
+    )
     from hetplan.runtime.probes import ALLREDUCE_BYTES, OPTIMIZER_PARAMS, P2P_BYTES
 
     link, points = calibrate_link(repeats=3)
@@ -52,6 +58,32 @@ def test_the_probes_measure_gloo_the_optimizer_and_workers_side_by_side():
     assert sizes == tuple(4.0 * n for n in OPTIMIZER_PARAMS) and seconds[-1] > seconds[0] > 0
     corun = calibrate_corun(workers, repeats=3, rounds=1)
     assert [k for k, _ in corun] == [1, 2] and corun[0][1] == 1.0 and 0.5 < corun[1][1] < 10
+    # a GPU's copies to and from the host, here the host's own copies (what the probe does on a GPU)
+    (copy,) = calibrate_copies(["cpu"], repeats=2).values()
+    assert 1e7 < copy.bandwidth_Bps < 1e12 and 0 <= copy.latency_s < 0.1
+
+
+def test_the_links_of_gpu_workers_are_the_copies_gloo_or_nccl_a_message_takes():
+    """Two CPU workers and two GPU workers: between a CPU and a GPU worker
+    gloo after one copy; between GPU workers NCCL where the run talks over it, else gloo between
+    two copies; nothing between CPU workers (the host's link stays theirs)."""
+    from hetplan.cluster import Device, Link
+    from hetplan.runtime.calibrate import gpu_links
+
+    workers = [Device(d, "t", "h", 2**30, 0.0, binding=b) for d, b in (("c0", "cpu"), ("c1", "cpu"),
+                                                                         ("g0", "cuda:0"), ("g1", "cuda:1"))]
+    gloo, nccl = Link(1e9, 1e-4), Link(1e11, 1e-5)
+    copies = {"cuda:0": Link(2e9, 1e-5), "cuda:1": Link(4e9, 2e-5)}
+
+    def links(nccl_link):
+        return {o.between: pytest.approx((o.bandwidth_Bps, o.latency_s))
+                for o in gpu_links(workers, gloo, copies, nccl_link)}
+
+    one, other, two = 1 / (1e-9 + 0.5e-9), 1 / (1e-9 + 0.25e-9), 1 / (1e-9 + 0.5e-9 + 0.25e-9)
+    assert links(None) == {("c0", "g0"): (one, 1.1e-4), ("c0", "g1"): (other, 1.2e-4), ("c1", "g0"): (one, 1.1e-4),
+                           ("c1", "g1"): (other, 1.2e-4), ("g0", "g1"): (two, 1.3e-4)}
+    assert links(nccl)[("g0", "g1")] == (1e11, 1e-5) and links(nccl)[("c0", "g0")] == (one, 1.1e-4)
+    assert formulas.in_series([(1e9, 1.0), (1e9, 2.0)]) == pytest.approx((5e8, 3.0))
 
 
 # -- what a calibrated cluster holds and how the simulators charge it ----------------------------

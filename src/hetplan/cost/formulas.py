@@ -85,6 +85,14 @@ def transfer_s_array(nbytes, bandwidth_Bps, latency_s) -> np.ndarray:
         return np.where(nbytes > 0, latency_s + wire_s(nbytes, bandwidth_Bps), 0.0)
 
 
+def in_series(links) -> tuple[float, float]:
+    """(bandwidth_Bps, latency_s) of one message that crosses `links` ((bandwidth_Bps, latency_s)
+    each) one after the other, each whole before the next (a GPU's copy to the host, then gloo
+    between two processes): their latencies add, and so do their seconds per byte."""
+    links = list(links)
+    return 1.0 / sum(1.0 / bw for bw, _ in links), sum(lat for _, lat in links)
+
+
 ROW_INDEX_BYTES = 8  # an int64 row index or count, as the runtime sends them (`hetplan.runtime.gradients`)
 # The runtime joins a replica's gradients into one buffer for the all-reduce and copies the sum
 # back: a read and a write of the bytes each way. Measured on this VM's one-thread worker:

@@ -23,7 +23,12 @@ fresh processes like the workers (`hetplan.runtime.probes`), and written into th
    models of the benchmark of predicted against measured, so that the benchmark checks the
    calibration rather than repeats it.
 
-Host-to-GPU copies of GPU stages behind a CPU boundary are not measured yet (docs/cost-model.md).
+Where workers sit on GPUs, what their messages cross is measured too, on the backend the run
+will use (`runtime.backend`): each GPU's copies to and from the host, which a message between a
+GPU worker and a CPU one (or any, over gloo) takes besides gloo's link, and where NCCL carries
+what passes between GPUs, NCCL point to point between two of them and its all-reduces where every
+worker is on a GPU; written as links between those pairs of devices (`gpu_links`). NCCL between
+two GPUs has not run on the machines lent to this project (one GPU each).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetplan.cluster import AllreduceCurve, Calibration, Cluster, Device, Link
+from hetplan.cluster import AllreduceCurve, Calibration, Cluster, Device, Link, LinkOverride
 from hetplan.errors import HetplanError
 from hetplan.runtime.settings import RunSettings
 
@@ -127,28 +132,73 @@ def fit_overheads(points: Sequence[dict]) -> tuple[float, float]:
     return slope, max(0.0, float(np.median(excess - slope * actions)))
 
 
-def calibrate_link(repeats: int = 10) -> tuple[Link, dict]:
-    """Point-to-point bandwidth and latency of gloo between two local worker processes: a line
-    through the one-way time of two message sizes (ping-pong, `probes.p2p`). This is what a
-    pipeline's activations and gradients cost between local workers (loopback TCP and buffer
-    copies), which the cluster presets can only guess."""
+def calibrate_link(repeats: int = 10, gpus: Sequence[str] = ()) -> tuple[Link, dict]:
+    """Point-to-point bandwidth and latency between two local worker processes: a line through
+    the one-way time of two message sizes (ping-pong, `probes.p2p`). Of gloo on the host by
+    default: what a pipeline's activations and gradients cost between local workers (loopback
+    TCP and buffer copies), which the cluster presets can only guess; with two `gpus`, of NCCL
+    between them."""
     from hetplan.runtime.probes import P2P_BYTES, spawn_probe
 
-    seconds = {int(k): v for k, v in spawn_probe("p2p", 2, {"sizes": P2P_BYTES, "repeats": repeats})[0].items()}
+    params = {"sizes": P2P_BYTES, "repeats": repeats, **({"backend": "nccl", "devices": list(gpus)} if gpus else {})}
+    seconds = {int(k): v for k, v in spawn_probe("p2p", 2, params)[0].items()}
+    return line_through(seconds), {"p2p_s_by_bytes": seconds}
+
+
+def line_through(seconds: dict[int, float]) -> Link:
+    """The link whose transfers take the two measured (bytes: seconds): its latency and bandwidth."""
     (n1, t1), (n2, t2) = sorted(seconds.items())
     per_byte = max((t2 - t1) / (n2 - n1), 1e-15)
-    return Link(1.0 / per_byte, max(0.0, t1 - per_byte * n1)), {"p2p_s_by_bytes": seconds}
+    return Link(1.0 / per_byte, max(0.0, t1 - per_byte * n1))
 
 
-def calibrate_allreduce(workers: int, repeats: int = 10) -> tuple[AllreduceCurve, ...]:
-    """gloo all-reduce times among 2 .. `workers` local processes (at least 2), at six sizes."""
+def calibrate_allreduce(workers: int, repeats: int = 10, gpus: Sequence[str] = ()) -> tuple[AllreduceCurve, ...]:
+    """All-reduce times among 2 .. `workers` local processes (at least 2), at six sizes: gloo on
+    the host, or with `gpus` (one per worker) NCCL on them, as the run's sums will go."""
     from hetplan.runtime.probes import ALLREDUCE_BYTES, spawn_probe
 
     curves = []
     for r in range(2, max(2, workers) + 1):
-        seconds = spawn_probe("allreduce", r, {"sizes": ALLREDUCE_BYTES, "repeats": repeats})[0]
+        params = {"sizes": ALLREDUCE_BYTES, "repeats": repeats,
+                  **({"backend": "nccl", "devices": list(gpus[:r])} if gpus else {})}
+        seconds = spawn_probe("allreduce", r, params)[0]
         curves.append(AllreduceCurve(r, monotone(tuple((float(k), v) for k, v in seconds.items()))))
     return tuple(curves)
+
+
+def calibrate_copies(gpus: Sequence[str], repeats: int = 10) -> dict[str, Link]:
+    """Each GPU's copies between the host and it, as a link (a line through two sizes, the
+    slower of the two ways: a link is used both ways)."""
+    from hetplan.runtime.probes import P2P_BYTES, spawn_probe
+
+    out = {}
+    for gpu in dict.fromkeys(gpus):
+        got = spawn_probe("copies", 1, {"device": gpu, "sizes": P2P_BYTES, "repeats": repeats})[0]
+        ways = [line_through({int(k): v for k, v in got[way].items()}) for way in ("h2d", "d2h")]
+        out[gpu] = Link(min(w.bandwidth_Bps for w in ways), max(w.latency_s for w in ways))
+    return out
+
+
+def gpu_links(workers: Sequence[Device], host_link: Link, copies: dict[str, Link], nccl_link: Link | None
+              ) -> tuple[LinkOverride, ...]:
+    """The link of every pair of workers a GPU worker is in, as the run's messages go between
+    them (`Transport.wire`): NCCL between two GPUs where the run talks over it (`nccl_link`, or
+    None), else gloo on the host (`host_link`) after a GPU's copy to the host and before the
+    other's copy from it (`copies`, by binding), one after the other (`formulas.in_series`)."""
+    from hetplan.cost.formulas import in_series
+
+    out = []
+    for i, a in enumerate(workers):
+        for b in workers[i + 1:]:
+            ends = [copies[d.binding] for d in (a, b) if d.binding in copies]
+            if not ends:
+                continue
+            if nccl_link is not None and len(ends) == 2:
+                link = nccl_link
+            else:
+                link = Link(*in_series((x.bandwidth_Bps, x.latency_s) for x in (host_link, *ends)))
+            out.append(LinkOverride((a.id, b.id), link.bandwidth_Bps, link.latency_s))
+    return tuple(out)
 
 
 def monotone(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
@@ -231,6 +281,24 @@ def _check_runs_here(workers: Sequence[Device]) -> None:
             parse_device(d.binding)
 
 
+def _gpu_links(workers: Sequence[Device], link: Link, report: dict, say) -> tuple[tuple[LinkOverride, ...], bool]:
+    """The links of the GPU workers (`gpu_links`: copies to and from each GPU measured, NCCL
+    between two GPUs where the run talks over it), into `report`; and whether it does."""
+    from hetplan.runtime.backend import MIXED, backend_of
+
+    gpus = list(dict.fromkeys(d.binding for d in workers if d.binding.startswith("cuda")))
+    if not gpus:
+        return (), False
+    nccl = backend_of("auto", [d.binding for d in workers]) == MIXED
+    say(f"timing copies between the host and {len(gpus)} GPU{'s' if len(gpus) > 1 else ''}"
+        + (", and NCCL between two" if nccl and len(gpus) > 1 else ""))
+    copies = calibrate_copies(gpus)
+    nccl_link = calibrate_link(gpus=gpus[:2])[0] if nccl and len(gpus) > 1 else None
+    report.update(copies={g: (c.bandwidth_Bps, c.latency_s) for g, c in copies.items()},
+                  nccl_link=(nccl_link.bandwidth_Bps, nccl_link.latency_s) if nccl_link else None)
+    return gpu_links(workers, link, copies, nccl_link), nccl
+
+
 def calibrate_cluster(cluster: Cluster, steps: int = 15, say=lambda msg: None) -> tuple[Cluster, dict]:
     """The cluster with what this machine measured, in the order each needs the ones before: the
     link between local workers and all-reduces by group size (gloo), each worker's optimizer
@@ -249,14 +317,18 @@ def calibrate_cluster(cluster: Cluster, steps: int = 15, say=lambda msg: None) -
     _check_runs_here(workers)
     say("timing gloo point to point between two local processes")
     link, report = calibrate_link()
-    say(f"timing gloo all-reduces among 2 to {max(2, len(workers))} local processes")
-    curves = calibrate_allreduce(len(workers))
+    links, nccl = _gpu_links(workers, link, report, say)
+    gpus = [d.binding for d in workers] if nccl and all(d.binding.startswith("cuda") for d in workers) else []
+    say(f"timing {'NCCL' if gpus else 'gloo'} all-reduces among 2 to {max(2, len(workers))} local processes")
+    curves = calibrate_allreduce(len(workers), gpus=gpus)
     say("timing the optimizer step on each worker's threads or GPU")
     optimizer = calibrate_optimizer(workers)
     cpu = [d for d in workers if d.binding == "cpu"]
     say(f"timing {len(cpu)} CPU worker{'s' if len(cpu) != 1 else ''} alone and side by side")
     corun = calibrate_corun(cpu) if len(cpu) > 1 else ((1, 1.0),)
+    pairs = {frozenset(o.between) for o in links}
     measured = replace(cluster, intra_host=link, calibration=Calibration(_measured_machine(), curves, corun),
+                       links=tuple(o for o in cluster.links if frozenset(o.between) not in pairs) + links,
                        devices=tuple(replace(d, optimizer_points=optimizer.get(d.id, d.optimizer_points))
                                      for d in cluster.devices))
     overhead, per_step, points = calibrate_action_overhead(measured, steps=steps, say=say)

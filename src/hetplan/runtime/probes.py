@@ -93,8 +93,11 @@ def _entry(function: str, rank: int, world: int, params: dict):
         os.sched_setaffinity(0, [int(c) for c in os.environ["HETPLAN_CPUS"].split(",")])
     torch.set_num_threads(int(os.environ.get("HETPLAN_PROBE_THREADS", "1")))
     keep_freed_memory()  # as the workers run (hostmem)
+    devices = params.get("devices")  # one per rank: a probe of NCCL between GPUs (`calibrate`)
+    if devices:
+        torch.cuda.set_device(torch.device(devices[rank]))
     if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group(params.get("backend", "gloo"), rank=rank, world_size=world)
     try:
         return globals()[function](rank, world, params)
     finally:
@@ -115,14 +118,25 @@ def _median_s(run, repeats: int, barrier=None) -> float:
     return statistics.median(times)
 
 
+def _drain(params: dict):
+    """What ends a timed collective on the probe's device: the GPU's queue drained (NCCL returns
+    before its kernels end), nothing on the host."""
+    import torch
+
+    devices = params.get("devices")
+    return (lambda: torch.cuda.synchronize()) if devices else (lambda: None)
+
+
 def p2p(rank: int, world: int, params: dict) -> dict:
-    """Ping-pong between ranks 0 and 1: seconds per one-way message of each size."""
+    """Ping-pong between ranks 0 and 1: seconds per one-way message of each size (host tensors
+    over gloo, or with `devices`, GPU tensors over the probe's backend)."""
     import torch
     import torch.distributed as dist
 
-    out = {}
+    out, drained = {}, _drain(params)
+    where = params.get("devices", ["cpu"] * world)[rank]
     for size in params["sizes"]:
-        buf = torch.ones(size // 4)
+        buf = torch.ones(size // 4, device=where)
 
         def once(buf=buf):
             if rank == 0:
@@ -131,21 +145,47 @@ def p2p(rank: int, world: int, params: dict) -> dict:
             else:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
+            drained()
 
         out[str(size)] = _median_s(once, params["repeats"], dist.barrier) / 2
     return out
 
 
+def copies(rank: int, world: int, params: dict) -> dict:
+    """One-way seconds of each size copied from the host to `params["device"]` and back, as the
+    runtime copies a message that a GPU worker sends to or gets from the host (a pageable host
+    tensor; the GPU's queue drained): {"h2d": {bytes: s}, "d2h": {bytes: s}}. On a CPU device it
+    times a host copy (what the tests can run)."""
+    import torch
+
+    device = torch.device(params["device"])
+
+    def drained() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    out: dict[str, dict[str, float]] = {"h2d": {}, "d2h": {}}
+    for size in params["sizes"]:
+        host = torch.ones(size // 4)
+        there = host.to(device, copy=True)
+        out["h2d"][str(size)] = _median_s(lambda host=host: (host.to(device, copy=True), drained()), params["repeats"])
+        out["d2h"][str(size)] = _median_s(lambda there=there: (there.to("cpu", copy=True), drained()),
+                                          params["repeats"])
+    return out
+
+
 def allreduce(rank: int, world: int, params: dict) -> dict:
-    """Seconds of a gloo all-reduce of each size among all ranks (the slowest rank's view is
-    rank 0's: an all-reduce ends for everyone at once)."""
+    """Seconds of an all-reduce of each size among all ranks (the slowest rank's view is rank
+    0's: an all-reduce ends for everyone at once): host tensors over gloo, or with `devices`, GPU
+    tensors over the probe's backend."""
     import torch
     import torch.distributed as dist
 
-    out = {}
+    out, drained = {}, _drain(params)
+    where = params.get("devices", ["cpu"] * world)[rank]
     for size in params["sizes"]:
-        buf = torch.ones(size // 4)
-        out[str(size)] = _median_s(lambda buf=buf: dist.all_reduce(buf), params["repeats"], dist.barrier)
+        buf = torch.ones(size // 4, device=where)
+        out[str(size)] = _median_s(lambda buf=buf: (dist.all_reduce(buf), drained()), params["repeats"], dist.barrier)
     return out
 
 
