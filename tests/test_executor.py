@@ -117,9 +117,9 @@ def run_checked(spec, shared):
     summed, listed = {rank: [] for rank in range(spec.world)}, {}
     run_sums, run_sum = sums_module.run_sums, sums_module._run
 
-    def logged_sums(prepared, transport):
+    def logged_sums(prepared, transport, where=None):
         listed[prepared.role.rank] = [op.group for op in prepared.ops if op.kind == REDUCE_GRAD]
-        return run_sums(prepared, transport)
+        return run_sums(prepared, transport, where)
 
     def logged_sum(prepared, transport, what, ranks):
         summed[prepared.role.rank].append(ranks)

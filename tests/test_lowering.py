@@ -228,7 +228,9 @@ def test_a_heartbeat_says_where_a_worker_is_in_words():
     assert describe("0RECV_B0<-1") == "waiting at 0RECV_B0<-1 for micro-batch 0's gradients from worker 1"
     assert describe(str(Op("F", 1, 3))) == "running 1F3"
     assert describe(BARRIER) == "waiting for every worker at a step's start or end"
-    assert describe(SUMS) == "in its gradient sums and optimizer step"
+    assert describe(SUMS) == "in its optimizer step, after its gradient sums"
+    assert describe(str(Op(REDUCE_GRAD, 1, group=(1, 3, 4)))) == \
+        "in 1REDUCE_GRAD(1,3,4): a gradient sum that waits for workers 1, 3, 4"
     assert describe("") == ""
 
 

@@ -371,9 +371,10 @@ def sum_ranks(groups: Sequence[Sequence[Sequence[int]]], members: Sequence[tuple
 
 
 BARRIER = "barrier"  # where a worker is while it waits for every worker, before and after a step
-SUMS = "sums"  # in its gradient sums and optimizer step, after its passes
+SUMS = "sums"  # in its optimizer step after its passes and sums (each sum: its REDUCE_GRAD op)
 CHECKPOINT = "checkpoint"  # writing its checkpoint after a step
 _WAIT = re.compile(r"(\d+)RECV_([FB])(\d+)<-(\d+)")
+_SUM = re.compile(r"\d+REDUCE_GRAD\(([\d,]+)\)")
 
 
 def describe(where: str) -> str:
@@ -383,10 +384,13 @@ def describe(where: str) -> str:
     if wait:
         what = "activations" if wait[2] == "F" else "gradients"
         return f"waiting at {where} for micro-batch {wait[3]}'s {what} from worker {wait[4]}"
+    total = _SUM.fullmatch(where)
+    if total:
+        return f"in {where}: a gradient sum that waits for workers {total[1].replace(',', ', ')}"
     if where == BARRIER:
         return "waiting for every worker at a step's start or end"
     if where == SUMS:
-        return "in its gradient sums and optimizer step"
+        return "in its optimizer step, after its gradient sums"
     if where == CHECKPOINT:
         return "writing its checkpoint"
     return f"running {where}" if where else ""

@@ -19,9 +19,10 @@ from hetplan.runtime.gradients import reduce_gradients
 from hetplan.runtime.tensor_parallel import mixed_sum
 
 
-def run_sums(prepared, transport) -> None:
-    """Every sum of the worker's list, in its order; refuses a list that names a sum the worker
-    has no part in, or leaves one out (the others would wait for it)."""
+def run_sums(prepared, transport, where=None) -> None:
+    """Every sum of the worker's list, in its order, each op in `where.at` while it runs (the
+    heartbeat's `executor.Where`); refuses a list that names a sum the worker has no part in, or
+    leaves one out (the others would wait for it)."""
     me = prepared.role.rank
     work: dict[tuple[int, ...], deque[tuple[str, int]]] = {}
     for what, ranks in prepared.sums:
@@ -32,6 +33,8 @@ def run_sums(prepared, transport) -> None:
             if not work.get(op.group):
                 raise HetplanError(f"rank {me}'s list sums over ranks {op.group}, a sum it has no gradients for; "
                                    "its list and its stages disagree (a bug: report it with the plan)")
+            if where is not None:
+                where.at = str(op)
             _run(prepared, transport, work[op.group].popleft(), op.group)
     left = [ranks for ranks, queue in work.items() if queue]
     if left:

@@ -258,8 +258,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
             prm.grad = None
         held.start()
         loss = runner.step(values, scaler.scale if scaler is not None else 1.0)
-        runner.where.at = SUMS
-        tail = _reduce_and_update(prepared, opt, transport, scaler, spec.world)
+        tail = _reduce_and_update(prepared, opt, transport, scaler, spec.world, runner.where)
         held.step(runner.peak_bytes)
         runner.where.at = BARRIER
         transport.barrier()
@@ -345,7 +344,7 @@ def _saved_module(prepared):
     return mods[0] if len(mods) == 1 else nn.ModuleList(mods)
 
 
-def _reduce_and_update(prepared, opt, transport, scaler=None, world: int = 1) -> tuple[float, float, float]:
+def _reduce_and_update(prepared, opt, transport, scaler=None, world: int = 1, where=None) -> tuple[float, float, float]:
     """The step's gradient sums (`runtime.sums`) and optimizer step (fp16: unscaled, and skipped by every worker
     when one found an inf or nan: `hetplan.runtime.precision`); returns when each began and when
     the step's work ended (a GPU's queue drained)."""
@@ -355,7 +354,9 @@ def _reduce_and_update(prepared, opt, transport, scaler=None, world: int = 1) ->
     from hetplan.runtime.sums import run_sums
 
     t_ar = time.perf_counter()
-    run_sums(prepared, transport)  # as its list says: all-reduces, sharded stages' reduce-scatters
+    run_sums(prepared, transport, where)  # as its list says: all-reduces, sharded stages' reduce-scatters
+    if where is not None:
+        where.at = SUMS
     t_opt = time.perf_counter()
     steps = scaler is None or agreed_step(scaler, prepared.optimized(),
                                           lambda t: transport.all_reduce(t, tuple(range(world))) if world > 1 else None)
