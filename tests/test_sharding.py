@@ -237,6 +237,32 @@ def test_measured_peak_memory_of_sharded_worker_processes(tmp_path):
     assert unsharded.estimate.peak_mem_bytes["c0"] > predicted["c0"]
 
 
+def test_sharded_worker_processes_take_the_backends_collectives_as_on_nccl(tmp_path, monkeypatch):
+    """mlp in one stage of two worker processes sharding their weights, gradients and Adam's
+    state (ZeRO-3), 3 steps, with torch.distributed's reduce-scatter and all-gather on the
+    workers' group, the calls NCCL takes among GPU workers (gloo takes them here where
+    HETPLAN_GLOO_COLLECTIVES is 1; its own default is the ring): every worker says it used them,
+    and the losses are those of the same plan on the threads' rings."""
+    from hetplan.runtime.launch import launch, run_spec
+    from hetplan.runtime.local import run_threads
+    from hetplan.runtime.settings import RunSettings
+    from hetplan.runtime.transport import GLOO_COLLECTIVES
+    from hetplan.zoo import load_model
+    from test_executor import chain_plan
+
+    zm = load_model("mlp", batch_size=8, seed=0)
+    names = [p.name for p in split_step(zm.step, zm.batch).pieces]
+    plan = chain_plan(names, [2], 2, "gpipe")
+    plan = replace(plan, stages=(replace(plan.stages[0], shard=3),))
+    settings = RunSettings(batch_size=8, granularity="layer", steps=3, warmup=0, optimizer="adam", lr=0.01,
+                           out_dir=tmp_path)
+    rings = run_threads(run_spec(plan, cpus(2), "mlp", settings))
+    monkeypatch.setenv(GLOO_COLLECTIVES, "1")
+    result = launch(run_spec(plan, cpus(2), "mlp", settings))
+    assert [r["shard_collectives"] for r in result.ranks] == [True, True]
+    assert result.losses == pytest.approx([sum(step) for step in zip(*(r["losses"] for r in rings))], rel=1e-5)
+
+
 def test_a_sharded_run_resumes_where_it_stopped(tmp_path):
     """mlp on 2 + 2 sharded replicas, Adam: 4 steps at once, and 2 steps, a checkpoint (each
     replica writes its share of the state), 2 more resumed from it, end with the same weights.

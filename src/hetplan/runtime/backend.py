@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from hetplan.errors import HetplanError
 from hetplan.runtime.settings import BACKENDS
+from hetplan.runtime.support import shared_gpu
 
 MIXED = "cpu:gloo,cuda:nccl"
 
@@ -39,19 +40,6 @@ def backend_of(setting: str, bindings: Sequence[str], nccl: Callable[[], bool] |
     if not (nccl or nccl_available)():
         raise HetplanError("--backend nccl: this torch has no NCCL (a CPU build): use --backend auto or gloo")
     return MIXED
-
-
-def shared_gpu(bindings: Sequence[str]) -> tuple[int, int] | None:
-    """The first two workers bound to one GPU (NCCL refuses a communicator with two ranks on one
-    device), or None."""
-    seen: dict[str, int] = {}
-    for i, b in enumerate(bindings):
-        if b.startswith("cuda"):
-            gpu = b if ":" in b else "cuda:0"
-            if gpu in seen:
-                return seen[gpu], i
-            seen[gpu] = i
-    return None
 
 
 def nccl_available() -> bool:

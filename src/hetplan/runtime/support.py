@@ -19,9 +19,10 @@ relayed through the ones between, which is how the simulator scores plans by def
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hetplan.cluster import Cluster
 from hetplan.plan import Plan
-from hetplan.runtime.backend import shared_gpu
 from hetplan.schedule import SCHEDULE_NAMES
 from hetplan.schedule import SCHEDULES as REGISTRY
 
@@ -50,6 +51,19 @@ def runtime_refusal(plan: Plan, cluster: Cluster) -> str | None:
         if shared_gpu(bindings) is not None:
             return (f"the tensor-parallel group {', '.join(group)} shares a GPU, and its collectives need NCCL, which "
                     "runs one worker per GPU: bind its devices to different GPUs, or plan with --max-tp 1")
+    return None
+
+
+def shared_gpu(bindings: Sequence[str]) -> tuple[int, int] | None:
+    """The first two workers bound to one GPU (NCCL refuses a communicator with two ranks on one
+    device), or None."""
+    seen: dict[str, int] = {}
+    for i, b in enumerate(bindings):
+        if b.startswith("cuda"):
+            gpu = b if ":" in b else "cuda:0"
+            if gpu in seen:
+                return seen[gpu], i
+            seen[gpu] = i
     return None
 
 

@@ -19,8 +19,9 @@ path, so the CPU tests run what NCCL would. A sharded stage's reduce-scatter and
 (`runtime.sharding`, `runtime.zero`) are the backend's collectives where NCCL carries them
 (`collectives`: among GPU workers); where gloo does, rings over point-to-point messages on the
 host with tags of their own (gloo's reduce-scatter is an all-reduce of everything: twice the
-bytes), which only gloo pairs by tag. The threads' hub runs either (`LocalTransport.collectives`,
-which the tests switch on to run the path NCCL takes). A rank holding two
+bytes), which only gloo pairs by tag. The tests run NCCL's path on the CPU: the threads' hub runs
+either (`LocalTransport.collectives_on`), and gloo runs the collectives too where
+$HETPLAN_GLOO_COLLECTIVES is 1 (worker processes of a CPU run). A rank holding two
 neighbouring stages (ZB-V's V: stages n - 1 and n on the last rank) sends to itself: no backend
 has a pair from a rank to itself, so both transports keep such a message in the rank's own
 mailbox (`_Own`), and the threads' hub refuses a message to oneself as gloo does.
@@ -28,6 +29,7 @@ mailbox (`_Own`), and the threads' hub refuses a message to oneself as gloo does
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections import deque
@@ -40,6 +42,7 @@ import torch
 from hetplan.lowering import ACTIVATIONS, GRADIENTS
 from hetplan.runtime.backend import MIXED
 
+GLOO_COLLECTIVES = "HETPLAN_GLOO_COLLECTIVES"  # "1": gloo runs sharded stages' collectives too (tests)
 CHANNELS = (ACTIVATIONS, GRADIENTS)  # a pipeline message's tag names its channel (`lowering.channel`)
 
 # gloo's words when the rank at the other end of a message is gone or silent (it raises a plain
@@ -152,7 +155,9 @@ class GlooTransport:
         self._dist.all_reduce(tensor, group=self._groups[ranks])
 
     def collectives(self, ranks: tuple[int, ...]) -> bool:
-        return self.wire(ranks).type == "cuda"  # NCCL's; gloo's reduce-scatter is an all-reduce
+        # NCCL's; gloo's reduce-scatter is an all-reduce, so gloo runs them only for the tests
+        # (`GLOO_COLLECTIVES`), which run NCCL's path between CPU workers so
+        return self.wire(ranks).type == "cuda" or os.environ.get(GLOO_COLLECTIVES) == "1"
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
         # torch 2.13 names them reduce_scatter_single and all_gather_single; torch 2.11 has the older names only

@@ -298,6 +298,13 @@ def _resume(spec: RunSpec, runner, prepared, opt, transport) -> None:
                        prepared.role.replica if _sharded(prepared) else 0)
 
 
+def _shard_collectives(prepared, transport) -> bool | None:
+    """Whether its sharded stages reduce-scatter and all-gather by the backend's collectives (NCCL
+    among GPU workers) rather than rings on the host; None where it shards nothing."""
+    sharded = [group.ranks for group in (*prepared.shards, *prepared.units)]
+    return transport.collectives(tuple(sharded[0])) if sharded else None
+
+
 def _resident(prepared) -> list:
     """The parameters a worker holds between steps: where its replicas shard the weights
     (`Stage.shard` 3), its shares in their stead."""
@@ -419,7 +426,8 @@ def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
     groups += [leads for leads, _, _ in prepared.mixed] + list(prepared.tp_groups)
     if scales_loss(spec.plan.precision) and world > 1:  # the workers agree on fp16's steps (`runtime.precision`)
         groups.append(tuple(range(world)))
-    check_lowered(lower(spec.plan.schedule, group_table(spec), spec.plan.stage_ranks, spec_rows(spec, spec.plan)))
+    check_lowered(lower(spec.plan.schedule, group_table(spec), spec.plan.stage_ranks, spec_rows(spec, spec.plan),
+                        [ranks for _, ranks in prepared.sums]))  # its messages pair and its sums meet
     bindings = [r.binding for r in spec.ranks]
     transport = GlooTransport(rank, world, list(dict.fromkeys(groups)), spec.settings.timeout_s + GLOO_AFTER_S,
                               bindings, backend_of(spec.settings.backend, bindings))
@@ -435,7 +443,8 @@ def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
     # process's resident size where neither can say
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else mine.pop("tensor_peak_bytes") or rss
     mine.update(rank=rank, stage=me.stage, replica=me.replica, tp=me.tp, device=me.device, peak_mem_bytes=peak,
-                rss_peak_bytes=rss, backend=transport.backend)
+                rss_peak_bytes=rss, backend=transport.backend,
+                shard_collectives=_shard_collectives(prepared, transport))
     gathered = transport.gather_objects(mine, world)
     if spec.settings.return_weights:
         torch.save({name: p.detach().cpu() for name, p in prepared.named_parameters().items()},
