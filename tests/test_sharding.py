@@ -260,7 +260,8 @@ def test_sharded_worker_processes_take_the_backends_collectives_as_on_nccl(tmp_p
     monkeypatch.setenv(GLOO_COLLECTIVES, "1")
     result = launch(run_spec(plan, cpus(2), "mlp", settings))
     assert [r["shard_collectives"] for r in result.ranks] == [True, True]
-    assert result.losses == pytest.approx([sum(step) for step in zip(*(r["losses"] for r in rings))], rel=1e-5)
+    losses = [sum(step) for step in zip(*(r["losses"] for r in rings), strict=True)]
+    assert result.losses == pytest.approx(losses, rel=1e-5)
 
 
 def test_a_sharded_run_resumes_where_it_stopped(tmp_path):
