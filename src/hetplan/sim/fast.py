@@ -28,7 +28,10 @@ plans rather than timing them, and a planner's final choice is re-scored by
 `hetplan.sim.simulate`.
 
 The durations come from the lowered table's array form (`hetplan.cost.table.ChainCosts`, made
-by `lower_chain`); this module computes no cost of its own (`tests/test_cost_formulas.py`).
+by `lower_chain`); this module computes no cost of its own (`tests/test_cost_formulas.py`). After
+the passes it adds the table's gradient sums and optimizer steps per stage (a folded stage's own
+sum, then the tied parameters' sums in the lists' order), not the lists' `REDUCE_GRAD` ops as the
+event simulator does: the plans of one shape it scores together differ in their sums.
 `hetplan.sim.chains.ChainScorer` lowers plans written as cut points in a topological order plus
 one device per stage, from prefix sums, so a batch of such plans is scored without a Python loop
 over plans.
