@@ -160,7 +160,8 @@ class GlooTransport:
         return self.wire(ranks).type == "cuda" or os.environ.get(GLOO_COLLECTIVES) == "1"
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
-        # torch 2.13 names them reduce_scatter_single and all_gather_single; torch 2.11 has the older names only
+        # torch 2.13 names them reduce_scatter_single and all_gather_single (the older names warn);
+        # versions without those have the older ones
         run = getattr(self._dist, "reduce_scatter_single", None) or self._dist.reduce_scatter_tensor
         run(output, tensor, group=self._groups[ranks])
 
