@@ -13,7 +13,7 @@ this project: 16 cores and one GPU, never two). Prints a table and writes one JS
    peak for its stage (the graph profiled on the GPU and on the CPU workers' type).
 4. `--backend nccl` with a CPU worker: refused in one line before any worker starts.
 5. `hetplan calibrate`'s probe of a GPU's copies to and from the host (what a message between a
-   GPU worker and a CPU one crosses besides gloo, `runtime.calibrate.gpu_links`): its bandwidth
+   GPU worker and a CPU one crosses besides gloo, `cost.network.gpu_links`): its bandwidth
    and latency.
 
 Not checkable on one GPU: NCCL between two GPU workers (NCCL refuses two ranks on one GPU); its

@@ -1,6 +1,7 @@
 """What a cut costs on the cluster's network: the links between two stages' devices, the hosts'
-network interfaces they cross, and the transfers routed as the runtime routes rows. One owner
-for these; `CostModel`'s methods of the same names call them."""
+network interfaces they cross, and the transfers routed as the runtime routes rows; and the
+links of GPU workers from what `hetplan calibrate` measured. One owner for these; `CostModel`'s
+methods of the same names call them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from hetplan.cluster import Cluster
+from hetplan.cluster import Cluster, Device, Link, LinkOverride
 from hetplan.cost import formulas
 
 
@@ -117,3 +118,24 @@ def routed_shares(sender_weights: Sequence[float], receiver_weights: Sequence[fl
                 out[(p, k)] = float(overlap)
             k += 1
     return out
+
+
+def gpu_links(workers: Sequence[Device], host_link: Link, copies: dict[str, Link], nccl_link: Link | None
+              ) -> tuple[LinkOverride, ...]:
+    """What `hetplan calibrate` measured, as links: of every pair of workers a GPU worker is in, as
+    the run's messages go between them (`Transport.wire`): NCCL between two GPUs where the run
+    talks over it (`nccl_link`, or None), else gloo on the host (`host_link`) after a GPU's copy
+    to the host and before the other's copy from it (`copies`, by binding), one after the other
+    (`formulas.in_series`)."""
+    out = []
+    for i, a in enumerate(workers):
+        for b in workers[i + 1:]:
+            ends = [copies[d.binding] for d in (a, b) if d.binding in copies]
+            if not ends:
+                continue
+            if nccl_link is not None and len(ends) == 2:
+                link = nccl_link
+            else:
+                link = Link(*formulas.in_series((x.bandwidth_Bps, x.latency_s) for x in (host_link, *ends)))
+            out.append(LinkOverride((a.id, b.id), link.bandwidth_Bps, link.latency_s))
+    return tuple(out)

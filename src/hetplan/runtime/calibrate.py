@@ -27,7 +27,7 @@ Where workers sit on GPUs, what their messages cross is measured too, on the bac
 will use (`runtime.backend`): each GPU's copies to and from the host, which a message between a
 GPU worker and a CPU one (or any, over gloo) takes besides gloo's link, and where NCCL carries
 what passes between GPUs, NCCL point to point between two of them and its all-reduces where every
-worker is on a GPU; written as links between those pairs of devices (`gpu_links`). NCCL between
+worker is on a GPU; written as links between those pairs of devices (`cost.network.gpu_links`). NCCL between
 two GPUs has not run on the machines lent to this project (one GPU each).
 """
 
@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from hetplan.cluster import AllreduceCurve, Calibration, Cluster, Device, Link, LinkOverride
+from hetplan.cost.network import gpu_links
 from hetplan.errors import HetplanError
 from hetplan.runtime.settings import RunSettings
 
@@ -179,28 +180,6 @@ def calibrate_copies(gpus: Sequence[str], repeats: int = 10) -> dict[str, Link]:
     return out
 
 
-def gpu_links(workers: Sequence[Device], host_link: Link, copies: dict[str, Link], nccl_link: Link | None
-              ) -> tuple[LinkOverride, ...]:
-    """The link of every pair of workers a GPU worker is in, as the run's messages go between
-    them (`Transport.wire`): NCCL between two GPUs where the run talks over it (`nccl_link`, or
-    None), else gloo on the host (`host_link`) after a GPU's copy to the host and before the
-    other's copy from it (`copies`, by binding), one after the other (`formulas.in_series`)."""
-    from hetplan.cost.formulas import in_series
-
-    out = []
-    for i, a in enumerate(workers):
-        for b in workers[i + 1:]:
-            ends = [copies[d.binding] for d in (a, b) if d.binding in copies]
-            if not ends:
-                continue
-            if nccl_link is not None and len(ends) == 2:
-                link = nccl_link
-            else:
-                link = Link(*in_series((x.bandwidth_Bps, x.latency_s) for x in (host_link, *ends)))
-            out.append(LinkOverride((a.id, b.id), link.bandwidth_Bps, link.latency_s))
-    return tuple(out)
-
-
 def monotone(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
     """Measured (bytes, seconds) with no size slower than a larger one: a smaller all-reduce does
     not take longer, so a point that did was slowed by something else (a worker descheduled on a
@@ -282,7 +261,7 @@ def _check_runs_here(workers: Sequence[Device]) -> None:
 
 
 def _gpu_links(workers: Sequence[Device], link: Link, report: dict, say) -> tuple[tuple[LinkOverride, ...], bool]:
-    """The links of the GPU workers (`gpu_links`: copies to and from each GPU measured, NCCL
+    """The links of the GPU workers (`cost.network.gpu_links`: copies to and from each GPU measured, NCCL
     between two GPUs where the run talks over it), into `report`; and whether it does."""
     from hetplan.runtime.backend import MIXED, backend_of
 
