@@ -305,8 +305,9 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float,
                    help=f"stop every worker when none moves for this long (default: {RUN.timeout_s:g})")
     p.add_argument("--backend", choices=BACKENDS,
-                   help="how workers talk: auto (NCCL between GPU workers, gloo where a CPU takes part), gloo, "
-                        f"or nccl (every worker on a GPU) (default: {RUN.backend})")
+                   help="how workers talk: auto (NCCL between GPU workers, gloo where a CPU takes part or two "
+                        "workers share a GPU), gloo, or nccl (every worker on a GPU of its own) "
+                        f"(default: {RUN.backend})")
     p.add_argument("--out", type=Path, default=RUN.out_dir,
                    help=f"the run folder: logs, run.json, result (default: {RUN.out_dir})")
     p.add_argument("--dry-run", action="store_true",
