@@ -14,7 +14,7 @@ from hetplan.io.clusters import cluster_from_spec
 from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
 from hetplan.rows import step_rows
-from hetplan.runtime.checkpoint import checkpoint_step
+from hetplan.runtime.checkpoint import latest_step
 from hetplan.runtime.launch import WorkerFailure, launch, run_spec
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.stages import stage_modules
@@ -166,7 +166,7 @@ def test_a_hung_or_dead_worker_stops_everyone_in_time(tmp_path, monkeypatch, fau
         assert ("worker 0 (stage 0, device c0) at step 2, waiting at 0RECV_B0<-1 for micro-batch 0's gradients "
                 "from worker 1;") in str(err.value)
     # the checkpoint of step 2, written before the fault, is whole and loads
-    assert checkpoint_step(tmp_path / "ckpt", [0, 1]) == 2
+    assert latest_step(tmp_path / "ckpt") == 2
 
 
 def test_loss_falls_on_text_and_resume_continues_the_same_run(tmp_path):
@@ -175,10 +175,10 @@ def test_loss_falls_on_text_and_resume_continues_the_same_run(tmp_path):
     assert sum(full.losses[-5:]) / 5 < sum(full.losses[:5]) / 5 - 0.2  # byte-level loss starts near ln 256
     ckpt = tmp_path / "ckpt"
     launch(two_stage(tmp_path / "a", 6, data="text", lr=3e-3, checkpoint_dir=ckpt, checkpoint_every=3))
-    assert checkpoint_step(ckpt, [0, 1]) == 6
+    assert latest_step(ckpt) == 6
     resumed = launch(two_stage(tmp_path / "b", 10, data="text", lr=3e-3, checkpoint_dir=ckpt, resume_step=6))
     assert resumed.losses == pytest.approx(full.losses[6:10], abs=1e-5)  # the same run, steps 6-9
-    assert checkpoint_step(ckpt, [0, 1]) == 10  # without --checkpoint-every, the last step is saved
+    assert latest_step(ckpt) == 10  # without --checkpoint-every, the last step is saved
 
 
 def run_torchrun_agents(commands):

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from hetplan.cost import CostModel
-from hetplan.errors import HetplanError
 from hetplan.io.clusters import load_cluster
 from hetplan.pieces.optim import StageOptimizer
 from hetplan.pieces.split import split_step
@@ -266,31 +265,27 @@ def test_sharded_worker_processes_take_the_backends_collectives_as_on_nccl(tmp_p
 
 
 def test_a_sharded_run_resumes_where_it_stopped(tmp_path):
-    """mlp on 2 + 2 sharded replicas, Adam: 4 steps at once, and 2 steps, a checkpoint (each
-    replica writes its share of the state), 2 more resumed from it, end with the same weights.
-    The same plan unsharded is refused that checkpoint in one line, and the sharded plan a
-    checkpoint without the shares."""
-    from hetplan.runtime.checkpoint import checkpoint_step
-    from hetplan.runtime.run import _check_shares
+    """mlp on 2 + 2 sharded replicas, Adam: 4 steps at once, and 2 steps, a checkpoint, 2 more
+    resumed from it, end with the same weights. Each replica writes its own share of the weights
+    and of Adam's state, as elements of each parameter flattened: none writes a whole parameter
+    of a sharded stage (nothing is gathered to be written)."""
+    from hetplan.runtime.checkpoint import Reader, latest_step, step_dir
 
     plan, run = sharded_mlp(tmp_path, 1)
     ckpt = tmp_path / "ckpt"
     whole = run(4)
     run(2, checkpoint_dir=ckpt)
-    assert checkpoint_step(ckpt, [0, 1]) == 2 and sorted(p.name for p in ckpt.glob("*.pt")) == [
-        "stage0.pt", "stage0.replica1.pt", "stage1.pt", "stage1.replica1.pt"]
-    _check_shares(plan, ckpt)
-    unsharded = replace(plan, stages=tuple(replace(s, shard=False) for s in plan.stages))
-    with pytest.raises(HetplanError, match="holds stage 0's optimizer state in shares"):
-        _check_shares(unsharded, ckpt)
+    assert latest_step(ckpt) == 2
+    assert sorted(p.name for p in step_dir(ckpt, 2).iterdir()) == ["meta.json", *(f"rank{r}.pt" for r in range(4))]
+    reader = Reader(ckpt, 2)
+    for data in reader.files:
+        regions = {region[0] for _, what, region, _ in data["entries"] if what != "buffer"}
+        assert regions == {"flat", "whole"}  # shares, and Adam's step count (a number) whole
+        assert all(region[0] == "flat" for _, what, region, _ in data["entries"] if what == "param")
     resumed = run(4, checkpoint_dir=ckpt, resume_step=2)
     for a, b in zip(whole, resumed, strict=True):
         for name, w in a["weights"].items():
             assert torch.equal(w, b["weights"][name]), name
-    for share in ckpt.glob("*.replica*.pt"):  # as an unsharded plan's checkpoint
-        share.unlink()
-    with pytest.raises(HetplanError, match="has no share for each of its replicas"):
-        _check_shares(plan, ckpt)
 
 
 def sharded_mlp(tmp_path, level: int, weights=None):

@@ -121,19 +121,15 @@ def test_sharded_gradients_train_as_one_process_on_the_backends_collectives(leve
 @pytest.mark.parametrize("level", [2, 3])
 def test_a_run_sharding_gradients_resumes_bit_for_bit(tmp_path, level):
     """mlp on 2 + 2 replicas at `level`, Adam: 4 steps at once, and 2 steps, a checkpoint (each
-    replica its file: the whole weights and its share of Adam's state), 2 more resumed from it,
+    replica its file: its share of the weights and of Adam's state), 2 more resumed from it,
     end with the same weights, bit for bit."""
-    from hetplan.runtime.checkpoint import checkpoint_step
-    from hetplan.runtime.run import _check_shares
+    from hetplan.runtime.checkpoint import latest_step
 
     plan, run = sharded_mlp(tmp_path, level, weights=[[3.0, 1.0], [1.0, 1.0]])
     ckpt = tmp_path / "ckpt"
     whole = run(4)
     run(2, checkpoint_dir=ckpt)
-    assert checkpoint_step(ckpt, [0, 1]) == 2 and len(list(ckpt.glob("*.replica1.pt"))) == 2
-    other = 3 if level == 2 else 2
-    with pytest.raises(HetplanError, match=f"written at shard level {level} and this plan shards at {other}"):
-        _check_shares(replace(plan, stages=tuple(replace(s, shard=other) for s in plan.stages)), ckpt)
+    assert latest_step(ckpt) == 2
     resumed = run(4, checkpoint_dir=ckpt, resume_step=2)
     for a, b in zip(whole, resumed, strict=True):
         assert a["losses"][-1:] == b["losses"][-1:]

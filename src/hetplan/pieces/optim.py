@@ -8,8 +8,8 @@ variant of Adam that updates the moments of the rows looked up, as large-scale C
 does). Which parameters are which is known from the model when it says (`sparse_ids`: the runtime
 passes its tables built with `sparse=True`, so a table no replica looked up at the first step is
 still a table); else it shows once a backward pass has made their gradients, and the two are
-made at the first step. A checkpoint records the split, so a resumed run makes them before its
-first step. SGD accepts both kinds and is one optimizer.
+made at the first step (a resumed run's from its state dict, which records the split, or where
+a checkpoint sets a parameter's state). SGD accepts both kinds and is one optimizer.
 """
 
 from __future__ import annotations
@@ -54,6 +54,21 @@ class StageOptimizer:
         """The bytes of the optimizer's state tensors (Adam's moments; nothing before a step)."""
         return sum(t.numel() * t.element_size() for opt in self.optimizers for st in opt.state.values()
                    for t in st.values() if isinstance(t, torch.Tensor))
+
+    def state_of(self, param: torch.Tensor) -> dict:
+        """The optimizer's state of one of its parameters (empty before its first step, and for SGD)."""
+        return next((dict(opt.state[param]) for opt in self.optimizers if param in opt.state), {})
+
+    def set_state(self, param: torch.Tensor, state: dict) -> None:
+        """Set one parameter's state (a checkpoint's, `runtime.held`), each tensor on the parameter's
+        device and in its dtype, Adam's step count where torch keeps it (on the host, fp32)."""
+        if not state:
+            return
+        if self.sparse is None:  # made at the first step otherwise: the state says there was one
+            self._make([False] * len(self.params))
+        opt = next(o for o in self.optimizers if any(param is q for g in o.param_groups for q in g["params"]))
+        opt.state[param] = {k: v.to(torch.float32) if k == "step" else v.to(param.device, param.dtype)
+                            for k, v in state.items()}
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "sparse": self.sparse, "optimizers": [o.state_dict() for o in self.optimizers]}

@@ -122,9 +122,6 @@ def run_spec(plan: Plan, cluster: Cluster, model: str, settings: RunSettings, *,
     if settings.batch_size is None or settings.granularity is None:
         raise HetplanError("run_spec needs the settings' batch_size and granularity; prepare_run takes them from a "
                            "graph")
-    if settings.checkpoint_dir is not None and any(st.tp > 1 for st in plan.stages):
-        raise HetplanError("checkpoints of tensor-parallel stages are not written yet: run this plan without "
-                           "--checkpoint-dir, or plan with --max-tp 1")
     if plan.microbatches > settings.batch_size:
         raise HetplanError(f"the plan has {plan.microbatches} micro-batches but the batch only {settings.batch_size} "
                            f"samples: plan with --microbatches {settings.batch_size} or fewer")
@@ -341,6 +338,10 @@ def launch(spec: RunSpec, progress=None) -> RunResult:
             held.enter_context(stop_on_terminate())
             return _launch_locked(spec, progress)
     except BaseException:
+        if spec.settings.checkpoint_dir in mine:
+            from hetplan.runtime.checkpoint import clear_partial
+
+            clear_partial(spec.settings.checkpoint_dir)
         for folder in mine:  # after the locks are let go, so that a folder this run made may go
             clear_failed_run(folder, made[folder])
         raise

@@ -114,46 +114,36 @@ def _sizes(graph: Graph | None, model: str, s: RunSettings, plan: Plan) -> tuple
     return batch_size, seq_len, granularity
 
 
-def _resume_step(plan: Plan, s: RunSettings) -> int:
-    from hetplan.runtime.checkpoint import checkpoint_step
+def _resume_step(plan: Plan, s: RunSettings, model: str, batch_size: int, seq_len: int | None) -> int:
+    """The step of the checkpoint a resumed run starts at: the folder's latest whole one, written
+    by any plan of the same training (`checkpoint.SAME_TRAINING`)."""
+    from hetplan.runtime.checkpoint import SAME_TRAINING, latest_step, legacy, read_meta, step_dir
 
     if not s.resume:
         return 0
     if not s.checkpoint_dir:
         raise HetplanError("--resume needs --checkpoint-dir DIR")
-    found = checkpoint_step(s.checkpoint_dir, [held[0] for held in plan.rank_stages])  # a file per worker
+    found = latest_step(s.checkpoint_dir)
+    if found is None and legacy(s.checkpoint_dir):
+        raise HetplanError(f"{s.checkpoint_dir}: the checkpoint is of an earlier hetplan (a file per stage, loadable "
+                           "onto its own plan only); resume it with the version that wrote it, or start afresh "
+                           "without --resume")
     if found is None:
-        raise HetplanError(f"{s.checkpoint_dir}: no complete checkpoint of all {len(plan.stages)} stages "
+        raise HetplanError(f"{s.checkpoint_dir}: no whole checkpoint (a step-N folder with every worker's file) "
                            "to resume from")
     if found >= s.steps:
         raise HetplanError(f"{s.checkpoint_dir}: the checkpoint is at step {found} already; ask for more steps "
                            f"(--steps {found + s.steps}) to go on")
-    _check_shares(plan, s.checkpoint_dir)
+    meta = read_meta(step_dir(s.checkpoint_dir, found)) or {}
+    now = {"model": model, "optimizer": s.optimizer, "batch_size": batch_size, "seq_len": seq_len, "seed": s.seed,
+           "data": s.data}
+    differs = [k for k in SAME_TRAINING if meta.get(k) != now[k]]
+    if differs:
+        k = differs[0]
+        raise HetplanError(f"{s.checkpoint_dir}: the checkpoint trained with {k} {meta.get(k)!r} and this run has "
+                           f"{now[k]!r}; resume the same training (any plan, any cluster), or start afresh "
+                           "without --resume")
     return found
-
-
-def _check_shares(plan: Plan, directory) -> None:
-    """A stage whose replicas shard the optimizer's state resumes from one file per replica (each
-    holds its share), and one that does not, from a checkpoint without them."""
-    from hetplan.runtime.checkpoint import shard_level, stage_path
-
-    for held in plan.rank_stages:
-        k = held[0]
-        sharding = any(plan.stages[j].shard for j in held)
-        replicas = len(plan.stages[k].devices)
-        shares = [p for p in range(1, replicas) if stage_path(directory, k, p).exists()]
-        if sharding and len(shares) < replicas - 1:
-            raise HetplanError(f"{directory}: stage {k} shards its optimizer state but the checkpoint has no share "
-                               f"for each of its replicas (it was written by a plan that does not shard it): "
-                               "resume with that plan, or start afresh without --resume")
-        if not sharding and shares:
-            raise HetplanError(f"{directory}: the checkpoint holds stage {k}'s optimizer state in shares (written "
-                               "by a plan that shards it), but this plan does not shard it: resume with that plan")
-        level, written = plan.stages[k].shard, shard_level(directory, k)
-        if sharding and written != level:
-            raise HetplanError(f"{directory}: stage {k}'s checkpoint was written at shard level {written} and this "
-                               f"plan shards at {level}; their optimizer states are cut apart differently: resume "
-                               "with the plan that wrote it")
 
 
 def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = None,
@@ -164,7 +154,7 @@ def prepare_run(plan: Plan, cluster: Cluster, model: str, graph: Graph | None = 
     batch_size, seq_len, granularity = _sizes(graph, model, s, plan)
     if graph is not None:
         validate_plan(plan, at_batch(graph, batch_size), cluster, source=source)
-    first = _resume_step(plan, s)
+    first = _resume_step(plan, s, model, batch_size, seq_len)
     resolved = replace(s, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
                        block_classes=_blocks(graph, s), resume_step=first)
     return run_spec(plan, cluster, model, resolved, graph=graph), first

@@ -233,7 +233,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
                                                                                       strict=True)], prepared.ops,
                         memory, heartbeat.where if heartbeat is not None else None)
     surround(runner, prepared)
-    _resume(spec, runner, prepared, opt, transport)
+    _resume(spec, runner, prepared, opt, transport, zoo_model)
     times, losses, trace, busy_s, comm_s = [], [], [], [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
@@ -272,7 +272,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         if prepared.last:
             losses.append(loss)
         runner.where.at = CHECKPOINT
-        _checkpoint(spec, prepared, opt, step)
+        _checkpoint(spec, prepared, opt, step, zoo_model)
     for units in prepared.units:  # the weights whole again for whoever reads them next
         units.gather_all()
     out = {"times_s": times, "losses": losses, "actions": runner.executed, "busy_s": busy_s, "comm_s": comm_s,
@@ -284,18 +284,27 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     return out
 
 
-def _resume(spec: RunSpec, runner, prepared, opt, transport) -> None:
-    """The stages' sharded units on the transport, and the checkpoint read where the run resumes."""
+def _resume(spec: RunSpec, runner, prepared, opt, transport, zoo_model) -> None:
+    """The stages' sharded units on the transport, and the checkpoint read where the run resumes
+    (written by any plan of the model: `runtime.held`); each worker's random state too where the
+    plan that wrote it is this one."""
     for units in prepared.units:
         units.transport = transport
         units.reduced = runner.read_memory
         runner.runners[units.stage].backward_done = units.finish
     if spec.settings.resume_step:
-        from hetplan.runtime.checkpoint import load_stage
+        import torch
 
+        from hetplan.io.serde import to_dict
+        from hetplan.runtime import held
+        from hetplan.runtime.checkpoint import Reader
+
+        reader = Reader(Path(spec.settings.checkpoint_dir), spec.settings.resume_step)
         with _whole(prepared, loaded=True):
-            load_stage(Path(spec.settings.checkpoint_dir), prepared.role.stage, _saved_module(prepared), opt,
-                       prepared.role.replica if _sharded(prepared) else 0)
+            held.load(reader, prepared, opt, held.names_of(zoo_model.step))
+        same = json.loads(json.dumps(to_dict(spec.plan)))
+        if reader.meta.get("plan") == same and reader.meta.get("world") == spec.world:
+            torch.set_rng_state(reader.rng(prepared.role.rank))
 
 
 def _shard_collectives(prepared, transport) -> bool | None:
@@ -313,24 +322,30 @@ def _resident(prepared) -> list:
         s for units in prepared.units if units.level == 3 for s in units.shards]
 
 
-def _sharded(prepared) -> bool:
-    """Whether its replicas shard their state: then each holds, and checkpoints, its own."""
-    return bool(prepared.shards or prepared.units)
-
-
-def _checkpoint(spec: RunSpec, prepared, opt, step: int) -> None:
-    """The stage's checkpoint after `step` where one is due (with a checkpoint folder, the last
-    step is always saved, a resumed run's too); replicas hold the same weights and state, unless
-    they shard it: then each writes its own."""
-    every, role = spec.settings.checkpoint_every, prepared.role
+def _checkpoint(spec: RunSpec, prepared, opt, step: int, zoo_model) -> None:
+    """The worker's part of the checkpoint after `step` where one is due (with a checkpoint
+    folder, the last step is always saved, a resumed run's too): what it holds, by the model's
+    names (`runtime.held`), rank 0 with what the run trains (`checkpoint`)."""
+    every = spec.settings.checkpoint_every
     due = (every and (step + 1) % every == 0) or step + 1 == spec.settings.steps
-    if spec.settings.checkpoint_dir is None or not due or (role.replica and not _sharded(prepared)):
+    if spec.settings.checkpoint_dir is None or not due:
         return
-    from hetplan.runtime.checkpoint import save_stage
+    from hetplan.runtime import held
+    from hetplan.runtime.checkpoint import save
 
-    with _whole(prepared):
-        save_stage(spec.settings.checkpoint_dir, role.stage, _saved_module(prepared), opt, step + 1,
-                   role.replica if _sharded(prepared) else 0, spec.plan.stages[role.stage].shard)
+    rank = prepared.role.rank
+    save(spec.settings.checkpoint_dir, step + 1, rank, held.entries(prepared, opt, held.names_of(zoo_model.step)),
+         checkpoint_meta(spec) if rank == 0 else None)
+
+
+def checkpoint_meta(spec: RunSpec) -> dict:
+    """What a checkpoint says of its run: the training a resumed run must share
+    (`checkpoint.SAME_TRAINING`), the plan that wrote it and its number of workers."""
+    from hetplan.io.serde import to_dict
+
+    s = spec.settings
+    return {"model": spec.model, "optimizer": s.optimizer, "batch_size": s.batch_size, "seq_len": s.seq_len,
+            "seed": s.seed, "data": s.data, "world": spec.world, "plan": to_dict(spec.plan)}
 
 
 def _whole(prepared, loaded: bool = False):
@@ -341,14 +356,6 @@ def _whole(prepared, loaded: bool = False):
     for units in prepared.units:
         stack.enter_context(units.whole(loaded))
     return stack
-
-
-def _saved_module(prepared):
-    """What a worker's checkpoint holds, under its first stage's name: its stage, or its stages."""
-    from torch import nn
-
-    mods = prepared.modules
-    return mods[0] if len(mods) == 1 else nn.ModuleList(mods)
 
 
 def _reduce_and_update(prepared, opt, transport, scaler=None, world: int = 1, where=None) -> tuple[float, float, float]:
