@@ -80,7 +80,7 @@ SLOW_MODULES = {
     "test_runtime", "test_supervise", "test_hostmem", "test_readme", "test_library", "test_report_page",
     "test_executor", "test_gpu", "test_stage_times", "test_rl", "test_profile", "test_sparse_training",
     "test_trace", "test_portable", "test_fuzz_cli", "test_zoo", "test_box_replay", "test_calibrate", "test_cli",
-    "test_data", "test_ctr", "test_layers", "test_boundary", "test_resume_plans",
+    "test_data", "test_ctr", "test_layers", "test_boundary", "test_resume_plans", "test_elastic",
 }
 
 

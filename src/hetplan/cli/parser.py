@@ -301,7 +301,14 @@ def _add_run(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR")
     p.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="save every K steps, K >= 1 (with --checkpoint-dir; default: the last step only)")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir, written by this plan or any other "
+                        "plan of the same training")
+    p.add_argument("--elastic", action="store_true",
+                   help="when a worker dies, re-plan (dp) on the devices left and go on from the last checkpoint "
+                        "(needs --graph and --checkpoint-dir; local launcher)")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="with --elastic, re-plan at most N times (default: 3)")
     p.add_argument("--timeout-s", type=float,
                    help=f"stop every worker when none moves for this long (default: {RUN.timeout_s:g})")
     p.add_argument("--backend", choices=BACKENDS,

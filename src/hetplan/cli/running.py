@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,7 +39,7 @@ def plan_cluster_ref(plan) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hetplan.runtime.run import faithful_warnings, prepare_run, run_plan
+    from hetplan.runtime.run import faithful_warnings, prepare_run
     from hetplan.runtime.settings import RunSettings
 
     plan = serde.load(args.plan, expect="plan")
@@ -60,28 +62,49 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.warnings.extend(faithful_warnings(spec))  # loads the model: after the cheap checks
     if args.dry_run:
         return _dry_run(args, spec, graph, cluster)
-    bar = _progress_bar(args)
-    if bar is None:
-        report = run_plan(plan, cluster, args.model, graph, settings, source=str(args.plan))
-    else:
-        with bar:
-            workers = sum(len(st.devices) for st in plan.stages)
-            task = bar.add_task(f"starting {workers} workers (loading and tracing the model)", total=args.steps)
-
-            def step(done: int, total: int) -> None:
-                bar.update(task, completed=done, description=f"training on {workers} workers" if done else None)
-
-            report = run_plan(plan, cluster, args.model, graph, settings, source=str(args.plan), progress=step)
+    report, changes = _train(args, plan, cluster, graph, settings)
     summary = report.summary(str(args.plan))
     page = _write_page(args.out)
     if args.json:
-        _emit_json({**summary, "report": page, "warnings": args.warnings})
+        said = {"changes": [{**asdict(c), "steps_lost": c.steps_lost} for c in changes]} if args.elastic else {}
+        _emit_json({**summary, "report": page, "warnings": args.warnings, **said})
         return 0
-    tables.show_run(_console(), summary, plan)
+    tables.show_run(_console(), summary, report.plan)
+    for change in changes:
+        _console().print(change.line())
     if report.trace_files:
         _console().print(f"trace of the last step: {', '.join(report.trace_files)}")
     _console().print(f"report: {page}")
     return 0
+
+
+def _train(args: argparse.Namespace, plan, cluster, graph, settings):
+    """The run, under a progress bar where the terminal shows one; with --elastic, re-planned when
+    a worker dies (`runtime.elastic`). Returns the report and the re-plans."""
+    from hetplan.runtime.elastic import run_elastic
+    from hetplan.runtime.run import run_plan
+
+    if args.max_restarts < 0:
+        raise HetplanError(f"--max-restarts {args.max_restarts}: N must be >= 0")
+
+    def go(progress=None):
+        if args.elastic:
+            return run_elastic(plan, cluster, args.model, graph, settings, progress, str(args.plan),
+                               say=lambda line: print(f"hetplan: {line}", file=sys.stderr),
+                               max_restarts=args.max_restarts)
+        return run_plan(plan, cluster, args.model, graph, settings, progress, str(args.plan)), ()
+
+    bar = _progress_bar(args)
+    if bar is None:
+        return go()
+    with bar:
+        workers = sum(len(st.devices) for st in plan.stages)
+        task = bar.add_task(f"starting {workers} workers (loading and tracing the model)", total=args.steps)
+
+        def step(done: int, total: int) -> None:
+            bar.update(task, completed=done, description=f"training on {workers} workers" if done else None)
+
+        return go(step)
 
 
 def _write_page(folder) -> str:

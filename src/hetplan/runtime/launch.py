@@ -54,7 +54,12 @@ TRACING_LOG = "tracing.log"  # the output of the process that traces for the wor
 
 
 class WorkerFailure(HetplanError):
-    """A worker died or hung; the message names it and its stage."""
+    """A worker died or hung; the message names it and its stage. `devices`: those of the workers
+    that died (none for a hang: no device is known lost), `step`: the furthest step any worker began."""
+
+    def __init__(self, message: str, devices: tuple[str, ...] = (), step: int = 0) -> None:
+        super().__init__(message)
+        self.devices, self.step = devices, step
 
 
 @dataclass(frozen=True)
@@ -271,6 +276,12 @@ def _start_workers(spec: RunSpec, spec_path: Path) -> forked.Group:
                               spec.settings.out_dir / TRACING_LOG, preload)
 
 
+def _died(code: int | None) -> bool:
+    """Whether a worker's exit status says it died (a signal, or ended without a word: its device
+    or process is lost) rather than failed with an error it wrote (1, 2) or for a lost peer."""
+    return code is not None and (code < 0 or code == 3)
+
+
 def _heartbeats(out_dir: Path, world: int) -> list[dict | None]:
     beats = []
     for rank in range(world):
@@ -296,7 +307,9 @@ def _wait(workers: forked.Group, spec: RunSpec, progress) -> None:
             said = (causes or failed)[0]
             if said in workers.never_forked():
                 raise WorkerFailure(_tracing_died(out_dir, codes[said]))
-            raise WorkerFailure(_why(out_dir, said, spec, codes[said]) + "; every worker was stopped")
+            reached = max([(b or {}).get("step", 0) for b in _heartbeats(out_dir, world)] + [0])
+            raise WorkerFailure(_why(out_dir, said, spec, codes[said]) + "; every worker was stopped",
+                                tuple(dict.fromkeys(spec.ranks[r].device for r in causes if _died(codes[r]))), reached)
         if all(c == 0 for c in codes):
             return
         beats = _heartbeats(out_dir, world)
