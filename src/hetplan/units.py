@@ -120,6 +120,10 @@ def fmt_bandwidth(bps: float) -> str:
 
 
 def fmt_seconds(s: float) -> str:
+    if s >= 3600.0:
+        return f"{s / 3600:.3g} h"
+    if s >= 1000.0:
+        return f"{s / 60:.3g} min"
     if s >= 1.0:
         return f"{s:.3g} s"
     if s >= 1e-3:

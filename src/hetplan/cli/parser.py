@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hetplan.cli._shared import allows_none
 from hetplan.cli.describe import cmd_catalog, cmd_import_pipedream, cmd_info
-from hetplan.cli.planning import cmd_compare, cmd_plan, cmd_simulate
+from hetplan.cli.planning import cmd_compare, cmd_plan, cmd_replay, cmd_simulate
 from hetplan.cli.profiling import cmd_profile
 from hetplan.cli.reporting import cmd_report
 from hetplan.cli.running import cmd_calibrate, cmd_demo, cmd_run
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_import(sub, common)
     _add_plan(sub, common, planning)
     _add_compare(sub, common, planning)
+    _add_replay(sub, common, planning)
     _add_simulate(sub, common)
     _add_run(sub, common)
     _add_calibrate(sub, common)
@@ -241,6 +242,23 @@ def _add_compare(sub: Subparsers, common: argparse.ArgumentParser, planning: arg
                         f"{', '.join(RL_PLANNERS)}, which take their budget each, and milp unless "
                         "--objective throughput)")
     p.set_defaults(func=cmd_compare)
+
+
+def _add_replay(sub: Subparsers, common: argparse.ArgumentParser, planning: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("replay", parents=[common, planning],
+                       help="train through a trace of devices coming and going: three policies side by side",
+                       description="Replay a trace of the devices of each type available over time: a static plan, "
+                                   "a new plan at every change, and a new plan when its gain outweighs the restart "
+                                   "(hetplan.availability).")
+    p.add_argument("--trace", required=True, metavar="T.json",
+                   help='{"horizon_s": S, "points": [{"t_s": 0, "counts": {"TYPE": N, ...}}, ...]}')
+    p.add_argument("--planner", default="dp", choices=list(PLANNERS), metavar="NAME",
+                   help="the planner of each change (default: dp)")
+    p.add_argument("--restart-s", type=float, default=120.0,
+                   help="seconds from a stop to training again (default: 120)")
+    p.add_argument("--checkpoint-every-s", type=float, default=600.0,
+                   help="seconds between checkpoints: a plan stopped by a loss redoes half of it (default: 600)")
+    p.set_defaults(func=cmd_replay)
 
 
 def _add_simulate(sub: Subparsers, common: argparse.ArgumentParser) -> None:

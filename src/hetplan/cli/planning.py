@@ -1,5 +1,6 @@
-"""The commands that plan and predict: `plan`, `compare` (several planners side by side) and
-`simulate` (a plan's step, with its Gantt chart or Chrome trace)."""
+"""The commands that plan and predict: `plan`, `compare` (several planners side by side),
+`replay` (a trace of devices coming and going, three policies) and `simulate` (a plan's step,
+with its Gantt chart or Chrome trace)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _emit_json({**result.to_json(), **input_refs(args.graph, args.cluster)})
         return 0
     tables.show_comparison(_console(), result, graph, cluster)
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from hetplan.availability import Costs, load_availability, plan_cache, replay
+
+    graph = graph_at_batch(in_precision(load_graph(args.graph), args.precision), args.global_batch)
+    cluster = load_cluster(args.cluster)
+    trace = load_availability(args.trace)
+    if not (args.restart_s >= 0 and args.checkpoint_every_s > 0):
+        raise HetplanError("--restart-s takes seconds >= 0 and --checkpoint-every-s seconds > 0")
+    options = _options(args)
+    plan_for = plan_cache(cluster, lambda there: make_plan(graph, there, args.planner, options))
+    runs = replay(trace, plan_for, Costs(args.restart_s, args.checkpoint_every_s))
+    if args.json:
+        _emit_json({"kind": "replay", "runs": [{**asdict(r), "usd_per_million_samples": r.usd_per_million_samples}
+                                               for r in runs], **input_refs(args.graph, args.cluster)})
+        return 0
+    tables.show_replay(_console(), runs, f"{graph.name} on {cluster.name} through {args.trace} "
+                       f"({trace.horizon_s / 3600:g} h, {len(trace.times_s)} points), {args.planner}'s plans")
     return 0
 
 

@@ -346,6 +346,17 @@ def show_comparison(console: Console, result, graph: Graph, cluster: Cluster) ->
         console.print(f"left out at this width: {', '.join(hidden)} (a wider terminal or --json shows them)")
 
 
+def show_replay(console: Console, runs, title: str) -> None:
+    """One row per policy of `hetplan replay` (`availability.PolicyRun`)."""
+    columns = [("policy", "policy", "left"), ("samples", "samples (M)", "right"), ("usd", "$", "right"),
+               ("per", "$ per M samples", "right"), ("lost", "lost to changes", "right"),
+               ("stopped", "stopped", "right"), ("restarts", "restarts", "right")]
+    rows = [{"policy": r.policy, "samples": f"{r.samples / 1e6:,.2f}", "usd": f"{r.usd:,.0f}",
+             "per": _num(r.usd_per_million_samples), "lost": fmt_seconds(r.lost_s),
+             "stopped": fmt_seconds(r.stopped_s), "restarts": str(r.restarts)} for r in runs]
+    console.print(_table(title, False, columns, rows))
+
+
 def _time_unit(seconds: float) -> tuple[str, float]:
     """The unit of the longest time, for a column that shows its unit once, in the header."""
     return next((u for u in _TIME_UNITS if seconds >= u[1]), _TIME_UNITS[-1])
