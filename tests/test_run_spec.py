@@ -15,7 +15,7 @@ from hetplan.runtime.spec import RankSpec, RunSpec
 RUN_JSON_KEYS = ["plan", "model", "settings", "replica_weights", "ranks"]
 SETTINGS_KEYS = ["steps", "warmup", "batch_size", "seq_len", "granularity", "block_classes", "seed", "optimizer",
                  "lr", "data", "out_dir", "timeout_s", "backend", "checkpoint_dir", "checkpoint_every", "resume",
-                 "no_dropout", "trace", "return_weights", "resume_step"]
+                 "elastic", "no_dropout", "trace", "return_weights", "resume_step"]
 
 
 def graph(n=6, batch=12):

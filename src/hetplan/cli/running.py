@@ -91,7 +91,7 @@ def _train(args: argparse.Namespace, plan, cluster, graph, settings):
         if args.elastic:
             return run_elastic(plan, cluster, args.model, graph, settings, progress, str(args.plan),
                                say=lambda line: print(f"hetplan: {line}", file=sys.stderr),
-                               max_restarts=args.max_restarts)
+                               max_restarts=args.max_restarts, cluster_file=args.cluster)
         return run_plan(plan, cluster, args.model, graph, settings, progress, str(args.plan)), ()
 
     bar = _progress_bar(args)

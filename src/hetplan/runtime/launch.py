@@ -42,6 +42,7 @@ from hetplan.runtime.spec import RankSpec, RunSpec
 from hetplan.runtime.supervise import (
     LAUNCHER_PID,
     LOST_PEER,
+    STOP_FILE,
     clear_failed_run,
     run_folder_lock,
     space_left,
@@ -363,8 +364,9 @@ def launch(spec: RunSpec, progress=None) -> RunResult:
 def _launch_locked(spec: RunSpec, progress) -> RunResult:
     out_dir = spec.settings.out_dir
     spec_path = write_spec(spec)
+    # an earlier run's say is not this one's
     for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json"),
-                *out_dir.glob("worker.*.log"), *out_dir.glob(TRACING_LOG)]:  # an earlier run's say is not this one's
+                *out_dir.glob("worker.*.log"), *out_dir.glob(TRACING_LOG), *out_dir.glob(STOP_FILE)]:
         old.unlink()
     workers = _start_workers(spec, spec_path)
     try:

@@ -47,6 +47,9 @@ class RunSettings:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # save every K steps (0: the last step only, with checkpoint_dir)
     resume: bool = False  # from the checkpoint in checkpoint_dir
+    # the launcher may stop the run at a checkpoint to go on under another plan (`runtime.elastic`):
+    # the workers agree on its stop step at each step's end
+    elastic: bool = False
     no_dropout: bool = False  # every dropout layer at p=0 (`hetplan.zoo.faithful.dropouts`)
     trace: bool = False  # record the last step and draw it under the prediction (`hetplan.runtime.trace`)
     return_weights: bool = False  # each worker saves its trained weights (tests, benchmarks)

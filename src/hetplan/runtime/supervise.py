@@ -188,3 +188,15 @@ def clear_failed_run(out_dir: Path, made: bool) -> None:
                 (out_dir / name).unlink()
         with contextlib.suppress(OSError):
             out_dir.rmdir()
+
+
+STOP_FILE = "stop-at-step"  # in the run folder: the step after which the launcher has the run stop
+
+
+def stop_step(out_dir: Path) -> int | None:
+    """The step whose checkpoint the launcher asked every worker to stop at (`runtime.elastic`, to
+    go on under a plan for more devices; the workers agree on it: `worker._stopping`); None if none."""
+    try:
+        return int((Path(out_dir) / STOP_FILE).read_text())
+    except (OSError, ValueError):
+        return None

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from hetplan.lowering import BARRIER, CHECKPOINT, SUMS, check_lowered, lower
 from hetplan.precision import scales_loss
-from hetplan.runtime.supervise import LAUNCHER_PID, LOST_PEER, end_with_launcher
+from hetplan.runtime.supervise import LAUNCHER_PID, LOST_PEER, end_with_launcher, stop_step
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -272,7 +272,8 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         if prepared.last:
             losses.append(loss)
         runner.where.at = CHECKPOINT
-        _checkpoint(spec, prepared, opt, step, zoo_model)
+        if _checkpoint(spec, prepared, opt, step, zoo_model, transport):
+            break  # the launcher's stop (`supervise.stop_step`)
     for units in prepared.units:  # the weights whole again for whoever reads them next
         units.gather_all()
     out = {"times_s": times, "losses": losses, "actions": runner.executed, "busy_s": busy_s, "comm_s": comm_s,
@@ -322,20 +323,38 @@ def _resident(prepared) -> list:
         s for units in prepared.units if units.level == 3 for s in units.shards]
 
 
-def _checkpoint(spec: RunSpec, prepared, opt, step: int, zoo_model) -> None:
+def _checkpoint(spec: RunSpec, prepared, opt, step: int, zoo_model, transport) -> bool:
     """The worker's part of the checkpoint after `step` where one is due (with a checkpoint
-    folder, the last step is always saved, a resumed run's too): what it holds, by the model's
-    names (`runtime.held`), rank 0 with what the run trains (`checkpoint`)."""
+    folder, the last step is always saved, a resumed run's too, and the one the launcher asked the
+    run to stop at: `supervise.stop_step`): what it holds, by the model's names (`runtime.held`),
+    rank 0 with what the run trains (`checkpoint`). Returns whether the run stops here."""
     every = spec.settings.checkpoint_every
-    due = (every and (step + 1) % every == 0) or step + 1 == spec.settings.steps
+    stopping = _stopping(spec, step, transport)
+    due = (every and (step + 1) % every == 0) or step + 1 == spec.settings.steps or stopping
     if spec.settings.checkpoint_dir is None or not due:
-        return
+        return False
     from hetplan.runtime import held
     from hetplan.runtime.checkpoint import save
 
     rank = prepared.role.rank
     save(spec.settings.checkpoint_dir, step + 1, rank, held.entries(prepared, opt, held.names_of(zoo_model.step)),
          checkpoint_meta(spec) if rank == 0 else None)
+    return stopping
+
+
+def _stopping(spec: RunSpec, step: int, transport) -> bool:
+    """Whether the launcher asked an elastic run to stop after `step` (or an earlier step: a
+    request that landed after every worker had read at that step's end): every worker says
+    whether it read so, and all stop if one did (it may land while some have read and some not)."""
+    if not spec.settings.elastic or spec.settings.checkpoint_dir is None:
+        return False
+    import torch
+
+    asked = stop_step(spec.settings.out_dir)
+    said = torch.tensor([1.0 if asked is not None and asked <= step + 1 else 0.0])
+    if spec.world > 1:
+        transport.all_reduce(said, tuple(range(spec.world)))
+    return bool(said.item() > 0)
 
 
 def checkpoint_meta(spec: RunSpec) -> dict:
@@ -431,7 +450,8 @@ def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
     zoo_model, prepared, opt = build_rank(spec, rank, heartbeat, shared)  # each trace moves the heartbeat
     groups = [ranks for ranks, _, _ in prepared.groups if len(ranks) > 1]
     groups += [leads for leads, _, _ in prepared.mixed] + list(prepared.tp_groups)
-    if scales_loss(spec.plan.precision) and world > 1:  # the workers agree on fp16's steps (`runtime.precision`)
+    # the workers agree on fp16's steps (`runtime.precision`) and on an elastic run's stop (`_stopping`)
+    if (scales_loss(spec.plan.precision) or spec.settings.elastic) and world > 1:
         groups.append(tuple(range(world)))
     check_lowered(lower(spec.plan.schedule, group_table(spec), spec.plan.stage_ranks, spec_rows(spec, spec.plan),
                         [ranks for _, ranks in prepared.sums]))  # its messages pair and its sums meet
