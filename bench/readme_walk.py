@@ -67,13 +67,13 @@ def blocks(readme: Path) -> list[Command]:
                 continue
             if kind == "python":
                 out.append(Command(start, "python", "\n".join(body), source))
-            elif kind == "yaml":
-                out.append(Command(start, "yaml", "\n".join(body), source))
+            elif kind in ("yaml", "json"):
+                out.append(Command(start, kind, "\n".join(body), source))
             kind = None
         elif kind == "sh" and line.strip() and not line.startswith(("$ ", "hetplan: error")) \
                 and re.match(r"^(hetplan|make|torchrun)\b", line):
             out.append(Command(i, "sh", line.split(" #")[0].strip(), source))
-        elif kind in ("python", "yaml"):
+        elif kind in ("python", "yaml", "json"):
             body.append(line)
     return out
 
@@ -107,6 +107,8 @@ def check(commands: list[Command]) -> list[str]:
     for cmd in commands:
         if cmd.kind == "yaml" and cmd.text.startswith("name: lab"):
             made["lab.yaml"] = None
+        if cmd.kind == "json" and '"horizon_s"' in cmd.text:  # the guide's availability trace, saved as day.json
+            made["day.json"] = None
         if cmd.kind != "sh" or skipped(cmd) or not cmd.text.startswith("hetplan "):
             continue
         argv = shlex.split(cmd.text)

@@ -27,6 +27,7 @@ previous whole one removes the older ones, so a crash while writing leaves the l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -118,7 +119,7 @@ def save(directory: Path, step: int, rank: int, entries: list[Entry], meta: Mapp
         os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:  # torch says a full disk as "unexpected pos N vs M"
         tmp.unlink(missing_ok=True)
-        with _quiet():
+        with contextlib.suppress(OSError):
             folder.rmdir()  # where nothing else is in it
         raise HetplanError(f"{path}: cannot write the checkpoint ({first_line(exc)}): "
                            f"{space_left(Path(directory))}") from None
@@ -135,14 +136,6 @@ def _write_text(path: Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        return kind is not None and issubclass(kind, OSError)
 
 
 # --- reading ---------------------------------------------------------------------------------------
