@@ -64,13 +64,11 @@ def _grow_when_training(out, path, step):
     return thread
 
 
-@pytest.mark.parametrize("worth", [True, False])
-def test_devices_added_to_the_cluster_file_are_taken_where_worth_the_restart(planned, tmp_path, monkeypatch, cli,
-                                                                              worth):
+def test_devices_added_to_the_cluster_file_are_taken_where_worth_the_restart(planned, tmp_path, monkeypatch, cli):
     """Two devices, then four (the cluster file rewritten while the run trains): where
     `availability.decide` finds it worth the restart (forced here: on this VM's tiny steps it is
     not), the run stops at a checkpoint a few steps on and finishes under dp's plan for the four,
-    with the losses of the run that never changed; where not, it says why and goes on."""
+    with the losses of the run that never changed."""
     import hetplan.availability
 
     g, p2 = planned / "g.json", tmp_path / "p2.json"
@@ -79,7 +77,7 @@ def test_devices_added_to_the_cluster_file_are_taken_where_worth_the_restart(pla
     assert cli("plan", g, "--cluster", two, "--planner", "uniform", "--max-replicas", "1", "-o", p2).code == 0
     flags = ["--model", "mlp", "--graph", g, "--steps", "30", "--optimizer", "sgd", "--json"]
     whole = cli("run", p2, *flags, "--cluster", two, "--out", tmp_path / "whole")
-    monkeypatch.setattr(hetplan.availability, "decide", lambda *a, real=hetplan.availability.decide: worth)
+    monkeypatch.setattr(hetplan.availability, "decide", lambda *a: True)
     grows = tmp_path / "grows.json"
     grows.write_text(two.read_text())
     _grow_when_training(tmp_path / "elastic", grows, 3)
@@ -87,15 +85,52 @@ def test_devices_added_to_the_cluster_file_are_taken_where_worth_the_restart(pla
             tmp_path / "ck", "--checkpoint-every", "10", "--elastic")
     assert r.code == 0, r.err
     out = r.json()
-    if not worth:
-        assert out["changes"] == [] and "added c2, c3: a plan for them" in r.err and "not worth a restart" in r.err
-        assert out["losses"] == pytest.approx(whole.json()["losses"], rel=1e-5)
-        return
     assert len(out["changes"]) == 1, r.err
     [change] = out["changes"]
     assert change["added"] == ["c2", "c3"] and change["lost"] == [] and change["at_step"] == change["from_step"]
     assert "stopping at step" in r.err
     assert out["losses"] == pytest.approx(whole.json()["losses"][change["from_step"]:], rel=1e-5)
+
+
+def test_a_growth_is_weighed_by_the_replays_rule_and_stops_two_steps_past_the_furthest_begun(planned, tmp_path):
+    """`_Growth` without workers: the cluster file grows from 2 devices to 4; with a restart of
+    an hour the gain over 30 steps of milliseconds is not worth it (said, nothing asked of the
+    workers); with none it is, and the stop is asked two steps past the furthest heartbeat."""
+    from hetplan.graph import at_batch
+    from hetplan.io.clusters import load_cluster
+    from hetplan.io.graphs import load_graph
+    from hetplan.runtime.elastic import _Growth
+    from hetplan.runtime.supervise import stop_step
+
+    graph = at_batch(load_graph(planned / "g.json"), 8)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**CLUSTER, "devices": CLUSTER["devices"][:2]}))
+    two = load_cluster(path)
+    plan = _plan_of(graph, two)
+    for restart_s, taken in ((3600.0, False), (0.0, True)):
+        said, out = [], tmp_path / f"run{int(restart_s)}"
+        out.mkdir()
+        (out / "heartbeat.0").write_text(json.dumps({"step": 7}))
+        (out / "heartbeat.1").write_text(json.dumps({"step": 6}))
+        path.write_text(json.dumps({**CLUSTER, "devices": CLUSTER["devices"][:2]}))
+        grow = _Growth(str(path), two, plan, graph, 30, out, restart_s, said.append)
+        grow.check(5)  # nothing changed yet
+        assert said == [] and grow.next is None
+        time.sleep(0.01)
+        path.write_text(json.dumps(CLUSTER))
+        grow.check(7)
+        if not taken:
+            assert grow.next is None and stop_step(out) is None
+            assert said[0].startswith("added c2, c3: a plan for them") and "not worth a restart of 3600 s" in said[0]
+        else:
+            assert grow.next[2] == ("c2", "c3") and stop_step(out) == 9 and "stopping at step 9" in said[0]
+            assert sorted(grow.next[0].ids) == ["c0", "c1", "c2", "c3"]
+
+
+def _plan_of(graph, cluster):
+    from hetplan.planners import make_plan
+
+    return make_plan(graph, cluster, "dp")
 
 
 def test_elastic_needs_a_graph_and_a_checkpoint_folder_and_replans_only_for_a_death(tmp_path):
