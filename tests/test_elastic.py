@@ -99,6 +99,7 @@ def test_a_growth_is_weighed_by_the_replays_rule_and_stops_two_steps_past_the_fu
     from hetplan.graph import at_batch
     from hetplan.io.clusters import load_cluster
     from hetplan.io.graphs import load_graph
+    from hetplan.planners import replan
     from hetplan.runtime.elastic import _Growth
     from hetplan.runtime.supervise import stop_step
 
@@ -113,7 +114,7 @@ def test_a_growth_is_weighed_by_the_replays_rule_and_stops_two_steps_past_the_fu
         (out / "heartbeat.0").write_text(json.dumps({"step": 7}))
         (out / "heartbeat.1").write_text(json.dumps({"step": 6}))
         path.write_text(json.dumps({**CLUSTER, "devices": CLUSTER["devices"][:2]}))
-        grow = _Growth(str(path), two, plan, graph, 30, out, restart_s, said.append)
+        grow = _Growth(str(path), two, plan, graph, 30, out, restart_s, said.append, replan)
         grow.check(5)  # nothing changed yet
         assert said == [] and grow.next is None
         time.sleep(0.01)
@@ -138,9 +139,9 @@ def test_elastic_needs_a_graph_and_a_checkpoint_folder_and_replans_only_for_a_de
     from hetplan.runtime.settings import RunSettings
 
     with pytest.raises(HetplanError, match="give the run its graph"):
-        run_elastic(None, None, "mlp", None, RunSettings())
+        run_elastic(None, None, "mlp", None, RunSettings(), None)
     with pytest.raises(HetplanError, match="give --checkpoint-dir DIR"):
-        run_elastic(None, None, "mlp", object(), RunSettings())
+        run_elastic(None, None, "mlp", object(), RunSettings(), None)
     assert [_died(c) for c in (-9, 3, 1, 2, 4, 0, None)] == [True, True, False, False, False, False, False]
     assert WorkerFailure("hung").devices == ()
     line = Change(("c3",), 17, 15, 2, 3, 0.0261, 0.0, 3.8).line()

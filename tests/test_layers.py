@@ -90,7 +90,7 @@ LAYERS = (
     # predicts, the runtime records and the report draws; the step cut into pieces, which the
     # profiler times and the runtime trains
     "hetplan.sim hetplan.runtime.support hetplan.timeline hetplan.pieces",
-    "hetplan.planners hetplan.zoo hetplan.profile",
+    "hetplan.planners hetplan.zoo hetplan.profile hetplan.availability",
     "hetplan.runtime hetplan.report",
     "hetplan.demo hetplan.cli hetplan.__main__ hetplan",
 )

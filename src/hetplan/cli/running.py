@@ -81,6 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, plan, cluster, graph, settings):
     """The run, under a progress bar where the terminal shows one; with --elastic, re-planned when
     a worker dies (`runtime.elastic`). Returns the report and the re-plans."""
+    from hetplan.planners import replan
     from hetplan.runtime.elastic import run_elastic
     from hetplan.runtime.run import run_plan
 
@@ -89,7 +90,7 @@ def _train(args: argparse.Namespace, plan, cluster, graph, settings):
 
     def go(progress=None):
         if args.elastic:
-            return run_elastic(plan, cluster, args.model, graph, settings, progress, str(args.plan),
+            return run_elastic(plan, cluster, args.model, graph, settings, replan, progress, str(args.plan),
                                say=lambda line: print(f"hetplan: {line}", file=sys.stderr),
                                max_restarts=args.max_restarts, cluster_file=args.cluster)
         return run_plan(plan, cluster, args.model, graph, settings, progress, str(args.plan)), ()

@@ -105,6 +105,13 @@ def get_planner(name: str) -> PlannerSpec:
         raise HetplanError(f"unknown planner {name!r} (planners: {', '.join(PLANNERS)})") from None
 
 
+def replan(graph: Graph, cluster: Cluster, plan: Plan) -> Plan:
+    """dp's plan for the devices there (devices lost or added: `runtime.elastic`), with the
+    options the old plan records (its seed and routing)."""
+    options = PlanOptions(seed=int(plan.meta.get("seed", 0) or 0), routing=plan.meta.get("routing", "relay"))
+    return make_plan(graph, cluster, "dp", options)
+
+
 def make_plan(graph: Graph, cluster: Cluster, planner: str, options: PlanOptions | None = None,
               progress: Callable[[float], None] | None = None) -> Plan:
     """Run a planner, check its plan and attach the estimate and the planning time. `progress`

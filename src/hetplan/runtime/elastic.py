@@ -6,8 +6,8 @@ has the run stop at a checkpoint a few steps on and go on under the new plan. Af
 (re-planning as GPUs of each type come and go); Oobleck (Jang et al., SOSP 2023) instead keeps
 pipeline templates ready, trading planning time for memory.
 
-The re-plan is dp's (`planners.make_plan`) with the options the plan records (its seed and
-routing), on the run's graph at its batch. The decision to take added devices is
+The re-plan is the caller's (`planners.replan`: dp's, with the options the plan records, on the
+run's graph at its batch; the runtime sits beside the planners, not above them). The decision to take added devices is
 `availability.decide`'s, the one `hetplan replay` weighs: the predicted gain over the rest of the
 run against the samples lost while restarting (the first start's time to training, measured). A
 death forces the change; a run without a checkpoint yet starts again from its first step. What
@@ -33,6 +33,7 @@ from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.supervise import STOP_FILE
 
 MAX_RESTARTS = 3
+Replan = Callable[[Graph, Cluster, Plan], Plan]  # the plan for the devices there, given the old one
 RESTART_GUESS_S = 60.0  # a restart's cost before the first start has been measured
 STOP_AHEAD = 2  # steps past those begun at which the launcher has a growing run stop
 
@@ -66,15 +67,6 @@ class Change:
                    f"{'failure' if self.lost else 'stop'}" if self.restart_s is not None else ""))
 
 
-def replan(graph: Graph, cluster: Cluster, plan: Plan) -> Plan:
-    """dp's plan for the devices there, with the options the old plan records."""
-    from hetplan.planners import make_plan
-    from hetplan.planners.options import PlanOptions
-
-    options = PlanOptions(seed=int(plan.meta.get("seed", 0) or 0), routing=plan.meta.get("routing", "relay"))
-    return make_plan(graph, cluster, "dp", options)
-
-
 class _Watch:
     """The launcher's progress calls, passed on; notes when every worker has begun step `first`,
     and hands each call to `grow` (devices added)."""
@@ -98,8 +90,9 @@ class _Growth:
     checkpoint of a step no worker has begun (`supervise.stop_step`), to go on under that plan."""
 
     def __init__(self, path: str | None, cluster: Cluster, plan: Plan, graph: Graph, steps: int, out_dir: Path,
-                 restart_s: float, say: Callable[[str], None]) -> None:
+                 restart_s: float, say: Callable[[str], None], replan: Replan) -> None:
         self.path = Path(path) if path and Path(path).is_file() else None
+        self.replan = replan
         self.seen = self._mtime()
         self.cluster, self.plan, self.graph, self.steps, self.out_dir = cluster, plan, graph, steps, out_dir
         self.restart_s, self.say = restart_s, say
@@ -143,7 +136,7 @@ class _Growth:
     def _weigh(self, bigger: Cluster, added: tuple[str, ...], done: int) -> None:
         from hetplan.availability import choice, decide
 
-        new = replan(self.graph, bigger, self.plan)
+        new = self.replan(self.graph, bigger, self.plan)
         running, proposed = choice(self.cluster, self.plan), choice(bigger, new)
         stop = max(done, self._begun()) + STOP_AHEAD  # the workers went on while dp planned
         left_s = (self.steps - stop) * (self.plan.predicted.step_s if self.plan.predicted else 0.0)
@@ -174,11 +167,11 @@ def _checks(graph: Graph | None, settings: RunSettings) -> None:
 
 
 def run_elastic(plan: Plan, cluster: Cluster, model: str, graph: Graph | None, settings: RunSettings,
-                progress=None, source: str | None = None, say: Callable[[str], None] = lambda _: None,
+                replan: Replan, progress=None, source: str | None = None, say: Callable[[str], None] = lambda _: None,
                 max_restarts: int = MAX_RESTARTS, cluster_file: str | None = None):
-    """`run_plan`, re-planned onto the devices left each time a worker dies, and onto devices
-    added to `cluster_file` where worth it (at most `max_restarts` changes); returns the last
-    run's report and the changes."""
+    """`run_plan`, re-planned by `replan` (`planners.replan`) onto the devices left each time a
+    worker dies, and onto devices added to `cluster_file` where worth it (at most `max_restarts`
+    changes); returns the last run's report and the changes."""
     from hetplan.graph import at_batch
     from hetplan.runtime.checkpoint import latest_step
     from hetplan.runtime.run import _report, keep, prepare_run
@@ -191,7 +184,7 @@ def run_elastic(plan: Plan, cluster: Cluster, model: str, graph: Graph | None, s
         spec, first = prepare_run(plan, cluster, model, graph, settings, source)
         graph_at = at_batch(graph, spec.settings.batch_size)
         grow = _Growth(cluster_file, cluster, plan, graph_at, spec.settings.steps, spec.settings.out_dir, restart_s,
-                       say) if len(changes) < max_restarts else None
+                       say, replan) if len(changes) < max_restarts else None
         watch = _Watch(first, progress, grow)
         try:
             result = launch(spec, progress=watch)
