@@ -129,3 +129,32 @@ def test_a_checkpoint_of_another_training_or_format_is_refused_in_one_line(tmp_p
     with pytest.raises(HetplanError, match="an earlier hetplan"):
         _resume_step(two, replace(s, checkpoint_dir=old), MODEL, BATCH, SEQ)
     assert (step_dir(ckpt, 2) / "rank1.pt").exists()
+
+
+def test_batch_norm_statistics_go_with_the_weights_onto_another_plan(tmp_path):
+    """Batch norm's running means and variances (inception-tiny's) are buffers the checkpoint
+    holds by name too: 2 stages for 2 steps, resumed as 1 stage for a third, end with the losses
+    and the statistics of the 2-stage run that never stopped (training's forward reads the batch's
+    own statistics, so only the buffers themselves show fresh ones)."""
+    from hetplan.runtime.checkpoint import Reader
+    from test_executor import chain_plan
+
+    name = "inception-tiny"
+    zm = load_model(name, batch_size=BATCH, seed=0)
+    nodes = [p.name for p in split_step(zm.step, zm.batch, "layer").pieces]
+
+    def go(plan, steps, **more):
+        spec = run_spec(plan, cpus(len(plan.devices)), name, RunSettings(
+            batch_size=BATCH, granularity="layer", steps=steps, warmup=0, optimizer="adam", lr=1e-3,
+            out_dir=tmp_path / "out", **more))
+        return losses(run_threads(spec), spec)
+
+    two, one = chain_plan(nodes, [1, 1], 2, "1f1b"), chain_plan(nodes, [1], 2, "1f1b")
+    whole = go(two, 3, checkpoint_dir=tmp_path / "whole")
+    go(two, 2, checkpoint_dir=tmp_path / "ck")
+    assert go(one, 3, checkpoint_dir=tmp_path / "ck", resume_step=2) == pytest.approx(whole[2:], rel=1e-5)
+    ends = Reader(tmp_path / "whole", 3), Reader(tmp_path / "ck", 3)
+    buffers = [n for n, what in ends[0].index if what == "buffer" and "running" in n]
+    assert buffers and sorted(buffers) == sorted(n for n, what in ends[1].index if what == "buffer" and "running" in n)
+    for n in buffers:
+        torch.testing.assert_close(ends[1].whole(n, "buffer"), ends[0].whole(n, "buffer"), rtol=1e-5, atol=1e-6)

@@ -119,11 +119,15 @@ def fmt_bandwidth(bps: float) -> str:
     return f"{bps:.3g} B/s"
 
 
+SECONDS_PER_MINUTE, MINUTES_PER_HOUR = 60.0, 60.0  # for showing a duration (prices per hour: `cost.formulas`)
+
+
 def fmt_seconds(s: float) -> str:
-    if s >= 3600.0:
-        return f"{s / 3600:.3g} h"
+    hour = SECONDS_PER_MINUTE * MINUTES_PER_HOUR
+    if s >= hour:
+        return f"{s / hour:.3g} h"
     if s >= 1000.0:
-        return f"{s / 60:.3g} min"
+        return f"{s / SECONDS_PER_MINUTE:.3g} min"
     if s >= 1.0:
         return f"{s:.3g} s"
     if s >= 1e-3:

@@ -113,7 +113,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                                                for r in runs], **input_refs(args.graph, args.cluster)})
         return 0
     tables.show_replay(_console(), runs, f"{graph.name} on {cluster.name} through {args.trace} "
-                       f"({trace.horizon_s / 3600:g} h, {len(trace.times_s)} points), {args.planner}'s plans")
+                       f"({fmt_seconds(trace.horizon_s)}, {len(trace.times_s)} points), {args.planner}'s plans")
     return 0
 
 
