@@ -158,3 +158,29 @@ def test_batch_norm_statistics_go_with_the_weights_onto_another_plan(tmp_path):
     assert buffers and sorted(buffers) == sorted(n for n, what in ends[1].index if what == "buffer" and "running" in n)
     for n in buffers:
         torch.testing.assert_close(ends[1].whole(n, "buffer"), ends[0].whole(n, "buffer"), rtol=1e-5, atol=1e-6)
+
+
+def test_fp16s_loss_scale_goes_with_the_checkpoint(tmp_path):
+    """Every worker's file holds the run's loss scale and its count of good steps (the same on
+    every worker); a resumed fp16 run goes on from them, not from a fresh scale."""
+    from hetplan.runtime.checkpoint import Reader, step_dir
+    from test_executor import chain_plan
+
+    zm = load_model("mlp", batch_size=BATCH, seed=0)
+    nodes = [p.name for p in split_step(zm.step, zm.batch, "layer").pieces]
+    plan = replace(chain_plan(nodes, [1, 1], 2, "1f1b"), precision="fp16")
+
+    def go(steps, **more):
+        return run_threads(run_spec(plan, cpus(2), "mlp", RunSettings(
+            batch_size=BATCH, granularity="layer", steps=steps, warmup=0, optimizer="sgd", lr=0.1,
+            out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ck", **more)))
+
+    go(2)
+    assert [Reader(tmp_path / "ck", 2).extra(r)["loss_scale"] for r in range(2)] == [[2.0**16, 2]] * 2
+    for r in range(2):  # as if the run had backed off to 2**10 and counted 5 good steps since
+        path = step_dir(tmp_path / "ck", 2) / f"rank{r}.pt"
+        data = torch.load(path, weights_only=True)
+        torch.save({**data, "extra": {"loss_scale": [2.0**10, 5]}}, path)
+    resumed = go(3, resume_step=2)
+    assert {res["loss_scale"] for res in resumed} == {2.0**10}
+    assert Reader(tmp_path / "ck", 3).extra(0)["loss_scale"] == [2.0**10, 6]

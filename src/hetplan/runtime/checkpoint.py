@@ -102,9 +102,11 @@ class Entry:
     tensor: torch.Tensor
 
 
-def save(directory: Path, step: int, rank: int, entries: list[Entry], meta: Mapping[str, Any] | None) -> None:
-    """Worker `rank`'s file of the checkpoint of `step` (with `meta`: rank 0's, `meta.json` too),
-    then, on rank 0, the checkpoints before the last whole one removed."""
+def save(directory: Path, step: int, rank: int, entries: list[Entry], meta: Mapping[str, Any] | None,
+         extra: Mapping[str, Any] | None = None) -> None:
+    """Worker `rank`'s file of the checkpoint of `step` (with `meta`: rank 0's, `meta.json` too;
+    `extra`: numbers of the run's, fp16's loss scale), then, on rank 0, the checkpoints before the
+    last whole one removed."""
     folder = step_dir(directory, step)
     before = latest_step(directory)
     path = folder / f"rank{rank}.pt"
@@ -114,7 +116,7 @@ def save(directory: Path, step: int, rank: int, entries: list[Entry], meta: Mapp
         if meta is not None:
             _write_text(folder / "meta.json", json.dumps({**meta, "format": FORMAT, "step": step}, indent=1))
         torch.save({"format": FORMAT, "step": step, "rank": rank, "rng": torch.get_rng_state(),
-                    "entries": [(e.name, e.what, e.region, e.shape) for e in entries],
+                    "extra": dict(extra or {}), "entries": [(e.name, e.what, e.region, e.shape) for e in entries],
                     "tensors": [e.tensor for e in entries]}, tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:  # torch says a full disk as "unexpected pos N vs M"
@@ -157,6 +159,9 @@ class Reader:
 
     def rng(self, rank: int) -> torch.Tensor:
         return self.files[rank]["rng"]
+
+    def extra(self, rank: int) -> dict:
+        return dict(self.files[rank].get("extra", {}))
 
     def state_keys(self, name: str) -> list[str]:
         """The optimizer's state the checkpoint holds for parameter `name` (none after SGD)."""

@@ -233,13 +233,13 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
                                                                                       strict=True)], prepared.ops,
                         memory, heartbeat.where if heartbeat is not None else None)
     surround(runner, prepared)
-    _resume(spec, runner, prepared, opt, transport, zoo_model)
+    scaler = LossScaler() if scales_loss(spec.plan.precision) else None
+    _resume(spec, runner, prepared, opt, transport, zoo_model, scaler)
     times, losses, trace, busy_s, comm_s = [], [], [], [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
     held = _StageMemory(memory, _resident(prepared), opt.state_bytes if opt is not None else lambda: 0) \
         if memory is not None else _NoMemory()
-    scaler = LossScaler() if scales_loss(spec.plan.precision) else None
     for step in range(spec.settings.resume_step, spec.settings.steps):
         if heartbeat is not None:
             heartbeat.beat("step", step)
@@ -272,7 +272,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         if prepared.last:
             losses.append(loss)
         runner.where.at = CHECKPOINT
-        if _checkpoint(spec, prepared, opt, step, zoo_model, transport):
+        if _checkpoint(spec, prepared, opt, step, zoo_model, transport, scaler):
             break  # the launcher's stop (`supervise.stop_step`)
     for units in prepared.units:  # the weights whole again for whoever reads them next
         units.gather_all()
@@ -285,10 +285,10 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     return out
 
 
-def _resume(spec: RunSpec, runner, prepared, opt, transport, zoo_model) -> None:
+def _resume(spec: RunSpec, runner, prepared, opt, transport, zoo_model, scaler=None) -> None:
     """The stages' sharded units on the transport, and the checkpoint read where the run resumes
-    (written by any plan of the model: `runtime.held`); each worker's random state too where the
-    plan that wrote it is this one."""
+    (written by any plan of the model: `runtime.held`), fp16's loss scale with it; each worker's
+    random state too where the plan that wrote it is this one."""
     for units in prepared.units:
         units.transport = transport
         units.reduced = runner.read_memory
@@ -306,6 +306,9 @@ def _resume(spec: RunSpec, runner, prepared, opt, transport, zoo_model) -> None:
         same = json.loads(json.dumps(to_dict(spec.plan)))
         if reader.meta.get("plan") == same and reader.meta.get("world") == spec.world:
             torch.set_rng_state(reader.rng(prepared.role.rank))
+        said = reader.extra(0).get("loss_scale")
+        if scaler is not None and said is not None:  # the same on every worker (`precision.agreed_step`)
+            scaler.scale, scaler.good_steps = float(said[0]), int(said[1])
 
 
 def _shard_collectives(prepared, transport) -> bool | None:
@@ -323,11 +326,11 @@ def _resident(prepared) -> list:
         s for units in prepared.units if units.level == 3 for s in units.shards]
 
 
-def _checkpoint(spec: RunSpec, prepared, opt, step: int, zoo_model, transport) -> bool:
+def _checkpoint(spec: RunSpec, prepared, opt, step: int, zoo_model, transport, scaler=None) -> bool:
     """The worker's part of the checkpoint after `step` where one is due (with a checkpoint
     folder, the last step is always saved, a resumed run's too, and the one the launcher asked the
     run to stop at: `supervise.stop_step`): what it holds, by the model's names (`runtime.held`),
-    rank 0 with what the run trains (`checkpoint`). Returns whether the run stops here."""
+    rank 0 with what the run trains (`checkpoint`), fp16's loss scale. Returns whether the run stops here."""
     every = spec.settings.checkpoint_every
     stopping = _stopping(spec, step, transport)
     due = (every and (step + 1) % every == 0) or step + 1 == spec.settings.steps or stopping
@@ -338,7 +341,8 @@ def _checkpoint(spec: RunSpec, prepared, opt, step: int, zoo_model, transport) -
 
     rank = prepared.role.rank
     save(spec.settings.checkpoint_dir, step + 1, rank, held.entries(prepared, opt, held.names_of(zoo_model.step)),
-         checkpoint_meta(spec) if rank == 0 else None)
+         checkpoint_meta(spec) if rank == 0 else None,
+         {"loss_scale": [scaler.scale, scaler.good_steps]} if scaler is not None else {})
     return stopping
 
 
