@@ -6,6 +6,8 @@ equals one process's whatever the plan)."""
 
 import contextlib
 import json
+import os
+import signal
 import threading
 import time
 
@@ -95,12 +97,13 @@ def test_devices_added_to_the_cluster_file_are_taken_where_worth_the_restart(pla
 def test_a_growth_is_weighed_by_the_replays_rule_and_stops_two_steps_past_the_furthest_begun(planned, tmp_path):
     """`_Growth` without workers: the cluster file grows from 2 devices to 4; with a restart of
     an hour the gain over 30 steps of milliseconds is not worth it (said, nothing asked of the
-    workers); with none it is, and the stop is asked two steps past the furthest heartbeat."""
+    workers), and SIGUSR1 to the launcher has it weigh the same file again; with no restart it is
+    worth it, and the stop is asked two steps past the furthest heartbeat."""
     from hetplan.graph import at_batch
     from hetplan.io.clusters import load_cluster
     from hetplan.io.graphs import load_graph
     from hetplan.planners import replan
-    from hetplan.runtime.elastic import _Growth
+    from hetplan.runtime.elastic import _Growth, _poked_by_sigusr1
     from hetplan.runtime.supervise import stop_step
 
     graph = at_batch(load_graph(planned / "g.json"), 8)
@@ -120,9 +123,19 @@ def test_a_growth_is_weighed_by_the_replays_rule_and_stops_two_steps_past_the_fu
         time.sleep(0.01)
         path.write_text(json.dumps(CLUSTER))
         grow.check(7)
+        if taken:  # asked already; a poke (SIGUSR1) reads the file again, but asks once
+            grow.poke()
+            grow.check(8)
+            assert len(said) == 1
         if not taken:
             assert grow.next is None and stop_step(out) is None
             assert said[0].startswith("added c2, c3: a plan for them") and "not worth a restart of 3600 s" in said[0]
+            grow.check(8)  # unchanged: not weighed again
+            assert len(said) == 1
+            with _poked_by_sigusr1(grow):
+                os.kill(os.getpid(), signal.SIGUSR1)
+            grow.check(9)
+            assert len(said) == 2 and said[1].startswith("added c2, c3") and "not worth a restart" in said[1]
         else:
             assert grow.next[2] == ("c2", "c3") and stop_step(out) == 9 and "stopping at step 9" in said[0]
             assert sorted(grow.next[0].ids) == ["c0", "c1", "c2", "c3"]

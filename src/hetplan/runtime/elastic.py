@@ -18,7 +18,10 @@ loading the checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -116,6 +119,10 @@ class _Growth:
                 continue
         return max(steps)
 
+    def poke(self) -> None:
+        """Read the cluster file again at the next check, changed or not (SIGUSR1 to the launcher)."""
+        self.seen = float("nan")
+
     def check(self, done: int) -> None:
         mtime = self._mtime()
         if self.next is not None or mtime == self.seen:
@@ -158,6 +165,20 @@ def _timed(changes: list[Change], watch: _Watch) -> None:
         changes[-1] = replace(changes[-1], restart_s=watch.training_at - changes[-1].failed_epoch_s)
 
 
+@contextlib.contextmanager
+def _poked_by_sigusr1(grow: _Growth | None):
+    """SIGUSR1 to the launcher has it read the cluster file again (where it runs in the main
+    thread, as `hetplan run` does; elsewhere the file's changes alone are seen)."""
+    if grow is None or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
+        yield
+        return
+    before = signal.signal(signal.SIGUSR1, lambda *_: grow.poke())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 def _checks(graph: Graph | None, settings: RunSettings) -> None:
     if graph is None:
         raise HetplanError("--elastic re-plans on the devices there: give the run its graph (--graph)")
@@ -187,7 +208,8 @@ def run_elastic(plan: Plan, cluster: Cluster, model: str, graph: Graph | None, s
                        say, replan) if len(changes) < max_restarts else None
         watch = _Watch(first, progress, grow)
         try:
-            result = launch(spec, progress=watch)
+            with _poked_by_sigusr1(grow):
+                result = launch(spec, progress=watch)
         except WorkerFailure as failure:
             _timed(changes, watch)
             if not failure.devices or len(changes) >= max_restarts:
