@@ -215,7 +215,9 @@ def _make_big(out: str) -> bytes:
 
 
 def _holds_big(ready: str, done: str, made) -> int:
-    Path(ready).write_text(str(len(made) == BIG and made[-1] == 1))
+    # written whole, then renamed: the test polls for the file and reads it at once
+    Path(ready + ".tmp").write_text(str(len(made) == BIG and made[-1] == 1))
+    os.replace(ready + ".tmp", ready)
     while not Path(done).exists():
         time.sleep(0.05)
     return 0
