@@ -18,6 +18,7 @@ from hetplan.plan import Plan, Stage
 from hetplan.runtime.checkpoint import latest_step, step_dir
 from hetplan.runtime.launch import launch, run_spec
 from hetplan.runtime.local import run_threads
+from hetplan.runtime.rank import SharedTraces
 from hetplan.runtime.run import _resume_step
 from hetplan.runtime.settings import RunSettings
 from hetplan.zoo import load_model
@@ -50,12 +51,21 @@ def settings(tmp_path, steps, **more):
                        lr=3e-3, out_dir=tmp_path / "out", no_dropout=True, **more)
 
 
+# the model built and its step traced once per model for the module's threads runs (each rank
+# takes copies: `rank.SharedTraces`); every run of one model here has the same dropout setting
+TRACES: dict[tuple, SharedTraces] = {}
+
+
+def threads(spec):
+    return run_threads(spec, shared=TRACES.setdefault((spec.model, spec.settings.no_dropout), SharedTraces()))
+
+
 def run(plan, s, processes=False):
     """Every rank's results (threads, or worker processes: tensor parallelism needs torch.distributed)."""
     spec = run_spec(plan, cpus(len(plan.devices)), MODEL, s)
     if processes:
         return launch(spec).ranks, spec
-    return run_threads(spec), spec
+    return threads(spec), spec
 
 
 def losses(results, spec):
@@ -147,7 +157,7 @@ def test_batch_norm_statistics_go_with_the_weights_onto_another_plan(tmp_path):
         spec = run_spec(plan, cpus(len(plan.devices)), name, RunSettings(
             batch_size=BATCH, granularity="layer", steps=steps, warmup=0, optimizer="adam", lr=1e-3,
             out_dir=tmp_path / "out", **more))
-        return losses(run_threads(spec), spec)
+        return losses(threads(spec), spec)
 
     two, one = chain_plan(nodes, [1, 1], 2, "1f1b"), chain_plan(nodes, [1], 2, "1f1b")
     whole = go(two, 3, checkpoint_dir=tmp_path / "whole")
@@ -171,7 +181,7 @@ def test_fp16s_loss_scale_goes_with_the_checkpoint(tmp_path):
     plan = replace(chain_plan(nodes, [1, 1], 2, "1f1b"), precision="fp16")
 
     def go(steps, **more):
-        return run_threads(run_spec(plan, cpus(2), "mlp", RunSettings(
+        return threads(run_spec(plan, cpus(2), "mlp", RunSettings(
             batch_size=BATCH, granularity="layer", steps=steps, warmup=0, optimizer="sgd", lr=0.1,
             out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ck", **more)))
 
