@@ -77,7 +77,8 @@ def test_devices_added_to_the_cluster_file_are_taken_where_worth_the_restart(pla
     two = tmp_path / "two.json"
     two.write_text(json.dumps({**CLUSTER, "devices": CLUSTER["devices"][:2]}))
     assert cli("plan", g, "--cluster", two, "--planner", "uniform", "--max-replicas", "1", "-o", p2).code == 0
-    flags = ["--model", "mlp", "--graph", g, "--steps", "30", "--optimizer", "sgd", "--json"]
+    # steps of milliseconds: enough of them that dp's plan for the four is made well before the end
+    flags = ["--model", "mlp", "--graph", g, "--steps", "60", "--optimizer", "sgd", "--json"]
     whole = cli("run", p2, *flags, "--cluster", two, "--out", tmp_path / "whole")
     monkeypatch.setattr(hetplan.availability, "decide", lambda *a: True)
     grows = tmp_path / "grows.json"
@@ -117,7 +118,7 @@ def test_a_growth_is_weighed_by_the_replays_rule_and_stops_two_steps_past_the_fu
         (out / "heartbeat.0").write_text(json.dumps({"step": 7}))
         (out / "heartbeat.1").write_text(json.dumps({"step": 6}))
         path.write_text(json.dumps({**CLUSTER, "devices": CLUSTER["devices"][:2]}))
-        grow = _Growth(str(path), two, plan, graph, 30, out, restart_s, said.append, replan)
+        grow = _Growth(str(path), two, plan, graph, 30, out, restart_s, said.append, replan, 2)
         grow.check(5)  # nothing changed yet
         assert said == [] and grow.next is None
         time.sleep(0.01)

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from hetplan.errors import HetplanError, first_line
+from hetplan.errors import HetplanError, InputError, first_line
+from hetplan.io.serde import atomic_write_text
 from hetplan.runtime.supervise import space_left
 
 FORMAT = 2
@@ -108,18 +109,18 @@ def save(directory: Path, step: int, rank: int, entries: list[Entry], meta: Mapp
     `extra`: numbers of the run's, fp16's loss scale), then, on rank 0, the checkpoints before the
     last whole one removed."""
     folder = step_dir(directory, step)
-    before = latest_step(directory)
+    before = latest_step(directory) if meta is not None else None  # rank 0 removes the old ones
     path = folder / f"rank{rank}.pt"
     tmp = folder / f".rank{rank}.pt.tmp"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if meta is not None:
-            _write_text(folder / "meta.json", json.dumps({**meta, "format": FORMAT, "step": step}, indent=1))
+            atomic_write_text(folder / "meta.json", json.dumps({**meta, "format": FORMAT, "step": step}, indent=1))
         torch.save({"format": FORMAT, "step": step, "rank": rank, "rng": torch.get_rng_state(),
                     "extra": dict(extra or {}), "entries": [(e.name, e.what, e.region, e.shape) for e in entries],
                     "tensors": [e.tensor for e in entries]}, tmp)
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as exc:  # torch says a full disk as "unexpected pos N vs M"
+    except (OSError, RuntimeError, InputError) as exc:  # torch says a full disk as "unexpected pos N vs M"
         tmp.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             folder.rmdir()  # where nothing else is in it
@@ -129,15 +130,6 @@ def save(directory: Path, step: int, rank: int, entries: list[Entry], meta: Mapp
         for old, older in _steps(directory):
             if old < before:
                 shutil.rmtree(older, ignore_errors=True)
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # --- reading ---------------------------------------------------------------------------------------

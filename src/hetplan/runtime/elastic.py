@@ -19,7 +19,6 @@ loading the checkpoint).
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 import time
@@ -30,8 +29,9 @@ from pathlib import Path
 from hetplan.cluster import Cluster
 from hetplan.errors import HetplanError
 from hetplan.graph import Graph
+from hetplan.io.serde import atomic_write_text
 from hetplan.plan import Plan
-from hetplan.runtime.launch import WorkerFailure, launch
+from hetplan.runtime.launch import WorkerFailure, furthest_step, launch
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.supervise import STOP_FILE
 
@@ -93,9 +93,9 @@ class _Growth:
     checkpoint of a step no worker has begun (`supervise.stop_step`), to go on under that plan."""
 
     def __init__(self, path: str | None, cluster: Cluster, plan: Plan, graph: Graph, steps: int, out_dir: Path,
-                 restart_s: float, say: Callable[[str], None], replan: Replan) -> None:
+                 restart_s: float, say: Callable[[str], None], replan: Replan, world: int) -> None:
         self.path = Path(path) if path and Path(path).is_file() else None
-        self.replan = replan
+        self.replan, self.world = replan, world
         self.seen = self._mtime()
         self.cluster, self.plan, self.graph, self.steps, self.out_dir = cluster, plan, graph, steps, out_dir
         self.restart_s, self.say = restart_s, say
@@ -106,18 +106,6 @@ class _Growth:
             return self.path.stat().st_mtime if self.path is not None else None
         except OSError:
             return None
-
-    def _begun(self) -> int:
-        """The furthest step a worker has begun, from the heartbeats now."""
-        import json
-
-        steps = [0]
-        for beat in self.out_dir.glob("heartbeat.*"):
-            try:
-                steps.append(int(json.loads(beat.read_text()).get("step", 0)))
-            except (OSError, ValueError, TypeError):
-                continue
-        return max(steps)
 
     def poke(self) -> None:
         """Read the cluster file again at the next check, changed or not (SIGUSR1 to the launcher)."""
@@ -145,16 +133,14 @@ class _Growth:
 
         new = self.replan(self.graph, bigger, self.plan)
         running, proposed = choice(self.cluster, self.plan), choice(bigger, new)
-        stop = max(done, self._begun()) + STOP_AHEAD  # the workers went on while dp planned
+        stop = max(done, furthest_step(self.out_dir, self.world)) + STOP_AHEAD  # they went on while dp planned
         left_s = (self.steps - stop) * (self.plan.predicted.step_s if self.plan.predicted else 0.0)
         if stop >= self.steps or not decide("when-worth-it", running, True, proposed, self.restart_s, left_s):
             self.say(f"added {', '.join(added)}: a plan for them ({proposed.samples_per_s:,.1f} against "
                      f"{running.samples_per_s:,.1f} samples/s) is not worth a restart of {self.restart_s:.0f} s "
                      f"over the {max(self.steps - stop, 0)} steps left; going on as planned")
             return
-        tmp = self.out_dir / f".{STOP_FILE}.tmp"
-        tmp.write_text(str(stop))
-        os.replace(tmp, self.out_dir / STOP_FILE)
+        atomic_write_text(self.out_dir / STOP_FILE, str(stop))
         self.next = (bigger, new, added, stop)
         self.say(f"added {', '.join(added)}: stopping at step {stop}'s checkpoint to go on under a plan for them")
 
@@ -205,7 +191,7 @@ def run_elastic(plan: Plan, cluster: Cluster, model: str, graph: Graph | None, s
         spec, first = prepare_run(plan, cluster, model, graph, settings, source)
         graph_at = at_batch(graph, spec.settings.batch_size)
         grow = _Growth(cluster_file, cluster, plan, graph_at, spec.settings.steps, spec.settings.out_dir, restart_s,
-                       say, replan) if len(changes) < max_restarts else None
+                       say, replan, spec.world) if len(changes) < max_restarts else None
         watch = _Watch(first, progress, grow)
         try:
             with _poked_by_sigusr1(grow):

@@ -283,6 +283,11 @@ def _died(code: int | None) -> bool:
     return code is not None and (code < 0 or code == 3)
 
 
+def furthest_step(out_dir: Path, world: int) -> int:
+    """The furthest step a worker has begun, by the heartbeats now (0 before any)."""
+    return max([int((b or {}).get("step", 0)) for b in _heartbeats(out_dir, world)] + [0])
+
+
 def _heartbeats(out_dir: Path, world: int) -> list[dict | None]:
     beats = []
     for rank in range(world):
@@ -308,9 +313,9 @@ def _wait(workers: forked.Group, spec: RunSpec, progress) -> None:
             said = (causes or failed)[0]
             if said in workers.never_forked():
                 raise WorkerFailure(_tracing_died(out_dir, codes[said]))
-            reached = max([(b or {}).get("step", 0) for b in _heartbeats(out_dir, world)] + [0])
             raise WorkerFailure(_why(out_dir, said, spec, codes[said]) + "; every worker was stopped",
-                                tuple(dict.fromkeys(spec.ranks[r].device for r in causes if _died(codes[r]))), reached)
+                                tuple(dict.fromkeys(spec.ranks[r].device for r in causes if _died(codes[r]))),
+                                furthest_step(out_dir, world))
         if all(c == 0 for c in codes):
             return
         beats = _heartbeats(out_dir, world)
