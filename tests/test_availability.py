@@ -48,6 +48,12 @@ def test_a_change_not_worth_its_restart_is_not_made():
     assert worth.samples > every.samples
 
 
+def test_a_free_restart_is_still_a_restart():
+    static, every, _ = replay(TRACE, plan_for, Costs(restart_s=0.0, checkpoint_every_s=20.0))
+    assert (static.restarts, every.restarts) == (1, 2) and every.lost_s == 10.0  # the work redone only
+    assert every.samples == 4000 - 400 + 2500 + 4000
+
+
 def test_decide():
     assert decide("when-worth-it", None, False, TWO, 10.0, 100.0)  # nothing running: start
     assert decide("when-worth-it", FOUR, False, TWO, 10.0, 100.0)  # the running plan lost devices

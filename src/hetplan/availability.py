@@ -155,8 +155,9 @@ def _replay(policy: str, trace: Availability, plan_for, costs: Costs) -> PolicyR
         if running is not None and not running.fits(counts):  # stopped between checkpoints: that work again
             samples -= running.samples_per_s * costs.checkpoint_every_s / 2
             lost += costs.checkpoint_every_s / 2
-        spent = min(costs.restart_s, length) if i and target is not None and target is not running else 0.0
-        restarts += spent > 0
+        restart = bool(i) and target is not None and target is not running
+        spent = min(costs.restart_s, length) if restart else 0.0
+        restarts += restart
         if target is None:
             stopped += length
         else:
