@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hetplan import forked
+from hetplan.runtime.preload import EXPORT_MACHINERY
 
 
 def _report(out: str) -> int:
@@ -20,7 +21,8 @@ def _report(out: str) -> int:
     print("and its errors", file=sys.stderr)
     comm = Path("/proc/self/comm").read_text().strip() if Path("/proc/self/comm").exists() else ""
     Path(out).write_text(json.dumps({"env": dict(os.environ), "session_leader": os.getsid(0) == os.getpid(),
-                                     "comm": comm, "torch_imported_before": "torch" in sys.modules}))
+                                     "comm": comm, "torch_imported_before": "torch" in sys.modules,
+                                     "export_imported_before": all(m in sys.modules for m in EXPORT_MACHINERY)}))
     return 7
 
 
@@ -31,7 +33,8 @@ def test_a_forked_worker_has_its_environment_session_log_name_and_status(tmp_pat
     assert p.exitcode == 7
     seen = json.loads(out.read_text())
     assert seen["env"] == {"ONLY": "this", "PATH": os.environ.get("PATH", "")}
-    assert seen["session_leader"] and seen["torch_imported_before"]
+    # and what torch.export imports at its first call: each run's tracing starts without that wait
+    assert seen["session_leader"] and seen["torch_imported_before"] and seen["export_imported_before"]
     if sys.platform.startswith("linux"):
         assert seen["comm"] == "hetplan-worker"
     assert log.read_text().split() == ["to", "the", "log", "and", "its", "errors"]
