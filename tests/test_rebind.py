@@ -85,3 +85,21 @@ def test_a_trace_records_no_python_stacks_and_leaves_torchs_switch_as_it_was():
     graph = export_step(zm.step, zm.batch)
     assert not [n for n in graph.graph.nodes if n.meta.get("stack_trace")]
     assert torch.fx.config.do_not_emit_stack_traces is False
+
+
+def test_ranks_sharing_traces_read_the_boundaries_layouts_once_and_trace_only_what_they_run():
+    """gpt2-tiny as 2 stages, micro-batches of 2 rows: the layouts are read at 2 and 3 rows by the
+    first rank; the second takes them and traces 2 rows only, and both hold the same layouts."""
+    from hetplan.runtime.launch import run_spec
+    from hetplan.runtime.settings import RunSettings
+    from hetplan.runtime.worker import build_rank
+    from test_executor import chain_plan, cpus
+
+    zm = load_model("gpt2-tiny", batch_size=8, seq_len=16, seed=0)
+    shared = SharedTraces()
+    names = [p.name for p in shared.split(zm.step, {k: v[:2] for k, v in zm.batch.items()}, "layer", None).pieces]
+    spec = run_spec(chain_plan(names, [1, 1], 4, "1f1b"), cpus(2), "gpt2-tiny",
+                    RunSettings(batch_size=8, seq_len=16, granularity="layer", steps=1, warmup=0))
+    first, second = (build_rank(spec, rank, shared=shared)[1] for rank in range(2))
+    assert sorted(first.traces.by_rows) == [2, 3] and sorted(second.traces.by_rows) == [2]
+    assert first.layouts[0][1] == second.layouts[0][0] and first.layouts[0][1]  # boundary 0, read by both

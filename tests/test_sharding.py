@@ -290,9 +290,11 @@ def test_a_sharded_run_resumes_where_it_stopped(tmp_path):
 
 def sharded_mlp(tmp_path, level: int, weights=None):
     """mlp as two stages of two replicas sharding at `level`, and `run(steps, **settings)`,
-    which runs it in threads with Adam (each rank's results)."""
+    which runs it in threads with Adam (each rank's results); the runs build and trace the model
+    once between them (they differ in steps and checkpoints only)."""
     from hetplan.runtime.launch import run_spec
     from hetplan.runtime.local import run_threads
+    from hetplan.runtime.rank import SharedTraces
     from hetplan.runtime.settings import RunSettings
     from hetplan.zoo import load_model
     from test_executor import chain_plan
@@ -302,9 +304,11 @@ def sharded_mlp(tmp_path, level: int, weights=None):
     plan = chain_plan(names, [2, 2], 2, "1f1b")
     plan = replace(plan, stages=tuple(replace(s, shard=level) for s in plan.stages))
 
+    shared = SharedTraces()
+
     def run(steps, **more):
         return run_threads(run_spec(plan, cpus(4), "mlp", RunSettings(
             batch_size=8, granularity="layer", steps=steps, warmup=0, optimizer="adam", lr=1e-3,
-            out_dir=tmp_path / "unused", **more), weights=weights))
+            out_dir=tmp_path / "unused", **more), weights=weights), shared=shared)
 
     return plan, run

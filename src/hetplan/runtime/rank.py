@@ -81,6 +81,9 @@ class SharedTraces:
 
     made: dict[tuple, tuple[Holdings, SplitStep]] = field(default_factory=dict)
     built: dict[tuple, Any] = field(default_factory=dict)
+    # the boundaries' layouts, the same for every rank of a run (`boundary_layouts`): read once, a
+    # rank then traces no size it does not run
+    layouts: dict[tuple, tuple[tuple[ValueLayout, ...], ...]] = field(default_factory=dict)
     # one rank takes them, in a process forked after they were made (`runtime.group`): it takes
     # the model and the traces themselves, its own by the fork, not copies
     sole: bool = False
@@ -153,12 +156,20 @@ def _same_cut(a: list[StageModule], b: list[StageModule], rows: int) -> None:
                                "depends on the batch size in a way the runtime cannot follow")
 
 
-def boundary_layouts(traces: Traces) -> list[tuple[ValueLayout, ...]]:
-    """Per boundary k (stage k to k + 1), the layouts of the values it carries."""
+def boundary_layouts(traces: Traces) -> tuple[tuple[ValueLayout, ...], ...]:
+    """Per boundary k (stage k to k + 1), the layouts of the values it carries: read by the first
+    rank of a process that shares its traces (`SharedTraces`), taken by the others."""
     a, b = layout_rows(traces.rows, traces.batch_rows)
+    shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in traces.batch.items())
+    key = (a, b, traces.granularity, traces.block_classes, shapes, repr(traces.plan))
+    if traces.shared is not None and key in traces.shared.layouts:
+        return traces.shared.layouts[key]
     runs = [_example_boundaries(traces, r) for r in (a, b)]
-    return [layouts(traces.by_rows[a][k].spec.outputs, va, a, vb, b)
-            for k, (va, vb) in enumerate(zip(runs[0], runs[1], strict=True))]
+    out = tuple(layouts(traces.by_rows[a][k].spec.outputs, va, a, vb, b)
+                for k, (va, vb) in enumerate(zip(runs[0], runs[1], strict=True)))
+    if traces.shared is not None:
+        traces.shared.layouts[key] = out
+    return out
 
 
 def layout_rows(rows: StepRows | None, batch_rows: int) -> tuple[int, int]:
