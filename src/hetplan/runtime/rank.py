@@ -98,7 +98,7 @@ class SharedTraces:
 
     def split(self, step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: str,
               block_classes: tuple[str, ...] | None) -> SplitStep:
-        key = (granularity, block_classes, tuple((k, tuple(v.shape), v.dtype) for k, v in batch.items()))
+        key = (granularity, block_classes, _shapes(batch))
         if key not in self.made:
             self.made[key] = (holdings(step), split_step(step, batch, granularity=granularity,
                                                          block_classes=block_classes))
@@ -107,6 +107,11 @@ class SharedTraces:
         if self.sole and now.keys() == traced.keys() and all(traced[k][0] is obj for k, (obj, _) in now.items()):
             return split
         return rebind(split, traced, step)
+
+
+def _shapes(batch: Mapping[str, torch.Tensor]) -> tuple:
+    """A batch's keys with each tensor's shape and dtype: what a trace of it depends on."""
+    return tuple((k, tuple(v.shape), v.dtype) for k, v in batch.items())
 
 
 @dataclass(frozen=True)
@@ -160,8 +165,7 @@ def boundary_layouts(traces: Traces) -> tuple[tuple[ValueLayout, ...], ...]:
     """Per boundary k (stage k to k + 1), the layouts of the values it carries: read by the first
     rank of a process that shares its traces (`SharedTraces`), taken by the others."""
     a, b = layout_rows(traces.rows, traces.batch_rows)
-    shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in traces.batch.items())
-    key = (a, b, traces.granularity, traces.block_classes, shapes, repr(traces.plan))
+    key = (a, b, traces.granularity, traces.block_classes, _shapes(traces.batch), repr(traces.plan))
     if traces.shared is not None and key in traces.shared.layouts:
         return traces.shared.layouts[key]
     runs = [_example_boundaries(traces, r) for r in (a, b)]
