@@ -84,19 +84,20 @@ def reference_step(zm, batch, m, lr, optimizer="sgd", precision="fp32"):
 
 
 # The traces of the models the tests here build, kept for the session: each is a zoo model built
-# from seed 0 without dropout, so one model at one batch shape traces the same in every test; a
+# from seed 0 without dropout, so one model traces the same in every test at a number of rows
+# (`SharedTraces` keys its traces by the rows' shapes), whatever batch a test builds it for; a
 # model that holds other names, classes, shapes or dtypes is refused by `rebind`, never given another's.
 SESSION_TRACES: dict[tuple, SharedTraces] = {}
 
 
 def traced(zm, granularity="layer", shared=None, replicas=None, m=None, weights=None):
     """The step of a model without dropout (`no_dropout`) cut into traces (`shared`, else the
-    session's for this model and batch shape) that the ranks of `run_threads` then take theirs
+    session's for this model and its rows' shape) that the ranks of `run_threads` then take theirs
     from, and that cut: at the first number of rows at which the ranks read the boundaries'
     layouts (`rank.layout_rows`) where the plan's `replicas`, `m` and `weights` are given (equal
     weights unless given; another guess costs a trace, nothing else), else at 2 rows."""
     if shared is None:
-        shapes = tuple((k, tuple(v.shape)) for k, v in zm.batch.items())
+        shapes = tuple((k, tuple(v.shape[1:])) for k, v in zm.batch.items())
         shared = SESSION_TRACES.setdefault((zm.name, shapes), SharedTraces())
     rows = next(iter(zm.batch.values())).shape[0]
     if replicas is not None:
