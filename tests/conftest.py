@@ -96,6 +96,28 @@ def pytest_configure(config):
             os.environ.setdefault(name, share)
 
 
+# Modules whose module-scoped fixtures make something costly (a profile on a two-way group, a run
+# and its checkpoint, a traced run): their tests go to one pytest worker, which makes it once, where
+# split between the two workers each made it.
+ONE_WORKER_MODULES = {"test_tensor_times", "test_resume_plans", "test_trace", "test_elastic", "test_fuzz_cli"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's load scheduling (`-n N`), but each of ONE_WORKER_MODULES one unit of work,
+    given out first. (Its own `--dist loadgroup` marks groups in the tests' node ids, which
+    pytest 9 no longer lets a plugin change.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if Path(module).stem in ONE_WORKER_MODULES else nodeid
+
+    return ModulesTogether(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in SLOW_MODULES:
