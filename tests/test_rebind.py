@@ -10,6 +10,7 @@ from torch import nn
 
 from hetplan.errors import HetplanError
 from hetplan.pieces.split import SplitStep, holdings, rebind, split_step
+from hetplan.pieces.tracing import export_step
 from hetplan.runtime.rank import SharedTraces
 from hetplan.zoo import load_model
 
@@ -63,6 +64,28 @@ def test_shared_traces_trace_once_and_keep_the_first_trace_as_it_was_made(monkey
         assert len(shared.split(zm.step, zm.batch, "layer", None).pieces[0].module.graph.nodes) == made
     shared.split(models[2].step, {k: v[:2] for k, v in models[2].batch.items()}, "layer", None)
     assert calls == [4, 2]  # one trace per row count, not one per rank
+
+
+def test_shared_traces_cut_every_granularity_from_one_export_of_a_batchs_shapes(monkeypatch):
+    """The export does not depend on the granularity: a second cut of the same shapes is made from
+    the first's export, by another instance of the model too, and has the pieces, the weights
+    (its own model's) and the loss and gradients that a cut of its own trace has."""
+    calls = []
+    real = export_step
+    monkeypatch.setattr("hetplan.runtime.rank.export_step", lambda step, batch: calls.append(1) or real(step, batch))
+    a, b = (load_model("gpt2-tiny", batch_size=4, seq_len=16, seed=0) for _ in range(2))
+    shared = SharedTraces()
+    layer = shared.split(a.step, a.batch, "layer", None)
+    block = shared.split(b.step, b.batch, "block", tuple(b.block_classes))
+    assert calls == [1]
+    own = split_step(b.step, b.batch, "block", tuple(b.block_classes))
+    assert [p.name for p in block.pieces] == [p.name for p in own.pieces] != [p.name for p in layer.pieces]
+    held = {id(p) for piece in block.pieces for p in piece.module.parameters()}
+    assert held and held <= {id(p) for p in b.step.parameters()}
+    loss, grads = _loss_and_grads(block, b.step, b.batch)
+    ref_loss, ref_grads = _loss_and_grads(own, b.step, b.batch)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert grads.keys() == ref_grads.keys() and all(torch.allclose(grads[n], ref_grads[n], atol=1e-6) for n in grads)
 
 
 def test_the_pieces_of_another_model_are_refused():

@@ -27,6 +27,7 @@ from hetplan.pieces.mixed import Mixed
 from hetplan.pieces.portable import place
 from hetplan.pieces.split import Holdings, SplitStep, holdings, rebind, split_step
 from hetplan.pieces.tensor_stage import parallelize
+from hetplan.pieces.tracing import export_step
 from hetplan.plan import Plan
 from hetplan.rows import StepRows, step_rows
 from hetplan.runtime.boundary import ValueLayout, layouts
@@ -80,6 +81,8 @@ class SharedTraces:
     (tensor parallelism rewrites it)."""
 
     made: dict[tuple, tuple[Holdings, SplitStep]] = field(default_factory=dict)
+    # the step exported for each batch's shapes: cut again at another granularity, not traced again
+    exports: dict[tuple, tuple[Holdings, Any]] = field(default_factory=dict)
     built: dict[tuple, Any] = field(default_factory=dict)
     # the boundaries' layouts, the same for every rank of a run (`boundary_layouts`): read once, a
     # rank then traces no size it does not run
@@ -100,13 +103,27 @@ class SharedTraces:
               block_classes: tuple[str, ...] | None) -> SplitStep:
         key = (granularity, block_classes, _shapes(batch))
         if key not in self.made:
-            self.made[key] = (holdings(step), split_step(step, batch, granularity=granularity,
-                                                         block_classes=block_classes))
+            self.made[key] = self._cut(step, batch, granularity, block_classes)
         traced, split = self.made[key]
         now = holdings(step)
         if self.sole and now.keys() == traced.keys() and all(traced[k][0] is obj for k, (obj, _) in now.items()):
             return split
         return rebind(split, traced, step)
+
+
+    def _cut(self, step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: str,
+             block_classes: tuple[str, ...] | None) -> tuple[Holdings, SplitStep]:
+        """The step cut at `granularity`, from its export for the batch's shapes where one was
+        made (the cut then holds the parameters of the model exported), and what it holds."""
+        shapes = _shapes(batch)
+        if shapes not in self.exports:
+            try:
+                self.exports[shapes] = (holdings(step), export_step(step, batch))
+            except HetplanError:  # not exportable: `split_step` says why, or traces with torch.fx
+                return holdings(step), split_step(step, batch, granularity=granularity, block_classes=block_classes)
+        traced, exported = self.exports[shapes]
+        return traced, split_step(step, batch, granularity=granularity, block_classes=block_classes,
+                                  exported=exported)
 
 
 def _shapes(batch: Mapping[str, torch.Tensor]) -> tuple:
