@@ -38,6 +38,15 @@ from hetplan.pieces.tracing import trace_step
 
 _CALLS = ("call_function", "call_method", "call_module")
 
+# A piece writes its Python code the first time it runs, not each time its graph is made, changed
+# or copied (torch.fx's lazy graph module): a rank copies every piece of the step and places its
+# own (`rank.prepare`), each a new compile of the code otherwise, and runs only its own stage's.
+# A torch without it compiles at each of those, as fx always did.
+try:
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _PIECE_CLASS
+except ImportError:
+    _PIECE_CLASS = fx.GraphModule
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -238,7 +247,7 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node], produced_outside: set[fx.
     outputs = [n for n in nodes if n in needed_outside]
     graph.output(tuple(env[n] for n in outputs))
     # device-neutral, so that a piece traced here runs on any device (`hetplan.pieces.portable`)
-    return portable(fx.GraphModule(root, graph, class_name="Piece")), inputs, outputs
+    return portable(_PIECE_CLASS(root, graph, class_name="Piece")), inputs, outputs
 
 
 def split_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: str = "layer",
