@@ -14,6 +14,9 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import readme_walk  # noqa: E402
 
+from hetplan import load_cluster, load_graph  # noqa: E402
+from hetplan.cli._shared import graph_at_batch  # noqa: E402
+
 
 def test_every_readme_command_parses_and_reads_only_what_an_earlier_one_wrote():
     commands = readme_walk.walk_blocks()
@@ -47,7 +50,10 @@ def test_the_quick_start_runs():
 
 
 def test_the_language_model_section_runs(tmp_path):
-    """Its five commands, verbatim: a counted OPT-350M planned on 128 mixed GPUs at a batch of 1,024."""
+    """Its five commands, verbatim: a counted OPT-350M planned on 128 mixed GPUs at a batch of 1,024.
+    dp uses the big mixed cluster: at least 96 of its GPUs (its device program alone once put 4
+    replicas a stage on 40 of them, 21.1 s a step), within 1.6 times the bound of the whole
+    batch's work over every GPU's speed."""
     text = (REPO / "docs" / "guide.md").read_text().splitlines()
     start = text.index("## Planning a language model on a big mixed cluster") + 1
     end = next(i for i in range(start, len(text)) if text[i].startswith("## ")) + 1
@@ -62,3 +68,8 @@ def test_the_language_model_section_runs(tmp_path):
     plan = json.loads((tmp_path / "opt-plan.json").read_text())
     assert plan["meta"]["batch_size"] == 1024 and plan["microbatches"] > 1
     assert sum(len(stage["devices"]) for stage in plan["stages"]) >= 96
+    graph = graph_at_batch(load_graph(tmp_path / "opt.json"), 1024)
+    cluster = load_cluster("a100x32+v100x96")
+    whole = {t: graph.fwd_s_total(t) + graph.bwd_s_total(t) for t in ("a100-40gb", "v100-16gb")}
+    lower = 1.0 / sum(1.0 / whole[cluster.device(d).type] for d in cluster.ids)  # the work over every GPU
+    assert plan["predicted"]["feasible"] and lower < plan["predicted"]["step_s"] < min(1.6 * lower, 8.0)
