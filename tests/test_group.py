@@ -44,7 +44,9 @@ def test_the_workers_take_their_stages_from_one_trace(tmp_path, monkeypatch):
     assert all(b["phase"] == f"tracing {max(wanted)} rows" for b in beats)
     monkeypatch.setattr("hetplan.runtime.rank.split_step", _never)
     for rank in range(spec.world):
-        mine = copy.deepcopy(shared)  # what the fork gives each worker: its own copy of it all
+        # what the fork gives each worker: its own copy of it all, less the exports the cuts were
+        # made from (torch's pytree specs in them warn when deep-copied; a fork copies nothing)
+        mine = copy.deepcopy(replace(shared, exports={}))
         zoo_model, prepared, _ = build_rank(spec, rank, shared=mine)
         built = next(iter(mine.built.values()))
         assert zoo_model is built
