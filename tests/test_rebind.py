@@ -88,6 +88,27 @@ def test_shared_traces_cut_every_granularity_from_one_export_of_a_batchs_shapes(
     assert grads.keys() == ref_grads.keys() and all(torch.allclose(grads[n], ref_grads[n], atol=1e-6) for n in grads)
 
 
+def test_shared_traces_try_to_export_a_model_once_for_every_granularity(monkeypatch):
+    """A model torch.export refuses (data-dependent Python) is tried once for its batch's shapes;
+    each block cut of it is then traced by torch.fx with its blocks opaque, without a second try."""
+    calls = []
+    real = export_step
+
+    def counting(step, batch):
+        calls.append(1)
+        return real(step, batch)
+
+    monkeypatch.setattr("hetplan.runtime.rank.export_step", counting)
+    monkeypatch.setattr("hetplan.pieces.tracing.export_step", counting)
+    zm = load_model("user_models:untraceable", batch_size=2, seq_len=16, seed=0)
+    shared = SharedTraces()
+    with pytest.raises(HetplanError, match="cannot trace the model"):
+        shared.split(zm.step, zm.batch, "layer", None)
+    for blocks in (("Gate",), ("Gate", "Linear")):
+        assert shared.split(zm.step, zm.batch, "block", blocks).pieces
+    assert calls == [1]
+
+
 def test_the_pieces_of_another_model_are_refused():
     a = load_model("gpt2-tiny", batch_size=4, seq_len=16, seed=0)
     other = load_model("mlp", batch_size=4, seq_len=16, seed=0)

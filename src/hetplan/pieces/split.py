@@ -252,16 +252,15 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node], produced_outside: set[fx.
 
 def split_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: str = "layer",
                block_classes: Iterable[str] | None = None, strip_prefix: str = "model.",
-               exported: fx.GraphModule | None = None) -> SplitStep:
-    """Trace `step(**batch)` (which returns the loss) and cut it into pieces; or cut `exported`,
-    the step's export for this batch made before (`tracing.export_step`: it does not depend on the
-    granularity), whose parameters the pieces then hold."""
+               export: fx.GraphModule | HetplanError | None = None) -> SplitStep:
+    """Trace `step(**batch)` (which returns the loss) and cut it into pieces; `export`: what
+    `tracing.export_step` gave for this batch before (`trace_step`), whose parameters the pieces
+    then hold."""
     if granularity not in GRANULARITIES:
         raise HetplanError(f"--granularity {granularity!r}: allowed are {', '.join(GRANULARITIES)}")
     if not block_classes and granularity == "block":
         block_classes = find_block_classes(step)
-    gm, root, strip_prefix = ((exported, step, strip_prefix) if exported is not None else
-                              trace_step(step, batch, granularity, block_classes or (), strip_prefix))
+    gm, root, strip_prefix = trace_step(step, batch, granularity, block_classes or (), strip_prefix, export)
     modules = dict(root.named_modules())  # the user's classes (the exported module has plain ones)
     ops = [n for n in gm.graph.nodes if n.op in _CALLS and n.target != "_guards_fn"]
     unit = _units(gm, ops, root, granularity, block_classes or ())

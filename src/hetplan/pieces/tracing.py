@@ -24,10 +24,15 @@ from hetplan.pieces.random_settings import CHOOSES_PATH, random_settings
 
 
 def trace_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: str, block_classes: Iterable[str],
-           strip_prefix: str) -> tuple[fx.GraphModule, nn.Module, str]:
-    """The traced step, the module its names refer to, and the prefix to strip from them."""
+               strip_prefix: str, export: fx.GraphModule | HetplanError | None = None
+               ) -> tuple[fx.GraphModule, nn.Module, str]:
+    """The traced step, the module its names refer to, and the prefix to strip from them;
+    `export`: what `export_step` gave for this batch before (the module, or the error it raised),
+    which does not depend on the granularity."""
     try:
-        return export_step(step, batch), step, strip_prefix
+        if isinstance(export, HetplanError):
+            raise export
+        return (export_step(step, batch) if export is None else export), step, strip_prefix
     except DoesNotRun:
         raise
     except HetplanError as exc:

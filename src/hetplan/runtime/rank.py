@@ -27,7 +27,7 @@ from hetplan.pieces.mixed import Mixed
 from hetplan.pieces.portable import place
 from hetplan.pieces.split import Holdings, SplitStep, holdings, rebind, split_step
 from hetplan.pieces.tensor_stage import parallelize
-from hetplan.pieces.tracing import export_step
+from hetplan.pieces.tracing import DoesNotRun, export_step
 from hetplan.plan import Plan
 from hetplan.rows import StepRows, step_rows
 from hetplan.runtime.boundary import ValueLayout, layouts
@@ -81,7 +81,8 @@ class SharedTraces:
     (tensor parallelism rewrites it)."""
 
     made: dict[tuple, tuple[Holdings, SplitStep]] = field(default_factory=dict)
-    # the step exported for each batch's shapes: cut again at another granularity, not traced again
+    # what exporting the step for each batch's shapes gave (the module, or the error): cut again at
+    # another granularity, not exported again
     exports: dict[tuple, tuple[Holdings, Any]] = field(default_factory=dict)
     built: dict[tuple, Any] = field(default_factory=dict)
     # the boundaries' layouts, the same for every rank of a run (`boundary_layouts`): read once, a
@@ -110,20 +111,24 @@ class SharedTraces:
             return split
         return rebind(split, traced, step)
 
-
     def _cut(self, step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: str,
              block_classes: tuple[str, ...] | None) -> tuple[Holdings, SplitStep]:
-        """The step cut at `granularity`, from its export for the batch's shapes where one was
-        made (the cut then holds the parameters of the model exported), and what it holds."""
+        """The step cut at `granularity` from what exporting it for the batch's shapes gave, tried
+        once for every granularity (the cut then holds the parameters of the model exported), and
+        what it holds. A model that cannot be exported is traced by torch.fx or refused
+        (`tracing.trace_step`)."""
         shapes = _shapes(batch)
         if shapes not in self.exports:
             try:
                 self.exports[shapes] = (holdings(step), export_step(step, batch))
-            except HetplanError:  # not exportable: `split_step` says why, or traces with torch.fx
-                return holdings(step), split_step(step, batch, granularity=granularity, block_classes=block_classes)
-        traced, exported = self.exports[shapes]
-        return traced, split_step(step, batch, granularity=granularity, block_classes=block_classes,
-                                  exported=exported)
+            except DoesNotRun:
+                raise
+            except HetplanError as exc:
+                self.exports[shapes] = (holdings(step), exc)
+        traced, export = self.exports[shapes]
+        if isinstance(export, HetplanError):  # traced again at this granularity, held by `step`
+            traced = holdings(step)
+        return traced, split_step(step, batch, granularity=granularity, block_classes=block_classes, export=export)
 
 
 def _shapes(batch: Mapping[str, torch.Tensor]) -> tuple:
