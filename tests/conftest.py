@@ -102,6 +102,7 @@ def pytest_configure(config):
 ONE_WORKER_MODULES = {"test_tensor_times", "test_resume_plans", "test_trace", "test_elastic", "test_fuzz_cli"}
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest -p no:xdist runs the tests in one process, as without it
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's load scheduling (`-n N`), but each of ONE_WORKER_MODULES one unit of work,
     given out first. (Its own `--dist loadgroup` marks groups in the tests' node ids, which

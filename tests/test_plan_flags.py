@@ -99,3 +99,22 @@ def test_max_tp_takes_auto_only_where_the_option_takes_none(monkeypatch):
     with pytest.raises(HetplanError, match="^--max-tp: 0 must be >= 1$"):
         parsed("--max-tp", "0")
     assert parsed("--max-tp", "2").max_tp == 2
+
+
+def test_a_parser_made_for_one_command_parses_it_as_the_whole_one_does():
+    """`main` makes only the options of the command it is given (`build_parser(command)`): that
+    command's help, defaults and parse are the whole parser's, `hetplan --help` lists the same
+    commands, and a command line naming no known command gets the whole parser."""
+    def sub(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
+        return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+
+    whole = build_parser()
+    assert list(sub(whole).choices) == list(parser.COMMANDS)
+    for command in parser.COMMANDS:
+        alone = build_parser(command)
+        assert alone.format_help() == whole.format_help()
+        assert sub(alone).choices[command].format_help() == sub(whole).choices[command].format_help(), command
+    argv = ["plan", "g.json", "--cluster", "c", "--microbatches", "4", "--json"]
+    assert vars(build_parser(parser.command_named(argv)).parse_args(argv)) == vars(whole.parse_args(argv))
+    assert parser.command_named(["--version"]) is None
+    assert len(sub(build_parser("no-such-command")).choices["plan"]._actions) > 10  # the whole parser

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hetplan.cli._shared import load_any
-from hetplan.cli.parser import DESCRIPTION, build_parser
+from hetplan.cli.parser import DESCRIPTION, build_parser, command_named
 from hetplan.errors import HetplanError
 from hetplan.io import serde
 
@@ -39,7 +39,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(command_named(argv))
     args = parser.parse_args(argv)
     args.notes, args.warnings = [], []
     try:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 from hetplan.cli._shared import allows_none
@@ -63,26 +64,48 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"hetplan: error: {self.prog}: {message}; see {self.prog} --help\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; given the `command` a command line names, only that command's
+    options are made, every other command is listed by its name and help (all that `--help` and a
+    misspelt command read): argparse makes a help formatter and looks for translations with each
+    option it adds, which for every command is most of an in-process call's parsing."""
     common = _common_options()
-    planning = _planning_options()
     parser = OneLineParser(prog="hetplan", description=DESCRIPTION,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hetplan {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_info(sub, common)
-    _add_import(sub, common)
-    _add_plan(sub, common, planning)
-    _add_compare(sub, common, planning)
-    _add_replay(sub, common, planning)
-    _add_simulate(sub, common)
-    _add_run(sub, common)
-    _add_calibrate(sub, common)
-    _add_demo(sub, common)
-    _add_report(sub, common)
-    _add_profile(sub, common)
-    _add_catalog(sub, common)
+    whole = command is None or command not in COMMANDS
+    planning = _planning_options() if whole or command in PLANNING_COMMANDS else None
+    for name, add in _ADDERS:
+        made = sub if whole or name == command else _Listed(sub)
+        if name in PLANNING_COMMANDS:
+            add(made, common, planning)
+        else:
+            add(made, common)
     return parser
+
+
+def command_named(argv: Sequence[str]) -> str | None:
+    """The command a command line names: its first word that is not an option (the options before
+    it are hetplan's own, which take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+class _Listed:
+    """A command as the list of commands shows it, without its options: takes whatever its
+    `_add_<command>` gives it and keeps nothing but the command's name and help."""
+
+    def __init__(self, sub: Subparsers) -> None:
+        self.sub = sub
+
+    def add_parser(self, name: str, **kwargs):
+        self.sub.add_parser(name, help=kwargs.get("help"))
+        return _Ignored()
+
+
+class _Ignored:
+    def __getattr__(self, _name: str):
+        return lambda *args, **kwargs: self
 
 
 def _version() -> str:
@@ -411,3 +434,11 @@ def _add_profile(sub: Subparsers, common: argparse.ArgumentParser) -> None:
 def _add_catalog(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("catalog", parents=[common], help="list device types, cluster presets and planners")
     p.set_defaults(func=cmd_catalog)
+
+
+# every command, in the order `hetplan --help` lists them; those that take the planning problem
+_ADDERS = (("info", _add_info), ("import", _add_import), ("plan", _add_plan), ("compare", _add_compare),
+           ("replay", _add_replay), ("simulate", _add_simulate), ("run", _add_run), ("calibrate", _add_calibrate),
+           ("demo", _add_demo), ("report", _add_report), ("profile", _add_profile), ("catalog", _add_catalog))
+COMMANDS = tuple(name for name, _ in _ADDERS)
+PLANNING_COMMANDS = ("plan", "compare", "replay")
