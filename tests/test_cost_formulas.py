@@ -76,18 +76,19 @@ def _formula_lines(path: Path, text: str) -> list[str]:
     factor added or multiplied in (`formulas.replica_passes_s` does that), the weight-copies or
     optimizer-passes constants, seconds per hour."""
     found = []
+    segment, name = _segments(text), path.relative_to(SRC)
     for node in ast.walk(ast.parse(text)):
-        where = f"{path.relative_to(SRC)}:{getattr(node, 'lineno', 0)}"
+        where = f"{name}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
-            right = ast.get_source_segment(text, node.right) or ""
+            right = segment(node.right) or ""
             if any(k in right.lower() for k in ("bandwidth", "_bw", "bps")):
-                found.append(f"{where}: bytes / bandwidth: {ast.get_source_segment(text, node)}")
+                found.append(f"{where}: bytes / bandwidth: {segment(node)}")
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult) and not any(
                 isinstance(x, ast.Constant | ast.JoinedStr) for x in (node.left, node.right)):  # not text or units
-            sides = [ast.get_source_segment(text, x) or "" for x in (node.left, node.right)]
+            sides = [segment(x) or "" for x in (node.left, node.right)]
             if any("overhead" in side.lower() or "corun" in side.lower() or side in ("slow",) for side in sides):
                 found.append(f"{where}: the runtime's overheads or co-running applied: "
-                             f"{ast.get_source_segment(text, node)}")
+                             f"{segment(node)}")
         if isinstance(node, ast.Name | ast.Attribute):
             name = node.id if isinstance(node, ast.Name) else node.attr
             if name in ("WEIGHT_COPIES", "OPTIMIZER_PASSES", "OPTIMIZER_STATE_COPIES", "inflight_microbatches"):
@@ -95,6 +96,23 @@ def _formula_lines(path: Path, text: str) -> list[str]:
         if isinstance(node, ast.Constant) and node.value in (3600, 3600.0) and not isinstance(node.value, bool):
             found.append(f"{where}: seconds per hour")
     return found
+
+
+def _segments(text: str):
+    """`ast.get_source_segment` of `text` for any node, the lines split once (it splits the whole
+    text again at each call: minutes over the package's every sum and product)."""
+    lines = [line.encode() for line in text.splitlines(keepends=True)]
+
+    def segment(node: ast.AST) -> str:
+        if getattr(node, "end_lineno", None) is None:
+            return ""
+        first, last = node.lineno - 1, node.end_lineno - 1
+        if first == last:
+            return lines[first][node.col_offset:node.end_col_offset].decode()
+        parts = [lines[first][node.col_offset:], *lines[first + 1:last], lines[last][:node.end_col_offset]]
+        return b"".join(parts).decode()
+
+    return segment
 
 
 def test_no_cost_formula_outside_the_cost_package():
