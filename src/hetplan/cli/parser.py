@@ -74,7 +74,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hetplan {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    whole = command is None or command not in COMMANDS
+    whole = command not in COMMANDS
     planning = _planning_options() if whole or command in PLANNING_COMMANDS else None
     for name, add in _ADDERS:
         made = sub if whole or name == command else _Listed(sub)
@@ -104,6 +104,8 @@ class _Listed:
 
 
 class _Ignored:
+    """A listed command's parser: every call made to it does nothing."""
+
     def __getattr__(self, _name: str):
         return lambda *args, **kwargs: self
 

@@ -29,19 +29,21 @@ def trace_step(step: nn.Module, batch: Mapping[str, torch.Tensor], granularity: 
     """The traced step, the module its names refer to, and the prefix to strip from them;
     `export`: what `export_step` gave for this batch before (the module, or the error it raised),
     which does not depend on the granularity."""
-    try:
-        if isinstance(export, HetplanError):
-            raise export
-        return (export_step(step, batch) if export is None else export), step, strip_prefix
-    except DoesNotRun:
-        raise
-    except HetplanError as exc:
-        if granularity != "block":
-            raise HetplanError(f"{exc}; or profile at --granularity block, where blocks are run, not traced "
-                               "(--block-class NAME makes that module a block)") from None
-        # Blocks as opaque leaves: torch.fx does not look inside them, so whatever they do is fine.
-        root = _keyword_step(step, tuple(batch))
-        return _fx_trace(root, set(block_classes), exc), root, "inner." + strip_prefix
+    if export is None:
+        try:
+            export = export_step(step, batch)
+        except DoesNotRun:
+            raise
+        except HetplanError as exc:
+            export = exc
+    if not isinstance(export, HetplanError):
+        return export, step, strip_prefix
+    if granularity != "block":
+        raise HetplanError(f"{export}; or profile at --granularity block, where blocks are run, not traced "
+                           "(--block-class NAME makes that module a block)") from None
+    # Blocks as opaque leaves: torch.fx does not look inside them, so whatever they do is fine.
+    root = _keyword_step(step, tuple(batch))
+    return _fx_trace(root, set(block_classes), export), root, "inner." + strip_prefix
 
 
 def _keyword_step(step: nn.Module, keys: tuple[str, ...]) -> nn.Module:

@@ -123,8 +123,8 @@ class SharedTraces:
                 self.exports[shapes] = (holdings(step), export_step(step, batch))
             except DoesNotRun:
                 raise
-            except HetplanError as exc:
-                self.exports[shapes] = (holdings(step), exc)
+            except HetplanError as exc:  # kept without its traceback, which holds torch.export's frames
+                self.exports[shapes] = (holdings(step), exc.with_traceback(None))
         traced, export = self.exports[shapes]
         if isinstance(export, HetplanError):  # traced again at this granularity, held by `step`
             traced = holdings(step)
