@@ -1,4 +1,4 @@
-"""Does dp miss plans? Local search from dp's plan, and the Input node's time zeroed (issue 16).
+"""Does dp miss plans? Local search from dp's plan, and the Input node's time zeroed.
 
     .venv/bin/python bench/dp_no_miss.py [--max-iters 300 | --budget-s 60] [-o bench/results/dp_no_miss.json]
 

@@ -1,4 +1,4 @@
-"""dp on big clusters (issue 16): planning time and memory at 8-64 devices, monotonicity in
+"""dp on big clusters: planning time and memory at 8-64 devices, monotonicity in
 devices, and what the 160-state limit costs.
 
     .venv/bin/python bench/dp_scale.py [-o bench/results/dp_scale.json]

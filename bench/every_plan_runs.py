@@ -1,4 +1,4 @@
-"""Every planner's plans run, and train as single-process training does (issue 12).
+"""Every planner's plans run, and train as single-process training does.
 
 For 20 random small problems (a model of the zoo, 2 to 4 local CPU workers of 1 or 2 threads
 with `binding: cpu`, a schedule), every planner (single, data-parallel, uniform, params,

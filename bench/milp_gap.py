@@ -1,4 +1,4 @@
-"""dp's certified gap on the `throughput` objective: the MILP planner's optimum or bound (issue 16).
+"""dp's certified gap on the `throughput` objective: the MILP planner's optimum or bound.
 
     .venv/bin/python bench/milp_gap.py [--budget-s 60] [-o bench/results/milp_gap.json]
 

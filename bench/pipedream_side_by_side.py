@@ -1,4 +1,4 @@
-"""dp against PipeDream's own optimizer, on PipeDream's question and PipeDream's settings (issue 16).
+"""dp against PipeDream's own optimizer, on PipeDream's question and PipeDream's settings.
 
     git clone https://github.com/msr-fiddle/pipedream /tmp/pipedream   # or any checkout of it
     .venv/bin/python bench/pipedream_side_by_side.py --pipedream /tmp/pipedream \

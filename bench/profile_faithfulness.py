@@ -1,4 +1,4 @@
-"""Faithfulness and cost of the profiler (issues 3 and 15).
+"""Faithfulness and cost of the profiler.
 
 For each model, runs the CLI exactly as a user would,
 

@@ -1,4 +1,4 @@
-"""How far the roofline projection is from a measurement (issue 3).
+"""How far the roofline projection is from a measurement.
 
 Profiles each model on 1 and 2 CPU threads in one run, then projects every node's time from
 cpu-1t to cpu-2t with `hetplan.cost.projection` (the cost model's rule for a device type a graph was

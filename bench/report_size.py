@@ -1,5 +1,5 @@
-"""How big the report page is and how long it takes to write, by graph size (issue 18: "under a
-few MB for a 200-node graph").
+"""How big the report page is and how long it takes to write, by graph size: a target of a few MB
+for a 200-node graph.
 
     .venv/bin/python bench/report_size.py [-o bench/results/report_size.json]
 

@@ -1,4 +1,4 @@
-"""How long hetplan takes to answer for clusters of many devices (issue 13, item 10), each command
+"""How long hetplan takes to answer for clusters of many devices, each command
 in a process of its own as a user types it (Python's start included).
 
     .venv/bin/python bench/sizes.py [-o bench/results/sizes.json]

@@ -20,9 +20,10 @@ from hetplan.rows import step_rows
 from hetplan.runtime import sums as sums_module
 from hetplan.runtime.launch import run_spec
 from hetplan.runtime.local import run_threads
-from hetplan.runtime.rank import SharedTraces, Traces, boundary_layouts, group_table, layout_rows, spec_rows
+from hetplan.runtime.rank import group_table, spec_rows
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.stages import stage_modules
+from hetplan.runtime.traces import SharedTraces, Traces, boundary_layouts, layout_rows
 from hetplan.runtime.transport import LocalTransport
 from hetplan.runtime.worker import _batches
 from hetplan.schedule import ONE_STAGE_PER_RANK, rank_orders, schedule_order, stage_ranks

@@ -42,7 +42,7 @@ def test_the_workers_take_their_stages_from_one_trace(tmp_path, monkeypatch):
     assert sorted(key[2][0][1][0] for key in shared.made) == sorted(wanted) and len(wanted) >= 3
     beats = [json.loads((tmp_path / f"heartbeat.{r}").read_text()) for r in range(spec.world)]
     assert all(b["phase"] == f"tracing {max(wanted)} rows" for b in beats)
-    monkeypatch.setattr("hetplan.runtime.rank.split_step", _never)
+    monkeypatch.setattr("hetplan.runtime.traces.split_step", _never)
     for rank in range(spec.world):
         # what the fork gives each worker: its own copy of it all, less the exports the cuts were
         # made from (torch's pytree specs in them warn when deep-copied; a fork copies nothing)

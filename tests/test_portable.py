@@ -11,7 +11,7 @@ from torch import nn
 
 from hetplan.pieces.portable import baked_devices, place, portable
 from hetplan.plan import Plan, Stage
-from hetplan.runtime.rank import SharedTraces, Traces
+from hetplan.runtime.traces import SharedTraces, Traces
 from hetplan.zoo import ZOO, load_model
 
 

@@ -1,4 +1,4 @@
-"""One trace for the ranks of one process (`split.rebind`, `rank.SharedTraces`): another instance of
+"""One trace for the ranks of one process (`split.rebind`, `traces.SharedTraces`): another instance of
 the same model takes copies of the pieces holding its own weights, which compute what its own
 trace computes; another model is refused."""
 
@@ -11,7 +11,7 @@ from torch import nn
 from hetplan.errors import HetplanError
 from hetplan.pieces.split import SplitStep, holdings, rebind, split_step
 from hetplan.pieces.tracing import export_step
-from hetplan.runtime.rank import SharedTraces
+from hetplan.runtime.traces import SharedTraces
 from hetplan.zoo import load_model
 
 
@@ -52,7 +52,7 @@ def test_shared_traces_trace_once_and_keep_the_first_trace_as_it_was_made(monkey
         calls.append(args[1]["input_ids"].shape[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("hetplan.runtime.rank.split_step", counting)
+    monkeypatch.setattr("hetplan.runtime.traces.split_step", counting)
     shared = SharedTraces()
     models = [load_model("gpt2-tiny", batch_size=4, seq_len=16, seed=0) for _ in range(3)]
     first = shared.split(models[0].step, models[0].batch, "layer", None)
@@ -72,7 +72,7 @@ def test_shared_traces_cut_every_granularity_from_one_export_of_a_batchs_shapes(
     (its own model's) and the loss and gradients that a cut of its own trace has."""
     calls = []
     real = export_step
-    monkeypatch.setattr("hetplan.runtime.rank.export_step", lambda step, batch: calls.append(1) or real(step, batch))
+    monkeypatch.setattr("hetplan.runtime.traces.export_step", lambda step, batch: calls.append(1) or real(step, batch))
     a, b = (load_model("gpt2-tiny", batch_size=4, seq_len=16, seed=0) for _ in range(2))
     shared = SharedTraces()
     layer = shared.split(a.step, a.batch, "layer", None)
@@ -98,7 +98,7 @@ def test_shared_traces_try_to_export_a_model_once_for_every_granularity(monkeypa
         calls.append(1)
         return real(step, batch)
 
-    monkeypatch.setattr("hetplan.runtime.rank.export_step", counting)
+    monkeypatch.setattr("hetplan.runtime.traces.export_step", counting)
     monkeypatch.setattr("hetplan.pieces.tracing.export_step", counting)
     zm = load_model("user_models:untraceable", batch_size=2, seq_len=16, seed=0)
     shared = SharedTraces()

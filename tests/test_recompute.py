@@ -189,7 +189,7 @@ def test_a_plan_file_says_which_stages_recompute():
 
 def run_weights(name, replicas, m, schedule, recompute, batch=8, unit="stage", granularity="layer", shared=None):
     """One step in threads, the named stages recomputing; the ranks take their traces from
-    `shared` (`rank.SharedTraces`), by default the session's for the model (`test_executor.traced`)."""
+    `shared` (`traces.SharedTraces`), by default the session's for the model (`test_executor.traced`)."""
     zm = no_dropout(load_model(name, batch_size=batch, seq_len=16, seed=0))
     shared, split = traced(zm, granularity, shared, replicas, m)
     plan = chain_plan([p.name for p in split.pieces], replicas, m, schedule)

@@ -18,9 +18,9 @@ from hetplan.plan import Plan, Stage
 from hetplan.runtime.checkpoint import latest_step, step_dir
 from hetplan.runtime.launch import launch, run_spec
 from hetplan.runtime.local import run_threads
-from hetplan.runtime.rank import SharedTraces
 from hetplan.runtime.run import _resume_step
 from hetplan.runtime.settings import RunSettings
+from hetplan.runtime.traces import SharedTraces
 from hetplan.zoo import load_model
 from hetplan.zoo.faithful import switch_off_dropout
 from test_executor import cpus
@@ -52,7 +52,7 @@ def settings(tmp_path, steps, **more):
 
 
 # the model built and its step traced once per model for the module's threads runs (each rank
-# takes copies: `rank.SharedTraces`); every run of one model here has the same dropout setting
+# takes copies: `traces.SharedTraces`); every run of one model here has the same dropout setting
 TRACES: dict[tuple, SharedTraces] = {}
 
 

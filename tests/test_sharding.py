@@ -294,8 +294,8 @@ def sharded_mlp(tmp_path, level: int, weights=None):
     once between them (they differ in steps and checkpoints only)."""
     from hetplan.runtime.launch import run_spec
     from hetplan.runtime.local import run_threads
-    from hetplan.runtime.rank import SharedTraces
     from hetplan.runtime.settings import RunSettings
+    from hetplan.runtime.traces import SharedTraces
     from hetplan.zoo import load_model
     from test_executor import chain_plan
 

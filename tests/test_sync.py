@@ -185,7 +185,8 @@ def test_the_runtime_sums_what_the_cost_model_charges_for_gpt2s_tied_embedding()
     from hetplan.pieces.split import split_step
     from hetplan.profile import profile_step
     from hetplan.rows import step_rows
-    from hetplan.runtime.rank import Traces, gradient_groups, summed, tp_sums
+    from hetplan.runtime.rank import gradient_groups, summed, tp_sums
+    from hetplan.runtime.traces import Traces
     from hetplan.sim import lowered_step
     from hetplan.zoo import load_model
 

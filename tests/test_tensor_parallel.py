@@ -13,8 +13,8 @@ import torch
 from hetplan import forked
 from hetplan.pieces.split import split_step
 from hetplan.plan import Plan, Stage
-from hetplan.runtime.rank import SharedTraces
 from hetplan.runtime.stages import stage_modules
+from hetplan.runtime.traces import SharedTraces
 from hetplan.zoo import load_model
 from hetplan.zoo.faithful import switch_off_dropout
 from slowness import limit_s
@@ -23,7 +23,7 @@ BATCH, SEQ = 4, 16
 
 
 def _stage(model: str, shared: dict[str, SharedTraces]):
-    """The model's whole step as one stage; `shared`: its traces by model, made once (`rank.SharedTraces`)."""
+    """The model's whole step as one stage; `shared`: its traces by model, made once (`traces.SharedTraces`)."""
     zm = load_model(model, batch_size=BATCH, seq_len=SEQ)
     switch_off_dropout(zm.step)
     split = shared.setdefault(model, SharedTraces()).split(zm.step, zm.batch, "block", tuple(zm.block_classes))

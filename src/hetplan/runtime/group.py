@@ -1,6 +1,6 @@
 """The workers of one `hetplan run` on this machine, started as a group (`hetplan.forked.start_group`):
 one process builds the model and traces the step once, at every number of rows any worker runs,
-then forks the workers, and each starts with its model and traces made (`rank.SharedTraces`, taken
+then forks the workers, and each starts with its model and traces made (`traces.SharedTraces`, taken
 as they are: a forked worker's copy is its own).
 
 Why: `torch.export` of a model costs seconds of one core per trace, and every worker traced the
@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hetplan.runtime.rank import SharedTraces, traced_rows, traces_of
+from hetplan.runtime.rank import traced_rows, traces_of
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.supervise import launcher_watched
+from hetplan.runtime.traces import SharedTraces
 from hetplan.runtime.worker import rank_model, write_heartbeat
 
 

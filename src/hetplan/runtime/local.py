@@ -1,7 +1,7 @@
 """A plan's ranks as threads of this process, over `LocalHub` instead of gloo: the same set-up
 (`worker.build_rank`) and the same steps (`worker.train`) as worker processes, in seconds rather
 than the tens of seconds that starting processes takes. The ranks trace the step once between
-them and each takes a copy bound to its own model (`rank.SharedTraces`), where worker processes
+them and each takes a copy bound to its own model (`traces.SharedTraces`), where worker processes
 take the traces made before they were forked (`runtime.group`). For tests and quick checks;
 measured runs use processes (`launch`).
 """
@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 from hetplan.runtime.spec import RunSpec
 
 if TYPE_CHECKING:
-    from hetplan.runtime.rank import SharedTraces
+    from hetplan.runtime.traces import SharedTraces
 
 
 def run_threads(spec: RunSpec, timeout_s: float = 120.0, shared: SharedTraces | None = None) -> list[dict[str, Any]]:
     """Run every rank of a RUN.json spec; returns per rank its result and its stage's trained
     parameters (`weights`, by name in its stage module). The ranks trace the step once between
     them, into `shared` if given (a caller that traced the same model there too)."""
-    from hetplan.runtime.rank import SharedTraces
+    from hetplan.runtime.traces import SharedTraces
     from hetplan.runtime.transport import LocalHub
     from hetplan.runtime.worker import build_rank, train
 

@@ -21,6 +21,7 @@ import torch.export  # noqa: F401
 import hetplan.runtime.executor  # noqa: F401
 import hetplan.runtime.rank  # noqa: F401
 import hetplan.runtime.tensor_parallel  # noqa: F401
+import hetplan.runtime.traces  # noqa: F401
 import hetplan.runtime.transport  # noqa: F401
 import hetplan.runtime.worker  # noqa: F401
 import hetplan.zoo.models  # noqa: F401

@@ -140,7 +140,7 @@ class Heartbeat:
 
 def rank_model(spec: RunSpec, shared=None):
     """The run's zoo model as a rank trains it: built from the run's seed (or taken from `shared`,
-    `rank.SharedTraces`), its dropout off under --no-dropout."""
+    `traces.SharedTraces`), its dropout off under --no-dropout."""
     from hetplan.zoo import load_model
     from hetplan.zoo.faithful import switch_off_dropout
 
@@ -156,7 +156,7 @@ def rank_model(spec: RunSpec, shared=None):
 
 def build_rank(spec: RunSpec, rank: int, heartbeat=None, shared=None):
     """The rank's model, traces, stage and optimizer (`hetplan.runtime.rank`); `shared`: the
-    model and traces of the ranks built before it in this process (`rank.SharedTraces`)."""
+    model and traces of the ranks built before it in this process (`traces.SharedTraces`)."""
     import torch
 
     from hetplan.runtime.rank import prepare
