@@ -102,7 +102,7 @@ class Role:
 
 
 class Where:
-    """Where a worker is in its step, for its heartbeat (`worker.Heartbeat`): the op it runs or
+    """Where a worker is in its step, for its heartbeat (`heartbeat.Heartbeat`): the op it runs or
     waits at, as `hetplan.lowering` prints it ("" between steps), and how many actions it has
     finished, which the launcher's watchdog counts as progress."""
 

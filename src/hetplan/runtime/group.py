@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hetplan.runtime.heartbeat import write_heartbeat
 from hetplan.runtime.rank import traced_rows, traces_of
 from hetplan.runtime.spec import RunSpec
 from hetplan.runtime.supervise import launcher_watched
 from hetplan.runtime.traces import SharedTraces
-from hetplan.runtime.worker import rank_model, write_heartbeat
+from hetplan.runtime.worker import rank_model
 
 
 def traced_once(spec_path: str) -> SharedTraces:

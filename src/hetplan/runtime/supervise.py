@@ -195,7 +195,7 @@ STOP_FILE = "stop-at-step"  # in the run folder: the step after which the launch
 
 def stop_step(out_dir: Path) -> int | None:
     """The step whose checkpoint the launcher asked every worker to stop at (`runtime.elastic`, to
-    go on under a plan for more devices; the workers agree on it: `worker._stopping`); None if none."""
+    go on under a plan for more devices; the workers agree on it: `saving.agreed_stop`); None if none."""
     try:
         return int((Path(out_dir) / STOP_FILE).read_text())
     except (OSError, ValueError):

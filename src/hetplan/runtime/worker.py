@@ -24,20 +24,19 @@ before it, to test the launcher's handling of faults.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import resource
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hetplan.lowering import BARRIER, CHECKPOINT, SUMS, check_lowered, lower
 from hetplan.precision import scales_loss
-from hetplan.runtime.supervise import LAUNCHER_PID, LOST_PEER, end_with_launcher, stop_step
+from hetplan.runtime.heartbeat import Heartbeat, write_json
+from hetplan.runtime.saving import resume, save_when_due
+from hetplan.runtime.supervise import LAUNCHER_PID, LOST_PEER, end_with_launcher
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -45,16 +44,6 @@ if TYPE_CHECKING:
     import torch
 
     from hetplan.runtime.spec import RunSpec
-
-
-def _write(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(obj))
-        os.replace(tmp, path)
-    except OSError:  # a full disk: no half file stays behind
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _batches(spec: RunSpec, zoo_model, step: int):
@@ -80,62 +69,9 @@ def _optimizer(spec: RunSpec, params: list, sparse_ids=None):
     return StageOptimizer(params, spec.settings.optimizer, spec.settings.lr, sparse_ids)
 
 
-def write_heartbeat(spec: RunSpec, rank: int, phase: str, step: int, at: str = "", done: int = 0) -> None:
-    """The rank's heartbeat file, which the launcher's watchdog reads: its phase and step, and
-    within a step where it is (`executor.Where`)."""
-    _write(spec.settings.out_dir / f"heartbeat.{rank}", {"rank": rank, "stage": spec.ranks[rank].stage,
-                                                          "phase": phase, "step": step, "at": at, "done": done,
-                                                          "t": time.time(), "pid": os.getpid()})
-
-
-BEAT_S = 0.5  # how often a worker's heartbeat says where it is within a step, while that changes
 # gloo gives up on a silent peer this long after the launcher's watchdog would have stopped the
 # run (`--timeout-s`), so that the watchdog, which says where every worker is, speaks first
 GLOO_AFTER_S = 5.0
-
-
-class Heartbeat:
-    """A worker's heartbeat: `beat(phase, step)` writes it at once; within a step a thread writes
-    where the worker is (`where`, which its `RankRunner` moves) every BEAT_S while it changes, so
-    that a stuck run names the action each worker is at and the peer it waits for (a file per
-    action would cost more than many actions)."""
-
-    def __init__(self, spec: RunSpec, rank: int) -> None:
-        from hetplan.runtime.executor import Where
-
-        self.spec, self.rank, self.where = spec, rank, Where()
-        self.phase, self.step = "starting", -1
-        self._lock = threading.Lock()
-        self._written: tuple | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def beat(self, phase: str, step: int) -> None:
-        with self._lock:  # the thread's write sees the phase and step together, never an older one
-            self.phase, self.step, self.where.at = phase, step, ""
-            self._write()
-        if phase == "step" and not self._thread.is_alive() and not self._stop.is_set():
-            self._thread.start()
-
-    def write(self) -> None:
-        with self._lock:
-            self._write()
-
-    def _write(self) -> None:
-        state = (self.phase, self.step, self.where.at, self.where.done)
-        if state != self._written:
-            write_heartbeat(self.spec, self.rank, *state)
-            self._written = state
-
-    def _run(self) -> None:
-        while not self._stop.wait(BEAT_S):
-            with contextlib.suppress(OSError):  # the main thread's next beat says what the disk refused
-                self.write()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
 
 
 def rank_model(spec: RunSpec, shared=None):
@@ -234,7 +170,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
                         memory, heartbeat.where if heartbeat is not None else None)
     surround(runner, prepared)
     scaler = LossScaler() if scales_loss(spec.plan.precision) else None
-    _resume(spec, runner, prepared, opt, transport, zoo_model, scaler)
+    resume(spec, runner, prepared, opt, transport, zoo_model, scaler)
     times, losses, trace, busy_s, comm_s = [], [], [], [], []
     fault = os.environ.get("HETPLAN_FAULT", "").split(":")  # fault injection, to test the watchdog
     params = prepared.parameters()
@@ -272,7 +208,7 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
         if prepared.last:
             losses.append(loss)
         runner.where.at = CHECKPOINT
-        if _checkpoint(spec, prepared, opt, step, zoo_model, transport, scaler):
+        if save_when_due(spec, prepared, opt, step, zoo_model, transport, scaler):
             break  # the launcher's stop (`supervise.stop_step`)
     for units in prepared.units:  # the weights whole again for whoever reads them next
         units.gather_all()
@@ -283,32 +219,6 @@ def train(spec: RunSpec, rank: int, zoo_model, prepared, opt, transport, heartbe
     if spec.settings.trace:
         out["trace"] = trace  # the last step's
     return out
-
-
-def _resume(spec: RunSpec, runner, prepared, opt, transport, zoo_model, scaler=None) -> None:
-    """The stages' sharded units on the transport, and the checkpoint read where the run resumes
-    (written by any plan of the model: `runtime.held`), fp16's loss scale with it; each worker's
-    random state too where the plan that wrote it is this one."""
-    for units in prepared.units:
-        units.transport = transport
-        units.reduced = runner.read_memory
-        runner.runners[units.stage].backward_done = units.finish
-    if spec.settings.resume_step:
-        import torch
-
-        from hetplan.io.serde import to_dict
-        from hetplan.runtime import held
-        from hetplan.runtime.checkpoint import Reader
-
-        reader = Reader(Path(spec.settings.checkpoint_dir), spec.settings.resume_step)
-        with _whole(prepared, loaded=True):
-            held.load(reader, prepared, opt, held.names_of(zoo_model.step))
-        same = json.loads(json.dumps(to_dict(spec.plan)))
-        if reader.meta.get("plan") == same and reader.meta.get("world") == spec.world:
-            torch.set_rng_state(reader.rng(prepared.role.rank))
-        said = reader.extra(0).get("loss_scale")
-        if scaler is not None and said is not None:  # the same on every worker (`precision.agreed_step`)
-            scaler.scale, scaler.good_steps = float(said[0]), int(said[1])
 
 
 def _shard_collectives(prepared, transport) -> bool | None:
@@ -324,61 +234,6 @@ def _resident(prepared) -> list:
     freed = {id(p) for units in prepared.units if units.level == 3 for p in units.params}
     return [p for p in prepared.parameters() if id(p) not in freed] + [
         s for units in prepared.units if units.level == 3 for s in units.shards]
-
-
-def _checkpoint(spec: RunSpec, prepared, opt, step: int, zoo_model, transport, scaler=None) -> bool:
-    """The worker's part of the checkpoint after `step` where one is due (with a checkpoint
-    folder, the last step is always saved, a resumed run's too, and the one the launcher asked the
-    run to stop at: `supervise.stop_step`): what it holds, by the model's names (`runtime.held`),
-    rank 0 with what the run trains (`checkpoint`), fp16's loss scale. Returns whether the run stops here."""
-    every = spec.settings.checkpoint_every
-    stopping = _stopping(spec, step, transport)
-    due = (every and (step + 1) % every == 0) or step + 1 == spec.settings.steps or stopping
-    if spec.settings.checkpoint_dir is None or not due:
-        return False
-    from hetplan.runtime import held
-    from hetplan.runtime.checkpoint import save
-
-    rank = prepared.role.rank
-    save(spec.settings.checkpoint_dir, step + 1, rank, held.entries(prepared, opt, held.names_of(zoo_model.step)),
-         checkpoint_meta(spec) if rank == 0 else None,
-         {"loss_scale": [scaler.scale, scaler.good_steps]} if scaler is not None else {})
-    return stopping
-
-
-def _stopping(spec: RunSpec, step: int, transport) -> bool:
-    """Whether the launcher asked an elastic run to stop after `step` (or an earlier step: a
-    request that landed after every worker had read at that step's end): every worker says
-    whether it read so, and all stop if one did (it may land while some have read and some not)."""
-    if not spec.settings.elastic or spec.settings.checkpoint_dir is None:
-        return False
-    import torch
-
-    asked = stop_step(spec.settings.out_dir)
-    said = torch.tensor([1.0 if asked is not None and asked <= step + 1 else 0.0])
-    if spec.world > 1:
-        transport.all_reduce(said, tuple(range(spec.world)))
-    return bool(said.item() > 0)
-
-
-def checkpoint_meta(spec: RunSpec) -> dict:
-    """What a checkpoint says of its run: the training a resumed run must share
-    (`checkpoint.SAME_TRAINING`), the plan that wrote it and its number of workers."""
-    from hetplan.io.serde import to_dict
-
-    s = spec.settings
-    return {"model": spec.model, "optimizer": s.optimizer, "batch_size": s.batch_size, "seq_len": s.seq_len,
-            "seed": s.seed, "data": s.data, "world": spec.world, "plan": to_dict(spec.plan)}
-
-
-def _whole(prepared, loaded: bool = False):
-    """Its stages' parameters whole while a checkpoint is saved or loaded (`zero.ShardedUnits.whole`)."""
-    import contextlib
-
-    stack = contextlib.ExitStack()
-    for units in prepared.units:
-        stack.enter_context(units.whole(loaded))
-    return stack
 
 
 def _reduce_and_update(prepared, opt, transport, scaler=None, world: int = 1, where=None) -> tuple[float, float, float]:
@@ -454,7 +309,7 @@ def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
     zoo_model, prepared, opt = build_rank(spec, rank, heartbeat, shared)  # each trace moves the heartbeat
     groups = [ranks for ranks, _, _ in prepared.groups if len(ranks) > 1]
     groups += [leads for leads, _, _ in prepared.mixed] + list(prepared.tp_groups)
-    # the workers agree on fp16's steps (`runtime.precision`) and on an elastic run's stop (`_stopping`)
+    # the workers agree on fp16's steps (`runtime.precision`) and on an elastic run's stop (`saving.agreed_stop`)
     if (scales_loss(spec.plan.precision) or spec.settings.elastic) and world > 1:
         groups.append(tuple(range(world)))
     check_lowered(lower(spec.plan.schedule, group_table(spec), spec.plan.stage_ranks, spec_rows(spec, spec.plan),
@@ -481,7 +336,7 @@ def run_worker(spec: RunSpec, rank: int, world: int, shared=None) -> None:
         torch.save({name: p.detach().cpu() for name, p in prepared.named_parameters().items()},
                    out_dir / f"weights.{rank}.pt")
     if rank == 0:
-        _write(out_dir / "result.json", {"ranks": gathered})
+        write_json(out_dir / "result.json", {"ranks": gathered})
     heartbeat("done", spec.settings.steps)
     transport.close()
 
