@@ -36,7 +36,7 @@ def busy_s() -> float:
 
 
 def run_at(commit: str, pytest_args: list[str]) -> tuple[float, float, str]:
-    """(wall s, busy CPU s, pytest's last line) of the suite at `commit`."""
+    """(wall s, busy CPU s, pytest's last line and the tests that failed) of the suite at `commit`."""
     with tempfile.TemporaryDirectory(prefix="suite-cpu-") as tmp:
         tree = Path(tmp) / "tree"
         (Path(tmp) / "shared").symlink_to((REPO.parent / "shared").resolve())  # the tests' ../shared
@@ -50,8 +50,9 @@ def run_at(commit: str, pytest_args: list[str]) -> tuple[float, float, str]:
             wall, busy = time.monotonic() - start_wall, busy_s() - start_busy
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
-    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-    return wall, busy, last
+    lines = proc.stdout.strip().splitlines() or ["(no output)"]
+    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]  # pytest's short summary
+    return wall, busy, "\n".join([lines[-1], *(f"{'':<33}{line}" for line in failed)])
 
 
 def main() -> None:
