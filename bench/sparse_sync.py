@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,17 +40,18 @@ def _half(batch: dict, rank: int) -> dict:
     return {k: v[rank::WORLD] for k, v in batch.items()}
 
 
-def _rank(rank: int, port: int, batch_size: int, repeats: int, out: str) -> None:
+def _rank(rank: int, meet: str, batch_size: int, repeats: int, out: str) -> None:
     import torch.distributed as dist
 
     from hetplan.pieces.hostmem import keep_freed_memory
+    from hetplan.runtime.backend import RENDEZVOUS_ENV
     from hetplan.runtime.gradients import reduce_gradients, sparse_parameter_ids
     from hetplan.runtime.transport import GlooTransport
     from hetplan.zoo import load_model
 
     torch.set_num_threads(1)
     keep_freed_memory()  # as the runtime's workers
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ[RENDEZVOUS_ENV] = meet  # the file the two ranks meet at (`backend.init_method`)
     transport = GlooTransport(rank, WORLD, [(0, 1)], timeout_s=600.0)
     zm = load_model("ctr-dnn", batch_size=batch_size)
     zm.step(**_half(zm.batch, rank)).backward()
@@ -111,13 +113,14 @@ def main() -> None:
     from hetplan.io import serde
     from hetplan.io.clusters import load_cluster
     from hetplan.runtime.calibrate import calibrate_cluster
-    from hetplan.runtime.launch import free_port
 
     cluster_file = args.output.with_name(args.output.stem + "-cluster.json")
     serde.dump(calibrate_cluster(load_cluster("local"), say=print)[0], cluster_file)
     out = args.output.with_suffix(".rank0.json")
-    torch.multiprocessing.start_processes(_rank, (free_port(), args.batch, args.repeats, str(out)), nprocs=WORLD,
-                                          start_method="spawn")
+    with tempfile.TemporaryDirectory() as meet:
+        rendezvous = str(Path(meet) / "rendezvous")
+        torch.multiprocessing.start_processes(_rank, (rendezvous, args.batch, args.repeats, str(out)), nprocs=WORLD,
+                                              start_method="spawn")
     measured = json.loads(out.read_text())
     out.unlink()
     result = {"batch": args.batch, "repeats": args.repeats, "cpus": os.cpu_count(),

@@ -53,7 +53,9 @@ def start_launcher(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     spec = two_stage(out, 100_000, "mlp", timeout_s=60)
     path = tmp_path / "spec.json"
     path.write_text(spec.to_json())
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(path)], stderr=subprocess.PIPE, text=True)
+    # its temporary files (the workers' rendezvous) in the test's folder: a killed launcher leaves them
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(path)], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
     until(lambda: all((out / f"heartbeat.{r}").exists() and json.loads((out / f"heartbeat.{r}").read_text())
                       .get("step", -1) >= 1 for r in range(2)), 120, "the workers did not start training")
     assert len(workers_of(out)) == 2
@@ -72,6 +74,35 @@ def test_workers_end_when_the_launcher_is_killed_or_terminated(tmp_path, how):
     until(lambda: not workers_of(out), 15, "the workers outlived their launcher")
     if how == signal.SIGTERM:  # a clean stop, as on Ctrl-C: the launcher stopped them itself
         assert "Stopped: stopped by SIGTERM" in proc.stderr.read()
+
+
+def test_local_workers_meet_at_a_file_not_at_a_port_another_program_can_take(tmp_path, monkeypatch):
+    """A port picked by the launcher and bound by rank 0 seconds later, once the step is traced,
+    can be taken in between by another program (another run's gloo pairs): local workers meet at
+    a file of their own (`backend.init_method`). A run goes through with the port its environment
+    names held by someone else, and the file's folder goes with the run."""
+    import socket
+
+    from hetplan import forked
+    from hetplan.runtime.backend import RENDEZVOUS_ENV
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(held.getsockname()[1]))
+    envs, real = [], forked.start_group
+
+    def seen(make, args, target, members, env, log, preload):
+        envs.extend(m.env for m in members)
+        return real(make, args, target, members, env, log, preload)
+
+    monkeypatch.setattr(forked, "start_group", seen)
+    with held:
+        result = launch(two_stage(tmp_path / "run", 1, "mlp", warmup=0))
+    assert result.steps == 1 and len(envs) == 2
+    meet = {Path(env[RENDEZVOUS_ENV]) for env in envs}
+    assert len(meet) == 1 and not next(iter(meet)).parent.exists()
 
 
 def test_a_run_folder_is_free_again_after_its_run(tmp_path):

@@ -2,10 +2,12 @@
 (`RunSettings.backend`) and where the workers run: gloo alone, or torch's per-device-type
 backend "cpu:gloo,cuda:nccl" (NCCL for tensors on GPUs, gloo for host tensors) where workers sit
 on GPUs, torch has NCCL and no two workers share a GPU (NCCL runs one worker per GPU). How
-messages then travel is `runtime.transport`'s (`Transport.wire`)."""
+messages then travel is `runtime.transport`'s (`Transport.wire`). And where a run's ranks meet
+to make their process group (`init_method`)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 from hetplan.errors import HetplanError
@@ -13,6 +15,18 @@ from hetplan.runtime.settings import BACKENDS
 from hetplan.runtime.support import shared_gpu
 
 MIXED = "cpu:gloo,cuda:nccl"
+
+# A file the processes of one local launch meet at (torch's FileStore), set by the launcher:
+# where a port is picked first and bound later, by rank 0's store once the step is traced, another
+# program can take it in between.
+RENDEZVOUS_ENV = "HETPLAN_RENDEZVOUS"
+
+
+def init_method() -> str | None:
+    """Where the ranks of a process group meet: the local launcher's file ($HETPLAN_RENDEZVOUS),
+    else torchrun's MASTER_ADDR and MASTER_PORT (torch's env://)."""
+    path = os.environ.get(RENDEZVOUS_ENV)
+    return f"file://{path}" if path else None
 
 
 def backend_of(setting: str, bindings: Sequence[str], nccl: Callable[[], bool] | None = None) -> str:

@@ -2,8 +2,9 @@
 
 `launch` writes RUN.json, starts one worker process per stage replica of the plan (forked from a
 process that has imported torch, `hetplan.forked`; the same as `python -m
-hetplan.runtime.worker RUN.json`) (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT in their
-environment, as torchrun would set them) and watches them: when a worker exits with an error,
+hetplan.runtime.worker RUN.json`) (RANK and WORLD_SIZE in their environment, as torchrun would
+set them, and a file to meet at in place of torchrun's MASTER_ADDR and MASTER_PORT:
+`backend.init_method`) and watches them: when a worker exits with an error,
 or no worker's heartbeat moves for `timeout_s`, every worker is stopped (SIGTERM, then SIGKILL)
 and the error names the worker and its stage. Gloo's own timeout is the same, so a worker waiting
 for a dead peer fails by itself too. The measured step is the median wall time of the steps after
@@ -19,8 +20,8 @@ import contextlib
 import json
 import math
 import os
-import socket
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from hetplan.lowering import check_lowered, describe, lower, rank_groups
 from hetplan.machine import core_ids
 from hetplan.plan import Plan
 from hetplan.rows import StepRows, idle_replicas, step_rows
-from hetplan.runtime.backend import MIXED, backend_of
+from hetplan.runtime.backend import MIXED, RENDEZVOUS_ENV, backend_of
 from hetplan.runtime.settings import RunSettings
 from hetplan.runtime.spec import RankSpec, RunSpec
 from hetplan.runtime.supervise import (
@@ -191,13 +192,6 @@ def torchrun_commands(path: Path, spec: RunSpec, master_addr: str = "127.0.0.1",
             f"-m hetplan.runtime.worker {path}" for i, h in enumerate(hosts)]
 
 
-def free_port() -> int:
-    """A TCP port on the loopback nobody listens on now, for a process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _why(out_dir: Path, rank: int, spec: RunSpec, code: int | None = None) -> str:
     """The first line of what the worker said about its failure (its error file, else its log's
     last line); a worker that could write neither (a full disk) is said with its disk's space."""
@@ -250,14 +244,13 @@ def group_make(spec: RunSpec) -> str | None:
     return None if any(me.on_cuda for me in spec.ranks) else "hetplan.runtime.group:traced_once"
 
 
-def _start_workers(spec: RunSpec, spec_path: Path) -> forked.Group:
+def _start_workers(spec: RunSpec, spec_path: Path, rendezvous: Path) -> forked.Group:
     """The workers, forked from one process that built the model and traced the step for them
-    all (`group_make`)."""
+    all (`group_make`), meeting at the file `rendezvous` (`backend.init_method`)."""
     from hetplan.zoo import uses_transformers
 
     preload = (*forked.PRELOAD, forked.TRANSFORMERS) if uses_transformers(spec.model) else forked.PRELOAD
     world = spec.world
-    port = free_port()
     # one set of cores per device: workers of stages that share a device share its cores
     devices = list(dict.fromkeys(me.device for me in spec.ranks))
     first = {d: next(me for me in spec.ranks if me.device == d) for d in devices}
@@ -266,7 +259,7 @@ def _start_workers(spec: RunSpec, spec_path: Path) -> forked.Group:
     members = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), LAUNCHER_PID: str(os.getpid()),
+               RENDEZVOUS_ENV: str(rendezvous), LAUNCHER_PID: str(os.getpid()),
                "OMP_NUM_THREADS": str(spec.ranks[rank].threads)}
         cores = per_device[spec.ranks[rank].device]
         if cores:
@@ -373,11 +366,12 @@ def _launch_locked(spec: RunSpec, progress) -> RunResult:
     for old in [*out_dir.glob("heartbeat.*"), *out_dir.glob("error.*"), *out_dir.glob("result.json"),
                 *out_dir.glob("worker.*.log"), *out_dir.glob(TRACING_LOG), *out_dir.glob(STOP_FILE)]:
         old.unlink()
-    workers = _start_workers(spec, spec_path)
-    try:
-        _wait(workers, spec, progress)
-    finally:
-        workers.stop()  # nothing to stop after a clean end; everything after a failure or a signal
+    with tempfile.TemporaryDirectory(prefix="hetplan-rendezvous-") as meet:
+        workers = _start_workers(spec, spec_path, Path(meet) / "rendezvous")
+        try:
+            _wait(workers, spec, progress)
+        finally:
+            workers.stop()  # nothing to stop after a clean end; everything after a failure or a signal
     with contextlib.suppress(OSError):  # it says something only where tracing once failed
         if (out_dir / TRACING_LOG).stat().st_size == 0:
             (out_dir / TRACING_LOG).unlink()

@@ -28,6 +28,7 @@ from pathlib import Path
 from hetplan import forked
 from hetplan.errors import HetplanError
 from hetplan.pieces.hostmem import keep_freed_memory
+from hetplan.runtime.backend import RENDEZVOUS_ENV, init_method
 
 MiB = 1 << 20
 P2P_BYTES = (1 * MiB, 16 * MiB)
@@ -44,14 +45,11 @@ def spawn_probe(function: str, world: int, params: dict, threads: Sequence[int] 
     """Run `hetplan.runtime.probes.<function>(rank, world, params)` in `world` local processes
     (forked as the workers are) joined by gloo; every rank's result, in rank order. `threads[r]`
     and `cores[r]`: rank r's thread count and the cores it is pinned to (none: 1 thread, unpinned)."""
-    from hetplan.runtime.launch import free_port
-
     with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
         procs = []
         for rank in range(world):
             t = threads[rank] if rank < len(threads) else 1
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(t),
+            env = {**os.environ, RENDEZVOUS_ENV: str(Path(tmp) / "rendezvous"), "OMP_NUM_THREADS": str(t),
                    "HETPLAN_PROBE_THREADS": str(t),
                    "HETPLAN_CPUS": ",".join(map(str, cores[rank])) if rank < len(cores) and cores[rank] else ""}
             out = str(Path(tmp) / f"{rank}.json")
@@ -97,7 +95,7 @@ def _entry(function: str, rank: int, world: int, params: dict):
     if devices:
         torch.cuda.set_device(torch.device(devices[rank]))
     if world > 1:
-        dist.init_process_group(params.get("backend", "gloo"), rank=rank, world_size=world)
+        dist.init_process_group(params.get("backend", "gloo"), init_method=init_method(), rank=rank, world_size=world)
     try:
         return globals()[function](rank, world, params)
     finally:

@@ -40,7 +40,7 @@ from typing import Protocol
 import torch
 
 from hetplan.lowering import ACTIVATIONS, GRADIENTS
-from hetplan.runtime.backend import MIXED
+from hetplan.runtime.backend import MIXED, init_method
 
 GLOO_COLLECTIVES = "HETPLAN_GLOO_COLLECTIVES"  # "1": gloo runs sharded stages' collectives too (tests)
 CHANNELS = (ACTIVATIONS, GRADIENTS)  # a pipeline message's tag names its channel (`lowering.channel`)
@@ -125,7 +125,8 @@ class GlooTransport:
         self.backend = backend
         self._devices = [torch.device(d) for d in devices] if devices else [torch.device("cpu")] * world
         if not dist.is_initialized():
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, init_method=init_method(), rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
         # activations on the default group, gradients on one of their own
         self._channels = [None, dist.new_group(list(range(world)))]
         self._groups = {g: dist.new_group(list(g)) for g in groups}

@@ -1,8 +1,9 @@
 """A worker: one process per device of the plan, one pipeline stage each (several where the
 schedule interleaves: stages k, k + n, ...).
 
-Run by the local launcher (`hetplan run`) or by `torchrun`, which set RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT:
+Run by the local launcher (`hetplan run`), which sets RANK, WORLD_SIZE and a file for the ranks
+to meet at ($HETPLAN_RENDEZVOUS), or by `torchrun`, which sets RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT (`backend.init_method`):
 
     python -m hetplan.runtime.worker RUN.json
 
