@@ -84,7 +84,7 @@ def test_the_cluster_model_reads_no_files():
 LAYERS = (
     "hetplan.errors hetplan.units hetplan._frozen hetplan.machine hetplan.forked hetplan.schedule hetplan.rows "
     "hetplan.sync hetplan.catalog hetplan.precision",
-    "hetplan.graph hetplan.cluster hetplan.plan hetplan.tp hetplan.lowering",
+    "hetplan.node hetplan.graph hetplan.cluster hetplan.plan hetplan.tp hetplan.lowering",
     "hetplan.cost hetplan.io",
     # what the runtime can execute (data the planners read); timelines, which the simulator
     # predicts, the runtime records and the report draws; the step cut into pieces, which the
