@@ -13,7 +13,7 @@ from hetplan._frozen import FILE_SCHEMA, FrozenMap
 from hetplan.errors import GraphError, shown
 
 
-def check_number(value: float, what: str) -> None:
+def _check_number(value: float, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise GraphError(f"{what} must be a number, got {shown(value)}")
     try:
@@ -119,7 +119,7 @@ class Node:
             if not isinstance(times, Mapping):
                 raise GraphError(f"{who}: {name} must map device types to seconds, got {times!r}")
             for dtype, t in times.items():
-                check_number(t, f"{who}: {name}[{dtype!r}]")
+                _check_number(t, f"{who}: {name}[{dtype!r}]")
             object.__setattr__(self, name, FrozenMap({k: float(v) for k, v in times.items()}))
         if set(self.fwd_s) != set(self.bwd_s):
             raise GraphError(
@@ -127,10 +127,10 @@ class Node:
                 f"{sorted(self.bwd_s)}; both need the same types"
             )
         for name in ("flops", "param_bytes", "out_bytes", "act_bytes", "cast_bytes"):
-            check_number(getattr(self, name), f"{who}: {name}")
+            _check_number(getattr(self, name), f"{who}: {name}")
         object.__setattr__(self, "module", tuple(self.module))
-        check_number(self.act_split_share, f"{who}: act_split_share")
-        check_number(self.act_sequence_share, f"{who}: act_sequence_share")
+        _check_number(self.act_split_share, f"{who}: act_split_share")
+        _check_number(self.act_sequence_share, f"{who}: act_sequence_share")
         if self.act_split_share + self.act_sequence_share > 1 + 1e-12:
             raise GraphError(f"{who}: act_split_share and act_sequence_share add up to "
                              f"{self.act_split_share + self.act_sequence_share}; they are shares of act_bytes, "
@@ -141,7 +141,7 @@ class Node:
         for name, whole in (("fwd_fixed_s", self.fwd_s), ("bwd_fixed_s", self.bwd_s)):
             fixed = getattr(self, name)
             for dtype, t in fixed.items():
-                check_number(t, f"{who}: {name}[{dtype!r}]")
+                _check_number(t, f"{who}: {name}[{dtype!r}]")
                 if dtype not in whole or t > whole[dtype] * (1 + 1e-9) + 1e-12:
                     raise GraphError(f"{who}: {name}[{dtype!r}] is {t}, more than the whole pass "
                                      f"({whole.get(dtype)}); the fixed part is a part of it")
@@ -150,7 +150,7 @@ class Node:
     def _check_selective(self, who: str) -> None:
         for name in ("selective_keep_bytes", "selective_rebuilt_bytes"):
             if getattr(self, name) is not None:
-                check_number(getattr(self, name), f"{who}: {name}")
+                _check_number(getattr(self, name), f"{who}: {name}")
         if not isinstance(self.rerun_forwards, Mapping):
             raise GraphError(f"{who}: rerun_forwards must map recomputation units to forwards, got "
                              f"{shown(self.rerun_forwards)}")
@@ -158,7 +158,7 @@ class Node:
             if unit not in ("block", "selective"):
                 raise GraphError(f"{who}: rerun_forwards has unit {unit!r}; the units measured per node are block "
                                  "and selective")
-            check_number(forwards, f"{who}: rerun_forwards[{unit!r}]")
+            _check_number(forwards, f"{who}: rerun_forwards[{unit!r}]")
         object.__setattr__(self, "rerun_forwards", FrozenMap({k: float(v) for k, v in self.rerun_forwards.items()}))
 
     def _check_tp(self, who: str) -> None:
@@ -172,7 +172,7 @@ class Node:
                     raise GraphError(f"{who}: tp_s[{dtype!r}] must map degrees of 2 or more to [forward, backward, "
                                      f"forward's fixed part, backward's fixed part] seconds, got {shown(per)}")
                 for t in times:
-                    check_number(t, f"{who}: tp_s[{dtype!r}][{degree}]")
+                    _check_number(t, f"{who}: tp_s[{dtype!r}][{degree}]")
                 fwd, bwd, fwd_fixed, bwd_fixed = map(float, times)
                 if fwd_fixed > fwd * (1 + 1e-9) + 1e-12 or bwd_fixed > bwd * (1 + 1e-9) + 1e-12:
                     raise GraphError(f"{who}: tp_s[{dtype!r}][{degree}] has a fixed part more than its pass; the "
@@ -196,12 +196,12 @@ class Node:
         return 1.0 if unit == "stage" else self.rerun_forwards.get(unit, 1.0)
 
     def _check_updated(self, who: str) -> None:
-        check_number(self.sparse_rows, f"{who}: sparse_rows")
+        _check_number(self.sparse_rows, f"{who}: sparse_rows")
         if self.sparse_rows and self.updated_bytes is None:
             raise GraphError(f"{who}: sparse_rows is {self.sparse_rows} but updated_bytes is not set; rows of a "
                              "table with sparse gradients are part of the bytes its optimizer updates")
         if self.updated_bytes is not None:
-            check_number(self.updated_bytes, f"{who}: updated_bytes")
+            _check_number(self.updated_bytes, f"{who}: updated_bytes")
             if self.updated_bytes > self.param_bytes:
                 raise GraphError(f"{who}: updated_bytes ({self.updated_bytes}) is more than param_bytes "
                                  f"({self.param_bytes}); the optimizer updates a part of the parameters")
@@ -227,7 +227,7 @@ class Edge:
     bytes: int = 0
 
     def __post_init__(self) -> None:
-        check_number(self.bytes, f"edge {self.src} -> {self.dst}: bytes")
+        _check_number(self.bytes, f"edge {self.src} -> {self.dst}: bytes")
 
 
 @dataclass(frozen=True)
@@ -243,4 +243,4 @@ class Tied:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
-        check_number(self.bytes, f"tied parameter of {', '.join(self.nodes)}: bytes")
+        _check_number(self.bytes, f"tied parameter of {', '.join(self.nodes)}: bytes")
